@@ -1,0 +1,62 @@
+"""Every error kchain raises for a user to read.
+
+Library code raises a subclass of KchainError with a one-line message that says what to do next;
+cli.py turns it into a click error in one place. Special exit codes live here as class attributes
+and are listed in the README.
+"""
+
+from __future__ import annotations
+
+
+class KchainError(Exception):
+    """A problem the user can fix; the message is one line and names the fix."""
+
+    exit_code = 1
+
+
+class SpecError(KchainError):
+    """job.yaml is missing, unreadable or invalid."""
+
+    exit_code = 2
+
+
+class RenderError(KchainError):
+    """The job could not be rendered into a notebook (e.g. code file missing)."""
+
+    exit_code = 2
+
+
+class SmokeFailed(KchainError):
+    """The smoke run failed: a check, a crash, or a resume that did not match."""
+
+    exit_code = 3
+
+
+class NotSmoked(KchainError):
+    """push refused: this exact code never passed a smoke run."""
+
+    exit_code = 4
+
+
+class BudgetExceeded(KchainError):
+    """push/continue refused: the week's GPU quota cannot cover the session."""
+
+    exit_code = 5
+
+
+class CredentialsError(KchainError):
+    """Kaggle credentials are missing or were rejected."""
+
+    exit_code = 6
+
+
+class KaggleError(KchainError):
+    """The Kaggle API (or the emulator) refused or failed a call."""
+
+    exit_code = 7
+
+
+class ChainStop(KchainError):
+    """continue refused: a crash needs a human, or a session is still running."""
+
+    exit_code = 8

@@ -1,0 +1,37 @@
+"""Test isolation: every test gets its own HOME, kchain home, Kaggle config dir and TMPDIR.
+
+The official kaggle client reads KAGGLE_API_ENVIRONMENT once, when it is first imported, so the
+emulator's routing (LOCALHOST + an HTTP proxy) is set here, before any test can import it.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+os.environ["KAGGLE_API_ENVIRONMENT"] = "LOCALHOST"
+for _var in ("KAGGLE_USERNAME", "KAGGLE_KEY", "KAGGLE_API_TOKEN", "KAGGLE_CONFIG_DIR"):
+    os.environ.pop(_var, None)
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "tests"))
+
+
+@pytest.fixture(autouse=True)
+def isolated_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    home = tmp_path / "home"
+    (home / ".kaggle").mkdir(parents=True)
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.setenv("KCHAIN_HOME", str(tmp_path / "kchain-home"))
+    monkeypatch.setenv("KAGGLE_CONFIG_DIR", str(home / ".kaggle"))
+    monkeypatch.setenv("TMPDIR", str(tmp))
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(home / ".config"))
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", None)
+    return home

@@ -1,0 +1,167 @@
+"""Run a rendered notebook on this machine, in a sandbox laid out like /kaggle.
+
+The same executor serves `kchain smoke`, the emulator's sessions and `kchain rehearse`, so the
+notebook that runs here is byte for byte the one Kaggle will run. It can be used in-process
+(`execute_notebook`) or as a process of its own (`python -m kchain.local run ...`), which is what
+the emulator and the smoke run use when they need to kill a session for real.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kchain.runtime import layout
+
+OutputFn = Callable[[str, str], None]
+
+
+@dataclass
+class ExecResult:
+    ok: bool
+    error: str | None
+    log: list[dict[str, Any]] = field(default_factory=list)
+    wall_s: float = 0.0
+    kernel_start_s: float = 0.0
+    summary: dict[str, Any] | None = None
+
+
+def prepare_root(root: Path) -> tuple[Path, Path]:
+    """Create ROOT/input and ROOT/working (the /kaggle layout) and return them."""
+    inputs, working = root / "input", root / "working"
+    inputs.mkdir(parents=True, exist_ok=True)
+    working.mkdir(parents=True, exist_ok=True)
+    return inputs, working
+
+
+def read_summary(root: Path) -> dict[str, Any] | None:
+    path = root / "working" / layout.KCHAIN_DIR / layout.SUMMARY
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _first_line(text: str) -> str:
+    for line in str(text).splitlines():
+        if line.strip():
+            return line.strip()
+    return ""
+
+
+def execute_notebook(
+    notebook_path: Path,
+    root: Path,
+    env: Mapping[str, str] | None = None,
+    timeout: float | None = None,
+    on_output: OutputFn | None = None,
+) -> ExecResult:
+    """Execute the notebook with a fresh ipykernel whose working dir is ROOT/working."""
+    import nbformat
+    from nbclient import NotebookClient
+    from nbclient.exceptions import CellExecutionError, CellTimeoutError, DeadKernelError
+
+    root = Path(root).resolve()
+    _, working = prepare_root(root)
+    nb = nbformat.read(str(notebook_path), as_version=4)
+    kernel_env = dict(os.environ)
+    kernel_env.update(env or {})
+    kernel_env[layout.ROOT_ENV] = str(root)
+    kernel_env.setdefault("PYTHONUNBUFFERED", "1")
+
+    log: list[dict[str, Any]] = []
+    t0 = time.time()
+    kernel_ready: list[float] = []
+
+    class _LiveClient(NotebookClient):
+        # nbclient collects outputs per cell; this hook sees each message as it arrives, so a
+        # heartbeat printed at minute six is shown at minute six.
+        def output(self, outs, msg, display_id, cell_index):  # type: ignore[override]
+            content = msg.get("content", {})
+            if msg.get("msg_type") == "stream":
+                name, text = content.get("name", "stdout"), content.get("text", "")
+            elif msg.get("msg_type") == "error":
+                name, text = "stderr", "\n".join(content.get("traceback", [])) + "\n"
+            else:
+                name, text = "", ""
+            if text:
+                log.append({"stream_name": name, "time": round(time.time() - t0, 3), "data": text})
+                if on_output is not None:
+                    on_output(name, text)
+            return super().output(outs, msg, display_id, cell_index)
+
+        async def async_start_new_kernel_client(self):  # type: ignore[override]
+            result = await super().async_start_new_kernel_client()
+            kernel_ready.append(time.time() - t0)
+            return result
+
+    client = _LiveClient(
+        nb,
+        timeout=timeout,
+        kernel_name="python3",
+        resources={"metadata": {"path": str(working)}},
+        allow_errors=False,
+        record_timing=False,
+    )
+    error: str | None = None
+    try:
+        client.execute(env=kernel_env, cwd=str(working))
+    except CellExecutionError as exc:
+        ename = getattr(exc, "ename", "") or "CellExecutionError"
+        error = f"{ename}: {_first_line(getattr(exc, 'evalue', '') or str(exc))}"
+    except CellTimeoutError as exc:
+        error = f"Timeout: {_first_line(str(exc))}"
+    except DeadKernelError as exc:
+        error = f"DeadKernelError: {_first_line(str(exc))}"
+    return ExecResult(
+        ok=error is None,
+        error=error,
+        log=log,
+        wall_s=time.time() - t0,
+        kernel_start_s=kernel_ready[0] if kernel_ready else 0.0,
+        summary=read_summary(root),
+    )
+
+
+def _cli(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m kchain.local")
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    run = sub.add_parser("run", help="execute a notebook in a /kaggle-like sandbox")
+    run.add_argument("notebook", type=Path)
+    run.add_argument("--root", type=Path, required=True)
+    run.add_argument("--timeout", type=float, default=None)
+    run.add_argument("--log-jsonl", type=Path, default=None)
+    args = parser.parse_args(argv)
+
+    log_file = open(args.log_jsonl, "a", encoding="utf-8") if args.log_jsonl else None  # noqa: SIM115
+    t0 = time.time()
+
+    def echo(name: str, text: str) -> None:
+        stream = sys.stderr if name == "stderr" else sys.stdout
+        stream.write(text)
+        stream.flush()
+        if log_file is not None:
+            entry = {"stream_name": name, "time": round(time.time() - t0, 3), "data": text}
+            log_file.write(json.dumps(entry) + "\n")
+            log_file.flush()
+
+    try:
+        result = execute_notebook(args.notebook, args.root, timeout=args.timeout, on_output=echo)
+    finally:
+        if log_file is not None:
+            log_file.close()
+    if not result.ok:
+        sys.stderr.write(f"{result.error}\n")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_cli())

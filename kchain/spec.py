@@ -1,0 +1,247 @@
+"""The job spec: job.yaml, validated strictly, loaded through one function.
+
+`load_job(path)` is the only way in. Any YAML or validation problem becomes one SpecError line that
+names the file, each bad key path, and the fix (with "did you mean" for typos).
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from kchain.errors import SpecError
+
+SLUG_RE = re.compile(r"^[a-z0-9](?:[a-z0-9-]{3,48})[a-z0-9]$")
+DATASET_RE = re.compile(r"^[A-Za-z0-9_.-]+/[A-Za-z0-9_.-]+(?:/[0-9]+)?$")
+_DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)\s*(h|m|s)")
+_STEPS_RE = re.compile(r"^\s*(\d+)\s*steps?\s*$")
+
+
+def parse_duration(text: Any) -> float:
+    """'90s', '10m', '1h30m', '12h' -> seconds. Raises ValueError for anything else."""
+    if isinstance(text, bool):
+        raise ValueError(text)
+    if isinstance(text, (int, float)):
+        return float(text)
+    s = str(text).strip().lower().replace(" ", "")
+    if not s or _DURATION_PART.sub("", s):
+        raise ValueError(text)
+    return sum(float(n) * {"h": 3600, "m": 60, "s": 1}[u] for n, u in _DURATION_PART.findall(s))
+
+
+def parse_cadence(text: Any) -> dict[str, float]:
+    """A checkpoint cadence: '500 steps' -> {'steps': 500}; '10m' -> {'seconds': 600}."""
+    if isinstance(text, int) and not isinstance(text, bool):
+        return {"steps": text}
+    m = _STEPS_RE.match(str(text))
+    if m:
+        return {"steps": int(m.group(1))}
+    return {"seconds": parse_duration(text)}
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class KaggleSpec(_Strict):
+    owner: str | None = None
+    accelerator: Literal["none", "gpu", "tpu"] = "gpu"
+    internet: bool = False
+    private: bool = True
+    datasets: list[str] = Field(default_factory=list)
+    competition: str | None = None
+    local: dict[str, str] = Field(default_factory=dict)
+
+    @field_validator("datasets")
+    @classmethod
+    def _datasets(cls, value: list[str]) -> list[str]:
+        for ref in value:
+            if not DATASET_RE.match(ref):
+                raise ValueError(f"{ref!r} is not a dataset; write owner/slug or owner/slug/version")
+        return value
+
+
+class TrainSpec(_Strict):
+    checkpoint_every: str | int = "10m"
+    keep: int = Field(default=2, ge=1, le=20)
+    session_limit: str | int = "12h"
+    margin: str | int = "15m"
+    heartbeat: str | int = "60s"
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
+
+    @field_validator("checkpoint_every")
+    @classmethod
+    def _cadence(cls, value: str | int) -> str | int:
+        try:
+            cadence = parse_cadence(value)
+        except ValueError:
+            raise ValueError(f"{value!r} is not a duration; write e.g. 10m or 500 steps") from None
+        if min(cadence.values()) <= 0:
+            raise ValueError(f"{value!r} must be positive; write e.g. 10m or 500 steps")
+        return value
+
+    @field_validator("session_limit", "margin", "heartbeat")
+    @classmethod
+    def _duration(cls, value: str | int) -> str | int:
+        try:
+            parse_duration(value)
+        except ValueError:
+            raise ValueError(f"{value!r} is not a duration; write e.g. 90s, 10m or 12h") from None
+        return value
+
+    @model_validator(mode="after")
+    def _margin_fits(self) -> TrainSpec:
+        if parse_duration(self.margin) >= parse_duration(self.session_limit):
+            raise ValueError("margin must be shorter than session_limit")
+        if parse_duration(self.session_limit) > 12 * 3600:
+            raise ValueError("session_limit is over Kaggle's 12h cap; write 12h or less")
+        return self
+
+
+class SmokeSpec(_Strict):
+    fraction: float = Field(default=0.02, gt=0, le=1)
+    steps: int = Field(default=2, ge=1, le=50)
+
+
+class BudgetSpec(_Strict):
+    weekly_gpu_hours: float = Field(default=30.0, gt=0, le=168)
+
+
+class Job(_Strict):
+    name: str
+    code: str
+    entry: str | None = None
+    params: dict[str, Any] = Field(default_factory=dict)
+    kaggle: KaggleSpec = Field(default_factory=KaggleSpec)
+    train: TrainSpec = Field(default_factory=TrainSpec)
+    smoke: SmokeSpec = Field(default_factory=SmokeSpec)
+    budget: BudgetSpec = Field(default_factory=BudgetSpec)
+    # Where the job file lives; set by load_job, not by the YAML.
+    path: Path = Field(default=Path("job.yaml"), exclude=True)
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, value: str) -> str:
+        if not SLUG_RE.match(value):
+            raise ValueError(f"{value!r} is not a kernel slug; use 5-50 lowercase letters, digits and dashes")
+        return value
+
+    @field_validator("entry")
+    @classmethod
+    def _entry(cls, value: str | None) -> str | None:
+        if value is not None and not re.match(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$", value):
+            raise ValueError(f"{value!r} is not an entry point; write module:function, e.g. train:main")
+        return value
+
+    @property
+    def root(self) -> Path:
+        return self.path.parent
+
+    @property
+    def code_path(self) -> Path:
+        return (self.root / self.code).resolve()
+
+    @property
+    def entry_point(self) -> str:
+        if self.entry:
+            return self.entry
+        return f"{Path(self.code).stem}:main"
+
+    @property
+    def gpu(self) -> bool:
+        return self.kaggle.accelerator == "gpu"
+
+
+def _fields_at(model: type[BaseModel], loc: tuple[Any, ...]) -> list[str]:
+    """The allowed keys of the model reached by following loc (for 'did you mean')."""
+    current: Any = model
+    for part in loc:
+        field = current.model_fields.get(part) if isinstance(part, str) else None
+        if field is None:
+            return []
+        annotation = field.annotation
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            current = annotation
+        else:
+            return []
+    return [name for name in current.model_fields if name != "path"]
+
+
+def _describe(error: dict[str, Any]) -> str:
+    loc = tuple(error["loc"])
+    key = ".".join(str(p) for p in loc) or "(top level)"
+    if error["type"] == "extra_forbidden":
+        allowed = _fields_at(Job, loc[:-1])
+        close = difflib.get_close_matches(str(loc[-1]), allowed, n=1)
+        hint = f"did you mean {close[0]!r}?" if close else f"allowed keys: {', '.join(allowed)}"
+        return f"{key}: unknown key; {hint}"
+    if error["type"] == "missing":
+        return f"{key}: required; add it"
+    msg = str(error["msg"]).removeprefix("Value error, ")
+    if error["type"] in ("literal_error",):
+        msg = f"{error.get('input')!r} is not allowed; {msg.lower()}"
+    return f"{key}: {msg}"
+
+
+def load_job(path: str | Path) -> Job:
+    """Read and validate a job file; every problem is one SpecError line."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / "job.yaml"
+    label = str(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise SpecError(f"{label}: no such job file; pass the path of your job.yaml") from None
+    except OSError as exc:
+        raise SpecError(f"{label}: cannot read it ({exc.strerror})") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"line {mark.line + 1}: " if mark is not None else ""
+        problem = getattr(exc, "problem", None) or "invalid YAML"
+        raise SpecError(f"{label}: {where}{problem}; fix the YAML syntax") from None
+    if not isinstance(data, dict):
+        raise SpecError(f"{label}: expected a mapping of keys (name, code, params, ...)")
+    if "path" in data:
+        raise SpecError(f"{label}: path: unknown key; remove it")
+    try:
+        job = Job.model_validate({**data, "path": path.resolve()})
+    except ValidationError as exc:
+        problems = [_describe(e) for e in exc.errors()]
+        raise SpecError(f"{label}: " + "; ".join(problems)) from None
+    if not job.code_path.exists():
+        raise SpecError(f"{label}: code: {job.code!r} does not exist next to the job file; fix the path")
+    for slug in job.kaggle.local:
+        known = {ref.split("/")[1] for ref in job.kaggle.datasets}
+        if job.kaggle.competition:
+            known.add(job.kaggle.competition)
+        if slug not in known:
+            raise SpecError(
+                f"{label}: kaggle.local.{slug}: not an attached dataset; add it to kaggle.datasets or remove it"
+            )
+    return job
+
+
+def runtime_config(job: Job) -> dict[str, Any]:
+    """The part of the job the kernel's runtime needs (embedded in the notebook)."""
+    return {
+        "job": job.name,
+        "entry": job.entry_point,
+        "params": job.params,
+        "train": {
+            "checkpoint_every": parse_cadence(job.train.checkpoint_every),
+            "keep": job.train.keep,
+            "session_limit_s": parse_duration(job.train.session_limit),
+            "margin_s": parse_duration(job.train.margin),
+            "heartbeat_s": parse_duration(job.train.heartbeat),
+            "precision": job.train.precision,
+        },
+        "smoke": {"fraction": job.smoke.fraction, "steps": job.smoke.steps},
+    }

@@ -1,0 +1,38 @@
+"""Shared helpers for kchain's tests: writing job files and driving the CLI."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import yaml
+from click.testing import CliRunner
+
+from kchain.cli import cli
+
+REPO = Path(__file__).resolve().parent.parent
+JOBS = REPO / "jobs"
+
+
+def copy_job(name: str, dest: Path, **overrides) -> Path:
+    """Copy jobs/<name> to dest and apply top-level overrides (dicts are merged one level deep)."""
+    target = dest / name
+    shutil.copytree(JOBS / name, target, ignore=shutil.ignore_patterns(".kchain", "__pycache__"))
+    job_file = target / "job.yaml"
+    data = yaml.safe_load(job_file.read_text())
+    for key, value in overrides.items():
+        if isinstance(value, dict) and isinstance(data.get(key), dict):
+            data[key] = {**data[key], **value}
+        else:
+            data[key] = value
+    job_file.write_text(yaml.safe_dump(data, sort_keys=False))
+    return job_file
+
+
+def invoke(*args: str):
+    return CliRunner().invoke(cli, [str(a) for a in args], catch_exceptions=False)
+
+
+def error_line(result) -> str:
+    lines = [line for line in result.output.splitlines() if line.startswith("Error:")]
+    return lines[-1] if lines else ""

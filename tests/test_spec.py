@@ -1,0 +1,107 @@
+from pathlib import Path
+
+import pytest
+from helpers import error_line, invoke
+
+from kchain.errors import SpecError
+from kchain.spec import load_job, parse_cadence, parse_duration, runtime_config
+
+GOOD = """\
+name: tinygpt-notes
+code: train.py
+params: {lr: 3.0e-3, steps: 2000, seed: 7}
+"""
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    (tmp_path / "train.py").write_text("def main(run):\n    pass\n")
+    path = tmp_path / "job.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_a_minimal_job_loads_with_defaults(tmp_path):
+    job = load_job(write(tmp_path, GOOD))
+    assert job.entry_point == "train:main"
+    assert job.kaggle.accelerator == "gpu" and job.kaggle.internet is False
+    cfg = runtime_config(job)
+    assert cfg["train"]["checkpoint_every"] == {"seconds": 600.0}
+    assert cfg["train"]["session_limit_s"] == 12 * 3600
+    assert cfg["params"] == {"lr": 3.0e-3, "steps": 2000, "seed": 7}
+
+
+def test_durations_and_cadences():
+    assert parse_duration("1h30m") == 5400
+    assert parse_duration("90s") == 90
+    assert parse_cadence("500 steps") == {"steps": 500}
+    assert parse_cadence(20) == {"steps": 20}
+    assert parse_cadence("10m") == {"seconds": 600}
+    with pytest.raises(ValueError):
+        parse_duration("10 minutes")
+
+
+def test_a_bad_duration_names_file_key_and_fix(tmp_path):
+    path = write(tmp_path, GOOD + "train:\n  checkpoint_every: 10 minutes\n")
+    with pytest.raises(SpecError) as err:
+        load_job(path)
+    assert str(err.value) == (
+        f"{path}: train.checkpoint_every: '10 minutes' is not a duration; write e.g. 10m or 500 steps"
+    )
+
+
+def test_a_typo_gets_did_you_mean(tmp_path):
+    path = write(tmp_path, GOOD + "trian:\n  keep: 3\nsmoke:\n  step: 2\n")
+    with pytest.raises(SpecError) as err:
+        load_job(path)
+    assert "trian: unknown key; did you mean 'train'?" in str(err.value)
+    assert "smoke.step: unknown key; did you mean 'steps'?" in str(err.value)
+
+
+def test_bad_values_are_each_named(tmp_path):
+    path = write(tmp_path, GOOD.replace("tinygpt-notes", "My_Job") + "kaggle:\n  accelerator: v100\n")
+    with pytest.raises(SpecError) as err:
+        load_job(path)
+    message = str(err.value)
+    assert "name: 'My_Job' is not a kernel slug" in message
+    assert "kaggle.accelerator: 'v100' is not allowed" in message
+    assert "\n" not in message
+
+
+def test_missing_code_and_missing_keys(tmp_path):
+    path = write(tmp_path, "name: tinygpt-notes\ncode: nope.py\n")
+    with pytest.raises(SpecError, match=r"code: 'nope.py' does not exist next to the job file"):
+        load_job(path)
+    path = write(tmp_path, "code: train.py\n")
+    with pytest.raises(SpecError, match=r"name: required; add it"):
+        load_job(path)
+
+
+def test_yaml_syntax_error_and_dates_stay_strings(tmp_path):
+    path = write(tmp_path, "name: [unclosed\n")
+    with pytest.raises(SpecError, match=r"line \d+: .*fix the YAML syntax"):
+        load_job(path)
+    job = load_job(write(tmp_path, GOOD + "  # comment\n"))
+    assert job.name == "tinygpt-notes"
+
+
+def test_a_session_limit_over_the_cap_is_refused(tmp_path):
+    path = write(tmp_path, GOOD + "train:\n  session_limit: 13h\n")
+    with pytest.raises(SpecError, match="over Kaggle's 12h cap"):
+        load_job(path)
+
+
+def test_local_inputs_must_be_attached(tmp_path):
+    path = write(tmp_path, GOOD + "kaggle:\n  local: {notes: data}\n")
+    with pytest.raises(SpecError, match=r"kaggle.local.notes: not an attached dataset"):
+        load_job(path)
+
+
+def test_cli_prints_one_error_line_and_exits_2(tmp_path):
+    path = write(tmp_path, GOOD + "train:\n  keep: 0\n")
+    result = invoke("render", path, "-o", tmp_path / "out")
+    assert result.exit_code == 2
+    assert error_line(result).startswith(f"Error: {path}: train.keep: ")
+    assert "Traceback" not in result.output
+    result = invoke("smoke", tmp_path / "missing.yaml")
+    assert result.exit_code == 2
+    assert error_line(result) == f"Error: {tmp_path / 'missing.yaml'}: no such job file; pass the path of your job.yaml"

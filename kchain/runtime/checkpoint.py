@@ -1,0 +1,405 @@
+"""Checkpoints: snapshot the state, write it in the background, verify it, find the newest one.
+
+A checkpoint is a directory `checkpoints/step-00000120/` holding state.pt, a copy of the metrics
+trace, and manifest.json (written last) with the sha256 and size of every file. It is written under
+a `.tmp-` name, every file fsynced, then renamed into place and the parent directory fsynced, so a
+process killed at any point leaves either the complete checkpoint or a `.tmp-` directory that the
+next start ignores. Older checkpoints are pruned only after the newer one is in place.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import os
+import random
+import shutil
+import signal
+import tarfile
+import tempfile
+import threading
+import time
+import zipfile
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from . import layout
+
+HASH_CHUNK = 1 << 20  # 1 MiB reads: checkpoints can be gigabytes
+# How deep to look for state under the input root: /kaggle/input/datasets/<owner>/<slug>/kchain/
+# checkpoints/step-N/manifest.json is 7 levels; deeper trees are other people's data.
+SEARCH_DEPTH = 8
+
+
+class ResumeError(Exception):
+    """The checkpoint cannot be loaded into this run (e.g. the model's shape changed)."""
+
+
+class CheckpointInvalid(Exception):
+    """A checkpoint failed verification; the message says which file and why."""
+
+
+def say(msg: str) -> None:
+    print(f"[kchain] {msg}", flush=True)
+
+
+def warn(msg: str) -> None:
+    print(f"[kchain] WARNING: {msg}", flush=True)
+
+
+# --- snapshot ---------------------------------------------------------------------------------
+
+
+def snapshot(obj):
+    """A private copy of obj: tensors detached, copied to host memory; everything else deep-copied.
+
+    This is the only part of a save that blocks training; the write happens in a thread.
+    """
+    if isinstance(obj, torch.Tensor):
+        # clone even on CPU: the optimizer updates its tensors in place while the writer runs.
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: snapshot(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        items = [snapshot(v) for v in obj]
+        return type(obj)(items) if type(obj) in (list, tuple) else copy.deepcopy(obj)
+    return copy.deepcopy(obj)
+
+
+def rng_state() -> dict:
+    """The global RNGs: always saved, so dropout and augmentation replay exactly."""
+    return {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+    }
+
+
+def restore_rng(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    saved = state.get("cuda") or []
+    here = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if len(saved) != here:
+        # Never silently: a resume that is no longer bit-exact must say so.
+        warn(
+            f"the checkpoint holds CUDA RNG states for {len(saved)} device(s) but this machine has "
+            f"{here}; restored {min(len(saved), here)}, so the run is NO LONGER BIT-EXACT from here"
+        )
+    for i in range(min(len(saved), here)):
+        torch.cuda.set_rng_state(saved[i], device=i)
+
+
+# --- writing ----------------------------------------------------------------------------------
+
+
+def _fsync_file(path: Path) -> None:
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def sha256_of(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(HASH_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _die_if(point: str, fault_point: str | None) -> None:
+    """KCHAIN_FAULT=kill_in_save=<point>: a real process death inside the writer, for tests."""
+    if fault_point == point:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def write_checkpoint(
+    checkpoints: Path,
+    step: int,
+    state: dict,
+    metrics_src: Path,
+    metrics_bytes: int,
+    manifest: dict,
+    keep: int,
+    fault_point: str | None = None,
+) -> Path:
+    """Write one checkpoint atomically and prune old ones; returns the final directory."""
+    checkpoints.mkdir(parents=True, exist_ok=True)
+    final = checkpoints / layout.checkpoint_name(step)
+    tmp = checkpoints / f"{layout.TMP_PREFIX}{final.name}-{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+
+    torch.save(state, tmp / layout.STATE_FILE)
+    _fsync_file(tmp / layout.STATE_FILE)
+    _die_if("after_state", fault_point)
+
+    # The trace up to this step only: the live file may already hold lines of the next step.
+    with open(metrics_src, "rb") if metrics_src.exists() else open(os.devnull, "rb") as src:
+        data = src.read(metrics_bytes)
+    (tmp / layout.METRICS).write_bytes(data)
+    _fsync_file(tmp / layout.METRICS)
+    _die_if("after_metrics", fault_point)
+
+    files = {}
+    for name in (layout.STATE_FILE, layout.METRICS):
+        files[name] = {"sha256": sha256_of(tmp / name), "size": (tmp / name).stat().st_size}
+    _die_if("before_manifest", fault_point)
+    body = {layout.MARKER: layout.FORMAT_VERSION, **manifest, "step": step, "files": files}
+    (tmp / layout.MANIFEST).write_text(json.dumps(body, indent=2, default=str) + "\n")
+    _fsync_file(tmp / layout.MANIFEST)
+    _fsync_dir(tmp)
+    _die_if("before_rename", fault_point)
+
+    if final.exists():
+        # A stale directory of the same step (from before a resume further back): set it aside
+        # first, since rename() will not replace a non-empty directory.
+        stale = checkpoints / f"{layout.TMP_PREFIX}stale-{final.name}-{os.getpid()}"
+        os.replace(final, stale)
+        shutil.rmtree(stale, ignore_errors=True)
+    os.replace(tmp, final)
+    _fsync_dir(checkpoints)
+    _die_if("after_rename", fault_point)
+
+    prune(checkpoints, keep)
+    return final
+
+
+def prune(checkpoints: Path, keep: int) -> None:
+    done = sorted(p for p in checkpoints.iterdir() if p.is_dir() and p.name.startswith(layout.CHECKPOINT_PREFIX))
+    for old in done[: max(0, len(done) - keep)]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+class Writer:
+    """Writes checkpoints in one background thread, one at a time.
+
+    submit() waits for the previous write first, so at most one is in flight; wait() joins it and
+    re-raises whatever the thread raised. The owner calls wait() before the process exits.
+    """
+
+    def __init__(self, fault_point: str | None = None, kill_after_first: bool = False):
+        self.fault_point = fault_point
+        self.kill_after_first = kill_after_first
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self.last_path: Path | None = None
+        self.last_write_s = 0.0  # how long the last background write took (for the deadline)
+
+    def submit(self, **kwargs) -> None:
+        self.wait()
+        self._thread = threading.Thread(target=self._write, kwargs=kwargs, name="kchain-checkpoint", daemon=False)
+        self._thread.start()
+
+    def _write(self, **kwargs) -> None:
+        t0 = time.perf_counter()
+        try:
+            self.last_path = write_checkpoint(fault_point=self.fault_point, **kwargs)
+        except BaseException as e:  # re-raised in the training thread by wait()
+            self._error = e
+            return
+        self.last_write_s = time.perf_counter() - t0
+        if self.kill_after_first:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def wait(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise err
+
+    @property
+    def busy(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+
+# --- verifying and finding --------------------------------------------------------------------
+
+
+def verify(ckpt: Path) -> dict:
+    """The manifest of ckpt if every file it lists has the recorded size and sha256."""
+    mpath = ckpt / layout.MANIFEST
+    try:
+        manifest = json.loads(mpath.read_text())
+    except FileNotFoundError:
+        raise CheckpointInvalid(f"{ckpt}: no {layout.MANIFEST} (the write never finished)") from None
+    except (OSError, ValueError) as e:
+        raise CheckpointInvalid(f"{mpath}: unreadable ({e})") from None
+    if not isinstance(manifest, dict) or layout.MARKER not in manifest:
+        raise CheckpointInvalid(f"{mpath}: not a kchain manifest (no {layout.MARKER!r} key)")
+    for name, want in manifest.get("files", {}).items():
+        path = ckpt / name
+        if not path.is_file():
+            raise CheckpointInvalid(f"{path}: missing")
+        size = path.stat().st_size
+        if size != want["size"]:
+            raise CheckpointInvalid(f"{path}: {size} bytes, manifest says {want['size']} (truncated?)")
+        if sha256_of(path) != want["sha256"]:
+            raise CheckpointInvalid(f"{path}: sha256 does not match the manifest (corrupted)")
+    return manifest
+
+
+def _walk(top: Path, depth: int = SEARCH_DEPTH):
+    """(dirpath, filenames) under top, at most `depth` levels down, following dataset symlinks."""
+    top_depth = len(top.parts)
+    for dirpath, dirnames, filenames in os.walk(top, followlinks=True):
+        if len(Path(dirpath).parts) - top_depth >= depth:
+            dirnames[:] = []
+        dirnames[:] = [d for d in dirnames if not d.startswith(layout.TMP_PREFIX)]
+        yield Path(dirpath), filenames
+
+
+def _unpack(archive: Path, scratch: Path) -> list[Path]:
+    """Extract an archive that holds a kchain manifest; returns the checkpoint dirs inside."""
+    name = archive.name
+    try:
+        if name.endswith(".zip"):
+            with zipfile.ZipFile(archive) as z:
+                if not any(m.endswith(layout.MANIFEST) for m in z.namelist()):
+                    return []
+                dest = Path(tempfile.mkdtemp(prefix="ckpt-", dir=scratch))
+                z.extractall(dest)
+        else:
+            with tarfile.open(archive) as t:
+                if not any(m.endswith(layout.MANIFEST) for m in t.getnames()):
+                    return []
+                dest = Path(tempfile.mkdtemp(prefix="ckpt-", dir=scratch))
+                t.extractall(dest, filter="data")
+    except (OSError, zipfile.BadZipFile, tarfile.TarError) as e:
+        warn(f"skipping archive {archive}: cannot read it ({e})")
+        return []
+    return [d for d, files in _walk(dest) if layout.MANIFEST in files]
+
+
+def candidates(checkpoints: Path, input_root: Path, scratch: Path) -> list[Path]:
+    """Every directory that might be a checkpoint: ours in the working dir, then attached state."""
+    found: list[Path] = []
+    if checkpoints.is_dir():
+        found += [p for p in checkpoints.iterdir() if p.is_dir() and p.name.startswith(layout.CHECKPOINT_PREFIX)]
+    if input_root.is_dir():
+        for d, files in _walk(input_root):
+            if layout.MANIFEST in files:
+                try:
+                    if layout.MARKER in json.loads((d / layout.MANIFEST).read_text()):
+                        found.append(d)
+                except (OSError, ValueError):
+                    found.append(d)  # verify() will name the problem
+            for f in files:
+                if f.endswith(layout.ARCHIVE_SUFFIXES):
+                    scratch.mkdir(parents=True, exist_ok=True)
+                    found += _unpack(d / f, scratch)
+    return found
+
+
+def _step_of(path: Path) -> int:
+    """The step a checkpoint claims, from its manifest or its name; -1 if neither says."""
+    try:
+        return int(json.loads((path / layout.MANIFEST).read_text())["step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    try:
+        return int(path.name.removeprefix(layout.CHECKPOINT_PREFIX))
+    except ValueError:
+        return -1
+
+
+def find_latest(checkpoints: Path, input_root: Path, scratch: Path, job: str | None) -> tuple[Path, dict] | None:
+    """The newest checkpoint that verifies; each one skipped is named in a warning.
+
+    Broken ones in our own working dir are renamed `.corrupt-...` so they are neither loaded nor
+    counted when old checkpoints are pruned.
+    """
+    found = candidates(checkpoints, input_root, scratch)
+    # Newest first; at equal steps prefer the working dir (it is the one we are writing to).
+    found.sort(key=lambda p: (_step_of(p), p.parent == checkpoints), reverse=True)
+    for path in found:
+        try:
+            manifest = verify(path)
+        except CheckpointInvalid as e:
+            warn(f"skipping checkpoint {path}: {e}; trying the previous one")
+            if path.parent == checkpoints:
+                os.replace(path, checkpoints / f"{layout.CORRUPT_PREFIX}{path.name}-{int(time.time())}")
+            continue
+        if job and manifest.get("job") and manifest["job"] != job:
+            say(f"ignoring checkpoint {path}: it belongs to job {manifest['job']!r}, not {job!r}")
+            continue
+        return path, manifest
+    return None
+
+
+def clean_tmp(checkpoints: Path) -> None:
+    """Remove half-written checkpoints left by a killed process."""
+    if checkpoints.is_dir():
+        for p in checkpoints.iterdir():
+            if p.name.startswith(layout.TMP_PREFIX):
+                shutil.rmtree(p, ignore_errors=True)
+
+
+def load_state(ckpt: Path) -> dict:
+    # weights_only=False: the file is our own (RNG states hold numpy arrays and Python tuples).
+    return torch.load(ckpt / layout.STATE_FILE, map_location="cpu", weights_only=False)
+
+
+# --- resuming into live objects ---------------------------------------------------------------
+
+
+def tensor_shapes(obj, prefix: str = "") -> dict[str, tuple]:
+    """{dotted.key: shape} of every tensor in a nested state dict."""
+    out: dict[str, tuple] = {}
+    if isinstance(obj, torch.Tensor):
+        out[prefix] = tuple(obj.shape)
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            out.update(tensor_shapes(v, f"{prefix}.{k}" if prefix else str(k)))
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            out.update(tensor_shapes(v, f"{prefix}.{i}" if prefix else str(i)))
+    return out
+
+
+def param_changes(old: dict, new: dict) -> list[str]:
+    """['d_model: 64 -> 128', ...] for every param that differs."""
+    keys = sorted(set(old) | set(new), key=str)
+    missing = "(unset)"
+    return [
+        f"{k}: {old.get(k, missing)!r} -> {new.get(k, missing)!r}".replace("'", "")
+        for k in keys
+        if old.get(k, missing) != new.get(k, missing)
+    ]
+
+
+def check_compatible(ckpt: Path, manifest: dict, saved: dict, current: dict, params: dict) -> None:
+    """Refuse a checkpoint whose tensors no longer fit; warn if only params changed."""
+    changes = param_changes(manifest.get("params") or {}, params)
+    shape_diffs = []
+    for name, state in saved.items():
+        if name not in current:
+            continue
+        old, new = tensor_shapes(state), tensor_shapes(current[name])
+        for key in sorted(set(old) & set(new)):
+            if old[key] != new[key]:
+                shape_diffs.append(f"{name}.{key}: {list(old[key])} -> {list(new[key])}")
+    if shape_diffs:
+        why = "; ".join(changes) if changes else "no param changed, so the code did"
+        raise ResumeError(
+            f"cannot resume from {ckpt}: the model-shaping params changed ({why}); tensor shapes "
+            f"differ: {', '.join(shape_diffs[:5])}{' ...' if len(shape_diffs) > 5 else ''}. "
+            "Restore the params, or start fresh by detaching the state dataset."
+        )
+    if changes:
+        warn(f"params changed since checkpoint step {manifest.get('step')}: {'; '.join(changes)}; shapes match, resuming")

@@ -1,0 +1,88 @@
+"""The training child: `python -m kchain.runtime.launch CONFIG_JSON`.
+
+Builds a Run, imports the entry (`module:function`), calls it, and writes summary.json in every
+outcome but a SIGKILL. Exit code 0 for finished, deadline or interrupted; 1 for a crash.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+# The session clock's fallback: as close to process start as Python lets us get.
+PROCESS_START = time.time()
+
+from . import layout  # noqa: E402  (after the clock on purpose)
+
+
+def _write_json(path: Path, obj: dict) -> None:
+    """Atomic: the notebook (or the next session) never reads half a summary."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{layout.TMP_PREFIX}{path.name}")
+    tmp.write_text(json.dumps(obj, indent=2, default=str) + "\n")
+    os.replace(tmp, path)
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else ""
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 2:
+        print("usage: python -m kchain.runtime.launch CONFIG_JSON", file=sys.stderr)
+        return 2
+    config = json.loads(Path(argv[1]).read_text())
+    from .run import Run  # torch is imported here, after the clock started
+
+    run = None
+    error = None
+    try:
+        run = Run(config, os.environ, started=PROCESS_START)
+        module_name, _, func_name = config["entry"].partition(":")
+        run.stage = "build"
+        entry = getattr(importlib.import_module(module_name), func_name or "main")
+        entry(run)
+        if run.status == "running":  # main returned without finishing run.steps (e.g. broke out)
+            run.status = "finished"
+    except KeyboardInterrupt:
+        if run is not None:
+            run.status = "interrupted"
+        print("[kchain] interrupted", flush=True)
+    except BaseException as e:
+        traceback.print_exc()
+        stage = run.stage if run is not None else "build"
+        error = {"type": type(e).__name__, "message": _first_line(e), "stage": stage}
+        if run is not None:
+            run.status = "crashed"
+        print(f"[kchain] crashed in {stage}: {type(e).__name__}: {_first_line(e)}", flush=True)
+    finally:
+        if run is not None:
+            try:
+                run.close()  # never exit with a checkpoint write in flight
+            except BaseException as e:
+                traceback.print_exc()
+                if error is None:
+                    error = {"type": type(e).__name__, "message": _first_line(e), "stage": "checkpoint"}
+                    run.status = "crashed"
+
+    if run is not None:
+        summary = run.summary(error=error)
+        path = run.summary_path
+    else:
+        summary = {"status": "crashed", "error": error, "started": PROCESS_START, "ended": time.time(),
+                   "fingerprint": config.get("fingerprint"), "published": None}
+        path = layout.kchain_dir(os.environ) / layout.SUMMARY
+    _write_json(path, summary)
+    print(f"[kchain] summary: {json.dumps({k: summary.get(k) for k in ('status', 'step', 'total', 'checkpoint')})}",
+          flush=True)
+    return 1 if summary["status"] == "crashed" else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))

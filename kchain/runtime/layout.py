@@ -1,0 +1,61 @@
+"""Every file and directory name the runtime reads or writes, and the environment it reads.
+
+The laptop side imports this module too (it must stay standard-library only), so a renamed file is
+renamed in one place.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+# Environment the notebook (or the local executor) sets for the training child; see docs/design.md.
+ROOT_ENV = "KCHAIN_ROOT"
+SMOKE_ENV = "KCHAIN_SMOKE"
+SESSION_START_ENV = "KCHAIN_SESSION_START"
+SESSION_LIMIT_ENV = "KCHAIN_SESSION_LIMIT"
+CHECKPOINT_EVERY_ENV = "KCHAIN_CHECKPOINT_EVERY"
+TOTAL_STEPS_ENV = "KCHAIN_TOTAL_STEPS"
+FAULT_ENV = "KCHAIN_FAULT"
+
+DEFAULT_ROOT = "/kaggle"
+INPUT_DIR = "input"  # attached datasets, read-only on Kaggle
+WORKING_DIR = "working"  # the kernel's output, becomes the next session's state dataset
+KCHAIN_DIR = "kchain"  # our corner of the working dir
+
+CHECKPOINTS_DIR = "checkpoints"
+CHECKPOINT_PREFIX = "step-"
+TMP_PREFIX = ".tmp-"  # a checkpoint being written; never loaded, removed at the next start
+CORRUPT_PREFIX = ".corrupt-"  # a checkpoint that failed verification, set aside for a human
+MANIFEST = "manifest.json"
+STATE_FILE = "state.pt"
+METRICS = "metrics.jsonl"
+SUMMARY = "summary.json"
+CACHE_DIR = "cache"
+
+# A manifest.json is ours only if it carries this key: attached datasets hold other manifests.
+MARKER = "kchain_checkpoint"
+FORMAT_VERSION = 1
+
+# Archived checkpoints found under the input root (a state dataset uploaded without unpacking).
+ARCHIVE_SUFFIXES = (".zip", ".tar", ".tar.gz", ".tgz")
+
+
+def checkpoint_name(step: int) -> str:
+    """step-00000120: zero-padded so a plain sort is a step sort."""
+    return f"{CHECKPOINT_PREFIX}{step:08d}"
+
+
+def root(env) -> Path:
+    return Path(env.get(ROOT_ENV) or DEFAULT_ROOT)
+
+
+def input_root(env) -> Path:
+    return root(env) / INPUT_DIR
+
+
+def working_root(env) -> Path:
+    return root(env) / WORKING_DIR
+
+
+def kchain_dir(env) -> Path:
+    return working_root(env) / KCHAIN_DIR

@@ -1,0 +1,82 @@
+"""Device, autocast dtype and the optimizer step (gradient accumulation, loss scaling, clipping)."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+PRECISIONS = ("auto", "fp32", "bf16", "fp16")
+BF16_MIN_CAPABILITY = (8, 0)  # Ampere: bf16 tensor cores; older GPUs emulate it slowly
+
+
+def choose_device() -> tuple[torch.device, str]:
+    if torch.cuda.is_available():
+        name = torch.cuda.get_device_name(0)
+        return torch.device("cuda"), f"{torch.cuda.device_count()} CUDA device(s), using {name}"
+    return torch.device("cpu"), "no CUDA device visible (torch.cuda.is_available() is False)"
+
+
+def choose_dtype(device: torch.device, requested: str = "auto") -> tuple[torch.dtype, str]:
+    """The autocast dtype and why; fp32 means autocast is off."""
+    if requested not in PRECISIONS:
+        raise ValueError(f"train.precision is {requested!r}; use one of {', '.join(PRECISIONS)}")
+    if device.type != "cuda":
+        why = "CPU: autocast is off" + ("" if requested in ("auto", "fp32") else f" (asked for {requested})")
+        return torch.float32, why
+    cap = torch.cuda.get_device_capability(device)
+    if requested == "fp32":
+        return torch.float32, "train.precision: fp32"
+    if requested == "fp16":
+        return torch.float16, "train.precision: fp16 (with GradScaler)"
+    if requested == "bf16":
+        return torch.bfloat16, "train.precision: bf16"
+    if cap >= BF16_MIN_CAPABILITY:
+        return torch.bfloat16, f"auto: compute capability {cap[0]}.{cap[1]} >= 8.0 supports bf16"
+    return torch.float16, f"auto: compute capability {cap[0]}.{cap[1]} < 8.0, fp16 with GradScaler"
+
+
+def autocast(device: torch.device, dtype: torch.dtype):
+    if device.type != "cuda" or dtype == torch.float32:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type="cuda", dtype=dtype)
+
+
+class Trainer:
+    """One optimizer step made of `accumulate` backward passes.
+
+    backward() divides the loss by `accumulate` (the most common accumulation bug is forgetting it:
+    the summed gradient is then `accumulate` times too large) and scales it when fp16 needs a
+    GradScaler. step() unscales, clips, steps, updates the scaler and zeroes the gradients.
+    """
+
+    def __init__(self, optimizer, accumulate: int = 1, clip: float | None = None, scaler=None):
+        if accumulate < 1:
+            raise ValueError(f"accumulate must be >= 1, got {accumulate}")
+        self.optimizer = optimizer
+        self.accumulate = accumulate
+        self.clip = clip
+        self.scaler = scaler
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss = loss / self.accumulate
+        if self.scaler is not None:
+            self.scaler.scale(loss).backward()
+        else:
+            loss.backward()
+
+    def step(self) -> float | None:
+        """Returns the gradient norm before clipping when clip is set."""
+        norm = None
+        if self.scaler is not None:
+            self.scaler.unscale_(self.optimizer)  # clip the true gradients, not the scaled ones
+        if self.clip is not None:
+            params = [p for g in self.optimizer.param_groups for p in g["params"]]
+            norm = float(torch.nn.utils.clip_grad_norm_(params, self.clip))
+        if self.scaler is not None:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return norm

@@ -111,8 +111,11 @@ def execute_notebook(
         record_timing=False,
     )
     error: str | None = None
+    # The kernel process's own stderr holds only its start-up chatter (the cells' output comes over
+    # the messaging channel); keep it beside the sandbox, out of the session's output folder.
+    kernel_stderr = open(root / "kernel-stderr.log", "ab")  # noqa: SIM115
     try:
-        client.execute(env=kernel_env, cwd=str(working))
+        client.execute(env=kernel_env, cwd=str(working), stderr=kernel_stderr)
     except CellExecutionError as exc:
         ename = getattr(exc, "ename", "") or "CellExecutionError"
         error = f"{ename}: {_first_line(getattr(exc, 'evalue', '') or str(exc))}"
@@ -120,6 +123,8 @@ def execute_notebook(
         error = f"Timeout: {_first_line(str(exc))}"
     except DeadKernelError as exc:
         error = f"DeadKernelError: {_first_line(str(exc))}"
+    finally:
+        kernel_stderr.close()
     return ExecResult(
         ok=error is None,
         error=error,

@@ -121,7 +121,8 @@ def _spawn(phase: Phase, notebook: Path, env: dict[str, str], echo: Echo | None)
             for line in proc.stdout:
                 phase.lines.append((time.time() - t0, line.rstrip("\n")))
                 f.write(line)
-                if echo is not None:
+                # The notebook's own failure line repeats what the runtime already said.
+                if echo is not None and not line.startswith("TrainingFailed:"):
                     echo(f"    {line.rstrip()}")
 
     thread = threading.Thread(target=pump, daemon=True)

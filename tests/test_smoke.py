@@ -1,0 +1,112 @@
+"""The smoke run end to end: real notebooks, real kernels, real SIGKILLs."""
+
+import csv
+from pathlib import Path
+
+import pytest
+from helpers import JOBS, copy_job, error_line, invoke
+
+from kchain.ledger import Ledger
+
+
+def runs(home: Path) -> list[dict]:
+    with open(home / "runs.csv") as f:
+        return list(csv.DictReader(f))
+
+
+@pytest.mark.parametrize("job", sorted(p.name for p in JOBS.iterdir() if (p / "job.yaml").exists()))
+def test_every_example_job_smokes_to_a_pass(job, tmp_path, monkeypatch):
+    path = copy_job(job, tmp_path)
+    result = invoke("smoke", path)
+    assert result.exit_code == 0, result.output
+    assert "PASS: resumed run equals the uninterrupted run bit for bit" in result.output
+    assert "<- resumed here" in result.output
+    home = Path(monkeypatch_env("KCHAIN_HOME"))
+    row = runs(home)[-1]
+    assert row["channel"] == "smoke" and row["note"] == "smoke pass" and row["job"]
+    assert row["checkpoint"]
+    passes = Ledger(home)
+    fingerprint = next(line.split()[-1] for line in invoke("render", path, "-o", tmp_path / "r").output.splitlines()
+                       if line.startswith("fingerprint"))
+    assert passes.smoke_passed(fingerprint) is not None
+
+
+def monkeypatch_env(name: str) -> str:
+    import os
+
+    return os.environ[name]
+
+
+def mutate(path: Path, old: str, new: str) -> None:
+    code = path.parent / "train.py"
+    text = code.read_text()
+    assert old in text, old
+    code.write_text(text.replace(old, new))
+
+
+BROKEN = {
+    "label dtype": (
+        '"y_train": labels[train].astype(np.int64)',
+        '"y_train": labels[train].astype(np.float32)',
+        "preflight", "PreflightError", "label",
+    ),
+    "shape": (
+        "nn.Linear(p.features, p.hidden), nn.ReLU(), nn.Dropout(p.dropout),\n        nn.Linear(p.hidden, p.hidden)",
+        "nn.Linear(p.features, p.hidden), nn.ReLU(), nn.Dropout(p.dropout),\n        nn.Linear(p.hidden + 1, p.hidden)",
+        "step", "RuntimeError", "a shape bug in the code",
+    ),
+    "validation is the training split": (
+        'splits={"train": data["x_train"], "val": data["x_val"]}',
+        'splits={"train": data["x_train"], "val": data["x_train"]}',
+        "preflight", "PreflightError", "overlap",
+    ),
+    "missing input": (
+        "    torch.manual_seed(p.seed)\n",
+        '    torch.manual_seed(p.seed)\n    run.input("delivery-notes")\n',
+        "build", "FileNotFoundError", "a data path or staging problem",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BROKEN))
+def test_a_broken_job_fails_fast_with_its_hint(case, tmp_path):
+    old, new, stage, etype, clue = BROKEN[case]
+    path = copy_job("classifier", tmp_path)
+    mutate(path, old, new)
+    result = invoke("smoke", path)
+    assert result.exit_code == 3, result.output
+    line = error_line(result)
+    assert line.startswith(f"Error: smoke failed (during {stage}): {etype}: "), line
+    assert clue in result.output
+    row = runs(Path(monkeypatch_env("KCHAIN_HOME")))[-1]
+    assert row["note"].startswith(f"{etype}: ")
+    assert "PASS" not in result.output
+
+
+def test_an_untracked_optimizer_fails_the_resume_check(tmp_path):
+    path = copy_job("tinygpt", tmp_path)
+    mutate(path, "trainer = run.optimize(optimizer, accumulate=p.accumulate, clip=1.0)",
+           "trainer = run.optimize(optimizer, accumulate=p.accumulate, clip=1.0, track=False)")
+    result = invoke("smoke", path)
+    assert result.exit_code == 3, result.output
+    assert "ResumeMismatch" in error_line(result)
+    assert "optimizer, LR scheduler or GradScaler state is not in run.track" in result.output
+
+
+def test_an_untracked_batch_generator_fails_the_resume_check(tmp_path):
+    path = copy_job("tinygpt", tmp_path)
+    mutate(path, "    run.track(batches=batches)\n", "")
+    result = invoke("smoke", path)
+    assert result.exit_code == 3, result.output
+    assert "ResumeMismatch" in error_line(result)
+    assert "the data order is not from run.loader" in result.output
+
+
+def test_a_passing_smoke_is_not_a_pass_for_changed_code(tmp_path):
+    path = copy_job("classifier", tmp_path, params={"steps": 1500, "num_workers": 0})
+    assert invoke("smoke", path).exit_code == 0
+    ledger = Ledger(Path(monkeypatch_env("KCHAIN_HOME")))
+    mutate(path, "lr=p.lr)", "lr=p.lr * 0.5)")
+    out = invoke("render", path, "-o", tmp_path / "r").output
+    fingerprint = out.strip().split()[-1]
+    assert ledger.smoke_passed(fingerprint) is None

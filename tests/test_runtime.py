@@ -1,0 +1,181 @@
+"""End-to-end tests of kchain/runtime: real child processes, real SIGKILLs.
+
+Each test launches `python -m kchain.runtime.launch cfg.json` with KCHAIN_ROOT pointing at a tmp
+dir and compares the metrics trace (one JSON line per run.log) with an uninterrupted run's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kchain.runtime import layout
+
+REPO = Path(__file__).resolve().parent.parent
+JOBS = REPO / "tests" / "runtime_jobs"
+TOTAL = 14
+EVERY = 3  # checkpoint cadence in steps for the kill tests
+PARAMS = {"d_model": 16, "steps": TOTAL, "workers": 2, "accumulate": 2, "dropout": 0.2, "lr": 0.01}
+KILLED = -signal.SIGKILL  # subprocess's returncode for a child killed by SIGKILL
+CHILD_TIMEOUT_S = 120  # a hung child fails the test instead of hanging CI
+
+
+def launch(root: Path, params: dict | None = None, every: int = EVERY, **env: str) -> subprocess.CompletedProcess:
+    """Run the tiny job once as a child process under KCHAIN_ROOT=root."""
+    root.mkdir(parents=True, exist_ok=True)
+    config = {
+        "job": "tiny",
+        "entry": "tiny_job:main",
+        "params": {**PARAMS, **(params or {})},
+        "fingerprint": "f00d",
+        "kchain_version": "0.1.0",
+        "train": {"checkpoint_every": {"steps": every}, "keep": 2, "heartbeat_s": 0},
+    }
+    cfg = root / "cfg.json"
+    cfg.write_text(json.dumps(config))
+    child_env = {k: v for k, v in os.environ.items() if not k.startswith("KCHAIN_")}
+    child_env.update(
+        KCHAIN_ROOT=str(root), PYTHONPATH=os.pathsep.join([str(REPO), str(JOBS)]), PYTHONUNBUFFERED="1", **env
+    )
+    return subprocess.run(
+        [sys.executable, "-m", "kchain.runtime.launch", str(cfg)],
+        env=child_env, cwd=root, capture_output=True, text=True, timeout=CHILD_TIMEOUT_S,
+    )
+
+
+def trace(root: Path) -> list[tuple[int, float]]:
+    """(step, loss) for every training step in the continuous metrics trace."""
+    lines = (root / layout.WORKING_DIR / layout.KCHAIN_DIR / layout.METRICS).read_text().splitlines()
+    return [(r["step"], r["loss"]) for r in map(json.loads, lines) if "loss" in r]
+
+
+def summary(root: Path) -> dict:
+    return json.loads((root / layout.WORKING_DIR / layout.KCHAIN_DIR / layout.SUMMARY).read_text())
+
+
+def max_diff(a, b) -> float:
+    assert [s for s, _ in a] == [s for s, _ in b], "the two traces cover different steps"
+    return max(abs(x - y) for (_, x), (_, y) in zip(a, b, strict=True))
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> list[tuple[int, float]]:
+    """The loss trace of one uninterrupted run."""
+    root = tmp_path_factory.mktemp("reference")
+    done = launch(root)
+    assert done.returncode == 0, done.stdout + done.stderr
+    ref = trace(root)
+    assert [s for s, _ in ref] == list(range(1, TOTAL + 1))
+    return ref
+
+
+def test_two_sigkills_resume_bit_exact(tmp_path, reference):
+    seed = random.SystemRandom().randrange(10**6)
+    print(f"kill-step seed: {seed}")  # rerun a failure with random.Random(seed)
+    first, second = sorted(random.Random(seed).sample(range(2, TOTAL), 2))
+    for kill in (first, second):
+        died = launch(tmp_path, KCHAIN_FAULT=f"kill_at_step={kill}")
+        assert died.returncode == KILLED, died.stdout + died.stderr
+    done = launch(tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "[kchain] resumed from step" in done.stdout
+    assert summary(tmp_path)["status"] == "finished"
+    assert max_diff(trace(tmp_path), reference) == 0.0
+
+
+def test_untracked_optimizer_diverges_after_resume(tmp_path, reference):
+    """The control for the test above: it can fail."""
+    kill = 2 * EVERY + 1  # resumes from the checkpoint at step 2*EVERY
+    died = launch(tmp_path, {"track_optimizer": False}, KCHAIN_FAULT=f"kill_at_step={kill}")
+    assert died.returncode == KILLED
+    done = launch(tmp_path, {"track_optimizer": False})
+    assert done.returncode == 0, done.stdout + done.stderr
+    got = trace(tmp_path)
+    assert max_diff(got[: kill - 1], reference[: kill - 1]) == 0.0
+    assert max_diff(got[kill - 1 :], reference[kill - 1 :]) > 0.0
+
+
+SAVE_POINTS = ["after_state", "after_metrics", "before_manifest", "before_rename", "after_rename"]
+
+
+def test_sigkill_inside_a_checkpoint_write_leaves_a_loadable_one(tmp_path, reference):
+    base = tmp_path / "base"
+    done = launch(base, {"steps": 2, "workers": 0}, every=2)
+    assert done.returncode == 0, done.stdout + done.stderr
+    for point in SAVE_POINTS:
+        root = tmp_path / point
+        shutil.copytree(base, root)
+        died = launch(root, {"steps": 6, "workers": 0}, every=2, KCHAIN_FAULT=f"kill_in_save={point}")
+        assert died.returncode == KILLED, f"{point}: {died.stdout + died.stderr}"
+        # The next start resumes from step 4 if the rename happened, else from step 2, and finishes.
+        done = launch(root, {"steps": 6, "workers": 0}, every=2)
+        assert done.returncode == 0, f"{point}: {done.stdout + done.stderr}"
+        resumed = 4 if point == "after_rename" else 2
+        assert f"[kchain] resumed from step {resumed} " in done.stdout, point
+        assert summary(root)["status"] == "finished"
+    assert max_diff(trace(root), reference[:6]) == 0.0  # workers=0 and 2 give the same batches
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip"])
+def test_damaged_newest_checkpoint_falls_back_with_a_warning(tmp_path, reference, damage):
+    done = launch(tmp_path, {"steps": 4, "workers": 0}, every=2)
+    assert done.returncode == 0
+    state = tmp_path / "working/kchain/checkpoints" / layout.checkpoint_name(4) / layout.STATE_FILE
+    blob = bytearray(state.read_bytes())
+    if damage == "truncate":
+        del blob[len(blob) // 2 :]
+    else:
+        blob[len(blob) // 2] ^= 0x01
+    state.write_bytes(bytes(blob))
+    done = launch(tmp_path, {"steps": 6, "workers": 0}, every=2)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "WARNING: skipping checkpoint" in done.stdout and layout.checkpoint_name(4) in done.stdout
+    assert ("truncated" if damage == "truncate" else "sha256") in done.stdout
+    assert "[kchain] resumed from step 2 " in done.stdout
+    assert max_diff(trace(tmp_path), reference[:6]) == 0.0
+
+
+def test_deadline_stops_saves_and_resumes_exactly(tmp_path, reference):
+    # 6 s session, 20% margin, each step stalled 0.5 s: the run cannot reach TOTAL steps.
+    done = launch(tmp_path, KCHAIN_SESSION_LIMIT="6", KCHAIN_FAULT="stall_step=0.5")
+    assert done.returncode == 0, done.stdout + done.stderr
+    first = summary(tmp_path)
+    assert first["status"] == "deadline"
+    assert first["step"] < TOTAL
+    assert first["checkpoint"] == f"kchain/checkpoints/{layout.checkpoint_name(first['step'])}"
+    assert "[kchain] deadline:" in done.stdout
+    done = launch(tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert summary(tmp_path)["resumed_from"] == first["step"]
+    assert max_diff(trace(tmp_path), reference) == 0.0
+
+
+def test_crash_in_main_reports_type_message_and_stage(tmp_path):
+    done = launch(tmp_path, {"crash_at": 3, "workers": 0})
+    assert done.returncode == 1
+    assert "Traceback" in done.stderr
+    got = summary(tmp_path)
+    assert got["status"] == "crashed"
+    assert got["error"] == {"type": "ValueError", "message": "boom at step 3", "stage": "step"}
+
+
+def test_changed_shape_params_refuse_resume_naming_the_param(tmp_path):
+    assert launch(tmp_path, {"steps": 2, "workers": 0}).returncode == 0
+    refused = launch(tmp_path, {"steps": 4, "workers": 0, "d_model": 32})
+    assert refused.returncode == 1
+    error = summary(tmp_path)["error"]
+    assert error["type"] == "ResumeError" and error["stage"] == "resume"
+    assert "d_model: 16 -> 32" in error["message"]
+    # A param that shapes nothing: a warning naming it, and the resume goes ahead.
+    done = launch(tmp_path, {"steps": 4, "workers": 0, "lr": 0.02})
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "lr: 0.01 -> 0.02" in done.stdout
+    assert summary(tmp_path)["resumed_from"] == 2

@@ -71,6 +71,7 @@ def _runtime_files() -> dict[str, bytes]:
     }
     # A minimal package root: inside the kernel only the runtime exists.
     files["kchain/__init__.py"] = f'__version__ = "{kchain.__version__}"\n'.encode()
+    files["kchain_publish.py"] = (templates_dir() / "kchain_publish.py").read_bytes()
     return files
 
 

@@ -1,0 +1,92 @@
+"""A session's end state as a folder ready to become a dataset version.
+
+Kaggle dataset versions hold only the files uploaded with them and only top-level files, so a
+state version is flat and self-contained: the newest verified checkpoint's files (its manifest
+included, so the next session's runtime finds and verifies it wherever it is mounted), the
+session summary, and a small marker saying what it is. The data cache goes to its own dataset,
+one archive per entry, and only when the set of entries changed.
+
+Used by both publish paths: inside the kernel (internet on) and by `kchain continue` on the laptop.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from kchain.runtime import layout
+from kchain.runtime.checkpoint import find_latest
+
+STATE_MARKER = "kchain-state.json"
+CACHE_MARKER = "kchain-cache.json"
+
+
+def _link_or_copy(src: Path, dst: Path) -> None:
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
+
+
+def newest_checkpoint(kchain_dir: Path, job: str | None) -> tuple[Path, dict] | None:
+    scratch = Path(tempfile.mkdtemp(prefix="kchain-scan-"))
+    try:
+        # No input root: only this session's own checkpoints count here.
+        return find_latest(kchain_dir / layout.CHECKPOINTS_DIR, scratch / "none", scratch, job)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def build_state_folder(kchain_dir: Path, dest: Path, published: str, job: str | None = None) -> dict | None:
+    """Fill dest with the newest verified checkpoint + summary + marker; None if there is none."""
+    found = newest_checkpoint(kchain_dir, job)
+    if found is None:
+        return None
+    ckpt, manifest = found
+    dest.mkdir(parents=True, exist_ok=True)
+    size = 0
+    for name in [*manifest.get("files", {}), layout.MANIFEST]:
+        _link_or_copy(ckpt / name, dest / name)
+        size += (dest / name).stat().st_size
+    summary = kchain_dir / layout.SUMMARY
+    if summary.is_file():
+        shutil.copy2(summary, dest / layout.SUMMARY)
+    marker = {
+        "job": manifest.get("job"),
+        "session": manifest.get("session"),
+        "step": manifest.get("step"),
+        "fingerprint": manifest.get("fingerprint"),
+        "checkpoint": ckpt.name,
+        "checkpoint_bytes": size,
+        "published": published,
+        "cache": cache_entries(kchain_dir),
+    }
+    (dest / STATE_MARKER).write_text(json.dumps(marker, indent=2, sort_keys=True) + "\n")
+    return marker
+
+
+def cache_entries(kchain_dir: Path) -> list[str]:
+    """Names of the complete entries of the staged-data cache (its fingerprint is this list)."""
+    cache = kchain_dir / layout.CACHE_DIR
+    if not cache.is_dir():
+        return []
+    return sorted(p.name for p in cache.iterdir() if not p.name.startswith(layout.TMP_PREFIX))
+
+
+def build_cache_folder(kchain_dir: Path, dest: Path) -> int:
+    """One top-level file per cache entry (folders are zipped by the uploader); returns bytes."""
+    dest.mkdir(parents=True, exist_ok=True)
+    total = 0
+    for name in cache_entries(kchain_dir):
+        src = kchain_dir / layout.CACHE_DIR / name
+        if src.is_dir():
+            shutil.copytree(src, dest / name)
+            total += sum(p.stat().st_size for p in (dest / name).rglob("*") if p.is_file())
+        else:
+            _link_or_copy(src, dest / name)
+            total += (dest / name).stat().st_size
+    (dest / CACHE_MARKER).write_text(json.dumps({"entries": cache_entries(kchain_dir)}) + "\n")
+    return total

@@ -1,0 +1,140 @@
+"""Publish this session's end state from inside the kernel (internet on, credential in Secrets).
+
+Embedded into the notebook next to the runtime and run as its own process after training, so the
+credential lives only in this process's environment: it is never printed, logged or written to
+a file. Without internet or without a credential it says so and leaves the work to the laptop
+(`kchain continue` relays the state from the session's output).
+
+    python -m kchain_publish CONFIG_JSON
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from kchain.runtime import layout
+from kchain.runtime.statefolder import CACHE_MARKER, build_cache_folder, build_state_folder, cache_entries
+
+SECRET_LABELS = ("KAGGLE_USERNAME", "KAGGLE_KEY")
+
+
+def say(msg: str) -> None:
+    print(f"[kchain] publish: {msg}", flush=True)
+
+
+def credential() -> dict[str, str] | None:
+    """KAGGLE_USERNAME and KAGGLE_KEY from the kernel's attached Secrets, or None."""
+    try:
+        from kaggle_secrets import UserSecretsClient
+
+        client = UserSecretsClient()
+        return {label: client.get_secret(label) for label in SECRET_LABELS}
+    except Exception as exc:  # noqa: BLE001 - any failure means "no credential here"
+        say(f"no Kaggle credential in this kernel's Secrets ({type(exc).__name__}); "
+            "attach secrets KAGGLE_USERNAME and KAGGLE_KEY to publish from the kernel")
+        return None
+
+
+def retry(what: str, call, attempts: int = 6):
+    for attempt in range(attempts):
+        try:
+            return call()
+        except Exception as exc:  # noqa: BLE001 - 429/5xx/connection errors: back off and retry
+            if attempt == attempts - 1:
+                raise
+            wait = min(30.0, 1.0 * 2**attempt)
+            say(f"{what} failed ({type(exc).__name__}: {str(exc)[:120]}); retrying in {wait:.0f}s")
+            time.sleep(wait)
+
+
+def publish_folder(api, folder: Path, ref: str, title: str, notes: str, dir_mode: str) -> None:
+    (folder / "dataset-metadata.json").write_text(json.dumps(
+        {"id": ref, "title": title, "licenses": [{"name": "CC0-1.0"}]}))
+    try:
+        api.dataset_status(ref)
+        exists = True
+    except Exception:  # noqa: BLE001 - a 404 means it does not exist yet
+        exists = False
+    if exists:
+        result = retry("dataset version", lambda: api.dataset_create_version(
+            str(folder), notes, quiet=True, dir_mode=dir_mode))
+    else:
+        result = retry("dataset create", lambda: api.dataset_create_new(
+            str(folder), public=False, quiet=True, dir_mode=dir_mode))
+    status = getattr(result, "status", None) or (result.get("status") if isinstance(result, dict) else None)
+    error = getattr(result, "error", None) or (result.get("error") if isinstance(result, dict) else None)
+    if str(status).lower() != "ok":
+        raise RuntimeError(f"{ref}: {error or status}")
+
+
+def attached_cache(input_root: Path) -> list[str] | None:
+    for marker in input_root.rglob(CACHE_MARKER) if input_root.is_dir() else []:
+        try:
+            return json.loads(marker.read_text())["entries"]
+        except (OSError, ValueError, KeyError):
+            continue
+    return None
+
+
+def main(config_path: str) -> int:
+    config = json.loads(Path(config_path).read_text())
+    kaggle_cfg = config.get("kaggle") or {}
+    kchain_dir = layout.kchain_dir(os.environ)
+    summary_path = kchain_dir / layout.SUMMARY
+    if os.environ.get(layout.SMOKE_ENV) == "1":
+        return 0  # a smoke run publishes nothing
+    if not kaggle_cfg.get("internet"):
+        say("internet is off for this kernel; `kchain continue` will relay the state from the laptop")
+        return 0
+    if not kaggle_cfg.get("state_dataset"):
+        say("the job has no Kaggle owner, so there is no state dataset to publish to")
+        return 0
+    cred = credential()
+    if cred is None:
+        return 0
+    # The session token Kaggle mounts would take precedence over the user's key (kagglesdk 1.3).
+    os.environ.pop("KAGGLE_API_V1_TOKEN", None)
+    os.environ.update(cred)
+    from kaggle.api.kaggle_api_extended import KaggleApi
+
+    api = KaggleApi()
+    api.authenticate()
+    work = Path(tempfile.mkdtemp(prefix="kchain-publish-"))
+    try:
+        marker = build_state_folder(kchain_dir, work / "state", published="kernel", job=config.get("job"))
+        if marker is None:
+            say("no verified checkpoint in this session's output; nothing to publish")
+            return 0
+        notes = f"kchain session {marker['session']} step {marker['step']}"
+        publish_folder(api, work / "state", kaggle_cfg["state_dataset"], f"{config['job']} state"[:50], notes, "skip")
+        uploaded = sum(p.stat().st_size for p in (work / "state").iterdir() if p.is_file())
+        cache_bytes = 0
+        entries = cache_entries(kchain_dir)
+        if entries and entries != attached_cache(layout.input_root(os.environ)) and kaggle_cfg.get("cache_dataset"):
+            cache_bytes = build_cache_folder(kchain_dir, work / "cache")
+            publish_folder(api, work / "cache", kaggle_cfg["cache_dataset"], f"{config['job']} cache"[:50],
+                           notes, "zip")
+        summary = json.loads(summary_path.read_text()) if summary_path.is_file() else {}
+        summary.update(published="kernel", published_step=marker["step"],
+                       published_bytes=uploaded + cache_bytes)
+        tmp = summary_path.with_name(f".{summary_path.name}.tmp")
+        tmp.write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
+        os.replace(tmp, summary_path)
+        say(f"state at step {marker['step']} is now a new version of {kaggle_cfg['state_dataset']} "
+            f"({uploaded / 1e6:.1f} MB{f', cache {cache_bytes / 1e6:.1f} MB' if cache_bytes else ''})")
+        return 0
+    except Exception as exc:  # noqa: BLE001 - the laptop relay is the fallback; say why
+        say(f"failed: {type(exc).__name__}: {str(exc)[:200]}; `kchain continue` will relay it from the laptop")
+        return 0
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))

@@ -126,3 +126,69 @@ class Ledger:
                 ended = parse_iso(s["ended"]) if s.get("ended") else moment
                 total += max(0.0, (ended - began).total_seconds()) / 3600
         return total
+
+
+# -- what `kchain budget` and `kchain runs` print --------------------------------------------------
+
+
+def session_hours(session: dict[str, Any], moment: datetime | None = None) -> float:
+    if not session.get("started"):
+        return 0.0
+    end = parse_iso(session["ended"]) if session.get("ended") else (moment or now_utc())
+    return max(0.0, (end - parse_iso(session["started"])).total_seconds()) / 3600
+
+
+def budget_lines(ledger: Ledger, weekly_h: float, job: str | None = None, usable_session_h: float = 11.75) -> list[str]:
+    """The week like a quota table, and what the job's remaining steps need at its measured pace."""
+    moment = now_utc()
+    start = week_start(moment)
+    lines = [f"GPU quota week from {iso(start)} (resets Saturday 00:00 UTC)",
+             f"{'session':<34} {'GPU-h':>7} {f'left of {weekly_h:g}':>11}  outcome"]
+    left = weekly_h
+    for name, chain in sorted(ledger.all_sessions().items()):
+        for s in chain:
+            if not s.get("gpu") or not s.get("started") or parse_iso(s["started"]) < start:
+                continue
+            hours = session_hours(s, moment)
+            left -= hours
+            summary = s.get("summary") or {}
+            outcome = summary.get("status") or s["status"].lower()
+            if summary.get("step") is not None:
+                outcome += f" at step {summary['step']}"
+            lines.append(f"{name + ' session ' + str(s['session']):<34} {hours:7.2f} {left:11.2f}  {outcome}")
+    lines.append(f"{max(0.0, left):.2f} GPU-hours left this week.")
+    chain = ledger.sessions(job) if job else []
+    done = [s.get("summary") for s in chain if s.get("summary")]
+    if done:
+        last = done[-1]
+        total, step, pace = last.get("total"), last.get("step") or 0, last.get("steps_per_s")
+        if total and pace:
+            remaining = max(0, total - step)
+            hours = remaining / pace / 3600
+            sessions = int(-(-hours // usable_session_h)) if remaining else 0
+            lines.append(f"{job}: {remaining} steps to go at {pace:.2f} steps/s = {hours:.2f} GPU-h, "
+                         f"{sessions} more session(s)")
+    return lines
+
+
+def best_run(rows: list[dict[str, str]]) -> dict[str, str] | None:
+    scored = [r for r in rows if r.get("val")]
+    try:
+        return min(scored, key=lambda r: float(r["val"])) if scored else None
+    except ValueError:
+        return None
+
+
+def runs_lines(ledger: Ledger) -> list[str]:
+    rows = ledger.runs()
+    lines = [f"{'run':<28} {'date':<20} {'channel':<8} {'job':<18} {'config':<12} {'steps':>6} {'val':>9}  "
+             f"{'checkpoint':<30} note"]
+    for r in rows:
+        lines.append(f"{r['run_id']:<28} {r['date']:<20} {r['channel']:<8} {r['job']:<18} {r['config']:<12} "
+                     f"{r['steps']:>6} {r['val']:>9}  {r['checkpoint']:<30} {r['note']}")
+    best = best_run(rows)
+    if best:
+        lines.append(f"best so far: {best['run_id']} at val {best['val']}, checkpoint {best['checkpoint']}")
+    elif not rows:
+        lines.append("the run log is empty: `kchain smoke job.yaml` writes its first line")
+    return lines

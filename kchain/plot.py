@@ -1,0 +1,53 @@
+"""`kchain plot`: training and validation loss across the whole chain, sessions marked."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from kchain.errors import KchainError
+from kchain.runtime import layout
+
+
+def read_trace(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def newest_trace(chain: list[dict[str, Any]]) -> Path | None:
+    for record in reversed(chain):
+        if record.get("output"):
+            path = Path(record["output"]) / layout.KCHAIN_DIR / layout.METRICS
+            if path.is_file():
+                return path
+    return None
+
+
+def plot_chain(trace: list[dict[str, Any]], boundaries: list[tuple[int, int]], out: Path, title: str) -> Path:
+    """Write a PNG of loss and val_* against step, with a dashed line where each session began."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # headless: no display on a laptop's CI or a server
+    import matplotlib.pyplot as plt
+
+    if not trace:
+        raise KchainError(f"no metrics to plot for {title}; a session must log with run.log(loss=...)")
+    fig, ax = plt.subplots(figsize=(9, 4.5), dpi=110)
+    keys = sorted({k for r in trace for k, v in r.items()
+                   if k not in ("step", "time") and isinstance(v, (int, float)) and ("loss" in k)})
+    for key in keys:
+        points = [(r["step"], r[key]) for r in trace if key in r]
+        style = {"marker": "o", "markersize": 3} if key.startswith("val") else {"linewidth": 1}
+        ax.plot([p[0] for p in points], [p[1] for p in points], label=key, **style)
+    for session, step in boundaries:
+        ax.axvline(step, color="grey", linestyle="--", linewidth=0.8)
+        ax.text(step, ax.get_ylim()[1], f" s{session}", va="top", fontsize=8, color="grey")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.set_title(title)
+    ax.legend()
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out)
+    plt.close(fig)
+    return out

@@ -1,0 +1,162 @@
+"""The Emulator object: a local Kaggle that the unmodified `kaggle` client talks to over HTTP.
+
+    with Emulator(tmp_path / "kaggle", users={"alice": key}) as emu:
+        monkeypatch.setenv(...emu.env("alice"))
+        KaggleApi().kernels_push(folder)
+
+It wires the persistent store, the session runner and the HTTP server together, exposes the fault
+switches (`emu.faults`) and a few read-only views for tests (`sessions()`, `dataset_versions()`,
+`calls`). `serve()` is the blocking form behind `kchain emulator serve`.
+"""
+
+from __future__ import annotations
+
+import secrets as _secrets
+import sys
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from kchain.emulator.faults import Faults
+from kchain.emulator.rpcs import Rpcs
+from kchain.emulator.server import EmulatorHTTPServer, free_closed_port
+from kchain.emulator.sessions import SessionRunner
+from kchain.emulator.state import LIVE, Store
+
+TERMINAL = ("COMPLETE", "ERROR", "CANCEL_ACKNOWLEDGED")
+
+
+class Emulator:
+    def __init__(self, state_dir: str | Path, users: dict[str, str] | None = None,
+                 tokens: dict[str, str] | None = None, session_limit_s: float = 12 * 3600,
+                 gpu_quota_s: float = 30 * 3600, max_gpu_sessions: int = 2,
+                 secrets: dict[str, dict[str, str]] | None = None, port: int = 0,
+                 faults: Faults | None = None, python: str = sys.executable) -> None:
+        self.state_dir = Path(state_dir)
+        self.users = dict(users or {})
+        self.tokens = dict(tokens or {})  # token -> user name
+        self.session_limit_s = session_limit_s
+        self.gpu_quota_s = gpu_quota_s
+        self.max_gpu_sessions = max_gpu_sessions
+        self.secrets = dict(secrets or {})
+        self.faults = faults or Faults()
+        self.port = port
+        self.calls: Counter[str] = Counter()
+        self._calls_lock = threading.Lock()
+        self.store = Store(self.state_dir)
+        self.rpcs = Rpcs(self)
+        self.runner = SessionRunner(self.store, lambda: self.url,
+                                    f"http://127.0.0.1:{free_closed_port()}", python=python)
+        self._server: EmulatorHTTPServer | None = None
+        self._thread: threading.Thread | None = None
+
+    # -- lifecycle ----------------------------------------------------------------------------
+
+    def start(self) -> str:
+        """Serve in a background thread; return the base URL (http://127.0.0.1:PORT)."""
+        lost = self.store.recover_after_restart()
+        self.runner.reap_orphans(lost)
+        self._server = EmulatorHTTPServer(("127.0.0.1", self.port), self)
+        self.port = self._server.server_address[1]
+        self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.1},
+                                        name="kaggle-emulator", daemon=True)
+        self._thread.start()
+        return self.url
+
+    def stop(self) -> None:
+        """Stop serving and kill live sessions; they read as lost when this state is served again."""
+        self.runner.stop()
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+            self._thread = None
+
+    def __enter__(self) -> Emulator:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def env(self, user: str | None = None) -> dict[str, str]:
+        """Environment a client process needs to reach this emulator (with user's key if given)."""
+        env = {"KAGGLE_API_ENVIRONMENT": "LOCALHOST", "HTTP_PROXY": self.url, "http_proxy": self.url,
+               "NO_PROXY": "", "no_proxy": ""}
+        if user is not None:
+            env.update({"KAGGLE_USERNAME": user, "KAGGLE_KEY": self.users[user]})
+        return env
+
+    # -- views for tests ----------------------------------------------------------------------
+
+    def count(self, rpc: str) -> None:
+        with self._calls_lock:
+            self.calls[rpc] += 1
+
+    def sessions(self) -> list[dict[str, Any]]:
+        """Every session: kernel ref, version, status, failure_message, gpu, queued/started/ended times."""
+        with self.store.lock:
+            return [dict(s) for s in sorted(self.store.sessions.values(), key=lambda s: int(s["id"]))]
+
+    def session(self, ref: str, version: int | None = None) -> dict[str, Any]:
+        """The session of kernel ref (owner/slug) at version (default: latest)."""
+        with self.store.lock:
+            versions = self.store.kernels[ref]["versions"]
+            chosen = versions[-1] if version is None else next(v for v in versions if v["number"] == version)
+            return dict(self.store.session(chosen["session"]))
+
+    def wait_session(self, ref: str, version: int | None = None, timeout: float = 60) -> dict[str, Any]:
+        """Block until the session reaches a terminal status; return it."""
+        deadline = time.time() + timeout
+        while True:
+            session = self.session(ref, version)
+            if session["status"] in TERMINAL:
+                return session
+            if time.time() > deadline:
+                raise TimeoutError(f"session of {ref} still {session['status']} after {timeout} s")
+            time.sleep(0.05)
+
+    def live_sessions(self) -> list[dict[str, Any]]:
+        return [s for s in self.sessions() if s["status"] in LIVE]
+
+    def dataset_versions(self, ref: str) -> list[dict[str, Any]]:
+        """Versions of dataset ref: number, created, ready (bool), notes, files [{name, size}]."""
+        with self.store.lock:
+            return [dict(v, ready=self.store.version_ready(v)) for v in self.store.datasets[ref]["versions"]]
+
+    def session_output_dir(self, session_id: str) -> Path:
+        return self.store.session_dir(session_id) / "output"
+
+
+def serve(state_dir: str | Path, port: int = 0, users: dict[str, str] | None = None,
+          tokens: dict[str, str] | None = None, faults: Faults | None = None, out=None, **options: Any) -> None:
+    """Run an emulator in the foreground until interrupted, printing the env lines to export.
+
+    With no users, one user "kchain" with a fresh random key is made up for this run.
+    """
+    out = out or sys.stdout
+    users = dict(users or {})
+    if not users and not tokens:
+        users = {"kchain": _secrets.token_hex(16)}
+    emu = Emulator(state_dir, users=users, tokens=tokens, port=port, faults=faults, **options)
+    emu.start()
+    user = next(iter(users), None)
+    print(f"# Kaggle emulator on {emu.url}, state in {Path(state_dir).resolve()}", file=out)
+    for name, value in emu.env(user).items():
+        print(f"export {name}={value}", file=out)
+    out.flush()
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        emu.stop()

@@ -1,0 +1,68 @@
+"""Fault injection for the emulator: the ways real Kaggle misbehaves, on demand.
+
+One `Faults` object hangs off a running emulator (`emu.faults`); tests change its attributes while
+the emulator runs and the next request or session sees the new values. Every random choice comes
+from one seeded RNG so a failing run can be replayed.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Faults:
+    # Fraction of API calls (POST /api/v1/...) answered 429 with Retry-After: 1, then 500.
+    rate_429: float = 0.0
+    rate_500: float = 0.0
+    # Kill every session pushed from now on this many seconds after it starts.
+    kill_after_s: float | None = None
+    # Or at a time drawn uniformly from (low, high) seconds after it starts.
+    kill_random_s: tuple[float, float] | None = None
+    # Upload PUTs that carry bytes are cut off after reading half their body: the 1st, the
+    # (N+1)th, ... (1 = every one).
+    drop_upload_every: int = 0
+    # New dataset versions stay "processing" (BLOBS_RECEIVED) for this many seconds.
+    processing_s: float = 0.0
+    # A session killed by its limit or by a fault leaves no output, like a lost VM.
+    lose_output: bool = False
+    seed: int = 0
+    _rng: random.Random = field(default=None, init=False, repr=False)  # type: ignore[assignment]
+    _rng_seed: int | None = field(default=None, init=False, repr=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
+    _uploads_seen: int = field(default=0, init=False, repr=False)
+
+    def _random(self) -> float:
+        with self._lock:
+            if self._rng is None or self._rng_seed != self.seed:
+                self._rng, self._rng_seed = random.Random(self.seed), self.seed
+            return self._rng.random()
+
+    def api_fault(self) -> int | None:
+        """The HTTP status to answer this API call with instead of serving it, or None."""
+        if self.rate_429 <= 0 and self.rate_500 <= 0:
+            return None
+        draw = self._random()
+        if draw < self.rate_429:
+            return 429
+        if draw < self.rate_429 + self.rate_500:
+            return 500
+        return None
+
+    def drop_this_upload(self) -> bool:
+        if self.drop_upload_every <= 0:
+            return False
+        with self._lock:
+            self._uploads_seen += 1
+            return (self._uploads_seen - 1) % self.drop_upload_every == 0
+
+    def kill_at(self) -> float | None:
+        """Seconds after start at which a session starting now is killed, or None."""
+        if self.kill_after_s is not None:
+            return float(self.kill_after_s)
+        if self.kill_random_s is not None:
+            low, high = self.kill_random_s
+            return low + (high - low) * self._random()
+        return None

@@ -1,0 +1,425 @@
+"""The Kaggle RPCs the emulator serves, on the emulator's store.
+
+Each handler takes the authenticated user name and the JSON request body (camelCase, defaults
+omitted, as the client sends it) and returns the JSON response body, or raises ApiError. Enums go
+out by name. Shapes follow docs/reference kaggle-api.md section 3.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+import zipfile
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from kchain.emulator.state import LIVE, iso, new_secret
+
+if TYPE_CHECKING:
+    from kchain.emulator.app import Emulator
+
+GPU_SHAPE_PREFIXES = ("Nvidia",)
+
+
+class ApiError(Exception):
+    def __init__(self, code: int, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+class Redirect(Exception):
+    def __init__(self, location: str) -> None:
+        super().__init__(location)
+        self.location = location
+
+
+def week_start(now: float) -> float:
+    """Epoch seconds of the last Saturday 00:00 UTC (when Kaggle's GPU quota resets)."""
+    day = datetime.fromtimestamp(now, timezone.utc).replace(hour=0, minute=0, second=0, microsecond=0)
+    return (day - timedelta(days=(day.weekday() - 5) % 7)).timestamp()
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds:.3f}s"
+
+
+def _version_label(body: dict[str, Any]) -> int | None:
+    label = body.get("versionLabel")
+    if not label:
+        return None
+    if not (label.startswith("v") and label[1:].isdigit()):
+        raise ApiError(404, f"Version {label!r} not found; versions are labelled vN")
+    return int(label[1:])
+
+
+class Rpcs:
+    def __init__(self, emu: Emulator) -> None:
+        self.emu = emu
+        self.store = emu.store
+
+    # -- helpers ------------------------------------------------------------------------------
+
+    def _own(self, user: str, owner: str, what: str) -> None:
+        if owner != user:
+            raise ApiError(403, f"Permission denied: {user} cannot write {what} owned by {owner}")
+
+    def _kernel(self, user: str, body: dict[str, Any]) -> dict[str, Any]:
+        ref = f"{body.get('userName') or user}/{body.get('kernelSlug', '')}"
+        kernel = self.store.kernels.get(ref)
+        if kernel is None or (kernel["is_private"] and kernel["owner"] != user):
+            raise ApiError(404, f"Kernel {ref} not found")
+        return kernel
+
+    def _kernel_version(self, kernel: dict[str, Any], number: int | None) -> dict[str, Any]:
+        versions = kernel["versions"]
+        if not versions:
+            raise ApiError(404, f"Kernel {kernel['ref']} has no versions")
+        if number is None:
+            return versions[-1]
+        for version in versions:
+            if version["number"] == number:
+                return version
+        raise ApiError(404, f"Kernel {kernel['ref']} has no version {number}")
+
+    def _dataset(self, user: str, owner: str | None, slug: str | None) -> dict[str, Any]:
+        ref = f"{owner or user}/{slug or ''}"
+        dataset = self.store.datasets.get(ref)
+        if dataset is None or (dataset["is_private"] and dataset["owner"] != user):
+            raise ApiError(404, f"Dataset {ref} not found")
+        return dataset
+
+    def _ready_version(self, dataset: dict[str, Any], number: int | None) -> dict[str, Any]:
+        """The version to read: the one asked for if it is ready, else the latest ready one."""
+        versions = [v for v in dataset["versions"] if self.store.version_ready(v)]
+        if number is not None:
+            versions = [v for v in versions if v["number"] == number]
+        if not versions:
+            which = f"version {number}" if number is not None else "a ready version"
+            raise ApiError(404, f"Dataset {dataset['ref']} has no {which}")
+        return versions[-1]
+
+    def _gpu_used_s(self, user: str, now: float) -> float:
+        start = week_start(now)
+        used = 0.0
+        for s in self.store.sessions.values():
+            if s["owner"] != user or not s["gpu"] or not s.get("started"):
+                continue
+            end = s.get("ended") or now
+            used += max(0.0, end - max(s["started"], start))
+        return used
+
+    # -- kernels ------------------------------------------------------------------------------
+
+    def SaveKernel(self, user: str, body: dict[str, Any]) -> dict[str, Any]:
+        emu, store = self.emu, self.store
+        with store.lock:
+            kernel = None
+            if body.get("id"):
+                kernel = next((k for k in store.kernels.values() if k["id"] == body["id"]), None)
+                if kernel is None:
+                    raise ApiError(404, f"Kernel id {body['id']} not found")
+                owner, slug = kernel["owner"], kernel["slug"]
+            else:
+                raw = body.get("slug") or ""
+                owner, slug = raw.split("/", 1) if "/" in raw else (user, raw)
+                if not slug:
+                    raise ApiError(400, "A kernel slug (metadata id) is required")
+                kernel = store.kernels.get(f"{owner}/{slug}")
+            self._own(user, owner, "kernels")
+            if not body.get("text"):
+                raise ApiError(400, "The kernel has no source text")
+
+            shape = body.get("machineShape") or ""
+            gpu = bool(body.get("enableGpu")) or shape.startswith(GPU_SHAPE_PREFIXES)
+            run = body.get("kernelExecutionType") != "QUICK_SAVE"
+            now = time.time()
+            if run and gpu:
+                live = [s for s in store.sessions.values() if s["owner"] == user and s["gpu"] and s["status"] in LIVE]
+                if len(live) >= emu.max_gpu_sessions:
+                    return {"error": f"Maximum batch GPU session count of {emu.max_gpu_sessions} reached"}
+                used = self._gpu_used_s(user, now)
+                if used >= emu.gpu_quota_s:
+                    return {"error": (f"GPU quota exceeded: {used / 3600:.2f} of {emu.gpu_quota_s / 3600:.2f} hours "
+                                      f"used this week; the quota resets Saturday 00:00 UTC")}
+
+            valid_ds, invalid_ds = [], []
+            for source in body.get("datasetDataSources", []):
+                parts = source.split("/")
+                dataset = store.datasets.get("/".join(parts[:2])) if len(parts) in (2, 3) else None
+                ok = dataset is not None and (not dataset["is_private"] or dataset["owner"] == user)
+                if ok and len(parts) == 3:
+                    ok = parts[2].isdigit() and any(v["number"] == int(parts[2]) for v in dataset["versions"])
+                (valid_ds if ok else invalid_ds).append(source)
+            valid_ks, invalid_ks = [], []
+            for source in body.get("kernelDataSources", []):
+                ref = "/".join(source.split("/")[:2])
+                ok = ref in store.kernels or ref == f"{owner}/{slug}"
+                (valid_ks if ok else invalid_ks).append(source)
+
+            if kernel is None:
+                kernel = {"id": store.next_id(), "ref": f"{owner}/{slug}", "owner": owner, "slug": slug,
+                          "title": body.get("newTitle") or slug, "versions": []}
+                store.kernels[kernel["ref"]] = kernel
+            elif body.get("newTitle"):
+                kernel["title"] = body["newTitle"]
+            kernel.update({
+                "language": body.get("language", "python"), "kernel_type": body.get("kernelType", "notebook"),
+                "is_private": body.get("isPrivate", False), "enable_gpu": bool(body.get("enableGpu")),
+                "enable_tpu": bool(body.get("enableTpu")), "enable_internet": bool(body.get("enableInternet", False)),
+                "machine_shape": shape, "dataset_sources": valid_ds, "kernel_sources": valid_ks,
+                "competition_sources": body.get("competitionDataSources", []),
+                "model_sources": body.get("modelDataSources", []), "category_ids": body.get("categoryIds", []),
+                "docker_image": body.get("dockerImage", ""), "last_run": now,
+            })
+            number = len(kernel["versions"]) + 1
+            session_id = str(store.next_id())
+            limit = emu.session_limit_s
+            if body.get("sessionTimeoutSeconds"):
+                limit = min(limit, int(body["sessionTimeoutSeconds"]))
+            session = {
+                "id": session_id, "kernel": kernel["ref"], "owner": owner, "version": number, "gpu": gpu,
+                "kernel_type": kernel["kernel_type"], "dataset_sources": valid_ds, "limit_s": limit,
+                "status": "QUEUED" if run else "COMPLETE", "failure_message": "", "queued": now,
+                "started": None, "ended": None if run else now, "output_sig": new_secret(), "run": run,
+                # Faults are fixed at push time so a test can change them right after a push.
+                "kill_at": emu.faults.kill_at() if run else None, "lose_output": emu.faults.lose_output,
+            }
+            sdir = store.session_dir(session_id)
+            sdir.mkdir(parents=True)
+            (sdir / "source").write_text(body["text"], encoding="utf-8")
+            (sdir / "output").mkdir() if not run else None
+            store.sessions[session_id] = session
+            kernel["versions"].append({"number": number, "session": session_id, "created": now})
+            store.save()
+        if run:
+            emu.runner.launch(session_id)
+        return {"ref": f"/code/{owner}/{slug}", "url": f"{emu.url}/code/{owner}/{slug}", "versionNumber": number,
+                "kernelId": kernel["id"], "invalidDatasetSources": invalid_ds, "invalidKernelSources": invalid_ks}
+
+    def GetKernelSessionStatus(self, user: str, body: dict[str, Any]) -> dict[str, Any]:
+        kernel = self._kernel(user, body)
+        version = self._kernel_version(kernel, _version_label(body))
+        session = self.store.session(version["session"])
+        answer = {"status": session["status"]}
+        if session["failure_message"]:
+            answer["failureMessage"] = session["failure_message"]
+        return answer
+
+    def ListKernelSessionOutput(self, user: str, body: dict[str, Any]) -> dict[str, Any]:
+        kernel = self._kernel(user, body)
+        version = self._kernel_version(kernel, _version_label(body))
+        session = self.store.session(version["session"])
+        sdir = self.store.session_dir(session["id"])
+        output = sdir / "output"
+        names = sorted(str(p.relative_to(output)) for p in output.rglob("*") if p.is_file()) if output.exists() else []
+        size = int(body.get("pageSize") or 0) or len(names) or 1
+        start = int(body.get("pageToken") or 0)
+        page = names[start:start + size]
+        base = f"{self.emu.url}/out/{session['output_sig']}"
+        answer: dict[str, Any] = {"files": [{"url": f"{base}/{name}", "fileName": name} for name in page]}
+        if start + size < len(names):
+            answer["nextPageToken"] = str(start + size)
+        if not body.get("pageToken"):
+            log = sdir / "log.json"
+            answer["log"] = log.read_text(encoding="utf-8") if log.exists() else ""
+        return answer
+
+    def GetKernel(self, user: str, body: dict[str, Any]) -> dict[str, Any]:
+        kernel = self._kernel(user, body)
+        version = self._kernel_version(kernel, _version_label(body))
+        source = (self.store.session_dir(version["session"]) / "source").read_text(encoding="utf-8")
+        metadata = {
+            "id": kernel["id"], "ref": kernel["ref"], "title": kernel["title"], "author": kernel["owner"],
+            "slug": kernel["slug"], "language": kernel["language"], "kernelType": kernel["kernel_type"],
+            "isPrivate": kernel["is_private"], "enableGpu": kernel["enable_gpu"], "enableTpu": kernel["enable_tpu"],
+            "enableInternet": kernel["enable_internet"], "categoryIds": kernel["category_ids"],
+            "datasetDataSources": kernel["dataset_sources"], "kernelDataSources": kernel["kernel_sources"],
+            "competitionDataSources": kernel["competition_sources"], "modelDataSources": kernel["model_sources"],
+            "currentVersionNumber": kernel["versions"][-1]["number"], "lastRunTime": iso(kernel["last_run"]),
+        }
+        if kernel["machine_shape"]:
+            metadata["machineShape"] = kernel["machine_shape"]
+        if kernel["docker_image"]:
+            metadata["dockerImage"] = kernel["docker_image"]
+        return {"metadata": metadata, "blob": {"source": source, "language": kernel["language"],
+                                                "kernelType": kernel["kernel_type"], "slug": kernel["slug"]}}
+
+    def GetAcceleratorQuotaStatistics(self, user: str, body: dict[str, Any]) -> dict[str, Any]:
+        now = time.time()
+        return {
+            "quotaRefreshTime": iso(week_start(now) + 7 * 86400),
+            "gpuQuota": {"timeUsed": _duration(self._gpu_used_s(user, now)),
+                         "totalTimeAllowed": _duration(self.emu.gpu_quota_s)},
+            "tpuQuota": {"timeUsed": _duration(0), "totalTimeAllowed": _duration(20 * 3600)},
+        }
+
+    # -- blobs --------------------------------------------------------------------------------
+
+    def StartBlobUpload(self, user: str, body: dict[str, Any]) -> dict[str, Any]:
+        name = body.get("name") or ""
+        if not name or "/" in name or name in (".", ".."):
+            raise ApiError(400, f"Invalid blob name {name!r}")
+        token, upload_id = f"blob-{new_secret()}", new_secret()
+        with self.store.lock:
+            self.store.blobs[token] = {"owner": user, "name": name, "size": int(body.get("contentLength") or 0),
+                                       "upload_id": upload_id, "received": 0, "complete": False,
+                                       "created": time.time()}
+            self.store.blob_path(token).write_bytes(b"")
+            self.store.save()
+        return {"token": token, "createUrl": f"{self.emu.url}/upload/{upload_id}"}
+
+    # -- datasets -----------------------------------------------------------------------------
+
+    def GetDatasetStatus(self, user: str, body: dict[str, Any]) -> dict[str, Any]:
+        dataset = self._dataset(user, body.get("ownerSlug"), body.get("datasetSlug"))
+        latest = dataset["versions"][-1]
+        return {"status": "READY" if self.store.version_ready(latest) else "BLOBS_RECEIVED"}
+
+    def GetDataset(self, user: str, body: dict[str, Any]) -> dict[str, Any]:
+        dataset = self._dataset(user, body.get("ownerSlug"), body.get("datasetSlug"))
+        latest = dataset["versions"][-1]
+        return {"id": dataset["id"], "ref": dataset["ref"], "title": dataset["title"],
+                "subtitle": dataset.get("subtitle", ""), "url": f"{self.emu.url}/datasets/{dataset['ref']}",
+                "ownerName": dataset["owner"], "ownerRef": dataset["owner"], "isPrivate": dataset["is_private"],
+                "licenseName": dataset["license"], "currentVersionNumber": latest["number"],
+                "totalBytes": sum(f["size"] for f in latest["files"]), "lastUpdated": iso(latest["created"])}
+
+    def _new_version(self, user: str, dataset: dict[str, Any], files: list[dict[str, Any]], notes: str) -> None:
+        """Materialise a version from uploaded blobs; uploaded zips become folders, as on Kaggle."""
+        tokens = [f.get("token", "") for f in files]
+        blobs = []
+        for token in tokens:
+            blob = self.store.blobs.get(token)
+            if blob is None or blob["owner"] != user:
+                raise ApiError(400, f"Unknown upload token {token!r}")
+            if not blob["complete"]:
+                raise ApiError(400, f"Upload {blob['name']!r} is incomplete")
+            blobs.append((token, blob))
+        number = len(dataset["versions"]) + 1
+        dest = self.store.version_files_dir(dataset["ref"], number)
+        if dest.exists():
+            shutil.rmtree(dest)
+        dest.mkdir(parents=True)
+        for token, blob in blobs:
+            src = self.store.blob_path(token)
+            if blob["name"].lower().endswith(".zip") and zipfile.is_zipfile(src):
+                folder = dest / blob["name"][:-4]
+                with zipfile.ZipFile(src) as zf:
+                    for member in zf.infolist():
+                        target = (folder / member.filename).resolve()
+                        if not str(target).startswith(str(folder.resolve())):
+                            raise ApiError(400, f"Zip {blob['name']!r} has an unsafe member {member.filename!r}")
+                    zf.extractall(folder)
+            else:
+                shutil.copyfile(src, dest / blob["name"])
+        now = time.time()
+        listing = [{"name": str(p.relative_to(dest)), "size": p.stat().st_size}
+                   for p in sorted(dest.rglob("*")) if p.is_file()]
+        dataset["versions"].append({"number": number, "created": now, "ready_at": now + self.emu.faults.processing_s,
+                                    "notes": notes, "files": listing, "sig": new_secret()})
+
+    def CreateDataset(self, user: str, body: dict[str, Any]) -> dict[str, Any]:
+        owner, slug = body.get("ownerSlug") or user, body.get("slug") or ""
+        self._own(user, owner, "datasets")
+        ref = f"{owner}/{slug}"
+        with self.store.lock:
+            if ref in self.store.datasets:
+                return {"status": "error", "error": f'The requested slug "{slug}" is already in use by a dataset.'}
+            dataset = {"id": self.store.next_id(), "ref": ref, "owner": owner, "slug": slug,
+                       "title": body.get("title") or slug, "subtitle": body.get("subtitle", ""),
+                       "license": body.get("licenseName", "unknown"), "is_private": bool(body.get("isPrivate")),
+                       "versions": []}
+            self._new_version(user, dataset, body.get("files", []), "Initial release")
+            self.store.datasets[ref] = dataset
+            self.store.save()
+        return {"ref": ref, "url": f"{self.emu.url}/datasets/{ref}", "status": "ok"}
+
+    def _create_version(self, user: str, dataset: dict[str, Any], body: dict[str, Any]) -> dict[str, Any]:
+        self._own(user, dataset["owner"], "datasets")
+        with self.store.lock:
+            first = dataset["versions"][0]
+            if not self.store.version_ready(first):
+                raise ApiError(403, f"Dataset {dataset['ref']} is still processing its first version; "
+                                    "try again when its status is ready")
+            inner = body.get("body") or {}
+            self._new_version(user, dataset, inner.get("files", []), inner.get("versionNotes", ""))
+            if inner.get("subtitle"):
+                dataset["subtitle"] = inner["subtitle"]
+            self.store.save()
+        return {"ref": dataset["ref"], "url": f"{self.emu.url}/datasets/{dataset['ref']}", "status": "ok"}
+
+    def CreateDatasetVersion(self, user: str, body: dict[str, Any]) -> dict[str, Any]:
+        return self._create_version(user, self._dataset(user, body.get("ownerSlug"), body.get("datasetSlug")), body)
+
+    def CreateDatasetVersionById(self, user: str, body: dict[str, Any]) -> dict[str, Any]:
+        dataset = next((d for d in self.store.datasets.values() if d["id"] == body.get("id")), None)
+        if dataset is None or (dataset["is_private"] and dataset["owner"] != user):
+            raise ApiError(404, f"Dataset id {body.get('id')} not found")
+        return self._create_version(user, dataset, body)
+
+    def DownloadDataset(self, user: str, body: dict[str, Any]) -> dict[str, Any]:
+        dataset = self._dataset(user, body.get("ownerSlug"), body.get("datasetSlug"))
+        version = self._ready_version(dataset, body.get("datasetVersionNumber"))
+        base = f"{self.emu.url}/dl/{version['sig']}"
+        name = body.get("fileName")
+        if name:
+            if not any(f["name"] == name for f in version["files"]):
+                raise ApiError(404, f"File {name!r} not found in {dataset['ref']}")
+            raise Redirect(f"{base}/file/{name}")
+        raise Redirect(f"{base}/{dataset['slug']}.zip")
+
+    def ListDatasetFiles(self, user: str, body: dict[str, Any]) -> dict[str, Any]:
+        dataset = self._dataset(user, body.get("ownerSlug"), body.get("datasetSlug"))
+        version = self._ready_version(dataset, body.get("datasetVersionNumber"))
+        size = int(body.get("pageSize") or 20)
+        start = int(body.get("pageToken") or 0)
+        page = version["files"][start:start + size]
+        answer: dict[str, Any] = {"datasetFiles": [
+            {"ref": f"{dataset['ref']}/{f['name']}", "name": f["name"], "totalBytes": f["size"],
+             "creationDate": iso(version["created"]), "datasetRef": dataset["ref"], "ownerRef": dataset["owner"]}
+            for f in page]}
+        if start + size < len(version["files"]):
+            answer["nextPageToken"] = str(start + size)
+        return answer
+
+    # -- file serving (pre-signed URLs) --------------------------------------------------------
+
+    def dataset_zip(self, sig: str) -> tuple[Path, float] | None:
+        """(zip path, version time) for a download signature; the zip is built once and cached."""
+        for dataset in self.store.datasets.values():
+            for version in dataset["versions"]:
+                if version["sig"] == sig:
+                    files = self.store.version_files_dir(dataset["ref"], version["number"])
+                    path = files.parent / "download.zip"
+                    if not path.exists():
+                        tmp = files.parent / ".download.zip.tmp"
+                        with zipfile.ZipFile(tmp, "w", zipfile.ZIP_DEFLATED) as zf:
+                            for f in version["files"]:
+                                zf.write(files / f["name"], f["name"])
+                        tmp.replace(path)
+                    return path, version["created"]
+        return None
+
+    def dataset_file(self, sig: str, name: str) -> tuple[Path, float] | None:
+        for dataset in self.store.datasets.values():
+            for version in dataset["versions"]:
+                if version["sig"] == sig and any(f["name"] == name for f in version["files"]):
+                    return self.store.version_files_dir(dataset["ref"], version["number"]) / name, version["created"]
+        return None
+
+    def output_file(self, sig: str, name: str) -> tuple[Path, float] | None:
+        for session in self.store.sessions.values():
+            if session["output_sig"] == sig:
+                output = (self.store.session_dir(session["id"]) / "output").resolve()
+                path = (output / name).resolve()
+                if path.is_file() and str(path).startswith(str(output) + "/"):
+                    return path, session.get("ended") or time.time()
+        return None
+
+    def user_secret(self, token: str, label: str) -> str | None:
+        user = self.emu.runner.secret_tokens.get(token)
+        if user is None:
+            return None
+        return self.emu.secrets.get(user, {}).get(label)

@@ -1,0 +1,256 @@
+"""HTTP front of the emulator: routing, auth, injected faults, uploads and file serving.
+
+The unmodified client reaches it in two ways: with KAGGLE_API_ENVIRONMENT=LOCALHOST and
+HTTP_PROXY pointing here it sends absolute-form requests (`POST http://localhost/api/v1/...`);
+anything else sends origin-form ones (`POST /api/v1/...`). Both are routed the same way.
+
+Routes:
+    POST /api/v1/<service>/<Rpc>                 an RPC (auth: Basic user:key or Bearer token)
+    POST /requests/GetUserSecretByLabelRequest   Kaggle secrets, for sessions (auth: session token)
+    PUT  /upload/<upload id>                     blob upload, GCS resumable protocol (pre-signed)
+    GET  /out/<sig>/<file>                       a session output file (pre-signed)
+    GET  /dl/<sig>/<slug>.zip, /dl/<sig>/file/<name>   dataset downloads (pre-signed)
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+import re
+import socket
+from email.utils import formatdate
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+from urllib.parse import unquote, urlsplit
+
+from kchain.emulator.rpcs import ApiError, Redirect
+
+if TYPE_CHECKING:
+    from kchain.emulator.app import Emulator
+
+RPC_PATH = re.compile(r"^(?:/api)?/v1/(?P<service>[\w.]+)/(?P<rpc>\w+)$")
+CHUNK = 1 << 20
+
+
+class EmulatorHTTPServer(ThreadingHTTPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+
+    def __init__(self, address: tuple[str, int], emu: Emulator) -> None:
+        self.emu = emu
+        super().__init__(address, Handler)
+
+
+class Handler(BaseHTTPRequestHandler):
+    server: EmulatorHTTPServer
+    protocol_version = "HTTP/1.1"
+    server_version = "kchain-emulator"
+    sys_version = ""
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - stdlib signature
+        pass  # the call counters are the log; stderr noise would bury test output
+
+    # -- plumbing -----------------------------------------------------------------------------
+
+    @property
+    def emu(self) -> Emulator:
+        return self.server.emu
+
+    def _target(self) -> tuple[str, str]:
+        """(path, query) of an origin-form or absolute-form request target."""
+        parts = urlsplit(self.path)
+        return unquote(parts.path), parts.query
+
+    def _body(self) -> bytes:
+        length = int(self.headers.get("Content-Length") or 0)
+        return self.rfile.read(length) if length else b""
+
+    def _send(self, code: int, body: bytes = b"", content_type: str = "application/json",
+              headers: dict[str, str] | None = None) -> None:
+        self.send_response(code)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(body)))
+        for name, value in (headers or {}).items():
+            self.send_header(name, value)
+        self.end_headers()
+        if body and self.command != "HEAD":
+            self.wfile.write(body)
+
+    def _json(self, code: int, payload: dict[str, Any], headers: dict[str, str] | None = None) -> None:
+        self._send(code, json.dumps(payload).encode(), headers=headers)
+
+    def _error(self, code: int, message: str, headers: dict[str, str] | None = None) -> None:
+        self._json(code, {"code": code, "message": message}, headers)
+
+    def _user(self) -> str | None:
+        auth = self.headers.get("Authorization") or ""
+        scheme, _, value = auth.partition(" ")
+        if scheme.lower() == "basic":
+            try:
+                name, _, key = base64.b64decode(value).decode().partition(":")
+            except (binascii.Error, UnicodeDecodeError):
+                return None
+            return name if key and self.emu.users.get(name) == key else None
+        if scheme.lower() == "bearer":
+            return self.emu.tokens.get(value.strip())
+        return None
+
+    # -- verbs --------------------------------------------------------------------------------
+
+    def do_POST(self) -> None:
+        path, _ = self._target()
+        body = self._body()
+        try:
+            request = json.loads(body or b"{}")
+        except ValueError:
+            return self._error(400, "The request body is not JSON")
+        if path == "/requests/GetUserSecretByLabelRequest":
+            return self._secret(request)
+        match = RPC_PATH.match(path)
+        if not match:
+            return self._error(404, f"No such endpoint: {path}")
+        rpc = match["rpc"]
+        self.emu.count(rpc)
+        fault = self.emu.faults.api_fault()
+        if fault == 429:
+            return self._error(429, "TooManyRequests", {"Retry-After": "1"})
+        if fault == 500:
+            return self._error(500, "Internal error (injected)")
+        if rpc == "IntrospectToken":
+            user = self.emu.tokens.get(str(request.get("token", "")))
+            return self._json(200, {"active": True, "username": user} if user else {"active": False})
+        user = self._user()
+        if user is None:
+            return self._error(401, "Unauthenticated: missing or invalid Kaggle credentials")
+        handler = getattr(self.emu.rpcs, rpc, None)
+        if handler is None or rpc.startswith("_"):
+            return self._error(404, f"Unknown RPC {match['service']}/{rpc}")
+        try:
+            answer = handler(user, request)
+        except ApiError as e:
+            return self._error(e.code, e.message)
+        except Redirect as r:
+            return self._send(302, b"", "text/plain", {"Location": r.location})
+        self._json(200, answer)
+
+    def _secret(self, request: dict[str, Any]) -> None:
+        secret = self.emu.rpcs.user_secret(str(request.get("JWE", "")), str(request.get("Label", "")))
+        if secret is None:
+            return self._json(200, {"wasSuccessful": False, "errors": ["No secret with that label for this session"]})
+        self._json(200, {"wasSuccessful": True, "result": {"secret": secret}})
+
+    def do_PUT(self) -> None:
+        path, _ = self._target()
+        match = re.fullmatch(r"/upload/([\w-]+)", path)
+        store = self.emu.store
+        with store.lock:
+            found = [(t, b) for t, b in store.blobs.items() if match and b["upload_id"] == match[1]]
+        if not found:
+            self._body()
+            return self._error(404, "Upload not found or expired")
+        token, blob = found[0]
+        length = int(self.headers.get("Content-Length") or 0)
+        content_range = self.headers.get("Content-Range") or ""
+        if content_range.startswith("bytes */"):  # resumable-upload status probe
+            self._body()
+            self.emu.count("upload_probe")
+            if blob["complete"]:
+                return self._json(200, {"token": token})
+            headers = {"Range": f"bytes=0-{blob['received'] - 1}"} if blob["received"] else {}
+            return self._send(308, b"", "text/plain", headers)
+        start = 0
+        ranged = re.fullmatch(r"bytes (\d+)-(\d+)/(\d+)", content_range)
+        if ranged:
+            start = int(ranged[1])
+            self.emu.count("upload_resume")
+            if start > blob["received"]:
+                self._body()
+                return self._error(400, f"Content-Range starts at {start}, only {blob['received']} bytes received")
+        drop = length > 1 and self.emu.faults.drop_this_upload()
+        budget = length // 2 if drop else length
+        self.emu.count("upload_drop" if drop else "upload_put")
+        received = start
+        with open(store.blob_path(token), "r+b") as f:
+            f.seek(start)
+            f.truncate()
+            while budget > 0:
+                chunk = self.rfile.read(min(CHUNK, budget))
+                if not chunk:
+                    break
+                f.write(chunk)
+                budget -= len(chunk)
+                received += len(chunk)
+        with store.lock:
+            blob["received"] = received
+            blob["complete"] = not drop and received >= blob["size"]
+            store.save()
+        if drop:
+            self.close_connection = True
+            try:
+                # RST, not FIN: the client sees a reset mid-body, as with a dropped link.
+                self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+                self.connection.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            return None
+        if not blob["complete"]:
+            return self._send(308, b"", "text/plain", {"Range": f"bytes=0-{received - 1}"} if received else {})
+        self._json(200, {"token": token})
+
+    def do_GET(self) -> None:
+        path, _ = self._target()
+        rpcs = self.emu.rpcs
+        found: tuple[Path, float] | None = None
+        name = "file"
+        if m := re.fullmatch(r"/out/([\w-]+)/(.+)", path):
+            found, name = rpcs.output_file(m[1], m[2]), m[2]
+        elif m := re.fullmatch(r"/dl/([\w-]+)/file/(.+)", path):
+            found, name = rpcs.dataset_file(m[1], m[2]), m[2]
+        elif m := re.fullmatch(r"/dl/([\w-]+)/[^/]+\.zip", path):
+            found, name = rpcs.dataset_zip(m[1]), "x.zip"
+        if found is None:
+            return self._error(404, f"Not found: {path}")
+        self._file(found[0], found[1], "application/zip" if name.endswith(".zip") else "application/octet-stream")
+
+    do_HEAD = do_GET
+
+    def _file(self, path: Path, modified: float, content_type: str) -> None:
+        size = path.stat().st_size
+        start, end, code = 0, size - 1, 200
+        ranged = re.fullmatch(r"bytes=(\d+)-(\d*)", self.headers.get("Range") or "")
+        if ranged and int(ranged[1]) < size:
+            start, code = int(ranged[1]), 206
+            end = min(int(ranged[2]), size - 1) if ranged[2] else size - 1
+        self.send_response(code)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(end - start + 1 if size else 0))
+        self.send_header("Last-Modified", formatdate(modified, usegmt=True))
+        self.send_header("Accept-Ranges", "bytes")
+        if code == 206:
+            self.send_header("Content-Range", f"bytes {start}-{end}/{size}")
+        self.end_headers()
+        if self.command == "HEAD" or not size:
+            return
+        with open(path, "rb") as f:
+            f.seek(start)
+            left = end - start + 1
+            while left > 0:
+                chunk = f.read(min(CHUNK, left))
+                if not chunk:
+                    break
+                self.wfile.write(chunk)
+                left -= len(chunk)
+
+
+def serve_forever_in(server: EmulatorHTTPServer) -> None:
+    server.serve_forever(poll_interval=0.1)
+
+
+def free_closed_port() -> int:
+    """A local port with nothing listening (for sessions whose internet is off)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+

@@ -1,0 +1,305 @@
+"""Running pushed notebooks as local sessions with Kaggle's limits.
+
+Each session is a real process tree: `python -m kchain.local run NOTEBOOK --root ROOT --log-jsonl
+LOG` (the same executor as `kchain smoke`) in its own process group, inside a sandbox laid out like
+/kaggle. A watcher thread per session enforces the time limit and injected kills with SIGKILL on
+the whole tree, then captures ROOT/working as the version's output and the log in Kaggle's format.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import stat
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from kchain.emulator.state import Store, new_secret
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+# Kaggle images ship this module; ours talks to the emulator's secrets endpoint the same way.
+KAGGLE_SECRETS_PY = '''"""Kaggle user secrets, as the Kaggle images provide them (emulator copy)."""
+import json
+import os
+import urllib.request
+
+
+class CredentialError(Exception):
+    pass
+
+
+class BackendError(Exception):
+    pass
+
+
+class UserSecretsClient:
+    def __init__(self):
+        self._token = os.environ.get("KAGGLE_USER_SECRETS_TOKEN")
+        if not self._token:
+            raise CredentialError("A user secrets token is required (KAGGLE_USER_SECRETS_TOKEN is not set)")
+        self._url = os.environ.get("KAGGLE_URL_BASE", "https://www.kaggle.com").rstrip("/")
+
+    def get_secret(self, label):
+        body = json.dumps({"Label": label, "JWE": self._token}).encode()
+        request = urllib.request.Request(
+            self._url + "/requests/GetUserSecretByLabelRequest", data=body,
+            headers={"Content-Type": "application/json"}, method="POST")
+        try:
+            with urllib.request.urlopen(request, timeout=30) as response:
+                answer = json.loads(response.read().decode())
+        except Exception as e:
+            raise BackendError("Unexpected response from the service: %s" % e) from e
+        if not answer.get("wasSuccessful"):
+            raise BackendError("Unexpected response from the service: %s" % answer)
+        return answer["result"]["secret"]
+'''
+
+# Kaggle credentials of the emulator's own process must never leak into a session.
+_SCRUBBED_ENV = ("KAGGLE_USERNAME", "KAGGLE_KEY", "KAGGLE_API_TOKEN", "KAGGLE_CONFIG_DIR", "KAGGLE_TOKEN",
+                 "HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "NO_PROXY",
+                 "http_proxy", "https_proxy", "all_proxy", "no_proxy")
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL a process and all its descendants (a session death is a real process death)."""
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        procs = []
+    try:
+        os.killpg(pid, signal.SIGKILL)  # started with start_new_session: pgid == pid
+    except (ProcessLookupError, PermissionError):
+        pass
+    for proc in procs:
+        try:
+            proc.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(procs, timeout=5)
+
+
+def _make_read_only(top: Path) -> None:
+    for dirpath, _dirnames, filenames in os.walk(top, topdown=False):
+        for name in filenames:
+            os.chmod(os.path.join(dirpath, name), stat.S_IRUSR | stat.S_IRGRP | stat.S_IROTH)
+        os.chmod(dirpath, stat.S_IRUSR | stat.S_IXUSR | stat.S_IRGRP | stat.S_IXGRP | stat.S_IROTH | stat.S_IXOTH)
+
+
+def remove_tree(top: Path) -> None:
+    """rmtree that first makes read-only inputs writable again."""
+    if not top.exists():
+        return
+    for dirpath, _dirnames, _filenames in os.walk(top):
+        os.chmod(dirpath, stat.S_IRWXU)
+    shutil.rmtree(top, ignore_errors=True)
+
+
+def kaggle_log(log_jsonl: Path) -> str:
+    """The executor's JSON lines as Kaggle's log: one JSON array of {stream_name, time, data}."""
+    entries = []
+    if log_jsonl.exists():
+        for line in log_jsonl.read_text(encoding="utf-8", errors="replace").splitlines():
+            try:
+                entry = json.loads(line)
+            except ValueError:
+                continue  # a line torn by the kill
+            entries.append({"stream_name": entry.get("stream_name", "stdout"),
+                            "time": entry.get("time", 0.0), "data": entry.get("data", "")})
+    return json.dumps(entries)
+
+
+def as_notebook(text: str, kernel_type: str) -> str:
+    """A script kernel becomes a one-cell notebook so the one executor can run it."""
+    if kernel_type == "notebook":
+        return text
+    return json.dumps({
+        "cells": [{"cell_type": "code", "execution_count": None, "metadata": {}, "outputs": [], "source": text}],
+        "metadata": {"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}},
+        "nbformat": 4, "nbformat_minor": 5,
+    })
+
+
+class SessionRunner:
+    """Starts, watches and finishes sessions; owned by the Emulator."""
+
+    def __init__(self, store: Store, proxy_url: Callable[[], str], closed_proxy_url: str,
+                 python: str = sys.executable) -> None:
+        self.store = store
+        self.proxy_url = proxy_url
+        self.closed_proxy_url = closed_proxy_url
+        self.python = python
+        self.secret_tokens: dict[str, str] = {}  # per-session secrets token -> user
+        self._threads: dict[str, threading.Thread] = {}
+        self._procs: dict[str, subprocess.Popen[bytes]] = {}
+        self._stopping = threading.Event()
+
+    # -- lifecycle ----------------------------------------------------------------------------
+
+    def launch(self, session_id: str) -> None:
+        thread = threading.Thread(target=self._run, args=(session_id,), name=f"session-{session_id}", daemon=True)
+        self._threads[session_id] = thread
+        thread.start()
+
+    def stop(self) -> None:
+        """Kill every live session without recording an end: after a restart they read as lost."""
+        self._stopping.set()
+        for proc in list(self._procs.values()):
+            kill_tree(proc.pid)
+        for thread in list(self._threads.values()):
+            thread.join(timeout=10)
+
+    def reap_orphans(self, sessions: list[dict[str, Any]]) -> None:
+        """Kill processes of sessions lost by a crashed emulator, if they are still alive."""
+        for session in sessions:
+            pid, created = session.get("pid"), session.get("pid_created")
+            if not pid:
+                continue
+            try:
+                if abs(psutil.Process(pid).create_time() - created) < 1:
+                    kill_tree(pid)
+            except psutil.NoSuchProcess:
+                pass
+
+    # -- one session ----------------------------------------------------------------------------
+
+    def _env(self, session: dict[str, Any], kernel: dict[str, Any], sdir: Path, root: Path) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if k not in _SCRUBBED_ENV}
+        home = sdir / "home"
+        (home / ".kaggle").mkdir(parents=True, exist_ok=True)
+        lib = sdir / "lib"
+        lib.mkdir(exist_ok=True)
+        (lib / "kaggle_secrets.py").write_text(KAGGLE_SECRETS_PY)
+        paths = [str(lib), str(REPO_ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
+        env.update({
+            "HOME": str(home), "KAGGLE_CONFIG_DIR": str(home / ".kaggle"), "PYTHONPATH": os.pathsep.join(paths),
+            "KCHAIN_ROOT": str(root), "KAGGLE_KERNEL_RUN_TYPE": "Batch", "PYTHONUNBUFFERED": "1",
+        })
+        if kernel.get("enable_internet", True):
+            proxy = self.proxy_url()
+            token = new_secret()
+            self.secret_tokens[token] = session["owner"]
+            env.update({"HTTP_PROXY": proxy, "http_proxy": proxy, "NO_PROXY": "", "no_proxy": "",
+                        "KAGGLE_API_ENVIRONMENT": "LOCALHOST", "KAGGLE_USER_SECRETS_TOKEN": token,
+                        "KAGGLE_URL_BASE": "http://localhost"})
+        else:
+            dead = self.closed_proxy_url
+            env.update({name: dead for name in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY",
+                                                "http_proxy", "https_proxy", "all_proxy")})
+            env.pop("KAGGLE_API_ENVIRONMENT", None)
+        return env
+
+    def _mount_inputs(self, session: dict[str, Any], root: Path) -> list[str]:
+        """Copy each attached dataset version under input/datasets/<owner>/<slug>/, read-only."""
+        mounted = []
+        for source in session["dataset_sources"]:
+            parts = source.split("/")
+            ref = "/".join(parts[:2])
+            dataset = self.store.datasets.get(ref)
+            if dataset is None:
+                continue
+            ready = [v for v in dataset["versions"] if self.store.version_ready(v)]
+            if len(parts) == 3:
+                ready = [v for v in ready if v["number"] == int(parts[2])]
+            if not ready:
+                continue
+            version = ready[-1]
+            dest = root / "input" / "datasets" / ref
+            shutil.copytree(self.store.version_files_dir(ref, version["number"]), dest)
+            _make_read_only(dest)
+            mounted.append(f"{ref}/{version['number']}")
+        return mounted
+
+    def _update(self, session_id: str, **fields: Any) -> None:
+        with self.store.lock:
+            self.store.session(session_id).update(fields)
+            self.store.save()
+
+    def _run(self, session_id: str) -> None:
+        try:
+            self._run_session(session_id)
+        except Exception as e:  # a bug here must not leave the session RUNNING forever
+            if not self._stopping.is_set():
+                self._update(session_id, status="ERROR", ended=time.time(),
+                             failure_message=f"emulator error: {type(e).__name__}: {e}")
+        finally:
+            self._procs.pop(session_id, None)
+
+    def _run_session(self, session_id: str) -> None:
+        session = self.store.session(session_id)
+        kernel = self.store.kernels[session["kernel"]]
+        sdir = self.store.session_dir(session_id)
+        root = sdir / "root"
+        (root / "input").mkdir(parents=True, exist_ok=True)
+        (root / "working").mkdir(parents=True, exist_ok=True)
+        notebook = sdir / "kernel.ipynb"
+        notebook.write_text(as_notebook((sdir / "source").read_text(encoding="utf-8"), session["kernel_type"]))
+        log_jsonl = sdir / "log.jsonl"
+        mounted = self._mount_inputs(session, root)
+        env = self._env(session, kernel, sdir, root)
+        kill_at, lose_output = session["kill_at"], session["lose_output"]
+        if self._stopping.is_set():
+            return
+        with open(sdir / "stdout.txt", "wb") as out, open(sdir / "stderr.txt", "wb") as err:
+            proc = subprocess.Popen(
+                [self.python, "-m", "kchain.local", "run", str(notebook), "--root", str(root),
+                 "--log-jsonl", str(log_jsonl)],
+                cwd=root / "working", env=env, stdout=out, stderr=err, stdin=subprocess.DEVNULL,
+                start_new_session=True)
+        self._procs[session_id] = proc
+        started = time.time()
+        try:
+            created = psutil.Process(proc.pid).create_time()
+        except psutil.NoSuchProcess:
+            created = None
+        self._update(session_id, status="RUNNING", started=started, pid=proc.pid, pid_created=created,
+                     mounted=mounted)
+
+        limit = session["limit_s"]
+        deadline, reason = started + limit, f"Session exceeded its time limit of {limit:g} seconds and was stopped"
+        if kill_at is not None and kill_at < limit:
+            deadline, reason = started + kill_at, f"Session was killed (fault injection after {kill_at:.1f} s)"
+        killed = False
+        while proc.poll() is None:
+            if self._stopping.is_set():
+                return  # stop() kills the tree; the record stays RUNNING and reads as lost on restart
+            if time.time() >= deadline:
+                kill_tree(proc.pid)
+                proc.wait()
+                killed = True
+                break
+            time.sleep(0.05)
+        kill_tree(proc.pid)  # stray grandchildren of a finished notebook die with the session
+        if self._stopping.is_set():
+            return
+        ended = time.time()
+
+        output = sdir / "output"
+        working = root / "working"
+        if killed and lose_output:
+            output.mkdir(exist_ok=True)
+        else:
+            os.replace(working, output)
+        log = kaggle_log(log_jsonl)
+        (sdir / "log.json").write_text(log, encoding="utf-8")
+        remove_tree(root)
+
+        if killed:
+            status, message = "ERROR", reason
+        elif proc.returncode == 0:
+            status, message = "COMPLETE", ""
+        else:
+            lines = [ln for ln in (sdir / "stderr.txt").read_text(errors="replace").splitlines() if ln.strip()]
+            status, message = "ERROR", (lines[-1].strip() if lines else f"exit code {proc.returncode}")
+        self._update(session_id, status=status, failure_message=message, ended=ended,
+                     returncode=proc.returncode, output_lost=killed and lose_output)

@@ -1,0 +1,121 @@
+"""The emulator's persistent store: one JSON document plus the files it points at.
+
+Layout of the state folder:
+
+    state.json                          kernels, datasets, sessions, blobs (written atomically)
+    blobs/<token>                       uploaded bytes (possibly partial)
+    datasets/<owner>/<slug>/<N>/files/  a dataset version's files, zips already unpacked
+    sessions/<id>/                      notebook, log, sandbox while running, output/ after
+
+Every mutation happens under `store.lock` and ends with `store.save()`, so a crash loses at most
+the call in flight and a restarted emulator sees what the last answer promised.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import threading
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+LIVE = ("QUEUED", "RUNNING")
+
+
+def atomic_write(path: Path, data: bytes) -> None:
+    """Write data to path so that readers see either the old or the new file, never a torn one."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def iso(ts: float) -> str:
+    """Epoch seconds as the ISO string the client parses ("2025-01-02T03:04:05.123Z")."""
+    return datetime.fromtimestamp(ts, timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%f")[:-3] + "Z"
+
+
+def new_secret() -> str:
+    return secrets.token_urlsafe(24)
+
+
+class Store:
+    def __init__(self, root: Path) -> None:
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+        for sub in ("blobs", "datasets", "sessions"):
+            (self.root / sub).mkdir(exist_ok=True)
+        self.path = self.root / "state.json"
+        self.lock = threading.RLock()
+        self.data: dict[str, Any] = {"next_id": 1, "kernels": {}, "datasets": {}, "sessions": {}, "blobs": {}}
+        if self.path.exists():
+            self.data.update(json.loads(self.path.read_text()))
+
+    def save(self) -> None:
+        with self.lock:
+            atomic_write(self.path, json.dumps(self.data, indent=1, sort_keys=True).encode())
+
+    def next_id(self) -> int:
+        with self.lock:
+            value = self.data["next_id"]
+            self.data["next_id"] = value + 1
+            return value
+
+    # -- paths ------------------------------------------------------------------------------
+
+    def blob_path(self, token: str) -> Path:
+        return self.root / "blobs" / token
+
+    def version_files_dir(self, ref: str, number: int) -> Path:
+        return self.root / "datasets" / ref / str(number) / "files"
+
+    def session_dir(self, session_id: int | str) -> Path:
+        return self.root / "sessions" / str(session_id)
+
+    # -- lookups ----------------------------------------------------------------------------
+
+    @property
+    def kernels(self) -> dict[str, Any]:
+        return self.data["kernels"]
+
+    @property
+    def datasets(self) -> dict[str, Any]:
+        return self.data["datasets"]
+
+    @property
+    def sessions(self) -> dict[str, Any]:
+        return self.data["sessions"]
+
+    @property
+    def blobs(self) -> dict[str, Any]:
+        return self.data["blobs"]
+
+    def session(self, session_id: int | str) -> dict[str, Any]:
+        return self.sessions[str(session_id)]
+
+    def version_ready(self, version: dict[str, Any], now: float | None = None) -> bool:
+        return (now or time.time()) >= version["ready_at"]
+
+    def recover_after_restart(self) -> list[dict[str, Any]]:
+        """Mark sessions that were live when the emulator went away as lost; return them."""
+        lost = []
+        with self.lock:
+            for session in self.sessions.values():
+                if session["status"] in LIVE:
+                    session["status"] = "ERROR"
+                    session["failure_message"] = "session lost: emulator restarted"
+                    session["ended"] = session.get("ended") or time.time()
+                    lost.append(session)
+            if lost:
+                self.save()
+        return lost

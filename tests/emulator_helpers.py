@@ -1,0 +1,87 @@
+"""Shared fixtures for tests that need a Kaggle: the local emulator and throwaway credentials.
+
+Credentials are made at run time (a random key per test), never committed. Use in a test module:
+
+    from emulator_helpers import emulator, kaggle_api, write_kernel  # noqa: F401  (fixtures)
+
+    def test_x(emulator, kaggle_api, tmp_path):
+        write_kernel(tmp_path / "k", "alice/hello-world", ["print('hi')"])
+        kaggle_api.kernels_push(str(tmp_path / "k"))
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kchain.emulator import Emulator
+
+USER = "alice"
+
+
+def fake_key() -> str:
+    """A fresh random key in the shape of a Kaggle API key."""
+    return secrets.token_hex(16)
+
+
+@pytest.fixture
+def emulator(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Emulator]:
+    """A running emulator with user alice (random key), short limits, and the client env pointed at it."""
+    emu = Emulator(tmp_path / "kaggle-state", users={USER: fake_key()}, session_limit_s=60,
+                   gpu_quota_s=30 * 3600, max_gpu_sessions=2)
+    emu.start()
+    for name, value in emu.env(USER).items():
+        monkeypatch.setenv(name, value)
+    try:
+        yield emu
+    finally:
+        emu.stop()
+
+
+@pytest.fixture
+def kaggle_api(emulator: Emulator) -> Any:
+    """The official client, authenticated against the emulator as alice."""
+    from kaggle.api.kaggle_api_extended import KaggleApi
+
+    api = KaggleApi()
+    api.authenticate()
+    return api
+
+
+def notebook_json(cells: list[str]) -> str:
+    return json.dumps({
+        "cells": [{"cell_type": "code", "execution_count": None, "metadata": {}, "outputs": [], "source": c}
+                  for c in cells],
+        "metadata": {"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}},
+        "nbformat": 4, "nbformat_minor": 5,
+    })
+
+
+def write_kernel(folder: Path, ref: str, cells: list[str], **metadata: Any) -> Path:
+    """A kernel folder (notebook + kernel-metadata.json) that `kernels_push` accepts."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "kernel.ipynb").write_text(notebook_json(cells))
+    meta = {"id": ref, "title": ref.split("/")[1].replace("-", " ").title(), "code_file": "kernel.ipynb",
+            "language": "python", "kernel_type": "notebook", "is_private": True, "enable_gpu": False,
+            "enable_internet": False}
+    meta.update(metadata)
+    (folder / "kernel-metadata.json").write_text(json.dumps(meta))
+    return folder
+
+
+def write_dataset(folder: Path, ref: str, files: dict[str, bytes | str], title: str | None = None) -> Path:
+    """A dataset folder (files + dataset-metadata.json) for dataset_create_new / _version."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, content in files.items():
+        path = folder / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(content if isinstance(content, bytes) else content.encode())
+    meta = {"id": ref, "title": title or ref.split("/")[1].replace("-", " ").title(),
+            "licenses": [{"name": "CC0-1.0"}]}
+    (folder / "dataset-metadata.json").write_text(json.dumps(meta))
+    return folder

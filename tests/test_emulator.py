@@ -1,0 +1,313 @@
+# ruff: noqa: F811  (the shared fixtures are imported, then requested by name)
+"""The local Kaggle, driven by the unmodified `kaggle` client over real HTTP."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import time
+import zipfile
+from pathlib import Path
+
+import psutil
+import pytest
+import requests
+from emulator_helpers import USER, emulator, fake_key, kaggle_api, write_dataset, write_kernel  # noqa: F401
+
+from kchain.emulator import Emulator
+
+KAGGLE_CLI = Path(sys.executable).parent / "kaggle"
+
+
+def _status(api, ref: str, version: int | None = None) -> str:
+    return api.kernels_status(f"{ref}/{version}" if version else ref).status.name
+
+
+def test_push_runs_the_notebook_and_its_output_and_log_download(emulator, kaggle_api, tmp_path):
+    write_dataset(tmp_path / "ds", "alice/input-data", {"a.txt": "hello"})
+    kaggle_api.dataset_create_new(str(tmp_path / "ds"), quiet=True)
+    cell = (
+        "import os, json, pathlib\n"
+        "inp = pathlib.Path(os.environ['KCHAIN_ROOT']) / 'input/datasets/alice/input-data/a.txt'\n"
+        "writable = bool(inp.stat().st_mode & 0o222) or bool(inp.parent.stat().st_mode & 0o222)\n"
+        "keys = sorted(k for k in os.environ if k in ('KAGGLE_KEY', 'KAGGLE_USERNAME', 'KAGGLE_API_TOKEN'))\n"
+        "pathlib.Path('sub').mkdir()\n"
+        "pathlib.Path('sub/result.json').write_text(json.dumps({'input': inp.read_text(), 'writable': writable,\n"
+        "    'run_type': os.environ['KAGGLE_KERNEL_RUN_TYPE'], 'cred_keys': keys}))\n"
+        "print('hello from the session')"
+    )
+    write_kernel(tmp_path / "k", "alice/hello-session", [cell], dataset_sources=["alice/input-data"])
+    pushed = kaggle_api.kernels_push(str(tmp_path / "k"))
+    assert pushed.error == "" and pushed.version_number == 1
+    assert _status(kaggle_api, "alice/hello-session", 1) in ("QUEUED", "RUNNING")
+
+    assert emulator.wait_session("alice/hello-session")["status"] == "COMPLETE"
+    assert _status(kaggle_api, "alice/hello-session", 1) == "COMPLETE"
+    files, _ = kaggle_api.kernels_output("alice/hello-session/1", str(tmp_path / "out"))
+    result = json.loads((tmp_path / "out/sub/result.json").read_text())
+    assert result == {"input": "hello", "writable": False, "run_type": "Batch", "cred_keys": []}
+    log = json.loads((tmp_path / "out/hello-session.log").read_text())
+    assert any("hello from the session" in entry["data"] for entry in log)
+    assert {"stream_name", "time", "data"} <= set(log[0])
+    assert str(tmp_path / "out/hello-session.log") in files
+
+    pulled = tmp_path / "pulled"
+    kaggle_api.kernels_pull("alice/hello-session", str(pulled), metadata=True)
+    meta = json.loads((pulled / "kernel-metadata.json").read_text())
+    assert meta["dataset_sources"] == ["alice/input-data"]
+    assert "hello from the session" in (pulled / meta["code_file"]).read_text()
+
+
+def test_session_is_killed_at_its_time_limit(emulator, kaggle_api, tmp_path):
+    write_kernel(tmp_path / "k", "alice/sleepy-kernel", ["import time\ntime.sleep(120)"])
+    kaggle_api.kernels_push(str(tmp_path / "k"), timeout="2")
+    session = emulator.wait_session("alice/sleepy-kernel", timeout=30)
+    assert session["status"] == "ERROR" and "time limit of 2 seconds" in session["failure_message"]
+    assert not psutil.pid_exists(session["pid"]) or psutil.Process(session["pid"]).status() == "zombie"
+    status = kaggle_api.kernels_status("alice/sleepy-kernel")
+    assert status.status.name == "ERROR" and "time limit" in status.failure_message
+
+
+def test_injected_kills_and_lost_output(emulator, kaggle_api, tmp_path):
+    cell = "import time, pathlib\npathlib.Path('partial.txt').write_text('x')\ntime.sleep(120)"
+    emulator.faults.kill_after_s = 2.0
+    emulator.faults.lose_output = True
+    write_kernel(tmp_path / "a", "alice/killed-kernel", [cell])
+    kaggle_api.kernels_push(str(tmp_path / "a"))
+    emulator.faults.kill_after_s = None
+    emulator.faults.lose_output = False
+    emulator.faults.kill_random_s = (1.5, 2.5)
+    write_kernel(tmp_path / "b", "alice/random-kill", [cell])
+    kaggle_api.kernels_push(str(tmp_path / "b"))
+
+    lost = emulator.wait_session("alice/killed-kernel", timeout=30)
+    kept = emulator.wait_session("alice/random-kill", timeout=30)
+    for session in (lost, kept):
+        assert session["status"] == "ERROR" and "fault injection" in session["failure_message"]
+    assert 1.5 <= kept["kill_at"] <= 2.5
+    files, _ = kaggle_api.kernels_output("alice/killed-kernel", str(tmp_path / "out-lost"))
+    assert [Path(f).name for f in files] == ["killed-kernel.log"]
+    kaggle_api.kernels_output("alice/random-kill", str(tmp_path / "out-kept"))
+    assert (tmp_path / "out-kept/partial.txt").read_text() == "x"
+
+
+def test_bad_or_missing_credentials_get_401(emulator, monkeypatch):
+    monkeypatch.setenv("KAGGLE_KEY", fake_key())
+    from kaggle.api.kaggle_api_extended import KaggleApi
+
+    api = KaggleApi()
+    api.authenticate()
+    with pytest.raises(requests.HTTPError) as info:
+        api.dataset_status("alice/whatever-data")
+    assert info.value.response.status_code == 401
+    answer = requests.post("http://localhost/api/v1/datasets.DatasetApiService/GetDatasetStatus", json={},
+                           proxies={"http": emulator.url})
+    assert answer.status_code == 401 and answer.json()["code"] == 401
+    assert answer.headers["Content-Type"] == "application/json"
+
+
+def test_dataset_processing_then_ready_download_and_list(emulator, kaggle_api, tmp_path):
+    emulator.faults.processing_s = 1.5
+    folder = write_dataset(tmp_path / "ds", "alice/chain-state", {"state.json": '{"step": 1}', "ckpt/last.pt": b"\0" * 10})
+    created = kaggle_api.dataset_create_new(str(folder), quiet=True, dir_mode="zip")
+    assert created.status == "ok"
+    assert kaggle_api.dataset_status("alice/chain-state") == "blobs_received"
+    with pytest.raises(requests.HTTPError) as info:
+        kaggle_api.dataset_create_version(str(folder), "too early", quiet=True, dir_mode="zip")
+    assert info.value.response.status_code == 403
+    with pytest.raises(requests.HTTPError) as info:
+        kaggle_api.dataset_list_files("alice/chain-state/1")
+    assert info.value.response.status_code == 404
+
+    deadline = time.time() + 10
+    while kaggle_api.dataset_status("alice/chain-state") != "ready" and time.time() < deadline:
+        time.sleep(0.2)
+    emulator.faults.processing_s = 0
+    (folder / "state.json").write_text('{"step": 2}')
+    assert kaggle_api.dataset_create_version(str(folder), "session 2", quiet=True, dir_mode="zip").status == "ok"
+    assert json.loads(kaggle_api.dataset_status("alice/chain-state", format="json")) == {
+        "status": "ready", "current_version_number": 2}
+
+    kaggle_api.dataset_download_files("alice/chain-state/1", str(tmp_path / "dl1"), unzip=True, quiet=True)
+    assert (tmp_path / "dl1/state.json").read_text() == '{"step": 1}'
+    assert (tmp_path / "dl1/ckpt/last.pt").read_bytes() == b"\0" * 10
+    kaggle_api.dataset_download_files("alice/chain-state", str(tmp_path / "dl2"), quiet=True)
+    with zipfile.ZipFile(tmp_path / "dl2/chain-state.zip") as zf:
+        assert zf.read("state.json") == b'{"step": 2}'
+    listed = kaggle_api.dataset_list_files("alice/chain-state/2")
+    assert sorted((f.name, f.total_bytes) for f in listed.files) == [("ckpt/last.pt", 10), ("state.json", 11)]
+    assert [v["notes"] for v in emulator.dataset_versions("alice/chain-state")] == ["Initial release", "session 2"]
+    with pytest.raises(requests.HTTPError) as info:
+        kaggle_api.dataset_status("alice/no-such-data")
+    assert info.value.response.status_code == 404
+
+
+def test_upload_resumes_after_a_dropped_connection(emulator, kaggle_api, tmp_path):
+    data = os.urandom(2_000_000)
+    folder = write_dataset(tmp_path / "ds", "alice/big-upload", {"blob.bin": data})
+    emulator.faults.drop_upload_every = 2  # the first PUT is cut off; the client's own retry goes through
+    assert kaggle_api.dataset_create_new(str(folder), quiet=True).status == "ok"
+    assert emulator.calls["upload_drop"] == 1
+
+    # A client that dies mid-upload resumes next time with the `bytes */N` probe and a ranged PUT.
+    emulator.faults.drop_upload_every = 1
+    cmd = [str(KAGGLE_CLI), "datasets", "version", "-p", str(folder), "-m", "v2"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 30
+    while emulator.calls["upload_drop"] < 2 and time.time() < deadline:
+        time.sleep(0.05)
+    proc.kill()
+    proc.wait()
+    assert emulator.calls["upload_drop"] >= 2
+    emulator.faults.drop_upload_every = 0
+    starts = emulator.calls["StartBlobUpload"]
+    assert kaggle_api.dataset_create_version(str(folder), "v2", quiet=True).status == "ok"
+    assert emulator.calls["StartBlobUpload"] == starts
+    assert emulator.calls["upload_probe"] == 1 and emulator.calls["upload_resume"] == 1
+    kaggle_api.dataset_download_files("alice/big-upload/2", str(tmp_path / "dl"), unzip=True, quiet=True)
+    assert hashlib.sha256((tmp_path / "dl/blob.bin").read_bytes()).digest() == hashlib.sha256(data).digest()
+
+
+def test_api_faults_reach_the_client(emulator, kaggle_api, tmp_path):
+    emulator.faults.rate_429 = 1.0
+    with pytest.raises(requests.HTTPError) as info:
+        kaggle_api.kernels_status("alice/any-kernel")
+    assert info.value.response.status_code == 429 and info.value.response.headers["Retry-After"] == "1"
+    emulator.faults.rate_429, emulator.faults.rate_500 = 0.0, 1.0
+    with pytest.raises(requests.HTTPError) as info:
+        kaggle_api.dataset_status("alice/any-dataset")
+    assert info.value.response.status_code == 500
+
+    # The client retries 429 on the create RPCs (honouring Retry-After) and gets through.
+    folder = write_dataset(tmp_path / "ds", "alice/flaky-create", {"a.txt": "a"})
+    emulator.faults.rate_500, emulator.faults.rate_429, emulator.faults.seed = 0.0, 0.5, 3
+    before = sum(emulator.calls.values())
+    assert kaggle_api.dataset_create_new(str(folder), quiet=True).status == "ok"
+    emulator.faults.rate_429 = 0.0
+    assert sum(emulator.calls.values()) - before > 3  # status + upload start + create, some of them twice
+    assert emulator.dataset_versions("alice/flaky-create")[0]["files"] == [{"name": "a.txt", "size": 1}]
+
+
+def test_gpu_concurrency_cap_and_weekly_quota(emulator, kaggle_api, tmp_path):
+    sleeper = ["import time\ntime.sleep(120)"]
+    for name in ("gpu-one-run", "gpu-two-run"):
+        write_kernel(tmp_path / name, f"alice/{name}", sleeper, enable_gpu=True)
+        assert kaggle_api.kernels_push(str(tmp_path / name), timeout="3").error == ""
+    write_kernel(tmp_path / "third", "alice/gpu-three-run", sleeper, machine_shape="NvidiaTeslaT4")
+    refused = kaggle_api.kernels_push(str(tmp_path / "third"))
+    assert refused.error == "Maximum batch GPU session count of 2 reached"
+    write_kernel(tmp_path / "cpu", "alice/cpu-only-run", ["print(1)"])
+    assert kaggle_api.kernels_push(str(tmp_path / "cpu")).error == ""  # CPU sessions are not capped
+
+    for name in ("gpu-one-run", "gpu-two-run"):
+        emulator.wait_session(f"alice/{name}", timeout=30)
+    emulator.gpu_quota_s = 4  # two sessions of ~3 s used ~6 s of GPU time this week
+    refused = kaggle_api.kernels_push(str(tmp_path / "third"))
+    assert "GPU quota exceeded" in refused.error
+    quota = kaggle_api.quota_view()
+    assert quota.gpu_quota.time_used.total_seconds() >= 4
+    assert quota.quota_refresh_time.weekday() == 5  # Saturday 00:00 UTC
+
+
+def test_state_survives_a_restart(tmp_path, monkeypatch):
+    key = fake_key()
+    state = tmp_path / "state"
+    emu = Emulator(state, users={USER: key}, session_limit_s=60)
+    emu.start()
+    for name, value in emu.env(USER).items():
+        monkeypatch.setenv(name, value)
+    from kaggle.api.kaggle_api_extended import KaggleApi
+
+    api = KaggleApi()
+    api.authenticate()
+    api.dataset_create_new(str(write_dataset(tmp_path / "ds", "alice/kept-data", {"a.txt": "kept"})), quiet=True)
+    write_kernel(tmp_path / "done", "alice/done-kernel", ["open('o.txt', 'w').write('done')"])
+    api.kernels_push(str(tmp_path / "done"))
+    emu.wait_session("alice/done-kernel")
+    write_kernel(tmp_path / "live", "alice/live-kernel", ["import time\ntime.sleep(120)"])
+    api.kernels_push(str(tmp_path / "live"))
+    deadline = time.time() + 30
+    while emu.session("alice/live-kernel")["status"] != "RUNNING" and time.time() < deadline:
+        time.sleep(0.05)
+    pid = emu.session("alice/live-kernel")["pid"]
+    emu.stop()
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == "zombie"
+
+    with Emulator(state, users={USER: key}) as again:
+        for name, value in again.env(USER).items():
+            monkeypatch.setenv(name, value)
+        api = KaggleApi()
+        api.authenticate()
+        live = api.kernels_status("alice/live-kernel")
+        assert live.status.name == "ERROR" and live.failure_message == "session lost: emulator restarted"
+        assert api.kernels_status("alice/done-kernel").status.name == "COMPLETE"
+        api.kernels_output("alice/done-kernel", str(tmp_path / "out"))
+        assert (tmp_path / "out/o.txt").read_text() == "done"
+        api.dataset_download_files("alice/kept-data", str(tmp_path / "dl"), unzip=True, quiet=True)
+        assert (tmp_path / "dl/a.txt").read_text() == "kept"
+
+
+def test_kaggle_cli_subprocess_reads_status(emulator, kaggle_api, tmp_path):
+    write_kernel(tmp_path / "k", "alice/quick-saved", ["print(1)"])
+    kaggle_api.kernels_push(str(tmp_path / "k"), no_run=True)
+    done = subprocess.run([str(KAGGLE_CLI), "kernels", "status", "alice/quick-saved"],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert 'alice/quick-saved has status "KernelWorkerStatus.COMPLETE"' in done.stdout
+    assert emulator.calls["GetKernelSessionStatus"] == 1
+
+
+def test_token_auth_uses_introspection(tmp_path, monkeypatch):
+    token = f"KGAT_{fake_key()}"
+    with Emulator(tmp_path / "state", tokens={token: USER}) as emu:
+        for name, value in emu.env().items():
+            monkeypatch.setenv(name, value)
+        monkeypatch.setenv("KAGGLE_API_TOKEN", token)
+        from kaggle.api.kaggle_api_extended import KaggleApi
+
+        api = KaggleApi()
+        api.authenticate()
+        assert emu.calls["IntrospectToken"] == 1 and api.config_values["username"] == USER
+        write_kernel(tmp_path / "k", "alice/token-pushed", ["print(1)"])
+        assert api.kernels_push(str(tmp_path / "k"), no_run=True).version_number == 1
+
+        monkeypatch.setenv("KAGGLE_API_TOKEN", f"KGAT_{fake_key()}")
+        monkeypatch.setenv("KAGGLE_USERNAME", USER)
+        monkeypatch.setenv("KAGGLE_KEY", fake_key())
+        api = KaggleApi()
+        api.authenticate()
+        with pytest.raises(requests.HTTPError) as info:
+            api.dataset_status("alice/any-dataset")
+        assert info.value.response.status_code == 401
+
+
+def test_internet_secrets_and_offline_sessions(tmp_path, monkeypatch):
+    key, secret = fake_key(), fake_key()
+    with Emulator(tmp_path / "state", users={USER: key}, secrets={USER: {"KAGGLE_KEY": secret}}) as emu:
+        for name, value in emu.env(USER).items():
+            monkeypatch.setenv(name, value)
+        from kaggle.api.kaggle_api_extended import KaggleApi
+
+        api = KaggleApi()
+        api.authenticate()
+        online = ("import hashlib, pathlib\nfrom kaggle_secrets import UserSecretsClient\n"
+                  "s = UserSecretsClient().get_secret('KAGGLE_KEY')\n"
+                  "pathlib.Path('digest.txt').write_text(hashlib.sha256(s.encode()).hexdigest())")
+        offline = ("import pathlib, urllib.request\ntry:\n    urllib.request.urlopen('http://localhost/', timeout=5)\n"
+                   "    r = 'reached'\nexcept Exception as e:\n    r = 'blocked'\npathlib.Path('net.txt').write_text(r)")
+        write_kernel(tmp_path / "on", "alice/online-kernel", [online], enable_internet=True)
+        write_kernel(tmp_path / "off", "alice/offline-kernel", [offline], enable_internet=False)
+        api.kernels_push(str(tmp_path / "on"))
+        api.kernels_push(str(tmp_path / "off"))
+        assert emu.wait_session("alice/online-kernel")["status"] == "COMPLETE"
+        assert emu.wait_session("alice/offline-kernel")["status"] == "COMPLETE"
+        api.kernels_output("alice/online-kernel", str(tmp_path / "on-out"))
+        api.kernels_output("alice/offline-kernel", str(tmp_path / "off-out"))
+        assert (tmp_path / "on-out/digest.txt").read_text() == hashlib.sha256(secret.encode()).hexdigest()
+        assert (tmp_path / "off-out/net.txt").read_text() == "blocked"
+        for path in (tmp_path / "state").rglob("*"):
+            if path.is_file():
+                assert secret.encode() not in path.read_bytes() and key.encode() not in path.read_bytes()

@@ -294,6 +294,15 @@ def smoke(job_path: Path, echo: Echo = print, quiet_training: bool = False) -> S
                 "NoMetrics", "nothing was logged; call run.log(loss=...) every step", "step",
                 "the smoke compares logged losses to prove the resume",
             )
+        elif max((r[0] for r in rows), default=0) <= resume_step or not any(
+            rec["step"] > resume_step for rec in resumed
+        ):
+            failure = diagnose.Failure(
+                "ResumeNotExercised",
+                f"no step after the checkpoint at step {resume_step} was compared",
+                "resume",
+                f"run.steps(total) must allow at least {2 * steps} steps in a smoke run",
+            )
         elif first is not None:
             cause = likely_cause(first, resume_step)
             failure = diagnose.Failure(

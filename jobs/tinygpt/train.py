@@ -84,8 +84,9 @@ def main(run):
     torch.manual_seed(p.seed)
     data = run.stage("notes", {"n_notes": max(200, int(p.n_notes * run.fraction)), "seed": p.seed}, make_notes)
     vocab_size = len(data["vocab"])
-    train = torch.from_numpy(np.ascontiguousarray(data["train"]).reshape(-1))
-    val = torch.from_numpy(np.ascontiguousarray(data["val"]).reshape(-1))
+    # np.array copies out of the read-only memory map the cache hands back.
+    train = torch.from_numpy(np.array(data["train"]).reshape(-1))
+    val = torch.from_numpy(np.array(data["val"]).reshape(-1))
 
     # Batches are random windows of the training stream, drawn from a generator the checkpoint holds.
     batches = torch.Generator().manual_seed(p.seed)

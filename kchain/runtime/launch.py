@@ -45,7 +45,7 @@ def main(argv: list[str]) -> int:
     try:
         run = Run(config, os.environ, started=PROCESS_START)
         module_name, _, func_name = config["entry"].partition(":")
-        run.stage = "build"
+        run.phase = "build"
         entry = getattr(importlib.import_module(module_name), func_name or "main")
         entry(run)
         if run.status == "running":  # main returned without finishing run.steps (e.g. broke out)
@@ -56,7 +56,7 @@ def main(argv: list[str]) -> int:
         print("[kchain] interrupted", flush=True)
     except BaseException as e:
         traceback.print_exc()
-        stage = run.stage if run is not None else "build"
+        stage = run.phase if run is not None else "build"
         error = {"type": type(e).__name__, "message": _first_line(e), "stage": stage}
         if run is not None:
             run.status = "crashed"

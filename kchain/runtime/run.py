@@ -151,7 +151,7 @@ class Run:
         self.session = 1
         self.resumed_from: int | None = None
         self.status = "running"
-        self.stage = "build"  # what the code is doing, for a crash report
+        self.phase = "build"  # what the code is doing, for a crash report
         self.metrics: dict = {}
         self.best: dict | None = None
         self._tracked: dict[str, object] = {}
@@ -237,12 +237,12 @@ class Run:
         return data.subset(items, self.fraction) if self.smoke else items
 
     def check(self, batch=None, x_shape=None, x_dtype=None, num_classes=None, label_dtype=None, splits=None):
-        before, self.stage = self.stage, "preflight"
+        before, self.phase = self.phase, "preflight"
         if splits:
             preflight.check_splits(splits)
         if batch is not None:
             preflight.check_batch(batch, x_shape, x_dtype, num_classes, label_dtype)
-        self.stage = before
+        self.phase = before
 
     # --- the loop -------------------------------------------------------------------------------
 
@@ -250,7 +250,7 @@ class Run:
         """Yield step numbers restored_step+1 .. total; save on cadence, at the deadline and at the end."""
         if self._total_cap is not None:
             total = min(total, self._total_cap)
-        if self.smoke:
+        elif self.smoke:  # the smoke driver sets the cap itself (steps, then as many after the kill)
             total = min(total, self._smoke_steps)
         self.total = total
         self._restore()
@@ -266,7 +266,7 @@ class Run:
                     break
                 step += 1
                 self._current = step
-                self.stage = "step"
+                self.phase = "step"
                 t0 = time.perf_counter()
                 yield step
                 if stall:
@@ -281,19 +281,19 @@ class Run:
                     self.save()
             if self._saved_step != self.step:
                 self.save()
-            self.stage = "checkpoint"
+            self.phase = "checkpoint"
             self.writer.wait()
             self.status = self._stop_reason or "finished"
             say(f"{self.status} at step {self.step}/{total}; checkpoint {self.checkpoint_rel()}")
         finally:
             self._restore_signals(old_handlers)
-        self.stage = "validation"  # whatever runs after the loop is usually a final evaluation
+        self.phase = "validation"  # whatever runs after the loop is usually a final evaluation
 
     def every(self, n: int) -> bool:
         """True every n steps and on the last step; that step's crash stage is 'validation'."""
         hit = self._current % n == 0 or self._current == self.total
         if hit:
-            self.stage = "validation"
+            self.phase = "validation"
         return hit
 
     @property
@@ -386,7 +386,7 @@ class Run:
         self._restored = True
         if not self._resume:
             return
-        self.stage = "resume"
+        self.phase = "resume"
         path, manifest = self._resume
         saved = load_state(path)
         current = {name: _state_of(obj) for name, obj in self._tracked.items()}
@@ -408,7 +408,7 @@ class Run:
 
     def save(self) -> None:
         """Snapshot the state (blocking) and write it in the background."""
-        before, self.stage = self.stage, "checkpoint"
+        before, self.phase = self.phase, "checkpoint"
         t0 = time.perf_counter()
         self.writer.wait()  # one write in flight at most: bounds memory to one extra copy
         state = snapshot({
@@ -435,7 +435,7 @@ class Run:
         self.stalls.append(time.perf_counter() - t0)
         self._saved_step = self.step
         self._last_save = time.time()
-        self.stage = before
+        self.phase = before
 
     def checkpoint_rel(self) -> str | None:
         """The newest complete checkpoint, relative to the working dir."""

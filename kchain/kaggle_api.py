@@ -1,0 +1,282 @@
+"""The only module that imports `kaggle`: credentials, timeouts, retries and loud errors.
+
+The official client sets no timeout on API calls and retries only a few of them, so every call here
+goes through `KaggleClient._call`: a requests-level timeout on the client's session, and retries
+with exponential backoff and jitter on 429 (honouring Retry-After), 5xx and connection errors.
+Calls that create something (SaveKernel, CreateDataset, CreateDatasetVersion) are never retried
+once the request may have reached Kaggle: an ambiguous failure raises `OutcomeUnknown`, and the
+caller checks the kernel's or dataset's current version before trying again.
+
+`kaggle` is imported lazily, inside `KaggleClient`, because importing it authenticates and
+creates a config directory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import random
+import time
+from collections.abc import Callable
+from email.utils import parsedate_to_datetime
+from pathlib import Path
+from typing import Any, TypeVar
+
+import requests
+from requests.adapters import HTTPAdapter
+
+from kchain.errors import CredentialsError, KaggleError
+
+T = TypeVar("T")
+
+MISSING_CREDENTIALS = ("Kaggle credentials not found: put kaggle.json in ~/.kaggle or set KAGGLE_USERNAME and "
+                       "KAGGLE_KEY (or KAGGLE_API_TOKEN)")
+REJECTED_CREDENTIALS = ("Kaggle rejected the credentials (HTTP 401): check KAGGLE_USERNAME and KAGGLE_KEY (or "
+                        "KAGGLE_API_TOKEN, or kaggle.json), or create a new API token on kaggle.com/settings")
+# RPCs that create something: an ambiguous failure after sending them must not be retried blindly.
+CREATING_RPCS = ("/SaveKernel", "/CreateDataset", "/CreateDatasetVersion", "/CreateDatasetVersionById")
+
+
+class OutcomeUnknown(KaggleError):
+    """A creating call was sent but its answer was lost: check the current version before retrying."""
+
+
+class _TimeoutAdapter(HTTPAdapter):
+    def __init__(self, timeout_s: float) -> None:
+        super().__init__()
+        self.timeout_s = timeout_s
+
+    def send(self, request: requests.PreparedRequest, **kwargs: Any) -> requests.Response:  # type: ignore[override]
+        if kwargs.get("timeout") is None:
+            kwargs["timeout"] = self.timeout_s
+        return super().send(request, **kwargs)
+
+
+def _http_error(exc: BaseException) -> requests.HTTPError | None:
+    """The HTTPError behind exc (the client wraps 401/403 in ValueError for some calls)."""
+    seen = 0
+    while exc is not None and seen < 5:
+        if isinstance(exc, requests.HTTPError) and exc.response is not None:
+            return exc
+        exc = exc.__cause__ or exc.__context__  # type: ignore[assignment]
+        seen += 1
+    return None
+
+
+def _retry_after_s(response: requests.Response) -> float | None:
+    value = response.headers.get("Retry-After")
+    if not value:
+        return None
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        try:
+            return max(0.0, parsedate_to_datetime(value).timestamp() - time.time())
+        except (TypeError, ValueError):
+            return None
+
+
+def credentials_present(env: dict[str, str] | None = None) -> bool:
+    env = dict(os.environ if env is None else env)
+    if env.get("KAGGLE_API_TOKEN") or (env.get("KAGGLE_USERNAME") and env.get("KAGGLE_KEY")):
+        return True
+    home = Path(env.get("HOME") or Path.home())
+    config_dir = Path(env["KAGGLE_CONFIG_DIR"]) if env.get("KAGGLE_CONFIG_DIR") else home / ".kaggle"
+    candidates = [config_dir / "kaggle.json", home / ".kaggle" / "access_token",
+                  home / ".kaggle" / "access_token.txt", home / ".kaggle" / "credentials.json"]
+    return any(p.is_file() and p.stat().st_size > 0 for p in candidates)
+
+
+class KaggleClient:
+    """The Kaggle API as kchain uses it. Construct it, then call methods; each may raise KaggleError."""
+
+    def __init__(self, timeout_s: float = 60.0, attempts: int = 6, backoff_s: float = 1.0,
+                 max_backoff_s: float = 60.0, sleep: Callable[[float], None] = time.sleep) -> None:
+        self.timeout_s = timeout_s
+        self.attempts = attempts
+        self.backoff_s = backoff_s
+        self.max_backoff_s = max_backoff_s
+        self.sleep = sleep
+        self._api: Any = None
+
+    # -- plumbing -----------------------------------------------------------------------------
+
+    @property
+    def api(self) -> Any:
+        if self._api is None:
+            if not credentials_present():
+                raise CredentialsError(MISSING_CREDENTIALS)
+            # Importing kaggle authenticates and prints a help text when that fails; we say it in one line.
+            with contextlib.redirect_stdout(io.StringIO()):
+                from kaggle.api.kaggle_api_extended import KaggleApi
+
+                api = KaggleApi()
+                try:
+                    api.authenticate()
+                except SystemExit as e:
+                    raise CredentialsError(MISSING_CREDENTIALS) from e
+                except Exception as e:
+                    raise self._translate(e, "authenticate") from e
+            build = api.build_kaggle_client
+            timeout_s = self.timeout_s
+
+            def build_with_timeout() -> Any:
+                client = build()
+                client._http_client._init_session()
+                session = client._http_client._session
+                adapter = _TimeoutAdapter(timeout_s)
+                session.mount("http://", adapter)
+                session.mount("https://", adapter)
+                return client
+
+            api.build_kaggle_client = build_with_timeout
+            self._api = api
+        return self._api
+
+    def _translate(self, exc: BaseException, what: str) -> KaggleError:
+        http = _http_error(exc)
+        if http is not None and http.response.status_code == 401:
+            return CredentialsError(REJECTED_CREDENTIALS)
+        if http is not None:
+            return KaggleError(f"Kaggle {what} failed: HTTP {http.response.status_code}: {http}")
+        return KaggleError(f"Kaggle {what} failed: {type(exc).__name__}: {exc}")
+
+    def _delay(self, attempt: int, exc: BaseException) -> float:
+        http = _http_error(exc)
+        if http is not None and http.response.status_code == 429:
+            after = _retry_after_s(http.response)
+            if after is not None:
+                return min(after, self.max_backoff_s) + random.uniform(0, 0.25)
+        base = min(self.max_backoff_s, self.backoff_s * 2 ** attempt)
+        return base / 2 + random.uniform(0, base / 2)  # "equal jitter": spread retries, keep a floor
+
+    def _call(self, what: str, fn: Callable[[], T], creating: bool = False) -> T:
+        for attempt in range(self.attempts):
+            try:
+                return fn()
+            except (requests.RequestException, ValueError) as exc:
+                http = _http_error(exc)
+                code = http.response.status_code if http is not None else None
+                request = getattr(http or exc, "request", None)
+                url = getattr(request, "url", "") or ""
+                sent_creating = creating and (not url or url.endswith(CREATING_RPCS))
+                safe_connect = isinstance(exc, requests.ConnectTimeout) or (
+                    isinstance(exc, requests.ConnectionError) and "NewConnectionError" in repr(exc))
+                if code == 429:
+                    retry = True
+                elif code is not None and code >= 500:
+                    retry = not sent_creating
+                    if sent_creating:
+                        raise OutcomeUnknown(f"Kaggle {what}: HTTP {code} after the request was sent; check the "
+                                             "current version before trying again") from exc
+                elif http is None and isinstance(exc, requests.RequestException):
+                    if sent_creating and not safe_connect:
+                        raise OutcomeUnknown(f"Kaggle {what}: {type(exc).__name__} after the request was sent; "
+                                             "check the current version before trying again") from exc
+                    retry = True
+                else:
+                    raise self._translate(exc, what) from exc
+                if not retry or attempt == self.attempts - 1:
+                    raise self._translate(exc, what) from exc
+                self.sleep(self._delay(attempt, exc))
+        raise AssertionError("unreachable")
+
+    @staticmethod
+    def _ref(ref: str, version: int | None) -> str:
+        return f"{ref}/{version}" if version is not None else ref
+
+    # -- kernels ------------------------------------------------------------------------------
+
+    def push(self, folder: str | Path, timeout_s: int | None = None, accelerator: str | None = None) -> tuple[int, str]:
+        """Push the kernel in folder; return (version_number, url). Refusals raise KaggleError."""
+        api = self.api
+        timeout = str(int(timeout_s)) if timeout_s else None
+        with contextlib.redirect_stdout(io.StringIO()):
+            resp = self._call("push", lambda: api.kernels_push(str(folder), timeout=timeout, acc=accelerator),
+                              creating=True)
+        if resp.error:
+            raise KaggleError(f"Kaggle refused the push of {folder}: {resp.error}")
+        invalid = {"dataset": resp.invalid_dataset_sources, "kernel": resp.invalid_kernel_sources,
+                   "competition": resp.invalid_competition_sources, "model": resp.invalid_model_sources}
+        bad = [f"{kind} sources {names}" for kind, names in invalid.items() if names]
+        if bad:
+            raise KaggleError(f"Kaggle dropped invalid {'; '.join(bad)} from the push of {folder} (version "
+                              f"{resp.version_number}); fix kernel-metadata.json and push again")
+        return int(resp.version_number), str(resp.url)
+
+    def status(self, ref: str, version: int | None = None) -> tuple[str, str]:
+        """(status name, failure message) of ref's session at version (default: latest)."""
+        resp = self._call("status", lambda: self.api.kernels_status(self._ref(ref, version)))
+        return resp.status.name, resp.failure_message or ""
+
+    def output(self, ref: str, version: int | None, dest: str | Path) -> tuple[list[Path], str]:
+        """Download a session's output files into dest; return (files, log text)."""
+        dest = Path(dest)
+        dest.mkdir(parents=True, exist_ok=True)
+        files, _ = self._call("output", lambda: self.api.kernels_output(
+            self._ref(ref, version), str(dest), force=True, quiet=True))
+        log_path = dest / f"{ref.split('/')[-1]}.log"
+        log = log_path.read_text(encoding="utf-8") if log_path.exists() else ""
+        return [Path(f) for f in files if Path(f) != log_path], log
+
+    def quota(self) -> dict[str, float]:
+        """This week's GPU quota: used_s, total_s, and refresh (epoch seconds)."""
+        resp = self._call("quota", lambda: self.api.quota_view())
+        gpu = resp.gpu_quota
+        refresh = resp.quota_refresh_time
+        return {"used_s": gpu.time_used.total_seconds() if gpu.time_used else 0.0,
+                "total_s": gpu.total_time_allowed.total_seconds() if gpu.total_time_allowed else 0.0,
+                "refresh": refresh.timestamp() if refresh else 0.0}
+
+    # -- datasets -----------------------------------------------------------------------------
+
+    def dataset_status(self, ref: str) -> str:
+        """"ready", "blobs_received", ... ; KaggleError (HTTP 404) for an unknown dataset."""
+        return str(self._call("dataset status", lambda: self.api.dataset_status(ref)))
+
+    def dataset_version_number(self, ref: str) -> int:
+        answer = self._call("dataset status", lambda: self.api.dataset_status(ref, format="json"))
+        return int(json.loads(answer)["current_version_number"])
+
+    def dataset_exists(self, ref: str) -> bool:
+        try:
+            self.api.dataset_status(ref)
+            return True
+        except Exception as exc:
+            http = _http_error(exc)
+            if http is not None and http.response.status_code == 404:
+                return False
+        self.dataset_status(ref)  # anything but a clean 404: let the retrying path decide or raise
+        return True
+
+    def _created(self, what: str, resp: Any) -> str:
+        status = resp.get("status", "") if isinstance(resp, dict) else getattr(resp, "status", "")
+        if str(status).lower() != "ok":
+            error = resp.get("error") if isinstance(resp, dict) else getattr(resp, "error", "")
+            raise KaggleError(f"Kaggle refused to {what}: {error or status}")
+        return str(getattr(resp, "ref", "") or "")
+
+    def create_dataset(self, folder: str | Path, public: bool = False, dir_mode: str = "zip") -> str:
+        """Create the dataset described by folder/dataset-metadata.json; return its ref."""
+        with contextlib.redirect_stdout(io.StringIO()):
+            resp = self._call("create dataset", lambda: self.api.dataset_create_new(
+                str(folder), public=public, quiet=True, dir_mode=dir_mode), creating=True)
+        return self._created(f"create the dataset in {folder}", resp)
+
+    def version_dataset(self, folder: str | Path, notes: str, dir_mode: str = "zip",
+                        delete_old_versions: bool = False) -> None:
+        """Upload folder as a new version of its dataset (poll dataset_status until "ready" after)."""
+        with contextlib.redirect_stdout(io.StringIO()):
+            resp = self._call("version dataset", lambda: self.api.dataset_create_version(
+                str(folder), notes, quiet=True, dir_mode=dir_mode, delete_old_versions=delete_old_versions),
+                creating=True)
+        self._created(f"version the dataset in {folder}", resp)
+
+    def download_dataset(self, ref: str, version: int | None, dest: str | Path, unzip: bool = True) -> Path:
+        dest = Path(dest)
+        with contextlib.redirect_stdout(io.StringIO()):
+            self._call("download dataset", lambda: self.api.dataset_download_files(
+                self._ref(ref, version), str(dest), force=True, quiet=True, unzip=unzip))
+        return dest

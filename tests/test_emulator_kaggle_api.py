@@ -1,0 +1,90 @@
+# ruff: noqa: F811  (the shared fixtures are imported, then requested by name)
+"""kchain.kaggle_api against the emulator: retries, timeouts and the one-line credential errors."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+from emulator_helpers import USER, emulator, fake_key, write_dataset, write_kernel  # noqa: F401
+
+from kchain.errors import CredentialsError, KaggleError
+from kchain.kaggle_api import MISSING_CREDENTIALS, REJECTED_CREDENTIALS, KaggleClient, OutcomeUnknown
+
+
+def _client() -> KaggleClient:
+    return KaggleClient(timeout_s=10, attempts=8, backoff_s=0.01, sleep=lambda s: None)
+
+
+def test_calls_succeed_when_30_percent_of_them_fail(emulator, tmp_path):
+    client = _client()
+    emulator.faults.seed = 7
+    emulator.faults.rate_429 = 0.3  # creating calls: only unambiguous refusals
+    write_dataset(tmp_path / "ds", "alice/flaky-state", {"state.json": "{}", "ckpt/last.pt": b"\1" * 100})
+    assert client.create_dataset(tmp_path / "ds") == "alice/flaky-state"
+    write_kernel(tmp_path / "k", "alice/flaky-kernel", ["open('o.txt', 'w').write('ok')\nprint('logged')"],
+                 dataset_sources=["alice/flaky-state"])
+    version, url = client.push(tmp_path / "k")
+    assert version == 1 and url.endswith("/code/alice/flaky-kernel")
+    emulator.wait_session("alice/flaky-kernel")
+
+    emulator.faults.rate_429, emulator.faults.rate_500 = 0.15, 0.15
+    calls_before = sum(emulator.calls.values())
+    assert client.status("alice/flaky-kernel", 1) == ("COMPLETE", "")
+    files, log = client.output("alice/flaky-kernel", 1, tmp_path / "out")
+    assert [f.name for f in files] == ["o.txt"] and "logged" in log
+    assert client.dataset_status("alice/flaky-state") == "ready"
+    assert client.dataset_version_number("alice/flaky-state") == 1
+    assert client.dataset_exists("alice/flaky-state") and not client.dataset_exists("alice/not-there")
+    client.download_dataset("alice/flaky-state", 1, tmp_path / "dl")
+    assert (tmp_path / "dl/ckpt/last.pt").read_bytes() == b"\1" * 100
+    assert client.quota()["total_s"] == 30 * 3600
+    assert sum(emulator.calls.values()) - calls_before > 9  # some calls were answered with faults and retried
+
+
+def test_a_push_whose_answer_is_lost_is_not_retried(emulator, tmp_path):
+    client = _client()
+    write_kernel(tmp_path / "k", "alice/ambiguous-push", ["print(1)"])
+    emulator.faults.rate_500 = 1.0
+    with pytest.raises(OutcomeUnknown):
+        client.push(tmp_path / "k")
+    assert emulator.calls["SaveKernel"] == 1
+
+
+def test_refused_push_raises_with_kaggles_reason(emulator, tmp_path):
+    emulator.max_gpu_sessions = 0
+    write_kernel(tmp_path / "k", "alice/gpu-refused", ["print(1)"], enable_gpu=True)
+    with pytest.raises(KaggleError, match="Maximum batch GPU session count of 0 reached"):
+        _client().push(tmp_path / "k")
+
+
+def test_rejected_credentials_are_one_line(emulator, monkeypatch):
+    monkeypatch.setenv("KAGGLE_KEY", fake_key())
+    with pytest.raises(CredentialsError) as info:
+        _client().status("alice/any-kernel")
+    assert str(info.value) == REJECTED_CREDENTIALS
+
+
+def test_missing_credentials_are_one_line(monkeypatch):
+    for name in ("KAGGLE_USERNAME", "KAGGLE_KEY", "KAGGLE_API_TOKEN"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(CredentialsError) as info:
+        _client().status("alice/any-kernel")
+    assert str(info.value) == MISSING_CREDENTIALS
+
+
+def test_a_hung_server_times_out(tmp_path, monkeypatch):
+    with socket.socket() as hung:
+        hung.bind(("127.0.0.1", 0))
+        hung.listen(16)
+        url = f"http://127.0.0.1:{hung.getsockname()[1]}"
+        monkeypatch.setenv("HTTP_PROXY", url)
+        monkeypatch.setenv("NO_PROXY", "")
+        monkeypatch.setenv("KAGGLE_USERNAME", USER)
+        monkeypatch.setenv("KAGGLE_KEY", fake_key())
+        client = KaggleClient(timeout_s=0.3, attempts=2, sleep=lambda s: None)
+        with pytest.raises(KaggleError, match="Timeout"):
+            client.status("alice/any-kernel")
+        write_kernel(tmp_path / "k", "alice/hung-push", ["print(1)"])
+        with pytest.raises(OutcomeUnknown):
+            client.push(tmp_path / "k")

@@ -128,7 +128,8 @@ class Handler(BaseHTTPRequestHandler):
         if handler is None or rpc.startswith("_"):
             return self._error(404, f"Unknown RPC {match['service']}/{rpc}")
         try:
-            answer = handler(user, request)
+            with self.emu.store.lock:  # handlers are quick; one at a time keeps the store consistent
+                answer = handler(user, request)
         except ApiError as e:
             return self._error(e.code, e.message)
         except Redirect as r:
@@ -201,6 +202,13 @@ class Handler(BaseHTTPRequestHandler):
 
     def do_GET(self) -> None:
         path, _ = self._target()
+        with self.emu.store.lock:
+            found, name = self._lookup(path)
+        if found is None:
+            return self._error(404, f"Not found: {path}")
+        self._file(found[0], found[1], "application/zip" if name.endswith(".zip") else "application/octet-stream")
+
+    def _lookup(self, path: str) -> tuple[tuple[Path, float] | None, str]:
         rpcs = self.emu.rpcs
         found: tuple[Path, float] | None = None
         name = "file"
@@ -210,9 +218,7 @@ class Handler(BaseHTTPRequestHandler):
             found, name = rpcs.dataset_file(m[1], m[2]), m[2]
         elif m := re.fullmatch(r"/dl/([\w-]+)/[^/]+\.zip", path):
             found, name = rpcs.dataset_zip(m[1]), "x.zip"
-        if found is None:
-            return self._error(404, f"Not found: {path}")
-        self._file(found[0], found[1], "application/zip" if name.endswith(".zip") else "application/octet-stream")
+        return found, name
 
     do_HEAD = do_GET
 

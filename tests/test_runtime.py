@@ -18,6 +18,8 @@ from pathlib import Path
 import pytest
 
 from kchain.runtime import layout
+from kchain.runtime.checkpoint import ResumeError
+from kchain.runtime.run import Run
 
 REPO = Path(__file__).resolve().parent.parent
 JOBS = REPO / "tests" / "runtime_jobs"
@@ -31,16 +33,8 @@ CHILD_TIMEOUT_S = 120  # a hung child fails the test instead of hanging CI
 def launch(root: Path, params: dict | None = None, every: int = EVERY, **env: str) -> subprocess.CompletedProcess:
     """Run the tiny job once as a child process under KCHAIN_ROOT=root."""
     root.mkdir(parents=True, exist_ok=True)
-    config = {
-        "job": "tiny",
-        "entry": "tiny_job:main",
-        "params": {**PARAMS, **(params or {})},
-        "fingerprint": "f00d",
-        "kchain_version": "0.1.0",
-        "train": {"checkpoint_every": {"steps": every}, "keep": 2, "heartbeat_s": 0},
-    }
     cfg = root / "cfg.json"
-    cfg.write_text(json.dumps(config))
+    cfg.write_text(json.dumps(config(params, every)))
     child_env = {k: v for k, v in os.environ.items() if not k.startswith("KCHAIN_")}
     child_env.update(
         KCHAIN_ROOT=str(root), PYTHONPATH=os.pathsep.join([str(REPO), str(JOBS)]), PYTHONUNBUFFERED="1", **env
@@ -49,6 +43,31 @@ def launch(root: Path, params: dict | None = None, every: int = EVERY, **env: st
         [sys.executable, "-m", "kchain.runtime.launch", str(cfg)],
         env=child_env, cwd=root, capture_output=True, text=True, timeout=CHILD_TIMEOUT_S,
     )
+
+
+def config(params: dict | None = None, every: int = EVERY) -> dict:
+    return {
+        "job": "tiny",
+        "entry": "tiny_job:main",
+        "params": {**PARAMS, **(params or {})},
+        "fingerprint": "f00d",
+        "kchain_version": "0.1.0",
+        "train": {"checkpoint_every": {"steps": every}, "keep": 2, "heartbeat_s": 0},
+    }
+
+
+def in_process(root: Path, params: dict | None = None, every: int = EVERY) -> Run:
+    """The same job run inside the test process (fast; for what needs no process death)."""
+    if str(JOBS) not in sys.path:
+        sys.path.insert(0, str(JOBS))
+    import tiny_job
+
+    run = Run(config({"workers": 0, **(params or {})}, every), {layout.ROOT_ENV: str(root)})
+    try:
+        tiny_job.main(run)
+    finally:
+        run.close()
+    return run
 
 
 def trace(root: Path) -> list[tuple[int, float]]:
@@ -96,8 +115,7 @@ def test_untracked_optimizer_diverges_after_resume(tmp_path, reference):
     kill = 2 * EVERY + 1  # resumes from the checkpoint at step 2*EVERY
     died = launch(tmp_path, {"track_optimizer": False}, KCHAIN_FAULT=f"kill_at_step={kill}")
     assert died.returncode == KILLED
-    done = launch(tmp_path, {"track_optimizer": False})
-    assert done.returncode == 0, done.stdout + done.stderr
+    in_process(tmp_path, {"track_optimizer": False})
     got = trace(tmp_path)
     assert max_diff(got[: kill - 1], reference[: kill - 1]) == 0.0
     assert max_diff(got[kill - 1 :], reference[kill - 1 :]) > 0.0
@@ -106,40 +124,37 @@ def test_untracked_optimizer_diverges_after_resume(tmp_path, reference):
 SAVE_POINTS = ["after_state", "after_metrics", "before_manifest", "before_rename", "after_rename"]
 
 
-def test_sigkill_inside_a_checkpoint_write_leaves_a_loadable_one(tmp_path, reference):
+def test_sigkill_inside_a_checkpoint_write_leaves_a_loadable_one(tmp_path, reference, capsys):
     base = tmp_path / "base"
-    done = launch(base, {"steps": 2, "workers": 0}, every=2)
-    assert done.returncode == 0, done.stdout + done.stderr
+    in_process(base, {"steps": 2}, every=2)
     for point in SAVE_POINTS:
         root = tmp_path / point
         shutil.copytree(base, root)
         died = launch(root, {"steps": 6, "workers": 0}, every=2, KCHAIN_FAULT=f"kill_in_save={point}")
         assert died.returncode == KILLED, f"{point}: {died.stdout + died.stderr}"
         # The next start resumes from step 4 if the rename happened, else from step 2, and finishes.
-        done = launch(root, {"steps": 6, "workers": 0}, every=2)
-        assert done.returncode == 0, f"{point}: {done.stdout + done.stderr}"
-        resumed = 4 if point == "after_rename" else 2
-        assert f"[kchain] resumed from step {resumed} " in done.stdout, point
-        assert summary(root)["status"] == "finished"
-    assert max_diff(trace(root), reference[:6]) == 0.0  # workers=0 and 2 give the same batches
+        run = in_process(root, {"steps": 6}, every=2)
+        assert run.resumed_from == (4 if point == "after_rename" else 2), point
+        assert run.status == "finished"
+        assert max_diff(trace(root), reference[:6]) == 0.0  # workers=0 and 2 give the same batches
 
 
 @pytest.mark.parametrize("damage", ["truncate", "flip"])
-def test_damaged_newest_checkpoint_falls_back_with_a_warning(tmp_path, reference, damage):
-    done = launch(tmp_path, {"steps": 4, "workers": 0}, every=2)
-    assert done.returncode == 0
-    state = tmp_path / "working/kchain/checkpoints" / layout.checkpoint_name(4) / layout.STATE_FILE
-    blob = bytearray(state.read_bytes())
+def test_damaged_newest_checkpoint_falls_back_with_a_warning(tmp_path, reference, damage, capsys):
+    in_process(tmp_path, {"steps": 4}, every=2)
+    newest = tmp_path / "working/kchain/checkpoints" / layout.checkpoint_name(4)
+    blob = bytearray((newest / layout.STATE_FILE).read_bytes())
     if damage == "truncate":
         del blob[len(blob) // 2 :]
     else:
         blob[len(blob) // 2] ^= 0x01
-    state.write_bytes(bytes(blob))
-    done = launch(tmp_path, {"steps": 6, "workers": 0}, every=2)
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert "WARNING: skipping checkpoint" in done.stdout and layout.checkpoint_name(4) in done.stdout
-    assert ("truncated" if damage == "truncate" else "sha256") in done.stdout
-    assert "[kchain] resumed from step 2 " in done.stdout
+    (newest / layout.STATE_FILE).write_bytes(bytes(blob))
+    capsys.readouterr()
+    run = in_process(tmp_path, {"steps": 6}, every=2)
+    out = capsys.readouterr().out
+    assert f"WARNING: skipping checkpoint {newest}" in out
+    assert ("truncated" if damage == "truncate" else "sha256 does not match") in out
+    assert run.resumed_from == 2
     assert max_diff(trace(tmp_path), reference[:6]) == 0.0
 
 
@@ -152,9 +167,8 @@ def test_deadline_stops_saves_and_resumes_exactly(tmp_path, reference):
     assert first["step"] < TOTAL
     assert first["checkpoint"] == f"kchain/checkpoints/{layout.checkpoint_name(first['step'])}"
     assert "[kchain] deadline:" in done.stdout
-    done = launch(tmp_path)
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert summary(tmp_path)["resumed_from"] == first["step"]
+    run = in_process(tmp_path)
+    assert run.resumed_from == first["step"] and run.finished
     assert max_diff(trace(tmp_path), reference) == 0.0
 
 
@@ -167,15 +181,21 @@ def test_crash_in_main_reports_type_message_and_stage(tmp_path):
     assert got["error"] == {"type": "ValueError", "message": "boom at step 3", "stage": "step"}
 
 
-def test_changed_shape_params_refuse_resume_naming_the_param(tmp_path):
-    assert launch(tmp_path, {"steps": 2, "workers": 0}).returncode == 0
+def test_changed_shape_params_refuse_resume_naming_the_param(tmp_path, capsys):
+    in_process(tmp_path, {"steps": 2})
+    with pytest.raises(ResumeError, match="d_model: 16 -> 32"):
+        in_process(tmp_path, {"steps": 4, "d_model": 32})
+    # A param that shapes nothing: a warning naming it, and the resume goes ahead.
+    capsys.readouterr()
+    run = in_process(tmp_path, {"steps": 4, "lr": 0.02})
+    assert "lr: 0.01 -> 0.02" in capsys.readouterr().out
+    assert run.resumed_from == 2 and run.finished
+
+
+def test_refused_resume_is_a_crash_in_stage_resume(tmp_path):
+    in_process(tmp_path, {"steps": 2})
     refused = launch(tmp_path, {"steps": 4, "workers": 0, "d_model": 32})
     assert refused.returncode == 1
     error = summary(tmp_path)["error"]
     assert error["type"] == "ResumeError" and error["stage"] == "resume"
     assert "d_model: 16 -> 32" in error["message"]
-    # A param that shapes nothing: a warning naming it, and the resume goes ahead.
-    done = launch(tmp_path, {"steps": 4, "workers": 0, "lr": 0.02})
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert "lr: 0.01 -> 0.02" in done.stdout
-    assert summary(tmp_path)["resumed_from"] == 2

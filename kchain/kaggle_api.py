@@ -187,7 +187,47 @@ class KaggleClient:
     def _ref(ref: str, version: int | None) -> str:
         return f"{ref}/{version}" if version is not None else ref
 
+    # -- who and where ------------------------------------------------------------------------
+
+    @property
+    def username(self) -> str:
+        """The Kaggle user the credentials belong to (owner of kernels and datasets by default)."""
+        name = self.api.config_values.get("username")
+        if not name:
+            raise CredentialsError(MISSING_CREDENTIALS)
+        return str(name)
+
+    @staticmethod
+    def kernel_url(ref: str) -> str:
+        return f"https://www.kaggle.com/code/{ref}"
+
     # -- kernels ------------------------------------------------------------------------------
+
+    def kernel_version(self, ref: str) -> int | None:
+        """The kernel's newest version number (GetKernel), or None if it does not exist yet."""
+        from kagglesdk.kernels.types.kernels_api_service import ApiGetKernelRequest
+
+        owner, slug = ref.split("/", 1)
+
+        def get() -> Any:
+            with self.api.build_kaggle_client() as kaggle:
+                request = ApiGetKernelRequest()
+                request.user_name = owner
+                request.kernel_slug = slug
+                return kaggle.kernels.kernels_api_client.get_kernel(request)
+
+        try:
+            response = get()
+        except Exception as exc:
+            http = _http_error(exc)
+            if http is not None and http.response.status_code == 404:
+                return None
+            response = self._call("kernel", get)  # anything else: the retrying path decides or raises
+        return int(response.metadata.current_version_number or 0) or None
+
+    def log(self, ref: str, version: int | None = None) -> str:
+        """The session's log as Kaggle keeps it (a JSON array of stream chunks), "" if none yet."""
+        return str(self._call("log", lambda: self.api.kernels_logs(self._ref(ref, version))) or "")
 
     def push(self, folder: str | Path, timeout_s: int | None = None, accelerator: str | None = None) -> tuple[int, str]:
         """Push the kernel in folder; return (version_number, url). Refusals raise KaggleError."""

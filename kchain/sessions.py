@@ -1,0 +1,163 @@
+"""The sessions of a chain as Kaggle sees them: refresh, fetch output, the status table, the log.
+
+Each session's record lives in the ledger (sessions.json); its output (checkpoint, metrics trace,
+summary, log) is downloaded once it ends to `.kchain/sessions/<job>/<n>/`.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from kchain import diagnose
+from kchain.kaggle_api import KaggleClient
+from kchain.ledger import Ledger, iso, now_utc, parse_iso
+from kchain.runtime import layout
+
+Echo = Callable[[str], None]
+TERMINAL = ("COMPLETE", "ERROR", "CANCEL_ACKNOWLEDGED")
+LIVE = ("PUSHING", "QUEUED", "RUNNING", "CANCEL_REQUESTED", "NEW_SCRIPT")
+HEARTBEAT = "[kchain] step"
+
+
+def output_dir(ledger: Ledger, job: str, session: int) -> Path:
+    return ledger.root / "sessions" / job / str(session)
+
+
+def parse_log(text: str) -> list[dict[str, Any]]:
+    """Kaggle's log: a JSON array of {stream_name, time, data}; plain text is taken as stdout."""
+    if not text:
+        return []
+    try:
+        entries = json.loads(text)
+        if isinstance(entries, list):
+            return [e for e in entries if isinstance(e, dict) and "data" in e]
+    except ValueError:
+        pass
+    return [{"stream_name": "stdout", "time": 0.0, "data": text}]
+
+
+def log_text(entries: list[dict[str, Any]]) -> str:
+    return "".join(str(e.get("data", "")) for e in entries)
+
+
+def last_heartbeat(text: str) -> str | None:
+    lines = [line.strip() for line in text.splitlines() if line.strip().startswith(HEARTBEAT)]
+    return lines[-1] if lines else None
+
+
+def read_output_summary(folder: Path) -> dict[str, Any] | None:
+    for candidate in (folder / layout.KCHAIN_DIR / layout.SUMMARY, *folder.rglob(layout.SUMMARY)):
+        try:
+            return json.loads(candidate.read_text())
+        except (OSError, ValueError):
+            continue
+    return None
+
+
+def fetch_output(client: KaggleClient, ledger: Ledger, job: str, record: dict[str, Any]) -> dict[str, Any]:
+    """Download a finished session's output and log; fold its summary into the record."""
+    dest = output_dir(ledger, job, record["session"])
+    dest.mkdir(parents=True, exist_ok=True)
+    files, text = client.output(record["kernel"], record["version"], dest)
+    entries = parse_log(text)
+    (dest / "log.json").write_text(json.dumps(entries))
+    summary = read_output_summary(dest)
+    body = log_text(entries)
+    failure = diagnose.from_summary(summary) or (diagnose.from_log(body) if record["status"] == "ERROR" else None)
+    record.update(
+        output=str(dest),
+        output_files=len(files),
+        summary=summary,
+        heartbeat=last_heartbeat(body),
+        error=None if failure is None else {"type": failure.type, "message": failure.message, "stage": failure.stage},
+    )
+    if summary:
+        record["step"] = summary.get("step")
+        record["total"] = summary.get("total")
+        record["end_status"] = summary.get("status")
+    return record
+
+
+def refresh(client: KaggleClient, ledger: Ledger, job: str) -> list[dict[str, Any]]:
+    """Ask Kaggle about every live session of the chain; fetch the output of those that ended."""
+    for record in ledger.sessions(job):
+        if record["status"] not in LIVE or record.get("version") is None:
+            continue
+        status, failure = client.status(record["kernel"], record["version"])
+        if status == record["status"]:
+            continue
+        record["status"] = status
+        if status == "RUNNING" and not record.get("running_seen"):
+            record["running_seen"] = iso(now_utc())
+        if status in TERMINAL:
+            record["ended"] = iso(now_utc())
+            record["failure_message"] = failure or None
+            try:
+                fetch_output(client, ledger, job, record)
+            except Exception as exc:  # noqa: BLE001 - a missing output is recorded, not fatal
+                record["output_error"] = f"{type(exc).__name__}: {exc}"
+            summary = record.get("summary") or {}
+            # The kernel's own clock is the better measure of the GPU time it used.
+            if summary.get("started") and summary.get("ended"):
+                record["started"], record["ended"] = summary["started"], summary["ended"]
+        ledger.save_session(job, record)
+    return ledger.sessions(job)
+
+
+def _duration(record: dict[str, Any]) -> str:
+    if not record.get("started"):
+        return "-"
+    end = parse_iso(record["ended"]) if record.get("ended") else now_utc()
+    seconds = (end - parse_iso(record["started"])).total_seconds()
+    return f"{int(seconds // 3600)}h{int(seconds % 3600 // 60):02d}m{int(seconds % 60):02d}s"
+
+
+def status_table(chain: list[dict[str, Any]], used_h: float, weekly_h: float) -> list[str]:
+    rows = [f"{'session':>7}  {'version':>7}  {'status':<10} {'started':<20} {'duration':>10}  {'steps':>11}  note"]
+    for s in chain:
+        steps = f"{s.get('step') or 0}/{s.get('total') or '?'}" if s.get("step") is not None else "-"
+        note = ""
+        if s.get("error"):
+            note = f"{s['error']['type']}: {s['error']['message']}"
+        elif s.get("failure_message"):
+            note = s["failure_message"]
+        elif s.get("heartbeat"):
+            note = s["heartbeat"]
+        elif s.get("end_status"):
+            note = s["end_status"]
+        rows.append(
+            f"{s['session']:>7}  {str(s.get('version') or '-'):>7}  {s['status']:<10} "
+            f"{s.get('started') or s.get('requested', '-'):<20} {_duration(s):>10}  {steps:>11}  {note}"
+        )
+    rows.append(f"GPU-hours this week: {used_h:.2f} used of {weekly_h:g}, {max(0.0, weekly_h - used_h):.2f} left")
+    return rows
+
+
+def show_log(client: KaggleClient, record: dict[str, Any], echo: Echo, follow: bool = False,
+             poll_s: float = 5.0, timeout_s: float | None = None) -> diagnose.Failure | None:
+    """Print the session's log; with follow, poll until the session ends, printing what is new."""
+    shown = 0
+    started = time.time()
+    while True:
+        status, failure_message = client.status(record["kernel"], record["version"])
+        text = log_text(parse_log(client.log(record["kernel"], record["version"])))
+        if len(text) > shown:
+            echo(text[shown:].rstrip("\n"))
+            shown = len(text)
+        if status in TERMINAL or not follow:
+            break
+        if timeout_s is not None and time.time() - started > timeout_s:
+            break
+        time.sleep(poll_s)
+    echo(f"[kchain] session {record['session']} is {status}")
+    failure = diagnose.from_log(text) if status == "ERROR" else None
+    if status == "ERROR" and failure is None and failure_message:
+        failure = diagnose.Failure("SessionError", failure_message, None, diagnose.hint_for("", failure_message))
+    if failure is not None:
+        echo(f"[kchain] failed: {failure.one_line()}")
+        echo(f"[kchain] hint: {failure.hint}")
+    return failure

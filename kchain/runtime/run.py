@@ -180,7 +180,7 @@ class Run:
         else:
             self.metrics_path.write_bytes(b"")
             say(f"session 1 of {self.job}: no checkpoint found, starting fresh")
-        self._metrics_file = open(self.metrics_path, "ab")
+        self._metrics_file = None  # opened by the first run.log
         self._metrics_bytes = self.metrics_path.stat().st_size
 
     # --- registration ---------------------------------------------------------------------------
@@ -305,6 +305,8 @@ class Run:
         values = {k: _plain(v) for k, v in metrics.items()}
         row = {"step": self._current or self.step, "time": round(time.time(), 3), **values}
         line = (json.dumps(row) + "\n").encode()
+        if self._metrics_file is None:
+            self._metrics_file = open(self.metrics_path, "ab")
         self._metrics_file.write(line)
         self._metrics_file.flush()
         self._metrics_bytes += len(line)
@@ -418,7 +420,8 @@ class Run:
             "metrics": self.metrics,
             "best": self.best,
         })
-        self._metrics_file.flush()
+        if self._metrics_file is not None:
+            self._metrics_file.flush()
         manifest = {
             "job": self.job,
             "step": self.step,
@@ -454,7 +457,9 @@ class Run:
         try:
             self.writer.wait()
         finally:
-            self._metrics_file.close()
+            if self._metrics_file is not None:
+                self._metrics_file.close()
+                self._metrics_file = None
 
     def summary(self, error: dict | None = None, ended: float | None = None) -> dict:
         elapsed = (time.perf_counter() - self._loop_start) if self._loop_start else 0.0

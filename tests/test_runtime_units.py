@@ -1,0 +1,242 @@
+"""In-process tests of the runtime's parts: accumulation, staging, preflight, inputs, the loader."""
+
+from __future__ import annotations
+
+import random
+import shutil
+import zipfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import TensorDataset
+
+from kchain.runtime import layout
+from kchain.runtime.checkpoint import restore_rng, rng_state
+from kchain.runtime.preflight import PreflightError
+from kchain.runtime.run import Run, parse_every
+
+
+def make_run(root: Path, params: dict | None = None, env: dict | None = None, **train) -> Run:
+    config = {"job": "unit", "params": params or {}, "train": {"heartbeat_s": 0, **train}}
+    return Run(config, {layout.ROOT_ENV: str(root), **(env or {})})
+
+
+def test_accumulate_4_micro_batches_of_64_equals_one_batch_of_256(tmp_path):
+    run = make_run(tmp_path)
+    torch.manual_seed(0)
+    x, y = torch.randn(256, 20), torch.randint(0, 5, (256,))
+    model = nn.Sequential(nn.Linear(20, 32), nn.Tanh(), nn.Linear(32, 5))
+    big = nn.Sequential(nn.Linear(20, 32), nn.Tanh(), nn.Linear(32, 5))
+    big.load_state_dict(model.state_dict())
+
+    trainer = run.optimize(torch.optim.SGD(model.parameters(), lr=0.1), accumulate=4)
+    for i in range(trainer.accumulate):
+        trainer.backward(F.cross_entropy(model(x[i * 64 : (i + 1) * 64]), y[i * 64 : (i + 1) * 64]))
+    F.cross_entropy(big(x), y).backward()
+    diff = max((a.grad - b.grad).abs().max().item() for a, b in zip(model.parameters(), big.parameters(), strict=True))
+    assert diff < 1e-5
+    trainer.step()
+    assert all(p.grad is None for p in model.parameters())  # zero_grad(set_to_none=True)
+    run.close()
+
+
+def test_stage_hits_on_same_params_and_renames_on_a_changed_one(tmp_path, capsys):
+    run = make_run(tmp_path)
+    builds = []
+
+    def build(p):
+        builds.append(p)
+        return {"x": np.arange(p["n"], dtype=np.float32), "y": np.zeros(p["n"], dtype=np.int64)}
+
+    first = run.stage("tokens", {"n": 10}, build)
+    second = run.stage("tokens", {"n": 10}, build)
+    assert len(builds) == 1
+    assert "stage tokens: cache hit" in capsys.readouterr().out
+    assert isinstance(second["x"], np.memmap) and np.array_equal(first["x"], second["x"])
+    run.stage("tokens", {"n": 11}, build)
+    assert len(builds) == 2
+    names = sorted(p.name for p in run.cache_dir.iterdir())
+    assert len(names) == 2 and names[0] != names[1] and all(n.startswith("tokens-") for n in names)
+    # Anything else picklable goes through torch.save.
+    vocab = run.stage("vocab", {"v": 1}, lambda p: {"chars": ["a", "b"], "v": p["v"]})
+    assert vocab == {"chars": ["a", "b"], "v": 1} and (run.cache_dir / f"{names[0].rsplit('.', 1)[0]}.npy").exists()
+    run.close()
+
+    # The cache attached as a dataset in a later session (fresh working dir) is a hit too.
+    other = tmp_path / "other"
+    shutil.copytree(run.cache_dir, other / "input/datasets/me/tok-cache/cache")
+    later = make_run(other)
+    later.stage("tokens", {"n": 10}, build)
+    assert len(builds) == 2
+    later.close()
+
+
+def test_check_catches_float_labels(tmp_path):
+    run = make_run(tmp_path)
+    x, y = torch.randn(8, 20), torch.rand(8)
+    with pytest.raises(PreflightError) as e:
+        run.check(batch=(x, y), num_classes=10)
+    assert str(e.value) == (
+        "labels have dtype torch.float32; cross-entropy needs an integer class index (torch.int64)"
+    )
+    assert run.phase == "preflight"  # a crash here is reported as a preflight failure
+    run.close()
+
+
+def test_check_catches_out_of_range_labels_and_shapes(tmp_path, capsys):
+    run = make_run(tmp_path)
+    x = torch.randn(8, 20)
+    with pytest.raises(PreflightError, match=r"labels range over \[3, 10\]; with num_classes=10 they must be in \[0, 10\)"):
+        run.check(batch=(x, torch.arange(8) + 3), num_classes=10)
+    with pytest.raises(PreflightError, match=r"inputs have shape \(8, 20\); expected \(any, 21\)"):
+        run.check(batch=(x, torch.zeros(8, dtype=torch.int64)), x_shape=(None, 21))
+    with pytest.raises(PreflightError, match="inputs have dtype torch.float32; expected torch.float16"):
+        run.check(batch=(x, torch.zeros(8, dtype=torch.int64)), x_dtype=torch.float16)
+    capsys.readouterr()
+    run.check(batch=(x, torch.arange(8)), x_shape=(None, 20), x_dtype=torch.float32, num_classes=10,
+              label_dtype=torch.int64)
+    assert capsys.readouterr().out.count("check ok:") == 4
+    run.close()
+
+
+def test_check_catches_train_val_overlap_and_prints_counts(tmp_path, capsys):
+    run = make_run(tmp_path)
+    x, y = torch.randn(100, 4), torch.randint(0, 3, (100,))
+    train, val = TensorDataset(x[:80], y[:80]), TensorDataset(x[80:], y[80:])
+    run.check(splits={"train": train, "val": val})
+    assert "[kchain] splits: train 80 | val 20" in capsys.readouterr().out
+    with pytest.raises(PreflightError, match=r"share 80 of 80 sampled rows; expected none \(trained on the wrong split\?\)"):
+        run.check(splits={"train": train, "val": train})
+    with pytest.raises(PreflightError, match="share"):
+        run.check(splits={"train": ["a", "b", "c"], "val": ["c", "d"]})
+    run.close()
+
+
+def test_input_finds_both_mount_layouts_and_names_what_is_attached(tmp_path):
+    (tmp_path / "input/mnist").mkdir(parents=True)
+    (tmp_path / "input/datasets/alice/shakespeare").mkdir(parents=True)
+    (tmp_path / "input/competitions/titanic").mkdir(parents=True)
+    run = make_run(tmp_path)
+    assert run.input("mnist") == tmp_path / "input/mnist"
+    assert run.input("shakespeare") == tmp_path / "input/datasets/alice/shakespeare"
+    assert run.input("alice/shakespeare") == tmp_path / "input/datasets/alice/shakespeare"
+    assert run.input("titanic") == tmp_path / "input/competitions/titanic"
+    with pytest.raises(FileNotFoundError) as e:
+        run.input("cifar10")
+    msg = str(e.value)
+    assert "'cifar10' is not attached" in msg and str(tmp_path / "input/*/*/cifar10") in msg
+    assert "attached: titanic, alice/shakespeare, mnist" in msg
+    run.close()
+
+
+def batches_after_resume(root: Path, workers: int, stop_after: int, more: int):
+    """Deliver stop_after batches, checkpoint the loader, then `more` from a fresh loader at that state."""
+    data = TensorDataset(torch.arange(50))
+    run = make_run(root, {"seed": 7})
+    lo = run.loader(data, batch_size=4, num_workers=workers)
+    for _ in range(stop_after):
+        next(lo)
+    state = lo.state_dict()
+    straight = [next(lo)[0].tolist() for _ in range(more)]
+    again = make_run(root, {"seed": 7}).loader(data, batch_size=4, num_workers=workers)
+    again.load_state_dict(state)
+    resumed = [next(again)[0].tolist() for _ in range(more)]
+    run.close()
+    return straight, resumed
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_loader_resumes_mid_epoch_with_the_next_batch(tmp_path, workers):
+    straight, resumed = batches_after_resume(tmp_path, workers, stop_after=5, more=12)  # crosses an epoch
+    assert resumed == straight
+
+
+def test_loader_order_is_the_same_with_and_without_workers_and_leaves_user_rng_alone(tmp_path):
+    class Noisy(TensorDataset):
+        def __getitem__(self, i):
+            return self.tensors[0][i] + torch.rand(()), np.random.rand(), random.random()
+
+    data = Noisy(torch.zeros(20))
+    run = make_run(tmp_path)
+    torch.manual_seed(3)
+    expected_next = torch.rand(())
+    torch.manual_seed(3)
+    a = [next(run.loader(data, batch_size=5, num_workers=w)) for w in (0, 2) for _ in range(1)]
+    assert torch.rand(()) == expected_next  # fetching in the main process did not consume the user's RNG
+    for x, y in zip(a[0], a[1], strict=True):
+        assert torch.equal(torch.as_tensor(x), torch.as_tensor(y))
+    lo = run.loader(data, batch_size=5, shuffle=False)
+    assert len(list(lo)) == 4 and lo.epoch == 1 and len(list(lo)) == 4 and lo.epoch == 2
+    run.close()
+
+
+def tiny_training(root: Path, steps: int, env: dict | None = None) -> Run:
+    run = make_run(root, {"seed": 1}, env, checkpoint_every={"steps": 2})
+    model = nn.Linear(3, 2)
+    run.track(model=model)
+    for step in run.steps(steps):
+        with torch.no_grad():
+            model.weight += step
+        run.log(loss=float(step))
+    run.close()
+    return run
+
+
+def test_resume_from_an_attached_state_dataset_and_a_zip(tmp_path, capsys):
+    first = tiny_training(tmp_path / "s1", 4)
+    assert first.session == 1 and first.finished
+    # Next session: fresh working dir, the previous output attached under datasets/<owner>/<slug>.
+    s2 = tmp_path / "s2"
+    shutil.copytree(first.working, s2 / "input/datasets/me/tiny-state")
+    second = tiny_training(s2, 6)
+    assert second.resumed_from == 4 and second.session == 2
+    assert len(second.metrics_path.read_text().splitlines()) == 6  # one history, no duplicated steps
+    # A session whose state came as an un-unpacked zip of the checkpoint directory.
+    s3 = tmp_path / "s3"
+    (s3 / "input/tiny-zip").mkdir(parents=True)
+    with zipfile.ZipFile(s3 / "input/tiny-zip/state.zip", "w") as z:
+        ckpt = second.checkpoints / layout.checkpoint_name(6)
+        for f in ckpt.iterdir():
+            z.write(f, f"{ckpt.name}/{f.name}")
+    third = tiny_training(s3, 8)
+    assert third.resumed_from == 6 and third.session == 3
+
+
+def test_other_manifests_under_input_are_ignored(tmp_path):
+    (tmp_path / "input/some-data").mkdir(parents=True)
+    (tmp_path / "input/some-data/manifest.json").write_text('{"step": 99}')
+    run = tiny_training(tmp_path, 2)
+    assert run.resumed_from is None
+
+
+def test_cuda_rng_mismatch_is_said_loudly(capsys):
+    state = rng_state()
+    state["cuda"] = [torch.zeros(16, dtype=torch.uint8)] * 2  # saved on a 2-GPU machine
+    restore_rng(state)
+    out = capsys.readouterr().out
+    assert "CUDA RNG states for 2 device(s) but this machine has 0" in out and "NO LONGER BIT-EXACT" in out
+
+
+def test_smoke_caps_steps_subsets_evenly_and_every_fires_on_the_last_step(tmp_path):
+    run = make_run(tmp_path, env={"KCHAIN_SMOKE": "1"}, checkpoint_every={"steps": 100})
+    run.config["smoke"] = {}
+    assert run.smoke and run.fraction == 0.05
+    labels = np.repeat(np.arange(10), 100)  # sorted by class: the first rows are all class 0
+    assert set(run.subset(labels)) == set(range(10)) and len(run.subset(labels)) == 50
+    assert len(run.subset(list(range(3)))) == 1 and len(run.subset(TensorDataset(torch.zeros(40)))) == 2
+    hits = [step for step in run.steps(1000) if run.every(7)]
+    assert hits == [7, 14, 20] and run.step == 20 and run.finished
+    run.close()
+    assert make_run(tmp_path).subset(labels) is labels
+
+
+def test_cadence_syntax():
+    assert parse_every("20 steps") == {"steps": 20}
+    assert parse_every("10m") == {"seconds": 600.0}
+    assert parse_every("30s") == {"seconds": 30.0}
+    with pytest.raises(ValueError, match="write e.g. '20 steps' or '10m'"):
+        parse_every("ten minutes")

@@ -33,6 +33,7 @@ from kchain.push import (
     ensure_state_dataset,
     plan_for,
     push_session,
+    reconcile,
     write_dataset_metadata,
 )
 from kchain.render import render_job
@@ -183,14 +184,13 @@ def _heartbeat_step(line: str | None) -> int | None:
         return None
 
 
-def decide_and_continue(job_file: Path, retry: bool = False, force: bool = False, skip_smoke: bool = False,
-                        echo: Echo = print, client: KaggleClient | None = None) -> Decision:
-    job = load_job(job_file)
-    ledger = Ledger(state_dir(job.path))
-    client = client or KaggleClient()
+def decide_and_continue(job: Job, ledger: Ledger, client: KaggleClient, retry: bool = False,
+                        force: bool = False, skip_smoke: bool = False, echo: Echo = print) -> Decision:
+    job_file = job.path
     owner = job.kaggle.owner or client.username
     with chain_lock(ledger, job.name):
-        chain = sess.refresh(client, ledger, job.name)
+        reconcile(client, ledger, job)
+        chain = [s for s in sess.refresh(client, ledger, job.name) if s["status"] != "FAILED_TO_PUSH"]
         if not chain:
             raise ChainStop(f"{job.name} has no session yet: start it with `kchain push {job_file}`")
         last = chain[-1]
@@ -262,26 +262,32 @@ def _val(record: dict[str, Any]) -> str:
     return ""
 
 
-def watch(job_file: Path, retry: bool = False, force: bool = False, skip_smoke: bool = False,
-          echo: Echo = print, poll_s: float = 30.0, max_poll_s: float = 300.0,
-          client: KaggleClient | None = None, max_sessions: int | None = None) -> Decision:
+def continue_chain(job_file: Path, retry: bool = False, force: bool = False, skip_smoke: bool = False,
+                   watch_chain: bool = False, echo: Echo = print) -> Decision:
+    job = load_job(job_file)
+    ledger, client = Ledger(state_dir(job.path)), KaggleClient()
+    if watch_chain:
+        return watch(job, ledger, client, retry=retry, force=force, skip_smoke=skip_smoke, echo=echo)
+    return decide_and_continue(job, ledger, client, retry=retry, force=force, skip_smoke=skip_smoke, echo=echo)
+
+
+def watch(job: Job, ledger: Ledger, client: KaggleClient, retry: bool = False, force: bool = False,
+          skip_smoke: bool = False, echo: Echo = print, poll_s: float = 30.0, max_poll_s: float = 300.0,
+          before_each: Callable[[int], None] | None = None) -> Decision:
     """Keep chaining until training is finished, the budget is spent, or a crash needs a human."""
-    client = client or KaggleClient()
     delay = poll_s
-    pushed = 0
     while True:
-        decision = decide_and_continue(job_file, retry=retry, force=force, skip_smoke=skip_smoke,
-                                       echo=echo, client=client)
+        if before_each is not None:
+            before_each(len(ledger.sessions(job.name)) + 1)
+        decision = decide_and_continue(job, ledger, client, retry=retry, force=force, skip_smoke=skip_smoke,
+                                       echo=echo)
         retry = False  # --retry covers one crash, not every crash of the watch
         if decision.action == "finished":
             echo(decision.message)
             return decision
         if decision.action == "pushed":
             echo(decision.message)
-            pushed += 1
             delay = poll_s
-            if max_sessions is not None and pushed >= max_sessions:
-                return decision
         else:
             echo(f"[{time.strftime('%H:%M:%S')}] {decision.message}")
             delay = min(delay * 1.5, max_poll_s)

@@ -81,6 +81,162 @@ def smoke(job: Path, quiet: bool) -> None:
     click.echo(f"smoke passed: {report.run_id} (fingerprint {report.fingerprint[:12]}) recorded in the run log")
 
 
+@cli.command()
+@JOB
+@click.option("--skip-smoke", is_flag=True, help="Push code that never passed a smoke run (recorded in the run log).")
+@click.option("--force", is_flag=True, help="Push even if the week's GPU quota cannot cover the session.")
+def push(job: Path, skip_smoke: bool, force: bool) -> None:
+    """Start session 1 on Kaggle: smoked code only, within the week's quota.
+
+    \b
+    Example:
+      kchain smoke jobs/tinygpt/job.yaml && kchain push jobs/tinygpt/job.yaml
+    """
+    from kchain.push import push as run_push
+
+    run_push(job, skip_smoke=skip_smoke, force=force, echo=click.echo)
+
+
+@cli.command()
+@JOB
+def status(job: Path) -> None:
+    """One table of the chain: each session's version, status, duration, steps, last words.
+
+    \b
+    Example:
+      kchain status jobs/tinygpt/job.yaml
+    """
+    from kchain.sessions import status_for
+
+    for line in status_for(job):
+        click.echo(line)
+
+
+@cli.command()
+@JOB
+@click.option("--session", "number", type=int, default=None, help="Session number (default: the last).")
+@click.option("--follow", is_flag=True, help="Keep polling until the session ends.")
+@click.option("--poll", type=float, default=30.0, show_default=True, help="Seconds between polls with --follow.")
+def logs(job: Path, number: int | None, follow: bool, poll: float) -> None:
+    """A session's log: heartbeat lines and, for a failure, its class, first line and a hint.
+
+    \b
+    Example:
+      kchain logs jobs/tinygpt/job.yaml --follow
+    """
+    from kchain.sessions import logs_for
+
+    logs_for(job, number, follow=follow, poll_s=poll, echo=click.echo)
+
+
+@cli.command(name="continue")
+@JOB
+@click.option("--retry", is_flag=True, help="Run a session that crashed once again, unchanged.")
+@click.option("--watch", "watch_chain", is_flag=True, help="Keep chaining until done, out of budget, or a crash.")
+@click.option("--force", is_flag=True, help="Push even if the week's GPU quota cannot cover the session.")
+@click.option("--skip-smoke", is_flag=True, help="Allow code that never passed a smoke run.")
+def continue_(job: Path, retry: bool, watch_chain: bool, force: bool, skip_smoke: bool) -> None:
+    """Chain the next session from the saved state, or say why not.
+
+    \b
+    Example:
+      kchain continue jobs/tinygpt/job.yaml --watch
+    """
+    from kchain.chain import continue_chain
+
+    decision = continue_chain(job, retry=retry, force=force, skip_smoke=skip_smoke, watch_chain=watch_chain,
+                              echo=click.echo)
+    click.echo(decision.message)
+
+
+@cli.command()
+@JOB
+def budget(job: Path) -> None:
+    """This quota week's GPU-hours, session by session, and what the remaining steps need.
+
+    \b
+    Example:
+      kchain budget jobs/tinygpt/job.yaml
+    """
+    from kchain.ledger import budget_for
+
+    for line in budget_for(job):
+        click.echo(line)
+
+
+@cli.command()
+@JOB
+def runs(job: Path) -> None:
+    """The run log, with the best row by validation metric and its checkpoint.
+
+    \b
+    Example:
+      kchain runs jobs/tinygpt/job.yaml
+    """
+    from kchain.ledger import runs_for
+
+    for line in runs_for(job):
+        click.echo(line)
+
+
+@cli.command()
+@JOB
+@click.option("-o", "--out", type=click.Path(path_type=Path), default=None, help="PNG path (default: .kchain/<name>-loss.png).")
+def plot(job: Path, out: Path | None) -> None:
+    """A PNG of training and validation loss across the whole chain, sessions marked.
+
+    \b
+    Example:
+      kchain plot jobs/tinygpt/job.yaml -o loss.png
+    """
+    from kchain.plot import plot_for
+
+    click.echo(f"wrote {plot_for(job, out)}")
+
+
+@cli.command()
+@JOB
+@click.option("--session-limit", type=float, default=20.0, show_default=True, help="Seconds per emulated session.")
+@click.option("--kills", type=int, default=1, show_default=True, help="Sessions killed at a random moment.")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--set", "sets", multiple=True, metavar="NAME=VALUE", help="Override a param, e.g. --set steps=300.")
+def rehearse(job: Path, session_limit: float, kills: int, seed: int, sets: tuple[str, ...]) -> None:
+    """The whole chain on this machine against a local Kaggle, compared with one uninterrupted run.
+
+    \b
+    Example:
+      kchain rehearse jobs/tinygpt/job.yaml --session-limit 20 --set steps=300
+    """
+    from kchain.errors import KchainError
+    from kchain.rehearse import parse_sets
+    from kchain.rehearse import rehearse as run_rehearse
+
+    result = run_rehearse(job, session_limit_s=session_limit, kills=kills, seed=seed, params=parse_sets(sets),
+                          echo=click.echo)
+    if not result.identical:
+        raise KchainError(f"rehearsal: the chained run {result.verdict}")
+
+
+@cli.group()
+def emulator() -> None:
+    """The local Kaggle that kchain is tested against."""
+
+
+@emulator.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
+@click.pass_context
+def serve(ctx: click.Context) -> None:
+    """Run a local Kaggle until interrupted; prints the environment to export.
+
+    \b
+    Example:
+      kchain emulator serve --state /tmp/kaggle --port 7777 --session-limit 60
+    Options: see `python -m kchain.emulator serve --help`.
+    """
+    from kchain.emulator.__main__ import main as emulator_main
+
+    emulator_main(["serve", *ctx.args])
+
+
 def main() -> None:
     cli(prog_name="kchain")
 

@@ -192,3 +192,14 @@ def runs_lines(ledger: Ledger) -> list[str]:
     elif not rows:
         lines.append("the run log is empty: `kchain smoke job.yaml` writes its first line")
     return lines
+
+
+def budget_for(job_file: Path) -> list[str]:
+    from kchain.spec import load_job
+
+    job = load_job(job_file)
+    return budget_lines(Ledger(state_dir(job.path)), job.budget.weekly_gpu_hours, job.name)
+
+
+def runs_for(job_file: Path) -> list[str]:
+    return runs_lines(Ledger(state_dir(job_file)))

@@ -51,3 +51,19 @@ def plot_chain(trace: list[dict[str, Any]], boundaries: list[tuple[int, int]], o
     fig.savefig(out)
     plt.close(fig)
     return out
+
+
+def plot_for(job_file: Path, out: Path | None) -> Path:
+    from kchain.ledger import Ledger, state_dir
+    from kchain.spec import load_job
+
+    job = load_job(job_file)
+    ledger = Ledger(state_dir(job.path))
+    chain = ledger.sessions(job.name)
+    trace_path = newest_trace(chain)
+    if trace_path is None:
+        raise KchainError(f"{job.name} has no finished session with a metrics trace yet; "
+                          "`kchain status` shows the chain")
+    boundaries = [(s["session"], s.get("resumes_at", 0)) for s in chain if s.get("version")]
+    return plot_chain(read_trace(trace_path), boundaries, out or ledger.root / f"{job.name}-loss.png",
+                      f"{job.name}: {len(boundaries)} session(s)")

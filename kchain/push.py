@@ -148,15 +148,25 @@ def push_session(
 
 def push(job_file: Path, skip_smoke: bool = False, force: bool = False, echo: Echo = print) -> dict[str, Any]:
     job = load_job(job_file)
-    ledger = Ledger(state_dir(job.path))
-    client = KaggleClient()
+    return push_job(job, Ledger(state_dir(job.path)), KaggleClient(), skip_smoke=skip_smoke, force=force, echo=echo)
+
+
+def push_job(job: Job, ledger: Ledger, client: KaggleClient, skip_smoke: bool = False, force: bool = False,
+             echo: Echo = print) -> dict[str, Any]:
+    """Start session 1 of the job's chain (or the next one, if the last push never landed)."""
+    job_file = job.path
     owner = job.kaggle.owner or client.username
-    chain = ledger.sessions(job.name)
+    chain = reconcile(client, ledger, job)
     live = [s for s in chain if s["status"] in LIVE]
     if live:
         raise ChainStop(
             f"session {live[-1]['session']} of {job.name} is still {live[-1]['status'].lower()}; "
             "watch it with `kchain status` or `kchain logs --follow`"
+        )
+    if [s for s in chain if s.get("version")]:
+        raise ChainStop(
+            f"{job.name} already has a chain of {len(chain)} session(s); chain the next one with "
+            f"`kchain continue {job_file}`"
         )
     rendered = render_job(job, owner=owner)
     smoked = ledger.smoke_passed(rendered.fingerprint)
@@ -166,15 +176,14 @@ def push(job_file: Path, skip_smoke: bool = False, force: bool = False, echo: Ec
             "(or --skip-smoke, recorded in the run log)"
         )
     plan = plan_for(job, ledger)
-    echo(f"kchain push {job_file}: session {len(chain) + 1} of {owner}/{job.name}")
+    echo(f"kchain push {job_file}: session 1 of {owner}/{job.name}")
     for line in plan.lines():
         echo(line)
     check_budget(job, plan, force, job_file)
     ensure_state_dataset(client, f"{owner}/{job.name}-state", job, echo)
-    session = len(chain) + 1
-    record = push_session(client, job, rendered, ledger, session, echo,
+    record = push_session(client, job, rendered, ledger, 1, echo,
                           extra={"smoke": smoked["run_id"] if smoked else "skipped"})
-    note = f"session {session} pushed" + ("" if smoked else " (--skip-smoke: never smoke-tested)")
+    note = "session 1 pushed" + ("" if smoked else " (--skip-smoke: never smoke-tested)")
     ledger.append_run(
         run_id=new_run_id("kaggle"), channel="kaggle", job=job.name, config=rendered.fingerprint[:12],
         steps="", val="", checkpoint="", note=f"{note}; kernel {record['kernel']} v{record['version']}",
@@ -182,3 +191,17 @@ def push(job_file: Path, skip_smoke: bool = False, force: bool = False, echo: Ec
     echo(f"  pushed {record['kernel']} version {record['version']}: {record['url']}")
     return record
 
+
+def reconcile(client: KaggleClient, ledger: Ledger, job: Job) -> list[dict[str, Any]]:
+    """Settle a push that an earlier kchain run sent but never heard back from."""
+    for record in ledger.sessions(job.name):
+        if record["status"] != "PUSHING":
+            continue
+        version = client.kernel_version(record["kernel"])
+        if version and version != record.get("version_before"):
+            record.update(status="QUEUED", version=version, url=client.kernel_url(record["kernel"]),
+                          started=record.get("requested"))
+        else:
+            record.update(status="FAILED_TO_PUSH")
+        ledger.save_session(job.name, record)
+    return [s for s in ledger.sessions(job.name) if s["status"] != "FAILED_TO_PUSH"]

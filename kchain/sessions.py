@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -101,9 +102,10 @@ def refresh(client: KaggleClient, ledger: Ledger, job: str) -> list[dict[str, An
             except Exception as exc:  # noqa: BLE001 - a missing output is recorded, not fatal
                 record["output_error"] = f"{type(exc).__name__}: {exc}"
             summary = record.get("summary") or {}
-            # The kernel's own clock is the better measure of the GPU time it used.
-            if summary.get("started") and summary.get("ended"):
-                record["started"], record["ended"] = summary["started"], summary["ended"]
+            # The kernel's own clock measures the session it ran; the queue before it is not GPU time.
+            if isinstance(summary.get("started"), (int, float)) and isinstance(summary.get("ended"), (int, float)):
+                record["started"] = iso(datetime.fromtimestamp(summary["started"], timezone.utc))
+                record["ended"] = iso(datetime.fromtimestamp(summary["ended"], timezone.utc))
         ledger.save_session(job, record)
     return ledger.sessions(job)
 
@@ -161,3 +163,35 @@ def show_log(client: KaggleClient, record: dict[str, Any], echo: Echo, follow: b
         echo(f"[kchain] failed: {failure.one_line()}")
         echo(f"[kchain] hint: {failure.hint}")
     return failure
+
+
+def status_for(job_file: Path) -> list[str]:
+    from kchain.ledger import state_dir
+    from kchain.spec import load_job
+
+    job = load_job(job_file)
+    ledger = Ledger(state_dir(job.path))
+    chain = ledger.sessions(job.name)
+    if chain:
+        chain = refresh(KaggleClient(), ledger, job.name)
+    else:
+        return [f"{job.name} has no session yet: `kchain push {job_file}` starts one"]
+    return status_table(chain, ledger.gpu_hours_this_week(), job.budget.weekly_gpu_hours)
+
+
+def logs_for(job_file: Path, number: int | None, follow: bool, poll_s: float, echo: Echo) -> None:
+    from kchain.errors import KchainError
+    from kchain.ledger import state_dir
+    from kchain.spec import load_job
+
+    job = load_job(job_file)
+    ledger = Ledger(state_dir(job.path))
+    chain = [s for s in ledger.sessions(job.name) if s.get("version")]
+    if not chain:
+        raise KchainError(f"{job.name} has no session yet: `kchain push {job_file}` starts one")
+    record = chain[-1] if number is None else next((s for s in chain if s["session"] == number), None)
+    if record is None:
+        raise KchainError(f"{job.name} has no session {number}; sessions: {', '.join(str(s['session']) for s in chain)}")
+    client = KaggleClient()
+    show_log(client, record, echo, follow=follow, poll_s=poll_s)
+    refresh(client, ledger, job.name)

@@ -117,7 +117,7 @@ def _spawn(phase: Phase, notebook: Path, env: dict[str, str], echo: Echo | None)
 
     def pump() -> None:
         assert proc.stdout is not None
-        with open(log, "w", encoding="utf-8") as f:
+        with proc.stdout, open(log, "w", encoding="utf-8") as f:
             for line in proc.stdout:
                 phase.lines.append((time.time() - t0, line.rstrip("\n")))
                 f.write(line)

@@ -19,7 +19,6 @@ import time
 from pathlib import Path
 
 from kchain.runtime import layout
-from kchain.runtime.statefolder import CACHE_MARKER, build_cache_folder, build_state_folder, cache_entries
 
 SECRET_LABELS = ("KAGGLE_USERNAME", "KAGGLE_KEY")
 
@@ -73,8 +72,8 @@ def publish_folder(api, folder: Path, ref: str, title: str, notes: str, dir_mode
         raise RuntimeError(f"{ref}: {error or status}")
 
 
-def attached_cache(input_root: Path) -> list[str] | None:
-    for marker in input_root.rglob(CACHE_MARKER) if input_root.is_dir() else []:
+def attached_cache(input_root: Path, marker_name: str) -> list[str] | None:
+    for marker in input_root.rglob(marker_name) if input_root.is_dir() else []:
         try:
             return json.loads(marker.read_text())["entries"]
         except (OSError, ValueError, KeyError):
@@ -98,6 +97,9 @@ def main(config_path: str) -> int:
     cred = credential()
     if cred is None:
         return 0
+    # Imported only now: a session without internet must not spend its last seconds importing torch.
+    from kchain.runtime.statefolder import CACHE_MARKER, build_cache_folder, build_state_folder, cache_entries
+
     # The session token Kaggle mounts would take precedence over the user's key (kagglesdk 1.3).
     os.environ.pop("KAGGLE_API_V1_TOKEN", None)
     os.environ.update(cred)
@@ -116,7 +118,7 @@ def main(config_path: str) -> int:
         uploaded = sum(p.stat().st_size for p in (work / "state").iterdir() if p.is_file())
         cache_bytes = 0
         entries = cache_entries(kchain_dir)
-        if entries and entries != attached_cache(layout.input_root(os.environ)) and kaggle_cfg.get("cache_dataset"):
+        if entries and entries != attached_cache(layout.input_root(os.environ), CACHE_MARKER) and kaggle_cfg.get("cache_dataset"):
             cache_bytes = build_cache_folder(kchain_dir, work / "cache")
             publish_folder(api, work / "cache", kaggle_cfg["cache_dataset"], f"{config['job']} cache"[:50],
                            notes, "zip")

@@ -13,6 +13,7 @@ import copy
 import hashlib
 import json
 import os
+import queue
 import random
 import shutil
 import signal
@@ -185,15 +186,20 @@ def prune(checkpoints: Path, keep: int) -> None:
 
 
 class Writer:
-    """Writes checkpoints in one background thread, one at a time.
+    """Writes checkpoints in one long-lived background thread, one at a time.
 
-    submit() waits for the previous write first, so at most one is in flight; wait() joins it and
-    re-raises whatever the thread raised. The owner calls wait() before the process exits.
+    submit() waits for the previous write first, so at most one is in flight; wait() blocks until
+    the writer is idle and re-raises whatever the write raised. The owner calls wait() before the
+    process exits. The thread lives for the whole run: starting a thread per save would hand it the
+    GIL at once and stall training for a switch interval.
     """
 
     def __init__(self, fault_point: str | None = None, kill_after_first: bool = False):
         self.fault_point = fault_point
         self.kill_after_first = kill_after_first
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._idle = threading.Event()
+        self._idle.set()
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self.last_path: Path | None = None
@@ -201,31 +207,36 @@ class Writer:
 
     def submit(self, **kwargs) -> None:
         self.wait()
-        self._thread = threading.Thread(target=self._write, kwargs=kwargs, name="kchain-checkpoint", daemon=False)
-        self._thread.start()
+        self._idle.clear()
+        self._jobs.put(kwargs)
+        if self._thread is None:
+            # daemon: an idle writer must not keep the process alive; wait() covers a busy one.
+            self._thread = threading.Thread(target=self._loop, name="kchain-checkpoint", daemon=True)
+            self._thread.start()
 
-    def _write(self, **kwargs) -> None:
-        t0 = time.perf_counter()
-        try:
-            self.last_path = write_checkpoint(fault_point=self.fault_point, **kwargs)
-        except BaseException as e:  # re-raised in the training thread by wait()
-            self._error = e
-            return
-        self.last_write_s = time.perf_counter() - t0
-        if self.kill_after_first:
-            os.kill(os.getpid(), signal.SIGKILL)
+    def _loop(self) -> None:
+        while True:
+            kwargs = self._jobs.get()
+            t0 = time.perf_counter()
+            try:
+                self.last_path = write_checkpoint(fault_point=self.fault_point, **kwargs)
+                self.last_write_s = time.perf_counter() - t0
+                if self.kill_after_first:
+                    os.kill(os.getpid(), signal.SIGKILL)
+            except BaseException as e:  # re-raised in the training thread by wait()
+                self._error = e
+            finally:
+                self._idle.set()
 
     def wait(self) -> None:
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
+        self._idle.wait()
         if self._error is not None:
             err, self._error = self._error, None
             raise err
 
     @property
     def busy(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+        return not self._idle.is_set()
 
 
 # --- verifying and finding --------------------------------------------------------------------

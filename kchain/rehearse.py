@@ -1,0 +1,180 @@
+"""`kchain rehearse`: the whole chain on this machine, against the local Kaggle, before any quota.
+
+The job is pushed to a private emulator with a short session limit (the runtime's deadline guard is
+set from it, as on Kaggle), chosen sessions are killed at a random moment, and `continue` chains
+session after session until training is done. Beside it, the same notebook runs once,
+uninterrupted. The two metrics traces are compared step by step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+import secrets
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kchain import local
+from kchain.chain import watch
+from kchain.emulator import Emulator, Faults
+from kchain.kaggle_api import KaggleClient
+from kchain.ledger import Ledger, new_run_id, state_dir
+from kchain.plot import newest_trace, read_trace
+from kchain.push import push_job
+from kchain.render import render_job, write_rendered
+from kchain.runtime import layout
+from kchain.smoke import compare_traces, mount_inputs
+from kchain.spec import Job, load_job
+
+Echo = Callable[[str], None]
+USER = "rehearsal"
+
+
+@dataclass
+class Rehearsal:
+    identical: bool
+    verdict: str
+    sessions: list[dict[str, Any]]
+    reference: list[dict[str, Any]]
+    chained: list[dict[str, Any]]
+    emulator_sessions: list[dict[str, Any]] = field(default_factory=list)
+    dataset_versions: list[dict[str, Any]] = field(default_factory=list)
+    work: Path | None = None
+
+
+@contextlib.contextmanager
+def _env(values: dict[str, str]) -> Iterator[None]:
+    old = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, value in old.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def short_session_job(job: Job, session_limit_s: float, params: dict[str, Any]) -> Job:
+    """The job with the rehearsal's session limit (the margin and cadence scaled to it)."""
+    margin = max(2.0, round(session_limit_s * 0.2, 1))
+    train = job.train.model_copy(update={
+        "session_limit": f"{session_limit_s}s", "margin": f"{margin}s",
+        "checkpoint_every": f"{max(1.0, round(session_limit_s / 6, 1))}s", "heartbeat": "2s",
+    })
+    kaggle = job.kaggle.model_copy(update={"owner": USER})
+    return job.model_copy(update={"train": train, "kaggle": kaggle, "params": {**job.params, **params}})
+
+
+def run_reference(job: Job, root: Path) -> list[dict[str, Any]]:
+    """The same notebook, one uninterrupted session with no time limit."""
+    rendered = render_job(job, owner=USER)
+    write_rendered(rendered, root.parent / "reference-kernel")
+    root.mkdir(parents=True, exist_ok=True)
+    mount_inputs(job, root)
+    env = {layout.SESSION_LIMIT_ENV: str(30 * 24 * 3600)}
+    result = local.execute_notebook(root.parent / "reference-kernel" / rendered.notebook_file, root, env=env)
+    if not result.ok:
+        raise RuntimeError(f"the reference run failed: {result.error}")
+    return read_trace(root / layout.WORKING_DIR / layout.KCHAIN_DIR / layout.METRICS)
+
+
+def rehearse(job_file: Path, session_limit_s: float = 20.0, kills: int = 1, seed: int = 0,
+             params: dict[str, Any] | None = None, faults: Faults | None = None, internet: bool | None = None,
+             echo: Echo = print, poll_s: float = 0.5) -> Rehearsal:
+    base = load_job(job_file)
+    job = short_session_job(base, session_limit_s, params or {})
+    if internet is not None:
+        job = job.model_copy(update={"kaggle": job.kaggle.model_copy(update={"internet": internet})})
+    work = state_dir(base.path) / "rehearse" / new_run_id("rehearse")
+    ledger = Ledger(work / "ledger")
+    key = secrets.token_hex(16)
+    rng = random.Random(seed)
+    faults = faults or Faults(seed=seed)
+    emu = Emulator(work / "kaggle", users={USER: key}, session_limit_s=session_limit_s * 1.05,
+                   secrets={USER: {"KAGGLE_USERNAME": USER, "KAGGLE_KEY": key}}, faults=faults)
+    emu.start()
+    reference: list[dict[str, Any]] = []
+    ref_error: list[BaseException] = []
+
+    def reference_thread() -> None:
+        try:
+            reference.extend(run_reference(job, work / "reference"))
+        except BaseException as exc:  # noqa: BLE001 - reported after the chain
+            ref_error.append(exc)
+
+    ref = threading.Thread(target=reference_thread, daemon=True)
+    ref.start()
+    kill_set: set[int] = set()
+
+    def before_each(session: int) -> None:
+        # Session 1 runs clean; then `kills` of the next sessions die at a random moment.
+        if session >= 2 and len(kill_set) < kills and session not in kill_set and rng.random() < 0.7:
+            kill_set.add(session)
+        emu.faults.kill_random_s = (session_limit_s * 0.3, session_limit_s * 0.8) if session in kill_set else None
+
+    echo(f"kchain rehearse {job_file}: sessions of {session_limit_s:g}s against a local Kaggle at {emu.url}")
+    try:
+        with _env({**emu.env(USER), "KCHAIN_HOME": str(work / "ledger")}):
+            client = KaggleClient(backoff_s=0.2, max_backoff_s=2.0)
+            before_each(1)
+            push_job(job, ledger, client, skip_smoke=True, force=True, echo=echo)
+            watch(job, ledger, client, force=True, skip_smoke=True, echo=echo, poll_s=poll_s,
+                  max_poll_s=max(poll_s, 2.0), before_each=before_each)
+        ref.join()
+    finally:
+        emu.stop()
+    if ref_error:
+        raise ref_error[0]
+    chain = ledger.sessions(job.name)
+    trace_path = newest_trace(chain)
+    chained = read_trace(trace_path) if trace_path else []
+    rows, first = compare_traces(reference, chained)
+    steps = max((r["step"] for r in reference), default=0)
+    identical = first is None and bool(rows) and all(r[3] is not None for r in rows)
+    if identical:
+        verdict = f"identical: {len(rows)} values over {steps} steps, {len(chain)} sessions, largest difference 0.0"
+    elif first is None:
+        verdict = "incomplete: the chained trace is missing steps the reference has"
+    else:
+        verdict = f"differs first at step {first[0]} ({first[1]})"
+    _print(echo, chain, rows)
+    echo(f"verdict: {verdict}")
+    return Rehearsal(identical, verdict, chain, reference, chained, emu.sessions(),
+                     emu.dataset_versions(f"{USER}/{job.name}-state"), work)
+
+
+def _print(echo: Echo, chain: list[dict[str, Any]], rows: list[tuple[int, str, float, float | None]]) -> None:
+    echo(f"{'session':>7}  {'status':<9} {'ended as':<12} {'resumed at':>10} {'reached':>8}  published")
+    for s in chain:
+        summary = s.get("summary") or {}
+        published = (s.get("publish") or {}).get("published") or summary.get("published") or "-"
+        echo(f"{s['session']:>7}  {s['status']:<9} {summary.get('status') or '-':<12} "
+             f"{s.get('resumes_at', 0):>10} {summary.get('step') or '-':>8}  {published}")
+    starts = {s.get("resumes_at", 0) for s in chain}
+    shown = [r for r in rows if r[1] == "loss" and (r[0] - 1 in starts or r[0] % 25 == 0)]
+    echo(f"{'step':>6}  {'uninterrupted':>16} {'chained':>16}")
+    for step, _key, a, b in shown:
+        mark = "  <- session boundary" if step - 1 in starts and step > 1 else ""
+        echo(f"{step:>6}  {a:>16.8g} {'missing' if b is None else f'{b:.8g}':>16}{mark}")
+
+
+def parse_sets(values: tuple[str, ...]) -> dict[str, Any]:
+    """--set steps=300 --set lr=1e-3 -> {'steps': 300, 'lr': 0.001} (values read as YAML scalars)."""
+    import yaml
+
+    out: dict[str, Any] = {}
+    for value in values:
+        key, sep, raw = value.partition("=")
+        if not sep or not key:
+            from kchain.errors import KchainError
+
+            raise KchainError(f"--set {value!r}: write it as name=value, e.g. --set steps=300")
+        out[key] = yaml.safe_load(raw)
+    return out
+

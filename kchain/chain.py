@@ -140,7 +140,7 @@ def relay_state(client: KaggleClient, job: Job, owner: str, record: dict[str, An
             wait_ready(client, cache_ref, echo)
             write_dataset_metadata(work / "cache", cache_ref, f"{job.name} cache")
             new_version(client, work / "cache", cache_ref, notes, "zip")
-        return {**marker, "uploaded_bytes": uploaded + cache_bytes, "cache": entries}
+        return {**marker, "uploaded_bytes": uploaded + cache_bytes, "cache_bytes": cache_bytes, "cache": entries}
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
@@ -160,6 +160,7 @@ def ready_state(client: KaggleClient, job: Job, owner: str, chain: list[dict[str
         marker = relay_state(client, job, owner, last, echo)
         if marker is not None:
             facts.update(published="relay", step=marker["step"], uploaded_bytes=marker["uploaded_bytes"],
+                         checkpoint_bytes=marker["checkpoint_bytes"], cache_bytes=marker["cache_bytes"],
                          cache=marker["cache"])
     wait_ready(client, state_ref, echo)
     facts["version"] = client.dataset_version_number(state_ref)
@@ -200,7 +201,8 @@ def decide_and_continue(job: Job, ledger: Ledger, client: KaggleClient, retry: b
             raise ChainStop(f"{owner}/{job.name} has a session {latest.lower()} on Kaggle that kchain did not "
                             "start; wait for it to end, then run `kchain continue` again")
         if last["status"] in sess.LIVE:
-            beat = last.get("heartbeat") or "no heartbeat yet"
+            beat = sess.last_heartbeat(sess.log_text(sess.parse_log(client.log(last["kernel"], last["version"]))))
+            beat = beat or "no heartbeat yet"
             return Decision("running", f"session {last['session']} is {last['status'].lower()}: {beat}", last)
         summary = last.get("summary") or {}
         if summary.get("status") == "finished":

@@ -150,12 +150,14 @@ def rehearse(job_file: Path, session_limit_s: float = 20.0, kills: int = 1, seed
 
 
 def _print(echo: Echo, chain: list[dict[str, Any]], rows: list[tuple[int, str, float, float | None]]) -> None:
-    echo(f"{'session':>7}  {'status':<9} {'ended as':<12} {'resumed at':>10} {'reached':>8}  published")
+    echo(f"{'session':>7}  {'status':<9} {'ended as':<12} {'resumed at':>10} {'reached':>8}  {'published':<9} uploaded")
     for s in chain:
         summary = s.get("summary") or {}
-        published = (s.get("publish") or {}).get("published") or summary.get("published") or "-"
-        echo(f"{s['session']:>7}  {s['status']:<9} {summary.get('status') or '-':<12} "
-             f"{s.get('resumes_at', 0):>10} {summary.get('step') or '-':>8}  {published}")
+        publish = s.get("publish") or {}
+        published = publish.get("published") or summary.get("published") or "-"
+        uploaded = f"{publish['uploaded_bytes'] / 1e6:.2f} MB" if publish.get("uploaded_bytes") else "-"
+        echo(f"{s['session']:>7}  {s['status']:<9} {summary.get('status') or 'killed':<12} "
+             f"{s.get('resumes_at', 0):>10} {summary.get('step') or '-':>8}  {published:<9} {uploaded}")
     starts = {s.get("resumes_at", 0) for s in chain}
     shown = [r for r in rows if r[1] == "loss" and (r[0] - 1 in starts or r[0] % 25 == 0)]
     echo(f"{'step':>6}  {'uninterrupted':>16} {'chained':>16}")

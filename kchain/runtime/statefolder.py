@@ -51,9 +51,12 @@ def build_state_folder(kchain_dir: Path, dest: Path, published: str, job: str | 
     for name in [*manifest.get("files", {}), layout.MANIFEST]:
         _link_or_copy(ckpt / name, dest / name)
         size += (dest / name).stat().st_size
-    summary = kchain_dir / layout.SUMMARY
-    if summary.is_file():
-        shutil.copy2(summary, dest / layout.SUMMARY)
+    summary_path = kchain_dir / layout.SUMMARY
+    if summary_path.is_file():
+        # The copy that travels says who published it (the kernel itself, or the laptop's relay).
+        summary = json.loads(summary_path.read_text())
+        summary["published"] = published
+        (dest / layout.SUMMARY).write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
     marker = {
         "job": manifest.get("job"),
         "session": manifest.get("session"),

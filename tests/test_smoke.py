@@ -58,7 +58,12 @@ BROKEN = {
     "validation is the training split": (
         'splits={"train": data["x_train"], "val": data["x_val"]}',
         'splits={"train": data["x_train"], "val": data["x_train"]}',
-        "preflight", "PreflightError", "overlap",
+        "preflight", "PreflightError", "trained on the wrong split",
+    ),
+    "a path that only exists on the laptop": (
+        "    torch.manual_seed(p.seed)\n",
+        '    torch.manual_seed(p.seed)\n    np.loadtxt("/home/student/data/points.csv")\n',
+        "build", "FileNotFoundError", "a data path or staging problem",
     ),
     "missing input": (
         "    torch.manual_seed(p.seed)\n",

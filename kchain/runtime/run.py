@@ -23,6 +23,7 @@ import torch
 
 from . import data, heartbeat, layout, precision, preflight
 from .checkpoint import (
+    Snapshotter,
     Writer,
     check_compatible,
     clean_tmp,
@@ -31,7 +32,6 @@ from .checkpoint import (
     restore_rng,
     rng_state,
     say,
-    snapshot,
     warn,
 )
 
@@ -167,6 +167,7 @@ class Run:
         self._last_save = time.time()
         self._last_heartbeat = 0.0
         self.stalls: list[float] = []  # seconds the training thread spent blocked in each save
+        self._snapshots = Snapshotter()
         self.writer = Writer(self.faults.get("kill_in_save"), self.faults.get("kill_after_checkpoint") == "1")
 
         clean_tmp(self.checkpoints)
@@ -413,7 +414,7 @@ class Run:
         before, self.phase = self.phase, "checkpoint"
         t0 = time.perf_counter()
         self.writer.wait()  # one write in flight at most: bounds memory to one extra copy
-        state = snapshot({
+        state = self._snapshots.take({
             "step": self.step,
             "tracked": {name: _state_of(obj) for name, obj in self._tracked.items()},
             "rng": rng_state(),

@@ -65,6 +65,11 @@ def _http_error(exc: BaseException) -> requests.HTTPError | None:
     return None
 
 
+def _status_code(exc: BaseException) -> int | None:
+    http = _http_error(exc)
+    return http.response.status_code if http is not None else None
+
+
 def _retry_after_s(response: requests.Response) -> float | None:
     value = response.headers.get("Retry-After")
     if not value:
@@ -76,6 +81,14 @@ def _retry_after_s(response: requests.Response) -> float | None:
             return max(0.0, parsedate_to_datetime(value).timestamp() - time.time())
         except (TypeError, ValueError):
             return None
+
+
+def _kernel_id(folder: Path) -> str:
+    """The kernel a push folder holds, for messages (the folder itself is usually a deleted temp dir)."""
+    try:
+        return str(json.loads((folder / "kernel-metadata.json").read_text())["id"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return str(folder)
 
 
 def credentials_present(env: dict[str, str] | None = None) -> bool:
@@ -217,12 +230,11 @@ class KaggleClient:
                 return kaggle.kernels.kernels_api_client.get_kernel(request)
 
         try:
-            response = get()
-        except Exception as exc:
-            http = _http_error(exc)
-            if http is not None and http.response.status_code == 404:
+            response = self._call("kernel", get)
+        except KaggleError as exc:
+            if _status_code(exc) == 404:  # also after a retried 429/500: "not there" is an answer
                 return None
-            response = self._call("kernel", get)  # anything else: the retrying path decides or raises
+            raise
         return int(response.metadata.current_version_number or 0) or None
 
     def log(self, ref: str, version: int | None = None) -> str:
@@ -236,13 +248,14 @@ class KaggleClient:
         with contextlib.redirect_stdout(io.StringIO()):
             resp = self._call("push", lambda: api.kernels_push(str(folder), timeout=timeout, acc=accelerator),
                               creating=True)
+        kernel = _kernel_id(Path(folder))
         if resp.error:
-            raise KaggleError(f"Kaggle refused the push of {folder}: {resp.error}")
+            raise KaggleError(f"Kaggle refused the push of {kernel}: {resp.error}")
         invalid = {"dataset": resp.invalid_dataset_sources, "kernel": resp.invalid_kernel_sources,
                    "competition": resp.invalid_competition_sources, "model": resp.invalid_model_sources}
         bad = [f"{kind} sources {names}" for kind, names in invalid.items() if names]
         if bad:
-            raise KaggleError(f"Kaggle dropped invalid {'; '.join(bad)} from the push of {folder} (version "
+            raise KaggleError(f"Kaggle dropped invalid {'; '.join(bad)} from the push of {kernel} (version "
                               f"{resp.version_number}); fix kernel-metadata.json and push again")
         return int(resp.version_number), str(resp.url)
 
@@ -282,13 +295,11 @@ class KaggleClient:
 
     def dataset_exists(self, ref: str) -> bool:
         try:
-            self.api.dataset_status(ref)
-            return True
-        except Exception as exc:
-            http = _http_error(exc)
-            if http is not None and http.response.status_code == 404:
+            self.dataset_status(ref)
+        except KaggleError as exc:
+            if _status_code(exc) == 404:  # also after a retried 429/500: "not there" is an answer
                 return False
-        self.dataset_status(ref)  # anything but a clean 404: let the retrying path decide or raise
+            raise
         return True
 
     def _created(self, what: str, resp: Any) -> str:

@@ -100,6 +100,26 @@ def kernel_ref(client: KaggleClient, job: Job) -> str:
     return f"{job.kaggle.owner or client.username}/{job.name}"
 
 
+def _push_once(client: KaggleClient, ref: str, before: int | None, folder: Path,
+               attempts: int = 4) -> tuple[int, str]:
+    """Send the kernel; after each lost answer, a new kernel version means the push landed."""
+    for attempt in range(attempts):
+        try:
+            return client.push(folder)
+        except OutcomeUnknown:
+            try:
+                version = client.kernel_version(ref)
+            except KaggleError as exc:
+                raise OutcomeUnknown(f"Kaggle push of {ref}: the answer was lost and the kernel's version could "
+                                     f"not be read ({exc}); the next `kchain push` or `kchain continue` settles it"
+                                     ) from exc
+            if version and version != before:
+                return version, client.kernel_url(ref)
+            if attempt == attempts - 1:
+                raise
+    raise AssertionError("unreachable")
+
+
 def push_session(
     client: KaggleClient,
     job: Job,
@@ -127,15 +147,9 @@ def push_session(
     folder = Path(tempfile.mkdtemp(prefix="kchain-push-"))
     try:
         write_rendered(rendered, folder)
-        try:
-            version, url = client.push(folder)
-        except OutcomeUnknown:
-            # The request may have landed: a new kernel version means it did.
-            version = client.kernel_version(ref)
-            if not version or version == before:
-                version, url = client.push(folder)
-            else:
-                url = client.kernel_url(ref)
+        version, url = _push_once(client, ref, before, folder)
+    except OutcomeUnknown:
+        raise  # the record stays PUSHING: the next push or continue settles it from Kaggle's versions
     except KaggleError:
         ledger.save_session(job.name, {**record, "status": "FAILED_TO_PUSH"})
         raise

@@ -158,7 +158,9 @@ def show_log(client: KaggleClient, record: dict[str, Any], echo: Echo, follow: b
     echo(f"[kchain] session {record['session']} is {status}")
     failure = diagnose.from_log(text) if status == "ERROR" else None
     if status == "ERROR" and failure is None and failure_message:
-        failure = diagnose.Failure("SessionError", failure_message, None, diagnose.hint_for("", failure_message))
+        # No traceback: nothing in the kernel failed, the session was stopped from outside.
+        echo(f"[kchain] session {record['session']} was killed: {failure_message}")
+        failure = diagnose.Failure("Killed", failure_message, None, diagnose.hint_for("Killed", failure_message))
     if failure is not None:
         echo(f"[kchain] failed: {failure.one_line()}")
         echo(f"[kchain] hint: {failure.hint}")

@@ -28,6 +28,9 @@ class Faults:
     processing_s: float = 0.0
     # A session killed by its limit or by a fault leaves no output, like a lost VM.
     lose_output: bool = False
+    # The next N SaveKernel calls create the version (and start its session), then answer 500:
+    # a push whose answer is lost after Kaggle acted on it.
+    fail_after_save: int = 0
     seed: int = 0
     _rng: random.Random = field(default=None, init=False, repr=False)  # type: ignore[assignment]
     _rng_seed: int | None = field(default=None, init=False, repr=False)
@@ -50,6 +53,13 @@ class Faults:
         if draw < self.rate_429 + self.rate_500:
             return 500
         return None
+
+    def lose_save_answer(self) -> bool:
+        with self._lock:
+            if self.fail_after_save <= 0:
+                return False
+            self.fail_after_save -= 1
+            return True
 
     def drop_this_upload(self) -> bool:
         if self.drop_upload_every <= 0:

@@ -195,6 +195,8 @@ class Rpcs:
             store.save()
         if run:
             emu.runner.launch(session_id)
+        if emu.faults.lose_save_answer():
+            raise ApiError(500, "Internal error after the version was saved (injected)")
         return {"ref": f"/code/{owner}/{slug}", "url": f"{emu.url}/code/{owner}/{slug}", "versionNumber": number,
                 "kernelId": kernel["id"], "invalidDatasetSources": invalid_ds, "invalidKernelSources": invalid_ks}
 

@@ -202,3 +202,30 @@ def test_refused_resume_is_a_crash_in_stage_resume(tmp_path):
     error = summary(tmp_path)["error"]
     assert error["type"] == "ResumeError" and error["stage"] == "resume"
     assert "d_model: 16 -> 32" in error["message"]
+
+
+def test_kill_after_first_checkpoint_leaves_it_complete(tmp_path):
+    died = launch(tmp_path, {"workers": 0}, every=2, KCHAIN_FAULT="kill_after_checkpoint=1")
+    assert died.returncode == KILLED
+    run = in_process(tmp_path, {"steps": 3})
+    assert run.resumed_from == 2
+
+
+def test_sigterm_stops_after_the_step_saves_and_exits_0(tmp_path):
+    # Popen by hand: the test signals the child while it runs (each step stalled 0.2 s).
+    (tmp_path / "cfg.json").write_text(json.dumps(config({"workers": 0, "steps": 200})))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KCHAIN_")}
+    env.update(KCHAIN_ROOT=str(tmp_path), PYTHONPATH=os.pathsep.join([str(REPO), str(JOBS)]),
+               PYTHONUNBUFFERED="1", KCHAIN_FAULT="stall_step=0.2")
+    with subprocess.Popen([sys.executable, "-m", "kchain.runtime.launch", str(tmp_path / "cfg.json")],
+                          env=env, stdout=subprocess.PIPE, text=True) as child:
+        for line in child.stdout:
+            if line.startswith("[kchain] step 2/"):
+                child.send_signal(signal.SIGTERM)
+                break
+        rest = child.stdout.read()
+        assert child.wait(timeout=CHILD_TIMEOUT_S) == 0
+    assert "received SIGTERM" in rest
+    got = summary(tmp_path)
+    assert got["status"] == "interrupted" and 2 <= got["step"] < 200
+    assert got["checkpoint"] == f"kchain/checkpoints/{layout.checkpoint_name(got['step'])}"

@@ -12,15 +12,17 @@ import contextlib
 import os
 import random
 import secrets
+import subprocess
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kchain import local
 from kchain.chain import watch
 from kchain.emulator import Emulator, Faults
+from kchain.errors import KchainError
 from kchain.kaggle_api import KaggleClient
 from kchain.ledger import Ledger, new_run_id, state_dir
 from kchain.plot import newest_trace, read_trace
@@ -72,15 +74,18 @@ def short_session_job(job: Job, session_limit_s: float, params: dict[str, Any]) 
 
 
 def run_reference(job: Job, root: Path) -> list[dict[str, Any]]:
-    """The same notebook, one uninterrupted session with no time limit."""
+    """The same notebook, one uninterrupted session with no time limit, in a process of its own."""
     rendered = render_job(job, owner=USER)
     write_rendered(rendered, root.parent / "reference-kernel")
     root.mkdir(parents=True, exist_ok=True)
     mount_inputs(job, root)
-    env = {layout.SESSION_LIMIT_ENV: str(30 * 24 * 3600)}
-    result = local.execute_notebook(root.parent / "reference-kernel" / rendered.notebook_file, root, env=env)
-    if not result.ok:
-        raise RuntimeError(f"the reference run failed: {result.error}")
+    env = {**os.environ, layout.SESSION_LIMIT_ENV: str(30 * 24 * 3600)}
+    notebook = root.parent / "reference-kernel" / rendered.notebook_file
+    with open(root.parent / "reference.log", "w") as log:
+        done = subprocess.run([sys.executable, "-m", "kchain.local", "run", str(notebook), "--root", str(root)],
+                              stdout=log, stderr=subprocess.STDOUT, env=env, check=False)
+    if done.returncode != 0:
+        raise KchainError(f"the reference run failed (exit {done.returncode}); see {root.parent / 'reference.log'}")
     return read_trace(root / layout.WORKING_DIR / layout.KCHAIN_DIR / layout.METRICS)
 
 
@@ -174,8 +179,6 @@ def parse_sets(values: tuple[str, ...]) -> dict[str, Any]:
     for value in values:
         key, sep, raw = value.partition("=")
         if not sep or not key:
-            from kchain.errors import KchainError
-
             raise KchainError(f"--set {value!r}: write it as name=value, e.g. --set steps=300")
         out[key] = yaml.safe_load(raw)
     return out

@@ -156,6 +156,7 @@ class SessionRunner:
         self._stopping.set()
         for proc in list(self._procs.values()):
             kill_tree(proc.pid)
+            proc.wait()  # reap it: a killed child left unwaited is a zombie and a ResourceWarning
         for thread in list(self._threads.values()):
             thread.join(timeout=10)
 

@@ -64,7 +64,7 @@ def _env(values: dict[str, str]) -> Iterator[None]:
 
 def short_session_job(job: Job, session_limit_s: float, params: dict[str, Any]) -> Job:
     """The job with the rehearsal's session limit (the margin and cadence scaled to it)."""
-    margin = max(2.0, round(session_limit_s * 0.2, 1))
+    margin = max(3.0, round(session_limit_s * 0.25, 1))  # start-up and shutdown under load need room
     train = job.train.model_copy(update={
         "session_limit": f"{session_limit_s}s", "margin": f"{margin}s",
         "checkpoint_every": f"{max(1.0, round(session_limit_s / 6, 1))}s", "heartbeat": "2s",

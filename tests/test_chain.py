@@ -58,7 +58,7 @@ def test_a_chain_with_a_kill_deadlines_and_flaky_api_equals_the_uninterrupted_ru
 def test_the_kernel_publishes_its_own_state_when_it_has_internet_and_a_secret(tmp_path, monkeypatch):
     monkeypatch.setenv(layout.FAULT_ENV, STALL)
     job = copy_job("tinygpt", tmp_path, params={"steps": 100, "eval_every": 50, "batch": 8, "accumulate": 1})
-    result = rehearse(job, session_limit_s=10, kills=0, seed=1, internet=True, echo=lambda _: None)
+    result = rehearse(job, session_limit_s=12, kills=0, seed=1, internet=True, echo=lambda _: None)
     assert result.identical, result.verdict
     assert len(result.sessions) >= 2
     first = result.sessions[0]
@@ -106,7 +106,7 @@ def test_the_same_crash_twice_is_refused(tmp_path, emulator):
 def test_a_session_whose_output_was_lost_resumes_from_the_last_good_state(tmp_path, emulator):
     path = copy_job(
         "tinygpt", tmp_path,
-        params={"steps": 2000, "eval_every": 500, "batch": 8, "accumulate": 1},
+        params={"steps": 10**6, "eval_every": 500, "batch": 8, "accumulate": 1},
         train={"session_limit": "9s", "margin": "2s", "checkpoint_every": "2s", "heartbeat": "0s"},
     )
     ref = "alice/tinygpt-notes"
@@ -134,7 +134,7 @@ def test_a_session_whose_output_was_lost_resumes_from_the_last_good_state(tmp_pa
 
 
 def test_continue_never_starts_a_second_session_while_one_runs(tmp_path, emulator):
-    path = copy_job("tinygpt", tmp_path, params={"steps": 2000, "batch": 8, "accumulate": 1},
+    path = copy_job("tinygpt", tmp_path, params={"steps": 10**6, "batch": 8, "accumulate": 1},
                     train={"session_limit": "20s", "margin": "3s"})
     assert invoke("push", path, "--skip-smoke").exit_code == 0
     result = invoke("continue", path, "--skip-smoke")

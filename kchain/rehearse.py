@@ -91,14 +91,14 @@ def run_reference(job: Job, root: Path) -> list[dict[str, Any]]:
 
 def rehearse(job_file: Path, session_limit_s: float = 20.0, kills: int = 1, seed: int = 0,
              params: dict[str, Any] | None = None, faults: Faults | None = None, internet: bool | None = None,
-             echo: Echo = print, poll_s: float = 0.5) -> Rehearsal:
+             echo: Echo = print, poll_s: float = 0.5, key: str | None = None) -> Rehearsal:
     base = load_job(job_file)
     job = short_session_job(base, session_limit_s, params or {})
     if internet is not None:
         job = job.model_copy(update={"kaggle": job.kaggle.model_copy(update={"internet": internet})})
     work = state_dir(base.path) / "rehearse" / new_run_id("rehearse")
     ledger = Ledger(work / "ledger")
-    key = secrets.token_hex(16)
+    key = key or secrets.token_hex(16)  # a throwaway user of the throwaway Kaggle
     rng = random.Random(seed)
     faults = faults or Faults(seed=seed)
     emu = Emulator(work / "kaggle", users={USER: key}, session_limit_s=session_limit_s * 1.05,

@@ -6,6 +6,7 @@ Sessions are real notebook processes; kills are real SIGKILLs of their process t
 
 # ruff: noqa: F811
 import json
+import secrets
 from pathlib import Path
 
 from emulator_helpers import emulator  # noqa: F401  (fixture)
@@ -58,8 +59,13 @@ def test_a_chain_with_a_kill_deadlines_and_flaky_api_equals_the_uninterrupted_ru
 def test_the_kernel_publishes_its_own_state_when_it_has_internet_and_a_secret(tmp_path, monkeypatch):
     monkeypatch.setenv(layout.FAULT_ENV, STALL)
     job = copy_job("tinygpt", tmp_path, params={"steps": 100, "eval_every": 50, "batch": 8, "accumulate": 1})
-    result = rehearse(job, session_limit_s=12, kills=0, seed=1, internet=True, echo=lambda _: None)
+    key = secrets.token_hex(16)
+    result = rehearse(job, session_limit_s=12, kills=0, seed=1, internet=True, echo=lambda _: None, key=key)
     assert result.identical, result.verdict
+    # The credential reached the kernel through Secrets and was never written anywhere.
+    for path in result.work.rglob("*"):
+        if path.is_file() and not path.is_symlink():
+            assert key.encode() not in path.read_bytes(), path
     assert len(result.sessions) >= 2
     first = result.sessions[0]
     assert first["summary"]["published"] == "kernel"

@@ -267,7 +267,7 @@ def _val(record: dict[str, Any]) -> str:
 def continue_chain(job_file: Path, retry: bool = False, force: bool = False, skip_smoke: bool = False,
                    watch_chain: bool = False, echo: Echo = print) -> Decision:
     job = load_job(job_file)
-    ledger, client = Ledger(state_dir(job.path)), KaggleClient()
+    ledger, client = Ledger(state_dir(job.path)), KaggleClient(progress=True)
     if watch_chain:
         return watch(job, ledger, client, retry=retry, force=force, skip_smoke=skip_smoke, echo=echo)
     return decide_and_continue(job, ledger, client, retry=retry, force=force, skip_smoke=skip_smoke, echo=echo)

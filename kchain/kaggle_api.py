@@ -106,7 +106,10 @@ class KaggleClient:
     """The Kaggle API as kchain uses it. Construct it, then call methods; each may raise KaggleError."""
 
     def __init__(self, timeout_s: float = 60.0, attempts: int = 6, backoff_s: float = 1.0,
-                 max_backoff_s: float = 60.0, sleep: Callable[[float], None] = time.sleep) -> None:
+                 max_backoff_s: float = 60.0, sleep: Callable[[float], None] = time.sleep,
+                 progress: bool = False) -> None:
+        # progress: let the client draw its transfer bars (tqdm, on stderr) for uploads and downloads.
+        self.progress = progress
         self.timeout_s = timeout_s
         self.attempts = attempts
         self.backoff_s = backoff_s
@@ -269,7 +272,7 @@ class KaggleClient:
         dest = Path(dest)
         dest.mkdir(parents=True, exist_ok=True)
         files, _ = self._call("output", lambda: self.api.kernels_output(
-            self._ref(ref, version), str(dest), force=True, quiet=True))
+            self._ref(ref, version), str(dest), force=True, quiet=not self.progress))
         log_path = dest / f"{ref.split('/')[-1]}.log"
         log = log_path.read_text(encoding="utf-8") if log_path.exists() else ""
         return [Path(f) for f in files if Path(f) != log_path], log
@@ -313,7 +316,7 @@ class KaggleClient:
         """Create the dataset described by folder/dataset-metadata.json; return its ref."""
         with contextlib.redirect_stdout(io.StringIO()):
             resp = self._call("create dataset", lambda: self.api.dataset_create_new(
-                str(folder), public=public, quiet=True, dir_mode=dir_mode), creating=True)
+                str(folder), public=public, quiet=not self.progress, dir_mode=dir_mode), creating=True)
         return self._created(f"create the dataset in {folder}", resp)
 
     def version_dataset(self, folder: str | Path, notes: str, dir_mode: str = "zip",
@@ -321,7 +324,7 @@ class KaggleClient:
         """Upload folder as a new version of its dataset (poll dataset_status until "ready" after)."""
         with contextlib.redirect_stdout(io.StringIO()):
             resp = self._call("version dataset", lambda: self.api.dataset_create_version(
-                str(folder), notes, quiet=True, dir_mode=dir_mode, delete_old_versions=delete_old_versions),
+                str(folder), notes, quiet=not self.progress, dir_mode=dir_mode, delete_old_versions=delete_old_versions),
                 creating=True)
         self._created(f"version the dataset in {folder}", resp)
 
@@ -329,5 +332,5 @@ class KaggleClient:
         dest = Path(dest)
         with contextlib.redirect_stdout(io.StringIO()):
             self._call("download dataset", lambda: self.api.dataset_download_files(
-                self._ref(ref, version), str(dest), force=True, quiet=True, unzip=unzip))
+                self._ref(ref, version), str(dest), force=True, quiet=not self.progress, unzip=unzip))
         return dest

@@ -231,7 +231,7 @@ def decide_and_continue(job: Job, ledger: Ledger, client: KaggleClient, retry: b
                 "(or --skip-smoke, recorded in the run log)"
             )
         facts = ready_state(client, job, owner, chain, echo)
-        plan = plan_for(job, ledger)
+        plan = plan_for(job, ledger, client)
         check_budget(job, plan, force, job_file)
         ensure_state_dataset(client, f"{owner}/{job.name}-state", job, echo)
         sources = [f"{owner}/{job.name}-state/{facts['version']}"]

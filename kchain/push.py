@@ -46,13 +46,21 @@ class Plan:
         ]
 
 
-def plan_for(job: Job, ledger: Ledger) -> Plan:
+def plan_for(job: Job, ledger: Ledger, client: KaggleClient | None = None) -> Plan:
+    """The session's cost against the week: kchain's ledger, or Kaggle's own count when it is higher
+    (GPU time spent outside kchain counts against the same quota)."""
     limit_h = parse_duration(job.train.session_limit) / 3600
+    used_h = ledger.gpu_hours_this_week()
+    if client is not None:
+        try:
+            used_h = max(used_h, client.quota()["used_s"] / 3600)
+        except KaggleError:
+            pass  # the quota view is a second opinion; the ledger still counts
     return Plan(
         accelerator={"gpu": "GPU T4 x2 (NvidiaTeslaT4)", "tpu": "TPU v5e-8", "none": "CPU"}[job.kaggle.accelerator],
         session_limit_h=limit_h,
         expected_gpu_h=limit_h if job.gpu else 0.0,
-        used_h=ledger.gpu_hours_this_week(),
+        used_h=used_h,
         weekly_h=job.budget.weekly_gpu_hours,
     )
 
@@ -189,7 +197,7 @@ def push_job(job: Job, ledger: Ledger, client: KaggleClient, skip_smoke: bool = 
             f"this code has never passed a smoke run: run `kchain smoke {job_file}` first "
             "(or --skip-smoke, recorded in the run log)"
         )
-    plan = plan_for(job, ledger)
+    plan = plan_for(job, ledger, client)
     echo(f"kchain push {job_file}: session 1 of {owner}/{job.name}")
     for line in plan.lines():
         echo(line)

@@ -164,7 +164,7 @@ def test_push_through_30_percent_api_faults_pushes_exactly_once(emulator, tmp_pa
     job = small_job(tmp_path, steps=5)
     # This seed answers SaveKernel itself with 500 once (the push's outcome is then checked, not resent
     # blindly) as well as other calls with 429 and 500.
-    emulator.faults.seed = 3
+    emulator.faults.seed = 4
     emulator.faults.rate_429, emulator.faults.rate_500 = 0.15, 0.15
     result = invoke("push", job, "--skip-smoke")
     assert result.exit_code == 0, result.output

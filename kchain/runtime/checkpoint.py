@@ -54,6 +54,9 @@ def warn(msg: str) -> None:
 # --- snapshot ---------------------------------------------------------------------------------
 
 
+_ATOMS = frozenset({int, float, bool, str, bytes, type(None)})
+
+
 class Snapshotter:
     """Private copies of the state: tensors detached and copied to host memory, the rest deep-copied.
 
@@ -76,8 +79,12 @@ class Snapshotter:
             else:
                 buf.copy_(t)
             return buf
+        if type(obj) in _ATOMS:
+            return obj  # immutable: sharing it is a copy
         if isinstance(obj, dict):
             return {k: self.take(v, (*path, k)) for k, v in obj.items()}
+        if type(obj) is tuple and all(type(v) in _ATOMS for v in obj):
+            return obj  # e.g. python's RNG state, 625 ints: no need to visit each one
         if type(obj) in (list, tuple):
             return type(obj)(self.take(v, (*path, i)) for i, v in enumerate(obj))
         return copy.deepcopy(obj)

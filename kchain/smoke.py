@@ -268,7 +268,8 @@ def smoke(job_path: Path, echo: Echo = print, quiet_training: bool = False) -> S
                 "the smoke needs steps after the checkpoint to prove the resume",
             )
         else:
-            echo(f"  kill       SIGKILL after the checkpoint at step {resume_step} ({ckpts[-1].name})")
+            echo(f"  kill       {time.time() - t_start:5.2f}s  SIGKILL after the checkpoint at step {resume_step} "
+                 f"({ckpts[-1].name}); the training took {run.wall_s:.1f}s")
             resume = Phase("resume", run.root)
             echo("  resume     fresh process from the checkpoint")
             proc = _spawn(resume, notebook, base_env, show)
@@ -276,6 +277,7 @@ def smoke(job_path: Path, echo: Echo = print, quiet_training: bool = False) -> S
             failure = _phase_failure(resume, stage="resume")
             resumed = read_trace(run.root)
             timings = _timings(render_s, run, resume)
+            echo(f"  resumed    {time.time() - t_start:5.2f}s  in {resume.wall_s:.1f}s")
 
     report = SmokeReport(
         passed=False,

@@ -6,6 +6,7 @@ names the file, each bad key path, and the fix (with "did you mean" for typos).
 
 from __future__ import annotations
 
+import ast
 import difflib
 import re
 from pathlib import Path
@@ -150,7 +151,8 @@ class Job(_Strict):
     def entry_point(self) -> str:
         if self.entry:
             return self.entry
-        return f"{Path(self.code).stem}:main"
+        # A folder of code is unpacked as it is, so its train.py is the module to start from.
+        return "train:main" if self.code_path.is_dir() else f"{Path(self.code).stem}:main"
 
     @property
     def gpu(self) -> bool:
@@ -218,6 +220,7 @@ def load_job(path: str | Path) -> Job:
         raise SpecError(f"{label}: " + "; ".join(problems)) from None
     if not job.code_path.exists():
         raise SpecError(f"{label}: code: {job.code!r} does not exist next to the job file; fix the path")
+    _check_entry(job, label)
     for slug in job.kaggle.local:
         known = {ref.split("/")[1] for ref in job.kaggle.datasets}
         if job.kaggle.competition:
@@ -227,6 +230,35 @@ def load_job(path: str | Path) -> Job:
                 f"{label}: kaggle.local.{slug}: not an attached dataset; add it to kaggle.datasets or remove it"
             )
     return job
+
+
+def _check_entry(job: Job, label: str) -> None:
+    """The entry module is in the code and defines the function: a typo fails here, not on a GPU."""
+    module, function = job.entry_point.split(":")
+    base = job.code_path if job.code_path.is_dir() else job.code_path.parent
+    rel = Path(*module.split("."))
+    candidates = [base / rel.with_suffix(".py"), base / rel / "__init__.py"]
+    if job.code_path.is_file():
+        candidates = [c for c in candidates if c == job.code_path]
+    source = next((c for c in candidates if c.is_file()), None)
+    key = "entry" if job.entry else "code"
+    if source is None:
+        raise SpecError(
+            f"{label}: {key}: module {module!r} is not in the code {job.code!r}; "
+            "write entry: <module>:<function> naming a .py file of the code"
+        )
+    try:
+        tree = ast.parse(source.read_text(encoding="utf-8"), filename=str(source))
+    except SyntaxError as exc:
+        raise SpecError(f"{source}: line {exc.lineno}: {exc.msg}; fix the syntax") from None
+    names = {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    names |= {t.id for n in tree.body if isinstance(n, ast.Assign) for t in n.targets if isinstance(t, ast.Name)}
+    names |= {a.asname or a.name for n in tree.body if isinstance(n, ast.ImportFrom) for a in n.names}
+    if function not in names:
+        raise SpecError(
+            f"{label}: {key}: {source.name} defines no function {function!r}; "
+            f"add `def {function}(run):` or set entry: {module}:<your function>"
+        )
 
 
 def runtime_config(job: Job) -> dict[str, Any]:

@@ -105,3 +105,35 @@ def test_cli_prints_one_error_line_and_exits_2(tmp_path):
     result = invoke("smoke", tmp_path / "missing.yaml")
     assert result.exit_code == 2
     assert error_line(result) == f"Error: {tmp_path / 'missing.yaml'}: no such job file; pass the path of your job.yaml"
+
+
+def test_the_entry_must_exist_in_the_code(tmp_path):
+    path = write(tmp_path, GOOD + "entry: train:run_training\n")
+    with pytest.raises(SpecError) as err:
+        load_job(path)
+    assert str(err.value) == (
+        f"{path}: entry: train.py defines no function 'run_training'; "
+        "add `def run_training(run):` or set entry: train:<your function>"
+    )
+    path = write(tmp_path, GOOD + "entry: trainer:main\n")
+    with pytest.raises(SpecError, match=r"entry: module 'trainer' is not in the code 'train.py'"):
+        load_job(path)
+    (tmp_path / "train.py").write_text("def main(run)\n    pass\n")
+    with pytest.raises(SpecError, match=r"train.py: line 1: .*fix the syntax"):
+        load_job(write_only(tmp_path, GOOD))
+
+
+def write_only(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "job.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_a_code_folder_starts_from_its_train_module(tmp_path):
+    pkg = tmp_path / "src"
+    (pkg / "models").mkdir(parents=True)
+    (pkg / "models" / "__init__.py").write_text("")
+    (pkg / "train.py").write_text("from models import *\n\ndef main(run):\n    pass\n")
+    path = tmp_path / "job.yaml"
+    path.write_text("name: folder-job\ncode: src\n")
+    assert load_job(path).entry_point == "train:main"

@@ -67,7 +67,8 @@ def render(job: Path, out: Path | None) -> None:
 @cli.command()
 @JOB
 @click.option("--quiet", is_flag=True, help="Hide the training output; show stages and the verdict.")
-def smoke(job: Path, quiet: bool) -> None:
+@click.option("--download", is_flag=True, help="Fetch attached datasets that have no kaggle.local copy (cached).")
+def smoke(job: Path, quiet: bool, download: bool) -> None:
     """Run the rendered notebook on this CPU: checks, steps, checkpoint, kill, exact resume.
 
     \b
@@ -77,7 +78,7 @@ def smoke(job: Path, quiet: bool) -> None:
     from kchain.smoke import smoke as run_smoke
 
     click.echo(f"kchain smoke {job}")
-    report = run_smoke(job, echo=click.echo, quiet_training=quiet)
+    report = run_smoke(job, echo=click.echo, quiet_training=quiet, download=download)
     click.echo(f"smoke passed: {report.run_id} (fingerprint {report.fingerprint[:12]}) recorded in the run log")
 
 

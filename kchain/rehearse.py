@@ -12,6 +12,7 @@ import contextlib
 import os
 import random
 import secrets
+import shutil
 import subprocess
 import sys
 import threading
@@ -20,16 +21,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kchain.chain import watch
+from kchain.chain import wait_ready, watch
 from kchain.emulator import Emulator, Faults
 from kchain.errors import KchainError
 from kchain.kaggle_api import KaggleClient
 from kchain.ledger import Ledger, new_run_id, state_dir
 from kchain.plot import newest_trace, read_trace
-from kchain.push import push_job
+from kchain.push import push_job, write_dataset_metadata
 from kchain.render import render_job, write_rendered
 from kchain.runtime import layout
-from kchain.smoke import compare_traces, mount_inputs
+from kchain.smoke import compare_traces, local_inputs, mount_inputs
 from kchain.spec import Job, load_job
 
 Echo = Callable[[str], None]
@@ -73,12 +74,12 @@ def short_session_job(job: Job, session_limit_s: float, params: dict[str, Any]) 
     return job.model_copy(update={"train": train, "kaggle": kaggle, "params": {**job.params, **params}})
 
 
-def run_reference(job: Job, root: Path) -> list[dict[str, Any]]:
+def run_reference(job: Job, root: Path, sources: dict[tuple[str, str, str], Path]) -> list[dict[str, Any]]:
     """The same notebook, one uninterrupted session with no time limit, in a process of its own."""
     rendered = render_job(job, owner=USER)
     write_rendered(rendered, root.parent / "reference-kernel")
     root.mkdir(parents=True, exist_ok=True)
-    mount_inputs(job, root)
+    mount_inputs(root, sources)
     env = {**os.environ, layout.SESSION_LIMIT_ENV: str(30 * 24 * 3600)}
     notebook = root.parent / "reference-kernel" / rendered.notebook_file
     with open(root.parent / "reference.log", "w") as log:
@@ -87,6 +88,24 @@ def run_reference(job: Job, root: Path) -> list[dict[str, Any]]:
     if done.returncode != 0:
         raise KchainError(f"the reference run failed (exit {done.returncode}); see {root.parent / 'reference.log'}")
     return read_trace(root / layout.WORKING_DIR / layout.KCHAIN_DIR / layout.METRICS)
+
+
+def upload_inputs(emu: Emulator, job: Job, sources: dict[tuple[str, str, str], Path], keys: dict[str, str],
+                  scratch: Path, echo: Echo) -> None:
+    """Publish the local copy of each attached dataset to the local Kaggle, as its owner, so the
+    sessions get it mounted like Kaggle would (a pinned version N exists as version N)."""
+    pinned = {tuple(ref.split("/")[:2]): int(ref.split("/")[2]) for ref in job.kaggle.datasets if ref.count("/") == 2}
+    for (_, owner, slug), source in sources.items():
+        folder = scratch / owner / slug
+        shutil.copytree(source, folder, symlinks=False)
+        write_dataset_metadata(folder, f"{owner}/{slug}", slug)
+        with _env({**emu.env(owner)}):
+            client = KaggleClient(backoff_s=0.2, max_backoff_s=2.0)
+            client.create_dataset(folder, public=True, dir_mode="zip")
+            for _ in range(pinned.get((owner, slug), 1) - 1):
+                wait_ready(client, f"{owner}/{slug}", echo)
+                client.version_dataset(folder, "rehearsal copy", dir_mode="zip")
+        echo(f"  input {owner}/{slug}: the local copy {source} is on the local Kaggle")
 
 
 def rehearse(job_file: Path, session_limit_s: float = 20.0, kills: int = 1, seed: int = 0,
@@ -101,15 +120,25 @@ def rehearse(job_file: Path, session_limit_s: float = 20.0, kills: int = 1, seed
     key = key or secrets.token_hex(16)  # a throwaway user of the throwaway Kaggle
     rng = random.Random(seed)
     faults = faults or Faults(seed=seed)
-    emu = Emulator(work / "kaggle", users={USER: key}, session_limit_s=session_limit_s * 1.05,
+    if job.kaggle.competition:
+        raise KchainError(f"{job_file}: kaggle.competition: competitions are not emulated; to rehearse, "
+                          "attach a small copy of the data as a dataset")
+    sources = local_inputs(job, state_dir(base.path) / "inputs", echo=echo)
+    owners = {owner: secrets.token_hex(16) for (_, owner, _) in sources if owner != USER}
+    emu = Emulator(work / "kaggle", users={USER: key, **owners}, session_limit_s=session_limit_s * 1.05,
                    secrets={USER: {"KAGGLE_USERNAME": USER, "KAGGLE_KEY": key}}, faults=faults)
     emu.start()
+    try:
+        upload_inputs(emu, job, sources, {USER: key, **owners}, work / "upload", echo)
+    except BaseException:
+        emu.stop()
+        raise
     reference: list[dict[str, Any]] = []
     ref_error: list[BaseException] = []
 
     def reference_thread() -> None:
         try:
-            reference.extend(run_reference(job, work / "reference"))
+            reference.extend(run_reference(job, work / "reference", sources))
         except BaseException as exc:  # noqa: BLE001 - reported after the chain
             ref_error.append(exc)
 

@@ -207,8 +207,16 @@ def decide_and_continue(job: Job, ledger: Ledger, client: KaggleClient, retry: b
         summary = last.get("summary") or {}
         if summary.get("status") == "finished":
             best = summary.get("best") or {}
-            best_text = ", ".join(f"{k} {v:.6g}" if isinstance(v, float) else f"{k} {v}" for k, v in best.items())
+            best_text = f"{best['name']} {best['value']:.6g} at step {best['step']}" if best.get("name") else ""
             where = Path(last.get("output") or "") / layout.KCHAIN_DIR / (summary.get("checkpoint") or "")
+            if not last.get("logged"):
+                # One line for the whole chain's result, so `kchain runs` can name the best weights.
+                ledger.append_run(
+                    run_id=new_run_id("kaggle"), channel="kaggle", job=job.name, config=str(last.get("fingerprint"))[:12],
+                    steps=summary.get("step") or "", val=_val(last), checkpoint=str(where),
+                    note=f"finished after {len(chain)} session(s)",
+                )
+                ledger.save_session(job.name, {**last, "logged": True})
             return Decision("finished", f"training is complete: {summary.get('step')}/{summary.get('total')} steps"
                             + (f", best {best_text}" if best_text else "") + f"; final weights in {where}", last)
         crash = _crash(last)
@@ -257,8 +265,11 @@ def decide_and_continue(job: Job, ledger: Ledger, client: KaggleClient, retry: b
 
 
 def _val(record: dict[str, Any]) -> str:
-    metrics = (record.get("summary") or {}).get("metrics") or {}
-    for key, value in metrics.items():
+    summary = record.get("summary") or {}
+    best = summary.get("best") or {}
+    if isinstance(best.get("value"), (int, float)):
+        return f"{best['value']:.6g}"
+    for key, value in (summary.get("metrics") or {}).items():
         if key.startswith("val") and isinstance(value, (int, float)):
             return f"{value:.6g}"
     return ""

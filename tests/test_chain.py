@@ -73,6 +73,11 @@ def test_the_kernel_publishes_its_own_state_when_it_has_internet_and_a_secret(tm
     assert first["publish"]["uploaded_bytes"] > 0
     # The state version holds the kernel's checkpoint: the next session resumed from it.
     assert result.sessions[1]["resumes_at"] == first["summary"]["published_step"] > 0
+    # The finished chain is one line of the run log, naming the final weights.
+    last_run = Ledger(result.work / "ledger").runs()[-1]
+    assert last_run["note"] == f"finished after {len(result.sessions)} session(s)"
+    assert last_run["steps"] == "100" and "checkpoints/step-00000100" in last_run["checkpoint"]
+    assert float(last_run["val"]) > 0
 
 
 def crashing_job(tmp_path: Path) -> Path:

@@ -149,6 +149,11 @@ def ready_state(client: KaggleClient, job: Job, owner: str, chain: list[dict[str
     """Make sure the newest checkpoint is a ready version of the state dataset; return its facts."""
     last = chain[-1]
     state_ref = f"{owner}/{job.name}-state"
+    if (last.get("publish") or {}).get("version"):
+        # An earlier `continue` already published this session's state (then stopped, e.g. on the
+        # budget): publishing again would only upload the same checkpoint twice.
+        wait_ready(client, state_ref, echo)
+        return last["publish"]
     summary = last.get("summary") or {}
     facts: dict[str, Any] = {"published": None, "uploaded_bytes": 0}
     if summary.get("published") == "kernel":
@@ -239,6 +244,8 @@ def decide_and_continue(job: Job, ledger: Ledger, client: KaggleClient, retry: b
                 "(or --skip-smoke, recorded in the run log)"
             )
         facts = ready_state(client, job, owner, chain, echo)
+        last.update(publish=facts)
+        ledger.save_session(job.name, last)
         plan = plan_for(job, ledger, client)
         check_budget(job, plan, force, job_file)
         ensure_state_dataset(client, f"{owner}/{job.name}-state", job, echo)
@@ -248,8 +255,6 @@ def decide_and_continue(job: Job, ledger: Ledger, client: KaggleClient, retry: b
             wait_ready(client, cache_ref, echo)
             sources.append(cache_ref)
         rendered = render_job(job, owner=owner, extra_sources=sources)
-        last.update(publish=facts)
-        ledger.save_session(job.name, last)
         record = push_session(
             client, job, rendered, ledger, last["session"] + 1, echo,
             extra={"state_version": facts["version"], "resumes_at": facts["resumes_at"],

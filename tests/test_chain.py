@@ -156,3 +156,23 @@ def test_continue_never_starts_a_second_session_while_one_runs(tmp_path, emulato
     summary = json.loads(next(Path(emulator.session_output_dir(emulator.sessions()[0]["id"])).rglob(
         layout.SUMMARY)).read_text())
     assert summary["status"] == "deadline"
+
+
+def test_continue_refuses_a_session_the_budget_cannot_cover_and_publishes_only_once(tmp_path, emulator):
+    path = copy_job(
+        "tinygpt", tmp_path, params={"steps": 10**6, "batch": 8, "accumulate": 1},
+        train={"session_limit": "9s", "margin": "2s", "checkpoint_every": "2s"},
+        budget={"weekly_gpu_hours": 0.002},  # 7.2 s: session 1 spends it
+    )
+    ref = "alice/tinygpt-notes"
+    assert invoke("push", path, "--skip-smoke", "--force").exit_code == 0
+    emulator.wait_session(ref, 1, timeout=60)
+    refused = invoke("continue", path, "--skip-smoke")
+    assert refused.exit_code == 5, refused.output
+    assert "are left this week (budget.weekly_gpu_hours 0.002)" in error_line(refused)
+    versions = emulator.dataset_versions("alice/tinygpt-notes-state")
+    assert len(versions) == 2  # the marker, then session 1's state
+    forced = invoke("continue", path, "--skip-smoke", "--force")
+    assert forced.exit_code == 0, forced.output
+    assert len(emulator.dataset_versions("alice/tinygpt-notes-state")) == 2
+    assert emulator.session(ref, 2)["dataset_sources"][0] == "alice/tinygpt-notes-state/2"

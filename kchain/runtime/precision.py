@@ -65,14 +65,15 @@ class Trainer:
         else:
             loss.backward()
 
-    def step(self) -> float | None:
-        """Returns the gradient norm before clipping when clip is set."""
+    def step(self) -> torch.Tensor | None:
+        """Returns the gradient norm before clipping when clip is set (a tensor: reading it as a
+        float would make the CPU wait for the GPU every step)."""
         norm = None
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)  # clip the true gradients, not the scaled ones
         if self.clip is not None:
             params = [p for g in self.optimizer.param_groups for p in g["params"]]
-            norm = float(torch.nn.utils.clip_grad_norm_(params, self.clip))
+            norm = torch.nn.utils.clip_grad_norm_(params, self.clip)
         if self.scaler is not None:
             self.scaler.step(self.optimizer)
             self.scaler.update()

@@ -18,7 +18,7 @@ from kchain.errors import BudgetExceeded, ChainStop, KaggleError, NotSmoked
 from kchain.kaggle_api import KaggleClient, OutcomeUnknown
 from kchain.ledger import Ledger, iso, new_run_id, now_utc, state_dir
 from kchain.render import Rendered, render_job, write_rendered
-from kchain.runtime.statefolder import STATE_MARKER
+from kchain.runtime.layout import STATE_MARKER
 from kchain.sessions import LIVE
 from kchain.spec import Job, load_job, parse_duration
 

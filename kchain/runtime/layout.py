@@ -32,6 +32,9 @@ METRICS = "metrics.jsonl"
 SUMMARY = "summary.json"
 CACHE_DIR = "cache"
 
+# The marker file of a state dataset version (and of the state dataset's first, empty version).
+STATE_MARKER = "kchain-state.json"
+
 # A manifest.json is ours only if it carries this key: attached datasets hold other manifests.
 MARKER = "kchain_checkpoint"
 FORMAT_VERSION = 1

@@ -20,7 +20,7 @@ from pathlib import Path
 from kchain.runtime import layout
 from kchain.runtime.checkpoint import find_latest
 
-STATE_MARKER = "kchain-state.json"
+STATE_MARKER = layout.STATE_MARKER
 CACHE_MARKER = "kchain-cache.json"
 
 

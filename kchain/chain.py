@@ -254,7 +254,7 @@ def decide_and_continue(job: Job, ledger: Ledger, client: KaggleClient, retry: b
         if client.dataset_exists(cache_ref):
             wait_ready(client, cache_ref, echo)
             sources.append(cache_ref)
-        rendered = render_job(job, owner=owner, extra_sources=sources)
+        rendered = render_job(job, owner=owner, extra_sources=sources, session=last["session"] + 1)
         record = push_session(
             client, job, rendered, ledger, last["session"] + 1, echo,
             extra={"state_version": facts["version"], "resumes_at": facts["resumes_at"],

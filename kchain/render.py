@@ -117,8 +117,11 @@ def state_dataset(owner: str | None, name: str) -> str:
     return f"{owner or '<you>'}/{name}-state"
 
 
-def render_job(job: Job, owner: str | None = None, extra_sources: list[str] | None = None) -> Rendered:
-    """Pure: job (+ the Kaggle owner, + pinned state sources) -> notebook and metadata text."""
+def render_job(job: Job, owner: str | None = None, extra_sources: list[str] | None = None,
+               session: int = 1) -> Rendered:
+    """Pure: job (+ the Kaggle owner, the session number, pinned state sources) -> notebook and
+    metadata text. The session number and sources only label the notebook: the fingerprint is the
+    same for every session of a chain."""
     owner = job.kaggle.owner or owner
     config = runtime_config(job)
     config["kaggle"] = {
@@ -130,8 +133,10 @@ def render_job(job: Job, owner: str | None = None, extra_sources: list[str] | No
     config["kchain_version"] = kchain.__version__
     files = {**_runtime_files(), **_code_files(job)}
     payload = _zip(files)
+    # What the code does: the code, params, settings and runtime. Not who runs it or where its state
+    # goes (config["kaggle"]), so a smoke pass made before the credentials were set still counts.
     digest = hashlib.sha256()
-    digest.update(json.dumps(config, sort_keys=True).encode())
+    digest.update(json.dumps({k: v for k, v in config.items() if k != "kaggle"}, sort_keys=True).encode())
     digest.update(payload)
     fingerprint = digest.hexdigest()
     config["fingerprint"] = fingerprint
@@ -141,6 +146,8 @@ def render_job(job: Job, owner: str | None = None, extra_sources: list[str] | No
     notebook = env.get_template("notebook.ipynb.j2").render(
         job=job.name,
         job_file=job.path.name,
+        session=session,
+        state_sources=", ".join(extra_sources or []) or "none (a fresh start)",
         fingerprint=fingerprint,
         entry=job.entry_point,
         version=kchain.__version__,

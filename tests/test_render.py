@@ -89,3 +89,13 @@ def test_templates_ship_inside_the_wheel(tmp_path):
     assert templates.startswith(str(site))
     assert fingerprint == render_job(load_job(job), owner="alice").fingerprint
     write_rendered(render_job(load_job(job), owner="alice"), tmp_path / "r")
+
+
+def test_the_fingerprint_does_not_depend_on_who_pushes_or_which_session():
+    job = load_job(REPO / "jobs" / "tinygpt" / "job.yaml")
+    alone = render_job(job, owner=None)
+    alice = render_job(job, owner="alice")
+    later = render_job(job, owner="alice", extra_sources=["alice/tinygpt-notes-state/4"], session=5)
+    assert alone.fingerprint == alice.fingerprint == later.fingerprint
+    assert "| session | 5 of the chain; state attached: alice/tinygpt-notes-state/4 |" in later.notebook.replace("\\n", "\n")
+    assert json.loads(later.metadata)["dataset_sources"] == ["alice/tinygpt-notes-state/4"]

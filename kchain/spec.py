@@ -159,6 +159,21 @@ class Job(_Strict):
         return self.kaggle.accelerator == "gpu"
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """safe_load that refuses a key given twice (YAML would silently keep the last one)."""
+
+    def construct_mapping(self, node, deep=False):  # type: ignore[override]
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key {key!r} is given twice; keep one", key_node.start_mark
+                )
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
 def _fields_at(model: type[BaseModel], loc: tuple[Any, ...]) -> list[str]:
     """The allowed keys of the model reached by following loc (for 'did you mean')."""
     current: Any = model
@@ -203,12 +218,13 @@ def load_job(path: str | Path) -> Job:
     except OSError as exc:
         raise SpecError(f"{label}: cannot read it ({exc.strerror})") from None
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f"line {mark.line + 1}: " if mark is not None else ""
         problem = getattr(exc, "problem", None) or "invalid YAML"
-        raise SpecError(f"{label}: {where}{problem}; fix the YAML syntax") from None
+        fix = "" if "; " in problem else "; fix the YAML syntax"  # our own problems carry their fix
+        raise SpecError(f"{label}: {where}{problem}{fix}") from None
     if not isinstance(data, dict):
         raise SpecError(f"{label}: expected a mapping of keys (name, code, params, ...)")
     if "path" in data:

@@ -137,3 +137,10 @@ def test_a_code_folder_starts_from_its_train_module(tmp_path):
     path = tmp_path / "job.yaml"
     path.write_text("name: folder-job\ncode: src\n")
     assert load_job(path).entry_point == "train:main"
+
+
+def test_a_key_given_twice_is_refused(tmp_path):
+    path = write(tmp_path, GOOD + "params: {lr: 1.0e-3}\n")
+    with pytest.raises(SpecError) as err:
+        load_job(path)
+    assert str(err.value) == f"{path}: line 4: key 'params' is given twice; keep one"

@@ -89,6 +89,12 @@ def refresh(client: KaggleClient, ledger: Ledger, job: str) -> list[dict[str, An
         if record["status"] not in LIVE or record.get("version") is None:
             continue
         status, failure = client.status(record["kernel"], record["version"])
+        if status == "RUNNING":
+            # Whatever log Kaggle has so far: its last heartbeat says how far the session got.
+            beat = last_heartbeat(log_text(parse_log(client.log(record["kernel"], record["version"]))))
+            if beat and beat != record.get("heartbeat"):
+                record["heartbeat"] = beat
+                ledger.save_session(job, record)
         if status == record["status"]:
             continue
         record["status"] = status

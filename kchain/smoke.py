@@ -318,10 +318,17 @@ def smoke(job_path: Path, echo: Echo = print, quiet_training: bool = False, down
     if failure is None:
         rows, first = compare_traces(reference, resumed)
         _print_traces(echo, rows, resume_step)
+        bad = next(((step, key, value) for step, key, value, _ in rows if not math.isfinite(value)), None)
         if not rows:
             failure = diagnose.Failure(
                 "NoMetrics", "nothing was logged; call run.log(loss=...) every step", "step",
                 "the smoke compares logged losses to prove the resume",
+            )
+        elif bad is not None:
+            failure = diagnose.Failure(
+                "NonFiniteMetric", f"{bad[1]} is {bad[2]} at step {bad[0]}", "step",
+                "a loss that is already nan or inf in two steps will be on the GPU too: check the learning "
+                "rate, the input scale, the labels and any log/division in the loss",
             )
         elif max((r[0] for r in rows), default=0) <= resume_step or not any(
             rec["step"] > resume_step for rec in resumed
@@ -351,6 +358,9 @@ def smoke(job_path: Path, echo: Echo = print, quiet_training: bool = False, down
     report.checkpoint = summary.get("checkpoint")
     val = _last_val(resumed or reference)
     total_s = time.time() - t_start
+    if failure is None and not any("[kchain] check" in line for _, line in run.lines):
+        echo("  note       no preflight checks ran: hand a batch and the splits to run.check(...) so shape, "
+             "dtype, label and split bugs stop before the loop")
     if failure is None:
         report.passed = True
         ledger.record_smoke_pass(rendered.fingerprint, run_id, job.name)

@@ -115,3 +115,13 @@ def test_a_passing_smoke_is_not_a_pass_for_changed_code(tmp_path):
     out = invoke("render", path, "-o", tmp_path / "r").output
     fingerprint = out.strip().split()[-1]
     assert ledger.smoke_passed(fingerprint) is None
+
+
+def test_a_loss_that_is_already_nan_fails_the_smoke(tmp_path):
+    path = copy_job("classifier", tmp_path, params={"steps": 1500, "num_workers": 0})
+    mutate(path, "loss = F.cross_entropy(model(x.to(run.device)), y.to(run.device))",
+           "loss = F.cross_entropy(model(x.to(run.device)), y.to(run.device)) * float('nan')")
+    result = invoke("smoke", path, "--quiet")
+    assert result.exit_code == 3, result.output
+    assert error_line(result) == "Error: smoke failed (during step): NonFiniteMetric: loss is nan at step 1"
+    assert "check the learning rate" in result.output

@@ -240,3 +240,13 @@ def test_cadence_syntax():
     assert parse_every("30s") == {"seconds": 30.0}
     with pytest.raises(ValueError, match="write e.g. '20 steps' or '10m'"):
         parse_every("ten minutes")
+
+
+def test_tracking_after_the_loop_started_is_refused(tmp_path):
+    run = Run({"job": "late-track", "params": {}, "train": {"checkpoint_every": {"steps": 100}}},
+              env={"KCHAIN_ROOT": str(tmp_path)})
+    model = torch.nn.Linear(2, 2)
+    for _ in run.steps(1):
+        with pytest.raises(RuntimeError, match=r"run.track\(model=...\) after run.steps started"):
+            run.track(model=model)
+    run.close()

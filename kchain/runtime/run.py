@@ -196,7 +196,11 @@ class Run:
                     "track modules, optimizers, schedulers, GradScalers or generators"
                 )
             if self._restored:
-                warn(f"run.track({name}=...) after run.steps started: it was not restored")
+                # A resumed run would silently differ from the uninterrupted one: stop here instead.
+                raise RuntimeError(
+                    f"run.track({name}=...) after run.steps started: the checkpoint is restored when "
+                    "run.steps starts, so build and track everything (run.loader, run.optimize too) before the loop"
+                )
             if any(o is obj for o in self._tracked.values()):
                 continue
             self._tracked[name] = obj

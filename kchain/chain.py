@@ -224,6 +224,13 @@ def decide_and_continue(job: Job, ledger: Ledger, client: KaggleClient, retry: b
                 ledger.save_session(job.name, {**last, "logged": True})
             return Decision("finished", f"training is complete: {summary.get('step')}/{summary.get('total')} steps"
                             + (f", best {best_text}" if best_text else "") + f"; final weights in {where}", last)
+        if summary.get("status") == "deadline" and summary.get("step") == last.get("resumes_at", 0):
+            # Another session would burn its quota the same way: start-up filled the whole session.
+            raise ChainStop(
+                f"session {last['session']} reached its deadline without training a step (it resumed at "
+                f"step {summary.get('step')}): loading and start-up take the whole session; stage the data "
+                "with run.stage so later sessions load a cache, or raise train.session_limit"
+            )
         crash = _crash(last)
         rendered = render_job(job, owner=owner)
         if crash is not None:

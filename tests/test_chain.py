@@ -27,9 +27,9 @@ def no_overlap(sessions: list[dict]) -> bool:
 
 def test_a_chain_with_a_kill_deadlines_and_flaky_api_equals_the_uninterrupted_run(tmp_path, monkeypatch):
     monkeypatch.setenv(layout.FAULT_ENV, STALL)
-    job = copy_job("tinygpt", tmp_path, params={"steps": 240, "eval_every": 60, "batch": 8, "accumulate": 1})
+    job = copy_job("tinygpt", tmp_path, params={"steps": 480, "eval_every": 120, "batch": 8, "accumulate": 1})
     faults = Faults(rate_429=0.1, rate_500=0.1, processing_s=2.0, seed=5)
-    result = rehearse(job, session_limit_s=10, kills=1, seed=2, faults=faults, echo=lambda _: None)
+    result = rehearse(job, session_limit_s=12, kills=1, seed=2, faults=faults, echo=lambda _: None)
 
     assert result.identical, result.verdict
     chain = result.sessions

@@ -52,12 +52,12 @@ def render(job: Path, out: Path | None) -> None:
     Example:
       kchain render jobs/tinygpt/job.yaml -o build/tinygpt
     """
+    from kchain.kaggle_api import configured_username
     from kchain.render import render_job, write_rendered
-    from kchain.smoke import resolve_owner
     from kchain.spec import load_job
 
     spec = load_job(job)
-    rendered = render_job(spec, owner=resolve_owner(spec))
+    rendered = render_job(spec, owner=spec.kaggle.owner or configured_username())
     paths = write_rendered(rendered, out or Path("build") / spec.name)
     for path in paths:
         click.echo(f"wrote {path}")

@@ -91,12 +91,30 @@ def _kernel_id(folder: Path) -> str:
         return str(folder)
 
 
+def _config_dir(env: dict[str, str]) -> Path:
+    """Where the official client looks for kaggle.json."""
+    home = Path(env.get("HOME") or Path.home())
+    return Path(env["KAGGLE_CONFIG_DIR"]) if env.get("KAGGLE_CONFIG_DIR") else home / ".kaggle"
+
+
+def configured_username(env: dict[str, str] | None = None) -> str | None:
+    """The Kaggle user of the configured credentials, read without importing kaggle (which
+    authenticates); None when there are none. The key itself is never read."""
+    env = dict(os.environ if env is None else env)
+    if env.get("KAGGLE_USERNAME"):
+        return env["KAGGLE_USERNAME"]
+    try:
+        return json.loads((_config_dir(env) / "kaggle.json").read_text()).get("username")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
 def credentials_present(env: dict[str, str] | None = None) -> bool:
     env = dict(os.environ if env is None else env)
     if env.get("KAGGLE_API_TOKEN") or (env.get("KAGGLE_USERNAME") and env.get("KAGGLE_KEY")):
         return True
     home = Path(env.get("HOME") or Path.home())
-    config_dir = Path(env["KAGGLE_CONFIG_DIR"]) if env.get("KAGGLE_CONFIG_DIR") else home / ".kaggle"
+    config_dir = _config_dir(env)
     candidates = [config_dir / "kaggle.json", home / ".kaggle" / "access_token",
                   home / ".kaggle" / "access_token.txt", home / ".kaggle" / "credentials.json"]
     return any(p.is_file() and p.stat().st_size > 0 for p in candidates)

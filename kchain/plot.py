@@ -2,16 +2,12 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 from kchain.errors import KchainError
 from kchain.runtime import layout
-
-
-def read_trace(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+from kchain.smoke import read_trace
 
 
 def newest_trace(chain: list[dict[str, Any]]) -> Path | None:

@@ -26,11 +26,11 @@ from kchain.emulator import Emulator, Faults
 from kchain.errors import KchainError
 from kchain.kaggle_api import KaggleClient
 from kchain.ledger import Ledger, new_run_id, state_dir
-from kchain.plot import newest_trace, read_trace
+from kchain.plot import newest_trace
 from kchain.push import push_job, write_dataset_metadata
 from kchain.render import render_job, write_rendered
 from kchain.runtime import layout
-from kchain.smoke import compare_traces, local_inputs, mount_inputs
+from kchain.smoke import compare_traces, local_inputs, mount_inputs, read_trace, sandbox_trace
 from kchain.spec import Job, load_job
 
 Echo = Callable[[str], None]
@@ -87,7 +87,7 @@ def run_reference(job: Job, root: Path, sources: dict[tuple[str, str, str], Path
                               stdout=log, stderr=subprocess.STDOUT, env=env, check=False)
     if done.returncode != 0:
         raise KchainError(f"the reference run failed (exit {done.returncode}); see {root.parent / 'reference.log'}")
-    return read_trace(root / layout.WORKING_DIR / layout.KCHAIN_DIR / layout.METRICS)
+    return read_trace(sandbox_trace(root))
 
 
 def upload_inputs(emu: Emulator, job: Job, sources: dict[tuple[str, str, str], Path], keys: dict[str, str],

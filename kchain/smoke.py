@@ -24,6 +24,7 @@ from typing import Any
 
 from kchain import diagnose
 from kchain.errors import SmokeFailed, SpecError
+from kchain.kaggle_api import configured_username
 from kchain.ledger import Ledger, new_run_id, state_dir
 from kchain.render import Rendered, render_job, write_rendered
 from kchain.runtime import layout
@@ -68,19 +69,6 @@ class SmokeReport:
     failure: diagnose.Failure | None = None
     verdict: str = ""
     checkpoint: str | None = None
-
-
-def resolve_owner(job: Job) -> str | None:
-    """The Kaggle user the kernel belongs to, without importing kaggle (which authenticates)."""
-    if job.kaggle.owner:
-        return job.kaggle.owner
-    if os.environ.get("KAGGLE_USERNAME"):
-        return os.environ["KAGGLE_USERNAME"]
-    config_dir = Path(os.environ.get("KAGGLE_CONFIG_DIR") or Path.home() / ".kaggle")
-    try:
-        return json.loads((config_dir / "kaggle.json").read_text()).get("username")
-    except (OSError, ValueError):
-        return None
 
 
 def input_refs(job: Job) -> list[tuple[str, str, str, str | None]]:
@@ -164,12 +152,16 @@ def _wait(phase: Phase, proc: subprocess.Popen) -> None:
     phase.wall_s = time.time() - proc._kchain_t0  # type: ignore[attr-defined]
 
 
-def read_trace(root: Path) -> list[dict[str, Any]]:
-    path = root / layout.WORKING_DIR / layout.KCHAIN_DIR / layout.METRICS
+def read_trace(path: Path) -> list[dict[str, Any]]:
+    """A metrics trace (JSON lines); [] when the run never logged."""
     try:
         return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     except OSError:
         return []
+
+
+def sandbox_trace(root: Path) -> Path:
+    return root / layout.WORKING_DIR / layout.KCHAIN_DIR / layout.METRICS
 
 
 def _numbers(record: dict[str, Any]) -> dict[str, float]:
@@ -239,7 +231,7 @@ def smoke(job_path: Path, echo: Echo = print, quiet_training: bool = False, down
         shutil.rmtree(work)
     work.mkdir(parents=True)
 
-    rendered: Rendered = render_job(job, owner=resolve_owner(job))
+    rendered: Rendered = render_job(job, owner=job.kaggle.owner or configured_username())
     nb_dir = work / "kernel"
     write_rendered(rendered, nb_dir)
     notebook = nb_dir / rendered.notebook_file
@@ -272,7 +264,7 @@ def smoke(job_path: Path, echo: Echo = print, quiet_training: bool = False, down
         _wait(phase, proc)
 
     failure = _phase_failure(run) or _phase_failure(ref)
-    reference = read_trace(ref.root)
+    reference = read_trace(sandbox_trace(ref.root))
     resumed: list[dict[str, Any]] = []
     resume_step = steps
     timings: dict[str, float] = {"render": render_s}
@@ -302,7 +294,7 @@ def smoke(job_path: Path, echo: Echo = print, quiet_training: bool = False, down
             proc = _spawn(resume, notebook, base_env, show)
             _wait(resume, proc)
             failure = _phase_failure(resume, stage="resume")
-            resumed = read_trace(run.root)
+            resumed = read_trace(sandbox_trace(run.root))
             timings = _timings(render_s, run, resume)
             echo(f"  resumed    {time.time() - t_start:5.2f}s  in {resume.wall_s:.1f}s")
 

@@ -206,8 +206,7 @@ def decide_and_continue(job: Job, ledger: Ledger, client: KaggleClient, retry: b
             raise ChainStop(f"{owner}/{job.name} has a session {latest.lower()} on Kaggle that kchain did not "
                             "start; wait for it to end, then run `kchain continue` again")
         if last["status"] in sess.LIVE:
-            beat = sess.last_heartbeat(sess.log_text(sess.parse_log(client.log(last["kernel"], last["version"]))))
-            beat = beat or "no heartbeat yet"
+            beat = last.get("heartbeat") or "no heartbeat yet"  # refresh() just read the log
             return Decision("running", f"session {last['session']} is {last['status'].lower()}: {beat}", last)
         summary = last.get("summary") or {}
         if summary.get("status") == "finished":

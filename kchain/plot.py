@@ -7,7 +7,7 @@ from typing import Any
 
 from kchain.errors import KchainError
 from kchain.runtime import layout
-from kchain.smoke import read_trace
+from kchain.traces import read_trace
 
 
 def newest_trace(chain: list[dict[str, Any]]) -> Path | None:

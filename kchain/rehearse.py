@@ -24,14 +24,15 @@ from typing import Any
 from kchain.chain import wait_ready, watch
 from kchain.emulator import Emulator, Faults
 from kchain.errors import KchainError
+from kchain.inputs import local_inputs, mount_inputs
 from kchain.kaggle_api import KaggleClient
 from kchain.ledger import Ledger, new_run_id, state_dir
 from kchain.plot import newest_trace
 from kchain.push import push_job, write_dataset_metadata
 from kchain.render import render_job, write_rendered
 from kchain.runtime import layout
-from kchain.smoke import compare_traces, local_inputs, mount_inputs, read_trace, sandbox_trace
 from kchain.spec import Job, load_job
+from kchain.traces import compare_traces, read_trace, sandbox_trace
 
 Echo = Callable[[str], None]
 USER = "rehearsal"

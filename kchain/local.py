@@ -41,12 +41,21 @@ def prepare_root(root: Path) -> tuple[Path, Path]:
     return inputs, working
 
 
-def read_summary(root: Path) -> dict[str, Any] | None:
-    path = root / "working" / layout.KCHAIN_DIR / layout.SUMMARY
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
+def read_summary(working: Path, search: bool = False) -> dict[str, Any] | None:
+    """The runtime's summary.json in a working dir (a sandbox's `working/` or a downloaded output).
+
+    With `search`, a summary anywhere below is taken when the usual place has none (an output
+    downloaded with an extra folder level).
+    """
+    candidates = [working / layout.KCHAIN_DIR / layout.SUMMARY]
+    if search:
+        candidates += sorted(working.rglob(layout.SUMMARY))
+    for path in candidates:
+        try:
+            return json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+    return None
 
 
 def _first_line(text: str) -> str:
@@ -54,6 +63,59 @@ def _first_line(text: str) -> str:
         if line.strip():
             return line.strip()
     return ""
+
+
+def _live_client_class():  # noqa: ANN202  (nbclient is imported only when a notebook runs)
+    from nbclient import NotebookClient
+
+    class LiveClient(NotebookClient):
+        """nbclient collects outputs per cell; this one hands each message on as it arrives, so a
+        heartbeat printed at minute six is shown at minute six."""
+
+        t0: float = 0.0
+        messages: list[dict[str, Any]]  # not `log`: that is nbclient's logger
+        on_output: OutputFn | None = None
+        kernel_ready: float = 0.0
+
+        def output(self, outs, msg, display_id, cell_index):  # type: ignore[override]
+            content = msg.get("content", {})
+            if msg.get("msg_type") == "stream":
+                name, text = content.get("name", "stdout"), content.get("text", "")
+            elif msg.get("msg_type") == "error":
+                name, text = "stderr", "\n".join(content.get("traceback", [])) + "\n"
+            else:
+                name, text = "", ""
+            if text:
+                self.messages.append({"stream_name": name, "time": round(time.time() - self.t0, 3), "data": text})
+                if self.on_output is not None:
+                    self.on_output(name, text)
+            return super().output(outs, msg, display_id, cell_index)
+
+        async def async_start_new_kernel_client(self):  # type: ignore[override]
+            result = await super().async_start_new_kernel_client()
+            self.kernel_ready = time.time() - self.t0
+            return result
+
+    return LiveClient
+
+
+def _execute(client: Any, env: dict[str, str], working: Path, stderr_path: Path) -> str | None:
+    """Run every cell; the error as `Class: first line`, or None."""
+    from nbclient.exceptions import CellExecutionError, CellTimeoutError, DeadKernelError
+
+    # The kernel process's own stderr holds only its start-up chatter (the cells' output comes over
+    # the messaging channel); keep it beside the sandbox, out of the session's output folder.
+    with open(stderr_path, "ab") as kernel_stderr:
+        try:
+            client.execute(env=env, cwd=str(working), stderr=kernel_stderr)
+        except CellExecutionError as exc:
+            ename = getattr(exc, "ename", "") or "CellExecutionError"
+            return f"{ename}: {_first_line(getattr(exc, 'evalue', '') or str(exc))}"
+        except CellTimeoutError as exc:
+            return f"Timeout: {_first_line(str(exc))}"
+        except DeadKernelError as exc:
+            return f"DeadKernelError: {_first_line(str(exc))}"
+    return None
 
 
 def execute_notebook(
@@ -65,73 +127,28 @@ def execute_notebook(
 ) -> ExecResult:
     """Execute the notebook with a fresh ipykernel whose working dir is ROOT/working."""
     import nbformat
-    from nbclient import NotebookClient
-    from nbclient.exceptions import CellExecutionError, CellTimeoutError, DeadKernelError
 
     root = Path(root).resolve()
     _, working = prepare_root(root)
-    nb = nbformat.read(str(notebook_path), as_version=4)
-    kernel_env = dict(os.environ)
-    kernel_env.update(env or {})
-    kernel_env[layout.ROOT_ENV] = str(root)
+    kernel_env = {**os.environ, **(env or {}), layout.ROOT_ENV: str(root)}
     kernel_env.setdefault("PYTHONUNBUFFERED", "1")
-
-    log: list[dict[str, Any]] = []
-    t0 = time.time()
-    kernel_ready: list[float] = []
-
-    class _LiveClient(NotebookClient):
-        # nbclient collects outputs per cell; this hook sees each message as it arrives, so a
-        # heartbeat printed at minute six is shown at minute six.
-        def output(self, outs, msg, display_id, cell_index):  # type: ignore[override]
-            content = msg.get("content", {})
-            if msg.get("msg_type") == "stream":
-                name, text = content.get("name", "stdout"), content.get("text", "")
-            elif msg.get("msg_type") == "error":
-                name, text = "stderr", "\n".join(content.get("traceback", [])) + "\n"
-            else:
-                name, text = "", ""
-            if text:
-                log.append({"stream_name": name, "time": round(time.time() - t0, 3), "data": text})
-                if on_output is not None:
-                    on_output(name, text)
-            return super().output(outs, msg, display_id, cell_index)
-
-        async def async_start_new_kernel_client(self):  # type: ignore[override]
-            result = await super().async_start_new_kernel_client()
-            kernel_ready.append(time.time() - t0)
-            return result
-
-    client = _LiveClient(
-        nb,
+    client = _live_client_class()(
+        nbformat.read(str(notebook_path), as_version=4),
         timeout=timeout,
         kernel_name="python3",
         resources={"metadata": {"path": str(working)}},
         allow_errors=False,
         record_timing=False,
     )
-    error: str | None = None
-    # The kernel process's own stderr holds only its start-up chatter (the cells' output comes over
-    # the messaging channel); keep it beside the sandbox, out of the session's output folder.
-    kernel_stderr = open(root / "kernel-stderr.log", "ab")  # noqa: SIM115
-    try:
-        client.execute(env=kernel_env, cwd=str(working), stderr=kernel_stderr)
-    except CellExecutionError as exc:
-        ename = getattr(exc, "ename", "") or "CellExecutionError"
-        error = f"{ename}: {_first_line(getattr(exc, 'evalue', '') or str(exc))}"
-    except CellTimeoutError as exc:
-        error = f"Timeout: {_first_line(str(exc))}"
-    except DeadKernelError as exc:
-        error = f"DeadKernelError: {_first_line(str(exc))}"
-    finally:
-        kernel_stderr.close()
+    client.t0, client.messages, client.on_output = time.time(), [], on_output
+    error = _execute(client, kernel_env, working, root / "kernel-stderr.log")
     return ExecResult(
         ok=error is None,
         error=error,
-        log=log,
-        wall_s=time.time() - t0,
-        kernel_start_s=kernel_ready[0] if kernel_ready else 0.0,
-        summary=read_summary(root),
+        log=client.messages,
+        wall_s=time.time() - client.t0,
+        kernel_start_s=client.kernel_ready,
+        summary=read_summary(working),
     )
 
 

@@ -13,7 +13,6 @@ as soon as the killed run is dead, while the reference may still be running) -> 
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import subprocess
@@ -30,6 +29,7 @@ from kchain.errors import SmokeFailed
 from kchain.inputs import local_inputs, mount_inputs
 from kchain.kaggle_api import configured_username
 from kchain.ledger import Ledger, new_run_id, state_dir
+from kchain.local import read_summary
 from kchain.render import Rendered, render_job, write_rendered
 from kchain.runtime import layout
 from kchain.spec import Job, load_job
@@ -52,11 +52,7 @@ class Child:
 
     @property
     def summary(self) -> dict[str, Any] | None:
-        path = self.root / layout.WORKING_DIR / layout.KCHAIN_DIR / layout.SUMMARY
-        try:
-            return json.loads(path.read_text())
-        except (OSError, ValueError):
-            return None
+        return read_summary(self.root / layout.WORKING_DIR)
 
     def first_time(self, needle: str) -> float | None:
         return next((t for t, line in self.lines if needle in line), None)

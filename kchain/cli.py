@@ -95,15 +95,10 @@ def doctor(job: Path, offline: bool, no_probe: bool, probe_timeout: float) -> No
       kchain doctor jobs/tinygpt/job.yaml              # all checks, the probe on a free CPU session
       kchain doctor jobs/tinygpt/job.yaml --offline    # laptop-side checks only
     """
-    from kchain.doctor import DoctorFailed, run_doctor
+    from kchain.doctor import run_doctor
 
     report = run_doctor(job, offline=offline, probe=not no_probe, echo=click.echo, probe_timeout_s=probe_timeout)
-    if report.failed:
-        error = DoctorFailed(f"kchain doctor: {len(report.failed)} check(s) failed: {report.failed[0].text}")
-        error.exit_code = report.exit_code
-        raise error
-    click.echo("kchain doctor: all checks passed" + (" (warnings above)" if any(
-        c.level == "warn" for c in report.checks) else ""))
+    click.echo(report.verdict())
 
 
 @cli.command()

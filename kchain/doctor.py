@@ -37,7 +37,7 @@ from typing import Any
 import jinja2
 
 import kchain
-from kchain.errors import CredentialsError, KaggleError, KchainError
+from kchain.errors import CredentialsError, DoctorFailed, KaggleError, ProbeFormatError
 from kchain.fsutil import atomic_write_json, read_json
 from kchain.kaggle_api import MISSING_CREDENTIALS, KaggleClient, configured_username
 from kchain.ledger import Ledger, iso, now_utc, state_dir
@@ -58,16 +58,6 @@ PROBE_KEYS: dict[str, type | tuple[type, ...]] = {
     "mounts": dict, "state_dataset": (str, type(None)), "runtime": dict, "disk_free_working": int, "ram": dict,
     "kaggle_env": list, "secrets": dict, "internet": bool,
 }
-
-
-class DoctorFailed(KchainError):
-    """The doctor found at least one problem (a FAIL line); the checklist says which and the fix."""
-
-    exit_code = 9
-
-
-class ProbeFormatError(KchainError):
-    """The probe's output is not a kchain-probe/1 document."""
 
 
 @dataclass
@@ -91,6 +81,15 @@ class Report:
     @property
     def failed(self) -> list[Check]:
         return [c for c in self.checks if c.level == "FAIL"]
+
+    def verdict(self) -> str:
+        """The closing line; DoctorFailed (exit 9, or 6 for credentials) when a check failed."""
+        if self.failed:
+            error = DoctorFailed(f"kchain doctor: {len(self.failed)} check(s) failed: {self.failed[0].text}")
+            error.exit_code = self.exit_code or DoctorFailed.exit_code
+            raise error
+        warned = any(c.level == "warn" for c in self.checks)
+        return "kchain doctor: all checks passed" + (" (warnings above)" if warned else "")
 
 
 class _Checklist:
@@ -217,6 +216,9 @@ def _sources(client: KaggleClient, job: Job, owner: str, check: _Checklist, repo
                 continue
         check("ok", "sources", f"dataset {source} exists")
         good.append(source)
+    if job.kaggle.competition:
+        check("ok", "sources", f"competition {job.kaggle.competition}: no lookup can tell whether its rules were "
+                               "accepted; the save below names it if Kaggle refuses it")
     state = f"{owner}/{job.name}-state"
     state_there = client.lookup_code("dataset", state) == 200
     report.facts["state_dataset"] = {"ref": state, "exists": state_there}
@@ -273,7 +275,9 @@ def _quick_save(client: KaggleClient, job: Job, rendered: Any, ref: str, check: 
 
 def render_probe(job: Job, ref: str, sources: list[str], state: str | None) -> tuple[str, dict[str, Any]]:
     """The probe notebook and its metadata: accelerator none, the job's internet and inputs."""
-    config = {"job": job.name, "sources": sources, "state_dataset": state, "secret_labels": list(SECRET_LABELS),
+    competitions = [job.kaggle.competition] if job.kaggle.competition else []
+    config = {"job": job.name, "sources": sources + competitions, "state_dataset": state,
+              "secret_labels": list(SECRET_LABELS),
               "internet": job.kaggle.internet}
     files = {**_runtime_files(), "kchain_probe.py": (templates_dir() / "kchain_probe.py").read_bytes()}
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(templates_dir())),
@@ -283,9 +287,8 @@ def render_probe(job: Job, ref: str, sources: list[str], state: str | None) -> t
         config_json=json.dumps(config, sort_keys=True), payload=base64.b64encode(_zip(files)).decode())
     metadata = {"id": ref, "language": "python", "kernel_type": "notebook", "is_private": True,
                 "enable_gpu": False, "enable_tpu": False, "enable_internet": job.kaggle.internet,
-                "dataset_sources": sources,
-                "competition_sources": [job.kaggle.competition] if job.kaggle.competition else [],
-                "kernel_sources": [], "keywords": [], "docker_image_pinning_type": "original"}
+                "dataset_sources": sources, "competition_sources": competitions, "kernel_sources": [],
+                "keywords": [], "docker_image_pinning_type": "original"}
     return _canonical(notebook), metadata
 
 
@@ -344,7 +347,7 @@ def _run_probe(client: KaggleClient, job: Job, ref: str, sources: list[str], sta
         check("warn", "probe", f"{ref} version {number} still {status} after {timeout_s:.0f} s: run `kchain "
                                "doctor` again later (its CPU session costs no GPU quota)")
         return None
-    dest = out / "doctor-probe"
+    dest = out / "doctor-probe" / job.name
     shutil.rmtree(dest, ignore_errors=True)
     try:
         files, log = client.output(ref, number, dest)
@@ -421,8 +424,8 @@ def _image(probe: dict[str, Any], report: Report, check: _Checklist) -> None:
     else:
         check("ok", "runtime", "the embedded runtime imports; no checkpoint attached yet (a fresh start)")
     ram = probe["ram"].get("total")
-    check("ok", "resources", f"free disk in working {probe['disk_free_working'] / 2**30:.1f} GiB, RAM "
-                             + (f"{ram / 2**30:.1f} GiB" if ram else "not reported"))
+    check("ok", "resources", f"free disk in working {probe['disk_free_working'] / 2**30:.1f} GiB (Kaggle keeps at "
+                             "most 20 GiB of it as output), RAM " + (f"{ram / 2**30:.1f} GiB" if ram else "not reported"))
     seen = [label for label in SECRET_LABELS if probe["secrets"]["visible"].get(label)]
     check("ok", "environment", f"KAGGLE_* names seen: {', '.join(probe['kaggle_env']) or 'none'}; Secret labels "
                                f"visible: {', '.join(seen) or 'none'}")
@@ -441,7 +444,11 @@ def _publishing(job: Job, probe: dict[str, Any] | None, owner: str, report: Repo
             check("ok", "publishing", f"{relay} (kaggle.internet is false)")
         return
     missing = [label for label in SECRET_LABELS if not probe["secrets"]["visible"].get(label)]
-    if probe["internet"] and not missing:
+    if probe["internet"] and not missing and probe["kaggle_client"] is None:
+        report.facts["publish"] = "relay"
+        check("warn", "publishing", f"{relay}: the image has no kaggle client, so the kernel cannot publish even "
+                                    "with internet and Secrets")
+    elif probe["internet"] and not missing:
         report.facts["publish"] = "kernel"
         check("ok", "publishing", f"in-kernel publish: internet on and Secrets {' and '.join(SECRET_LABELS)} "
                                   f"visible, so the kernel versions {state} itself (Secrets are attached per "
@@ -504,8 +511,6 @@ def run_doctor(job_file: Path, offline: bool = False, probe: bool = True, echo: 
             _publishing(job, result, owner, report, check)
     report.facts.setdefault("fingerprint", rendered.fingerprint)
     path = _record(job, report, offline, probed)
-    if report.failed and not report.exit_code:
-        report.exit_code = DoctorFailed.exit_code
     echo(f"wrote {path}")
     return report
 

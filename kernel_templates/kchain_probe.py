@@ -63,9 +63,13 @@ def _distribution(name: str) -> str | None:
 
 
 def _mount(input_root: Path, ref: str) -> str | None:
-    """Where an attached dataset owner/slug[/version] is mounted, whatever today's layout is."""
-    owner, slug = ref.split("/")[:2]
-    for candidate in (input_root / "datasets" / owner / slug, input_root / slug):
+    """Where an attached dataset owner/slug[/version] or competition slug is mounted, whatever
+    today's layout is (shared/reference/kaggle-api.md 6.2: datasets/<owner>/<slug>, competitions/<slug>,
+    or the legacy <slug>), else found by a shallow walk."""
+    parts = ref.split("/")
+    slug = parts[1] if len(parts) > 1 else parts[0]
+    nested = input_root / "datasets" / parts[0] / slug if len(parts) > 1 else input_root / "competitions" / slug
+    for candidate in (nested, input_root / slug):
         if candidate.is_dir():
             return str(candidate)
     if input_root.is_dir():

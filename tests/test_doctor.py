@@ -18,11 +18,13 @@ import pytest
 from emulator_helpers import USER, emulator, fake_key, kaggle_api, write_dataset  # noqa: F401
 from helpers import copy_job, error_line, invoke
 
-from kchain.doctor import PROBE_FORMAT, ProbeFormatError, parse_probe
+from kchain.doctor import PROBE_FORMAT, parse_probe
+from kchain.errors import ProbeFormatError
 
 NAME = "tinygpt-notes"
 DOCTOR_REF = f"{USER}/{NAME}-doctor"
 DATA = f"{USER}/notes-extra"
+STATE = f"{USER}/{NAME}-state"
 
 
 def job_file(tmp_path: Path, **kaggle) -> Path:
@@ -46,9 +48,18 @@ def gpu_sessions_run(emu) -> list[dict]:
 
 
 def test_doctor_all_ok_probes_a_cpu_session_and_writes_no_credential(emulator, kaggle_api, tmp_path):
+    import torch
+
+    from kchain.runtime.checkpoint import write_checkpoint
+
     key = emulator.users[USER]
     emulator.secrets = {USER: {"KAGGLE_USERNAME": USER, "KAGGLE_KEY": key}}  # attached to the notebook
     kaggle_api.dataset_create_new(str(write_dataset(tmp_path / "data", DATA, {"notes.txt": "a note\n"})), quiet=True)
+    # The state dataset as a chain leaves it: a real checkpoint written by the runtime, flat.
+    ckpt = write_checkpoint(tmp_path / "ckpts", 12, {"w": torch.zeros(2)}, tmp_path / "none", 0,
+                            {"job": NAME, "session": 1}, keep=1)
+    files = {p.name: p.read_bytes() for p in ckpt.iterdir()}
+    kaggle_api.dataset_create_new(str(write_dataset(tmp_path / "state", STATE, files)), quiet=True)
     job = job_file(tmp_path, datasets=[DATA])
 
     result = invoke("doctor", job)
@@ -61,11 +72,15 @@ def test_doctor_all_ok_probes_a_cpu_session_and_writes_no_credential(emulator, k
     assert f"ok    sources      dataset {DATA} exists" in out
     assert re.search(rf"ok    metadata     notebook \(\d+ KB\) and kernel-metadata.json accepted: saved as "
                      rf"{DOCTOR_REF} version 1 without running", out), out
-    [mount] = lines(result, "mounts")
-    assert mount.startswith(f"ok    mounts       {DATA} is mounted at ") and mount.endswith(f"input/datasets/{DATA}")
+    mounts = lines(result, "mounts")
+    assert [m.split(" is mounted at ")[0] for m in mounts] == [f"ok    mounts       {ref}" for ref in (DATA, STATE)]
+    assert all(m.endswith(f"input/datasets/{ref}") for m, ref in zip(mounts, (DATA, STATE), strict=True))
     torch_line = lines(result, "torch")[0]
     assert re.match(r"ok    torch        torch \d+\.\d+ on both: checkpoints load both ways", torch_line), out
-    assert "ok    runtime      the embedded runtime imports; no checkpoint attached yet (a fresh start)" in out
+    assert f"ok    state        state dataset {STATE} exists (attached to the probe)" in out
+    [runtime] = lines(result, "runtime")
+    assert runtime.startswith("ok    runtime      the embedded runtime imports and would resume from step 12 (")
+    assert runtime.endswith(f"input/datasets/{STATE})")
     assert "Secret labels visible: KAGGLE_USERNAME, KAGGLE_KEY" in out
     assert "ok    publishing   in-kernel publish: internet on and Secrets KAGGLE_USERNAME and KAGGLE_KEY visible" in out
     assert [ln.split()[1] for ln in out.splitlines() if ln.startswith(("warn", "FAIL"))] == ["smoke"]  # not smoked here

@@ -214,7 +214,12 @@ def _sources(client: KaggleClient, job: Job, owner: str, check: _Checklist, repo
                 check("FAIL", "sources", f"dataset {source}: version {parts[2]} does not exist (newest is "
                                          f"{newest}): fix kaggle.datasets in {job.path}")
                 continue
-        check("ok", "sources", f"dataset {source} exists")
+        status = client.dataset_status(ref)
+        if status != "ready":
+            check("warn", "sources", f"dataset {source} exists but is {status}, not ready: a session started now may "
+                                     "run without it; wait until `kaggle datasets status` says ready")
+        else:
+            check("ok", "sources", f"dataset {source} exists and is ready")
         good.append(source)
     if job.kaggle.competition:
         check("ok", "sources", f"competition {job.kaggle.competition}: no lookup can tell whether its rules were "

@@ -69,7 +69,7 @@ def test_doctor_all_ok_probes_a_cpu_session_and_writes_no_credential(emulator, k
     assert f"ok    account      user {USER}; GPU quota left this week 30.0 of 30.0 h" in out
     assert re.search(r"ok    missing      Kaggle answers a lookup of a missing kernel with (403|404), of a missing "
                      r"dataset with (403|404) \(recorded\)", out), out
-    assert f"ok    sources      dataset {DATA} exists" in out
+    assert f"ok    sources      dataset {DATA} exists and is ready" in out
     assert re.search(rf"ok    metadata     notebook \(\d+ KB\) and kernel-metadata.json accepted: saved as "
                      rf"{DOCTOR_REF} version 1 without running", out), out
     mounts = lines(result, "mounts")
@@ -93,6 +93,8 @@ def test_doctor_all_ok_probes_a_cpu_session_and_writes_no_credential(emulator, k
     assert (probe["gpu"], probe["status"]) == (False, "COMPLETE")
     assert gpu_sessions_run(emulator) == []
 
+    [log] = (Path(os.environ["KCHAIN_HOME"]) / "doctor-probe" / NAME).glob("*.log")
+    assert f"[kchain] probe {PROBE_FORMAT}:" in log.read_text()  # the probe's report is in the session log too
     entry = doctor_entry()
     assert entry["user"] == USER and entry["probed"] is True and entry["publish"] == "kernel"
     assert entry["missing"]["kernel"] in (403, 404) and entry["probe"]["format"] == PROBE_FORMAT

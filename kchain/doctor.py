@@ -175,6 +175,8 @@ def _account(client: KaggleClient, check: _Checklist, report: Report) -> str | N
         check("FAIL", "credentials", str(exc))
         report.exit_code = CredentialsError.exit_code
         return None
+    except AttributeError:  # an answer without GPU figures (Kaggle may send none)
+        quota = {"used_s": 0.0, "total_s": 0.0, "refresh": 0.0}
     report.facts["user"] = user
     left_h = (quota["total_s"] - quota["used_s"]) / 3600
     report.facts["quota"] = quota if quota["total_s"] else None
@@ -488,6 +490,27 @@ def _record(job: Job, report: Report, offline: bool, probed: bool) -> Path:
     return path
 
 
+def _online(job: Job, probe: bool, probe_timeout_s: float, check: _Checklist, report: Report) -> bool:
+    """Account, sources, the quick save, the probe and the publishing path; True if the probe ran."""
+    client = KaggleClient()
+    user = _account(client, check, report)
+    if user is None:
+        return False
+    owner = job.kaggle.owner or user
+    sources = _sources(client, job, owner, check, report)
+    ref = f"{owner}/{doctor_slug(job)}"
+    _quick_save(client, job, render_job(job, owner=owner), ref, check, report)
+    result = None
+    if probe:
+        state = report.facts["state_dataset"]["ref"] if report.facts["state_dataset"]["exists"] else None
+        result = _run_probe(client, job, ref, sources, state, state_dir(job.path), probe_timeout_s, check)
+        if result is not None:
+            report.facts["probe"] = result
+            _image(result, report, check)
+    _publishing(job, result, owner, report, check)
+    return result is not None
+
+
 def run_doctor(job_file: Path, offline: bool = False, probe: bool = True, echo: Echo = print,
                probe_timeout_s: float = 900.0) -> Report:
     """Print the checklist as it is made, write doctor.json, and return the report."""
@@ -498,22 +521,11 @@ def run_doctor(job_file: Path, offline: bool = False, probe: bool = True, echo: 
     rendered = _laptop(job, check, report)
     probed = False
     if not offline and not report.failed:
-        client = KaggleClient()
-        user = _account(client, check, report)
-        if user is not None:
-            owner = job.kaggle.owner or user
-            sources = _sources(client, job, owner, check, report)
-            ref = f"{owner}/{doctor_slug(job)}"
-            _quick_save(client, job, render_job(job, owner=owner), ref, check, report)
-            result = None
-            if probe:
-                state = report.facts["state_dataset"]["ref"] if report.facts["state_dataset"]["exists"] else None
-                result = _run_probe(client, job, ref, sources, state, state_dir(job.path), probe_timeout_s, check)
-                probed = result is not None
-                if result is not None:
-                    report.facts["probe"] = result
-                    _image(result, report, check)
-            _publishing(job, result, owner, report, check)
+        try:
+            probed = _online(job, probe, probe_timeout_s, check, report)
+        except KaggleError as exc:  # retries exhausted: say it in the checklist and keep what was learned
+            check("FAIL", "kaggle", str(exc))
+            report.exit_code = report.exit_code or KaggleError.exit_code
     report.facts.setdefault("fingerprint", rendered.fingerprint)
     path = _record(job, report, offline, probed)
     echo(f"wrote {path}")

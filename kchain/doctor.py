@@ -21,7 +21,6 @@ suggests `kchain doctor` when it is missing or stale (`push_hint`).
 
 from __future__ import annotations
 
-import base64
 import json
 import os
 import secrets
@@ -34,14 +33,12 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
-import jinja2
-
 import kchain
 from kchain.errors import CredentialsError, DoctorFailed, KaggleError, ProbeFormatError
 from kchain.fsutil import atomic_write_json, read_json
 from kchain.kaggle_api import MISSING_CREDENTIALS, KaggleClient, configured_username
 from kchain.ledger import Ledger, iso, now_utc, state_dir
-from kchain.render import METADATA_FILE, _canonical, _runtime_files, _zip, render_job, templates_dir
+from kchain.render import METADATA_FILE, render_job, render_probe
 from kchain.spec import Job, load_job
 
 Echo = Callable[[str], None]
@@ -280,25 +277,6 @@ def _quick_save(client: KaggleClient, job: Job, rendered: Any, ref: str, check: 
 # -- the probe ----------------------------------------------------------------------------------
 
 
-def render_probe(job: Job, ref: str, sources: list[str], state: str | None) -> tuple[str, dict[str, Any]]:
-    """The probe notebook and its metadata: accelerator none, the job's internet and inputs."""
-    competitions = [job.kaggle.competition] if job.kaggle.competition else []
-    config = {"job": job.name, "sources": sources + competitions, "state_dataset": state,
-              "secret_labels": list(SECRET_LABELS),
-              "internet": job.kaggle.internet}
-    files = {**_runtime_files(), "kchain_probe.py": (templates_dir() / "kchain_probe.py").read_bytes()}
-    env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(templates_dir())),
-                             undefined=jinja2.StrictUndefined, keep_trailing_newline=True, autoescape=False)
-    notebook = env.get_template("probe.ipynb.j2").render(
-        job=job.name, version=kchain.__version__, internet=job.kaggle.internet,
-        config_json=json.dumps(config, sort_keys=True), payload=base64.b64encode(_zip(files)).decode())
-    metadata = {"id": ref, "language": "python", "kernel_type": "notebook", "is_private": True,
-                "enable_gpu": False, "enable_tpu": False, "enable_internet": job.kaggle.internet,
-                "dataset_sources": sources, "competition_sources": competitions, "kernel_sources": [],
-                "keywords": [], "docker_image_pinning_type": "original"}
-    return _canonical(notebook), metadata
-
-
 def parse_probe(text: str) -> dict[str, Any]:
     """The probe's output, checked key by key; ProbeFormatError names what is wrong."""
     try:
@@ -338,7 +316,7 @@ def _wait(client: KaggleClient, ref: str, number: int, timeout_s: float) -> tupl
 
 def _run_probe(client: KaggleClient, job: Job, ref: str, sources: list[str], state: str | None,
                out: Path, timeout_s: float, check: _Checklist) -> dict[str, Any] | None:
-    notebook, metadata = render_probe(job, ref, sources, state)
+    notebook, metadata = render_probe(job, ref, sources, state, SECRET_LABELS)
     folder = Path(tempfile.mkdtemp(prefix="kchain-probe-"))
     try:
         _kernel_folder(folder, notebook, metadata, ref.split("/", 1)[1])

@@ -216,3 +216,17 @@ def test_probe_output_is_parsed_strictly(tmp_path, monkeypatch):
             parse_probe(json.dumps({**report, **change}))
     with pytest.raises(ProbeFormatError, match="has no 'mounts'"):
         parse_probe(json.dumps({k: v for k, v in report.items() if k != "mounts"}))
+
+
+def test_the_probe_renders_byte_identical_and_never_asks_for_an_accelerator(tmp_path):
+    from kchain.render import render_probe
+    from kchain.spec import load_job
+
+    job = load_job(job_file(tmp_path, accelerator="gpu", datasets=[DATA], competition="titanic"))
+    first = render_probe(job, DOCTOR_REF, [DATA], STATE, ("KAGGLE_KEY",))
+    assert first == render_probe(job, DOCTOR_REF, [DATA], STATE, ("KAGGLE_KEY",))
+    notebook, metadata = first
+    assert (metadata["enable_gpu"], metadata["enable_tpu"], "machine_shape" in metadata) == (False, False, False)
+    assert (metadata["enable_internet"], metadata["dataset_sources"], metadata["competition_sources"]) == (
+        True, [DATA], ["titanic"])
+    assert json.loads(notebook)["metadata"]["kaggle"]["accelerator"] == "none"

@@ -48,7 +48,7 @@ FORMAT = 1
 PROBE_FORMAT = "kchain-probe/1"
 PROBE_OUTPUT = "kchain-probe.json"
 SECRET_LABELS = ("KAGGLE_USERNAME", "KAGGLE_KEY")
-TERMINAL = ("COMPLETE", "ERROR", "CANCEL_ACKNOWLEDGED", "CANCEL_REQUESTED")
+TERMINAL = ("COMPLETE", "ERROR", "CANCEL_ACKNOWLEDGED")
 # What the probe must report, with the type each key holds (the format is parsed strictly).
 PROBE_KEYS: dict[str, type | tuple[type, ...]] = {
     "format": str, "job": str, "python": str, "torch": dict, "numpy": dict, "kaggle_client": (str, type(None)),
@@ -512,7 +512,7 @@ def run_doctor(job_file: Path, offline: bool = False, probe: bool = True, echo: 
 
 def push_hint(job: Job, fingerprint: str) -> str | None:
     """One line for `kchain push` when doctor.json is missing or older than this code or these
-    credentials; None when the doctor has checked exactly this."""
+    credentials, or when the doctor's last check of exactly this found a problem; else None."""
     entry = (read_json(doctor_file(job), {}) or {}).get("jobs", {}).get(job.name)
     advice = f"run `kchain doctor {job.path}` (free: no GPU session) to check the account and the image first"
     if not entry:
@@ -524,6 +524,9 @@ def push_hint(job: Job, fingerprint: str) -> str | None:
                    or (configured_username() or entry.get("user")) != entry.get("user"))
     if entry.get("offline") or entry.get("fingerprint") != fingerprint or stale_creds:
         return f"  hint: the last kchain doctor ({entry.get('time')}) checked other code or credentials; {advice}"
+    failed = [c["text"] for c in entry.get("checks", []) if c.get("level") == "FAIL"]
+    if failed:
+        return f"  hint: the last kchain doctor found {len(failed)} problem(s), first: {failed[0]}"
     return None
 
 

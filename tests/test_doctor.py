@@ -100,6 +100,8 @@ def test_doctor_all_ok_probes_a_cpu_session_and_writes_no_credential(emulator, k
     assert entry["missing"]["kernel"] in (403, 404) and entry["probe"]["format"] == PROBE_FORMAT
     assert entry["probe"]["mounts"][DATA].endswith(f"input/datasets/{DATA}")
     assert entry["probe"]["secrets"]["visible"] == {"KAGGLE_USERNAME": True, "KAGGLE_KEY": True}
+    pushed = invoke("push", job)  # refused (never smoked), and no hint: the doctor checked exactly this
+    assert pushed.exit_code == 4 and "hint:" not in pushed.output
     # The key the probe read is nowhere: not in doctor.json, the fetched output, the job, the session.
     assert files_holding(key, tmp_path) == []
     assert files_holding(DATA, Path(os.environ["KCHAIN_HOME"]))  # the search does find what is there
@@ -162,8 +164,11 @@ def test_doctor_names_a_missing_source_and_push_suggests_a_fresh_doctor(emulator
     assert not lines(result, "torch") and [s["run"] for s in emulator.sessions()] == [False]  # no probe ran
     assert error_line(result).startswith(f"Error: kchain doctor: 2 check(s) failed: dataset {USER}/no-such-data")
 
-    fresh = invoke("push", job)
-    assert fresh.exit_code == 4 and "hint:" not in fresh.output
+    fresh = invoke("push", job)  # checked, but the problem is still there
+    assert fresh.exit_code == 4
+    assert fresh.output.splitlines()[0] == (f"  hint: the last kchain doctor found 2 problem(s), first: dataset "
+                                            f"{USER}/no-such-data does not exist or {USER} cannot see it (HTTP "
+                                            f"{doctor_entry()['missing']['dataset']}): fix kaggle.datasets in {job}")
     job.parent.joinpath("train.py").write_text(job.parent.joinpath("train.py").read_text() + "\n# changed\n")
     stale = invoke("push", job)
     assert stale.output.splitlines()[0].startswith("  hint: the last kchain doctor (")

@@ -38,7 +38,7 @@ from kchain.errors import CredentialsError, DoctorFailed, KaggleError, ProbeForm
 from kchain.fsutil import atomic_write_json, read_json
 from kchain.kaggle_api import MISSING_CREDENTIALS, KaggleClient, configured_username
 from kchain.ledger import Ledger, iso, now_utc, state_dir
-from kchain.render import METADATA_FILE, render_job, render_probe
+from kchain.render import METADATA_FILE, Rendered, render_job, render_probe
 from kchain.spec import Job, load_job
 
 Echo = Callable[[str], None]
@@ -247,7 +247,7 @@ def _kernel_folder(folder: Path, notebook: str, metadata: dict[str, Any], slug: 
     return folder
 
 
-def _quick_save(client: KaggleClient, job: Job, rendered: Any, ref: str, check: _Checklist,
+def _quick_save(client: KaggleClient, job: Job, rendered: Rendered, ref: str, check: _Checklist,
                 report: Report) -> None:
     slug = ref.split("/", 1)[1]
     metadata = {**json.loads(rendered.metadata), "id": ref}

@@ -84,6 +84,25 @@ def smoke(job: Path, quiet: bool, download: bool) -> None:
 
 @cli.command()
 @JOB
+@click.option("--offline", is_flag=True, help="Only the laptop-side checks; no Kaggle call.")
+@click.option("--no-probe", is_flag=True, help="Skip the probe's CPU session (account, sources and metadata only).")
+@click.option("--probe-timeout", type=float, default=900.0, show_default=True, help="Seconds to wait for the probe.")
+def doctor(job: Path, offline: bool, no_probe: bool, probe_timeout: float) -> None:
+    """Check the account, the sources and the kernel image before the first GPU-hour, for free.
+
+    \b
+    Example:
+      kchain doctor jobs/tinygpt/job.yaml              # all checks, the probe on a free CPU session
+      kchain doctor jobs/tinygpt/job.yaml --offline    # laptop-side checks only
+    """
+    from kchain.doctor import run_doctor
+
+    report = run_doctor(job, offline=offline, probe=not no_probe, echo=click.echo, probe_timeout_s=probe_timeout)
+    click.echo(report.verdict())
+
+
+@cli.command()
+@JOB
 @click.option("--skip-smoke", is_flag=True, help="Push code that never passed a smoke run (recorded in the run log).")
 @click.option("--force", is_flag=True, help="Push even if the week's GPU quota cannot cover the session.")
 def push(job: Path, skip_smoke: bool, force: bool) -> None:

@@ -60,3 +60,13 @@ class ChainStop(KchainError):
     """continue refused: a crash needs a human, or a session is still running."""
 
     exit_code = 8
+
+
+class DoctorFailed(KchainError):
+    """kchain doctor found a problem (a FAIL line in its checklist, which names the fix)."""
+
+    exit_code = 9
+
+
+class ProbeFormatError(KchainError):
+    """The doctor's probe wrote output that is not a document of the format this kchain reads."""

@@ -352,3 +352,35 @@ class KaggleClient:
             self._call("download dataset", lambda: self.api.dataset_download_files(
                 self._ref(ref, version), str(dest), force=True, quiet=not self.progress, unzip=unzip))
         return dest
+
+    # -- kchain doctor ------------------------------------------------------------------------
+
+    def lookup_code(self, kind: str, ref: str) -> int:
+        """The HTTP status Kaggle answers a lookup of a kernel or dataset with: 200 if it is there,
+        else the refusal's code (Kaggle may answer 403 rather than 404 for what does not exist)."""
+        try:
+            if kind == "kernel":
+                return 200 if self.kernel_version(ref) is not None else 404
+            self.dataset_status(ref)
+        except CredentialsError:
+            raise
+        except KaggleError as exc:
+            code = _status_code(exc)
+            if code is None:
+                raise
+            return code
+        return 200
+
+    def save_without_running(self, folder: str | Path) -> dict[str, Any]:
+        """Save the kernel in folder as a new version without running it (the client's quick save,
+        `no_run`): nothing starts. Returns {version, url, error, invalid: {kind: [sources]}} as
+        Kaggle answered, so a caller can report each refused source by name."""
+        api = self.api
+        with contextlib.redirect_stdout(io.StringIO()):
+            resp = self._call("save", lambda: api.kernels_push(str(folder), no_run=True), creating=True)
+        invalid = {"dataset": list(resp.invalid_dataset_sources or []),
+                   "kernel": list(resp.invalid_kernel_sources or []),
+                   "competition": list(resp.invalid_competition_sources or []),
+                   "model": list(resp.invalid_model_sources or [])}
+        return {"version": resp.version_number, "url": resp.url, "error": resp.error or "",
+                "invalid": {kind: names for kind, names in invalid.items() if names}}

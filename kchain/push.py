@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kchain.doctor import suggest_doctor
 from kchain.errors import BudgetExceeded, ChainStop, KaggleError, NotSmoked
 from kchain.kaggle_api import KaggleClient, OutcomeUnknown
 from kchain.ledger import Ledger, iso, new_run_id, now_utc, state_dir
@@ -170,6 +171,7 @@ def push_session(
 
 def push(job_file: Path, skip_smoke: bool = False, force: bool = False, echo: Echo = print) -> dict[str, Any]:
     job = load_job(job_file)
+    suggest_doctor(job, echo)  # one line when doctor.json is missing or stale; never blocks
     return push_job(job, Ledger(state_dir(job.path)), KaggleClient(), skip_smoke=skip_smoke, force=force, echo=echo)
 
 

@@ -189,3 +189,23 @@ def write_rendered(rendered: Rendered, out_dir: Path) -> list[Path]:
     atomic_write_text(nb_path, rendered.notebook)
     atomic_write_text(meta_path, rendered.metadata)
     return [nb_path, meta_path]
+
+
+def render_probe(job: Job, ref: str, sources: list[str], state: str | None,
+                 secret_labels: tuple[str, ...]) -> tuple[str, dict[str, Any]]:
+    """Pure: the doctor's probe notebook (kernel_templates/probe.ipynb.j2, the runtime and
+    kchain_probe.py embedded) and its metadata as a dict: kernel ref, accelerator none, the job's
+    internet setting, the given dataset sources and the job's competition."""
+    competitions = [job.kaggle.competition] if job.kaggle.competition else []
+    config = {"job": job.name, "sources": sources + competitions, "state_dataset": state,
+              "secret_labels": list(secret_labels),
+              "internet": job.kaggle.internet}
+    files = {**_runtime_files(), "kchain_probe.py": (templates_dir() / "kchain_probe.py").read_bytes()}
+    notebook = _environment().get_template("probe.ipynb.j2").render(
+        job=job.name, version=kchain.__version__, internet=job.kaggle.internet,
+        config_json=json.dumps(config, sort_keys=True), payload=base64.b64encode(_zip(files)).decode())
+    metadata = {"id": ref, "language": "python", "kernel_type": "notebook", "is_private": True,
+                "enable_gpu": False, "enable_tpu": False, "enable_internet": job.kaggle.internet,
+                "dataset_sources": sources, "competition_sources": competitions, "kernel_sources": [],
+                "keywords": [], "docker_image_pinning_type": "original"}
+    return _canonical(notebook), metadata

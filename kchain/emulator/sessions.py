@@ -143,6 +143,9 @@ class SessionRunner:
         self._threads: dict[str, threading.Thread] = {}
         self._procs: dict[str, subprocess.Popen[bytes]] = {}
         self._stopping = threading.Event()
+        # Test switch: extra environment for every session, standing for another kernel image (the doctor's
+        # probe reads KCHAIN_TEST_IMAGE_TORCH / KCHAIN_TEST_IMAGE_NUMPY as the image's versions).
+        self.image_env: dict[str, str] = {}
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -198,6 +201,7 @@ class SessionRunner:
             env.update({name: dead for name in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY",
                                                 "http_proxy", "https_proxy", "all_proxy")})
             env.pop("KAGGLE_API_ENVIRONMENT", None)
+        env.update(self.image_env)
         return env
 
     def _mount_inputs(self, session: dict[str, Any], root: Path) -> list[str]:

@@ -1,0 +1,170 @@
+"""The doctor's probe: what today's Kaggle image really is, seen from inside a free CPU session.
+
+Embedded into the probe notebook next to the kchain runtime (`kchain doctor` renders it) and run
+as its own process with the same PYTHONPATH a training child gets. Standard library only, plus
+torch and numpy when the image has them. It writes one JSON document, format `kchain-probe/1`,
+to the kernel's output (`/kaggle/working/kchain-probe.json`) and prints it. Secrets are tested by
+label and reported as visible or not: a value is never printed, written or kept.
+
+    python -m kchain_probe CONFIG_JSON
+
+Test switch: `KCHAIN_TEST_IMAGE_TORCH` / `KCHAIN_TEST_IMAGE_NUMPY`, when set (only the local
+emulator sets them, to stand for an image with other versions), are reported as the image's torch
+and numpy versions, and the output says they came from that switch.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import platform
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+FORMAT = "kchain-probe/1"
+OUTPUT = "kchain-probe.json"
+TEST_SWITCHES = {"torch": "KCHAIN_TEST_IMAGE_TORCH", "numpy": "KCHAIN_TEST_IMAGE_NUMPY"}
+
+
+def _root() -> Path:
+    return Path(os.environ.get("KCHAIN_ROOT") or "/kaggle")
+
+
+def _module(name: str) -> dict:
+    """Version of an importable module, or why it is not importable."""
+    switch = TEST_SWITCHES.get(name)
+    if switch and os.environ.get(switch):
+        return {"version": os.environ[switch], "source": switch, "error": None}
+    try:
+        module = importlib.import_module(name)
+    except Exception as exc:  # noqa: BLE001 - any failure means "the image cannot import it"
+        return {"version": None, "source": "import", "error": f"{type(exc).__name__}: {exc}"[:300]}
+    return {"version": str(getattr(module, "__version__", "unknown")), "source": "import", "error": None}
+
+
+def _torch_build() -> dict:
+    try:
+        import torch
+    except Exception:  # noqa: BLE001
+        return {"cuda_build": None, "cuda_available": False}
+    return {"cuda_build": torch.version.cuda, "cuda_available": bool(torch.cuda.is_available())}
+
+
+def _distribution(name: str) -> str | None:
+    try:
+        from importlib.metadata import version
+
+        return version(name)
+    except Exception:  # noqa: BLE001 - not installed
+        return None
+
+
+def _mount(input_root: Path, ref: str) -> str | None:
+    """Where an attached dataset owner/slug[/version] or competition slug is mounted, whatever
+    today's layout is (shared/reference/kaggle-api.md 6.2: datasets/<owner>/<slug>, competitions/<slug>,
+    or the legacy <slug>), else found by a shallow walk."""
+    parts = ref.split("/")
+    slug = parts[1] if len(parts) > 1 else parts[0]
+    nested = input_root / "datasets" / parts[0] / slug if len(parts) > 1 else input_root / "competitions" / slug
+    for candidate in (nested, input_root / slug):
+        if candidate.is_dir():
+            return str(candidate)
+    if input_root.is_dir():
+        for dirpath, dirnames, _files in os.walk(input_root):
+            depth = len(Path(dirpath).relative_to(input_root).parts)
+            if slug in dirnames:
+                return str(Path(dirpath) / slug)
+            if depth >= 3:
+                dirnames[:] = []
+    return None
+
+
+def _runtime(input_root: Path, job: str) -> dict:
+    """Does the embedded runtime import, and which checkpoint would a session resume from?"""
+    try:
+        from kchain.runtime.checkpoint import find_latest
+    except Exception as exc:  # noqa: BLE001
+        return {"imports": False, "error": f"{type(exc).__name__}: {exc}"[:300], "checkpoint": None}
+    scratch = Path(tempfile.mkdtemp(prefix="kchain-probe-"))
+    try:
+        found = find_latest(scratch / "none", input_root, scratch, job)
+    except Exception as exc:  # noqa: BLE001
+        return {"imports": True, "error": f"{type(exc).__name__}: {exc}"[:300], "checkpoint": None}
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    if found is None:
+        return {"imports": True, "error": None, "checkpoint": None}
+    path, manifest = found
+    return {"imports": True, "error": None,
+            "checkpoint": {"path": str(path), "step": manifest.get("step"), "session": manifest.get("session")}}
+
+
+def _ram_bytes() -> dict:
+    meminfo: dict[str, int] = {}
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            key, _, rest = line.partition(":")
+            meminfo[key] = int(rest.split()[0]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return {"total": meminfo.get("MemTotal"), "available": meminfo.get("MemAvailable")}
+
+
+def _secrets(labels: list[str]) -> dict:
+    """{label: visible?} and why not. The value is dropped at once, never printed or stored."""
+    visible: dict[str, bool] = {}
+    try:
+        from kaggle_secrets import UserSecretsClient
+
+        client = UserSecretsClient()
+    except Exception as exc:  # noqa: BLE001
+        return {"visible": {label: False for label in labels}, "error": type(exc).__name__}
+    error = None
+    for label in labels:
+        try:
+            visible[label] = bool(client.get_secret(label))
+        except Exception as exc:  # noqa: BLE001
+            visible[label], error = False, type(exc).__name__
+    return {"visible": visible, "error": error}
+
+
+def probe(config: dict) -> dict:
+    root = _root()
+    input_root, working = root / "input", root / "working"
+    sources = list(config["sources"])
+    return {
+        "format": FORMAT,
+        "job": config["job"],
+        "python": platform.python_version(),
+        "torch": {**_module("torch"), **_torch_build()},
+        "numpy": _module("numpy"),
+        "kaggle_client": _distribution("kaggle"),
+        "mounts": {ref: _mount(input_root, ref) for ref in sources},
+        "state_dataset": config["state_dataset"],
+        "runtime": _runtime(input_root, config["job"]),
+        "disk_free_working": shutil.disk_usage(working if working.is_dir() else root).free,
+        "ram": _ram_bytes(),
+        "kaggle_env": sorted(name for name in os.environ if name.startswith("KAGGLE_")),
+        "secrets": _secrets(list(config["secret_labels"])),
+        "internet": config["internet"],
+    }
+
+
+def main(argv: list[str]) -> int:
+    config = json.loads(Path(argv[1]).read_text())
+    report = probe(config)
+    text = json.dumps(report, indent=1, sort_keys=True)
+    working = _root() / "working"
+    working.mkdir(parents=True, exist_ok=True)
+    tmp = working / f".{OUTPUT}.tmp"
+    tmp.write_text(text + "\n")
+    os.replace(tmp, working / OUTPUT)
+    print(f"[kchain] probe {FORMAT}:\n{text}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))

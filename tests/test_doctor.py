@@ -1,0 +1,237 @@
+# ruff: noqa: F811  (the shared fixtures are imported, then requested by name)
+"""`kchain doctor` against the local Kaggle: the checklist a user sees, what doctor.json keeps,
+and that a doctor run starts no GPU session and writes no credential anywhere.
+
+The probe runs as a real CPU session of the emulator (a notebook in its own process tree). An
+image with other versions is the emulator's test switch `runner.image_env`, which the probe
+reports as the image's versions and says so.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+
+import pytest
+from emulator_helpers import USER, emulator, fake_key, kaggle_api, write_dataset  # noqa: F401
+from helpers import copy_job, error_line, invoke
+
+from kchain.doctor import PROBE_FORMAT, parse_probe
+from kchain.errors import ProbeFormatError
+
+NAME = "tinygpt-notes"
+DOCTOR_REF = f"{USER}/{NAME}-doctor"
+DATA = f"{USER}/notes-extra"
+STATE = f"{USER}/{NAME}-state"
+
+
+def job_file(tmp_path: Path, **kaggle) -> Path:
+    return copy_job("tinygpt", tmp_path, kaggle={"internet": True, **kaggle})
+
+
+def doctor_entry() -> dict:
+    return json.loads((Path(os.environ["KCHAIN_HOME"]) / "doctor.json").read_text())["jobs"][NAME]
+
+
+def lines(result, name: str) -> list[str]:
+    return [line for line in result.output.splitlines() if re.match(rf"^(ok|warn|FAIL)\s+{name}\s", line)]
+
+
+def files_holding(text: str, top: Path) -> list[Path]:
+    return [p for p in top.rglob("*") if p.is_file() and text.encode() in p.read_bytes()]
+
+
+def gpu_sessions_run(emu) -> list[dict]:
+    return [s for s in emu.sessions() if s["gpu"] and (s.get("run") or s.get("started"))]
+
+
+def test_doctor_all_ok_probes_a_cpu_session_and_writes_no_credential(emulator, kaggle_api, tmp_path):
+    import torch
+
+    from kchain.runtime.checkpoint import write_checkpoint
+
+    key = emulator.users[USER]
+    emulator.secrets = {USER: {"KAGGLE_USERNAME": USER, "KAGGLE_KEY": key}}  # attached to the notebook
+    kaggle_api.dataset_create_new(str(write_dataset(tmp_path / "data", DATA, {"notes.txt": "a note\n"})), quiet=True)
+    # The state dataset as a chain leaves it: a real checkpoint written by the runtime, flat.
+    ckpt = write_checkpoint(tmp_path / "ckpts", 12, {"w": torch.zeros(2)}, tmp_path / "none", 0,
+                            {"job": NAME, "session": 1}, keep=1)
+    files = {p.name: p.read_bytes() for p in ckpt.iterdir()}
+    kaggle_api.dataset_create_new(str(write_dataset(tmp_path / "state", STATE, files)), quiet=True)
+    job = job_file(tmp_path, datasets=[DATA])
+
+    result = invoke("doctor", job)
+    assert result.exit_code == 0, result.output
+    out = result.output
+    assert "ok    credentials  the client will use KAGGLE_USERNAME/KAGGLE_KEY" in out
+    assert f"ok    account      user {USER}; GPU quota left this week 30.0 of 30.0 h" in out
+    assert re.search(r"ok    missing      Kaggle answers a lookup of a missing kernel with (403|404), of a missing "
+                     r"dataset with (403|404) \(recorded\)", out), out
+    assert f"ok    sources      dataset {DATA} exists and is ready" in out
+    assert re.search(rf"ok    metadata     notebook \(\d+ KB\) and kernel-metadata.json accepted: saved as "
+                     rf"{DOCTOR_REF} version 1 without running", out), out
+    mounts = lines(result, "mounts")
+    assert [m.split(" is mounted at ")[0] for m in mounts] == [f"ok    mounts       {ref}" for ref in (DATA, STATE)]
+    assert all(m.endswith(f"input/datasets/{ref}") for m, ref in zip(mounts, (DATA, STATE), strict=True))
+    torch_line = lines(result, "torch")[0]
+    assert re.match(r"ok    torch        torch \d+\.\d+ on both: checkpoints load both ways", torch_line), out
+    assert f"ok    state        state dataset {STATE} exists (attached to the probe)" in out
+    [runtime] = lines(result, "runtime")
+    assert runtime.startswith("ok    runtime      the embedded runtime imports and would resume from step 12 (")
+    assert runtime.endswith(f"input/datasets/{STATE})")
+    assert "Secret labels visible: KAGGLE_USERNAME, KAGGLE_KEY" in out
+    assert "ok    publishing   in-kernel publish: internet on and Secrets KAGGLE_USERNAME and KAGGLE_KEY visible" in out
+    assert [ln.split()[1] for ln in out.splitlines() if ln.startswith(("warn", "FAIL"))] == ["smoke"]  # not smoked here
+    assert out.rstrip().endswith("kchain doctor: all checks passed (warnings above)")
+
+    # The quick save ran nothing; the probe ran on the CPU; no GPU session at all.
+    versions = emulator.store.kernels[DOCTOR_REF]["versions"]
+    quick, probe = (emulator.store.session(v["session"]) for v in versions)
+    assert (quick["run"], quick["started"]) == (False, None)
+    assert (probe["gpu"], probe["status"]) == (False, "COMPLETE")
+    assert gpu_sessions_run(emulator) == []
+
+    [log] = (Path(os.environ["KCHAIN_HOME"]) / "doctor-probe" / NAME).glob("*.log")
+    assert f"[kchain] probe {PROBE_FORMAT}:" in log.read_text()  # the probe's report is in the session log too
+    entry = doctor_entry()
+    assert entry["user"] == USER and entry["probed"] is True and entry["publish"] == "kernel"
+    assert entry["missing"]["kernel"] in (403, 404) and entry["probe"]["format"] == PROBE_FORMAT
+    assert entry["probe"]["mounts"][DATA].endswith(f"input/datasets/{DATA}")
+    assert entry["probe"]["secrets"]["visible"] == {"KAGGLE_USERNAME": True, "KAGGLE_KEY": True}
+    pushed = invoke("push", job)  # refused (never smoked), and no hint: the doctor checked exactly this
+    assert pushed.exit_code == 4 and "hint:" not in pushed.output
+    # The key the probe read is nowhere: not in doctor.json, the fetched output, the job, the session.
+    assert files_holding(key, tmp_path) == []
+    assert files_holding(DATA, Path(os.environ["KCHAIN_HOME"]))  # the search does find what is there
+
+
+def test_doctor_warns_for_another_torch_and_numpy_and_says_relay_without_secrets(emulator, tmp_path):
+    import numpy
+    import torch
+
+    major = int(torch.__version__.split(".")[0])
+    older_numpy = f"{int(numpy.__version__.split('.')[0]) - 1}.26.4"
+    emulator.runner.image_env = {"KCHAIN_TEST_IMAGE_TORCH": f"{major + 1}.0.1", "KCHAIN_TEST_IMAGE_NUMPY": older_numpy}
+    job = job_file(tmp_path)  # no Secrets attached in this emulator
+
+    result = invoke("doctor", job)
+    assert result.exit_code == 0, result.output
+    assert "[test switch: torch from KCHAIN_TEST_IMAGE_TORCH, numpy from KCHAIN_TEST_IMAGE_NUMPY]" in result.output
+    [torch_line] = lines(result, "torch")
+    assert torch_line == (f"warn  torch        the image has torch {major + 1}.0.1, your laptop {torch.__version__}: "
+                          "a different major version, so a checkpoint written by one may not load in the other "
+                          f"and the smoke run proved another torch; install torch {major + 1}.0 here")
+    [numpy_line] = lines(result, "numpy")
+    assert numpy_line.startswith(f"warn  numpy        the image has numpy {older_numpy}, your laptop "
+                                 f"{numpy.__version__}: the major version differs, so pickled caches")
+    [publish] = lines(result, "publishing")
+    assert publish == (f"warn  publishing   laptop relay: `kchain continue` downloads each session's output and "
+                       f"versions {USER}/{NAME}-state from this machine: Secrets KAGGLE_USERNAME, KAGGLE_KEY are "
+                       "not attached to the kernel; attach them in the notebook's Add-ons > Secrets to publish "
+                       "from the kernel")
+    assert result.output.rstrip().endswith("kchain doctor: all checks passed (warnings above)")
+    assert doctor_entry()["publish"] == "relay" and gpu_sessions_run(emulator) == []
+
+
+def test_doctor_with_a_bad_key_prints_the_401_line(emulator, tmp_path, monkeypatch):
+    monkeypatch.setenv("KAGGLE_KEY", fake_key())
+    result = invoke("doctor", job_file(tmp_path))
+    assert result.exit_code == 6, result.output
+    [line] = [ln for ln in lines(result, "credentials") if ln.startswith("FAIL")]
+    assert line == ("FAIL  credentials  Kaggle rejected the credentials (HTTP 401): check KAGGLE_USERNAME and "
+                    "KAGGLE_KEY (or KAGGLE_API_TOKEN, or kaggle.json), or create a new API token on "
+                    "kaggle.com/settings")
+    assert error_line(result).startswith("Error: kchain doctor: 1 check(s) failed: Kaggle rejected the credentials")
+    assert emulator.sessions() == [] and doctor_entry()["checks"][-1]["level"] == "FAIL"
+
+
+def test_doctor_names_a_missing_source_and_push_suggests_a_fresh_doctor(emulator, tmp_path):
+    job = job_file(tmp_path, datasets=[f"{USER}/no-such-data"])
+    never = invoke("push", job)  # refused (not smoked), but first the one-line suggestion
+    assert never.exit_code == 4
+    assert never.output.splitlines()[0] == (f"  hint: kchain doctor never checked {NAME} on Kaggle; run `kchain "
+                                            f"doctor {job}` (free: no GPU session) to check the account and the "
+                                            "image first")
+
+    result = invoke("doctor", job, "--no-probe")
+    assert result.exit_code == 9, result.output
+    assert re.search(rf"FAIL  sources      dataset {USER}/no-such-data does not exist or {USER} cannot see it "
+                     rf"\(HTTP (403|404)\): fix kaggle.datasets in {re.escape(str(job))}", result.output), result.output
+    assert (f"FAIL  metadata     Kaggle calls dataset source {USER}/no-such-data invalid: it would be dropped from "
+            "the session") in result.output
+    assert not lines(result, "torch") and [s["run"] for s in emulator.sessions()] == [False]  # no probe ran
+    assert error_line(result).startswith(f"Error: kchain doctor: 2 check(s) failed: dataset {USER}/no-such-data")
+
+    fresh = invoke("push", job)  # checked, but the problem is still there
+    assert fresh.exit_code == 4
+    assert fresh.output.splitlines()[0] == (f"  hint: the last kchain doctor found 2 problem(s), first: dataset "
+                                            f"{USER}/no-such-data does not exist or {USER} cannot see it (HTTP "
+                                            f"{doctor_entry()['missing']['dataset']}): fix kaggle.datasets in {job}")
+    job.parent.joinpath("train.py").write_text(job.parent.joinpath("train.py").read_text() + "\n# changed\n")
+    stale = invoke("push", job)
+    assert stale.output.splitlines()[0].startswith("  hint: the last kchain doctor (")
+    assert "checked other code or credentials; run `kchain doctor" in stale.output.splitlines()[0]
+    assert files_holding(emulator.users[USER], tmp_path) == [] and gpu_sessions_run(emulator) == []
+
+
+def test_offline_doctor_checks_only_the_laptop(tmp_path, monkeypatch):
+    result = invoke("doctor", job_file(tmp_path), "--offline")
+    assert result.exit_code == 6, result.output
+    assert "kchain doctor" in result.output and "(offline: laptop-side checks only)" in result.output
+    assert lines(result, "credentials")[0].startswith("FAIL  credentials  Kaggle credentials not found")
+    monkeypatch.setenv("KAGGLE_USERNAME", USER)
+    monkeypatch.setenv("KAGGLE_KEY", fake_key())
+    result = invoke("doctor", job_file(tmp_path / "again"), "--offline")
+    assert result.exit_code == 0, result.output
+    assert "warn  smoke        this code never passed a smoke run" in result.output
+    assert not lines(result, "account") and doctor_entry()["offline"] is True
+
+
+def _probe_of(tmp_path: Path, monkeypatch) -> dict:
+    """The probe module run here, in a /kaggle-like folder with a dataset in the older flat layout."""
+    import importlib
+    import sys
+
+    from kchain.render import templates_dir
+
+    (tmp_path / "root" / "input" / "notes-extra").mkdir(parents=True)
+    (tmp_path / "root" / "working").mkdir()
+    monkeypatch.setenv("KCHAIN_ROOT", str(tmp_path / "root"))
+    monkeypatch.syspath_prepend(str(templates_dir()))
+    probe = importlib.import_module("kchain_probe")
+    try:
+        return probe.probe({"job": NAME, "sources": [DATA, f"{USER}/absent"], "state_dataset": None,
+                            "secret_labels": ["KAGGLE_KEY"], "internet": False})
+    finally:
+        sys.modules.pop("kchain_probe", None)
+
+
+def test_probe_output_is_parsed_strictly(tmp_path, monkeypatch):
+    report = _probe_of(tmp_path, monkeypatch)
+    assert report["mounts"] == {DATA: str(tmp_path / "root" / "input" / "notes-extra"), f"{USER}/absent": None}
+    assert report["secrets"]["visible"] == {"KAGGLE_KEY": False} and report["runtime"]["imports"] is True
+    assert parse_probe(json.dumps(report)) == report
+    bad = {"format": "kchain-probe/2"}, {"disk_free_working": True}, {"surprise": 1}
+    messages = ("has format 'kchain-probe/2', this kchain reads kchain-probe/1", "'disk_free_working' is a bool",
+                "has unknown keys ['surprise']")
+    for change, message in zip(bad, messages, strict=True):
+        with pytest.raises(ProbeFormatError, match=re.escape(message)):
+            parse_probe(json.dumps({**report, **change}))
+    with pytest.raises(ProbeFormatError, match="has no 'mounts'"):
+        parse_probe(json.dumps({k: v for k, v in report.items() if k != "mounts"}))
+
+
+def test_the_probe_renders_byte_identical_and_never_asks_for_an_accelerator(tmp_path):
+    from kchain.render import render_probe
+    from kchain.spec import load_job
+
+    job = load_job(job_file(tmp_path, accelerator="gpu", datasets=[DATA], competition="titanic"))
+    first = render_probe(job, DOCTOR_REF, [DATA], STATE, ("KAGGLE_KEY",))
+    assert first == render_probe(job, DOCTOR_REF, [DATA], STATE, ("KAGGLE_KEY",))
+    notebook, metadata = first
+    assert (metadata["enable_gpu"], metadata["enable_tpu"], "machine_shape" in metadata) == (False, False, False)
+    assert (metadata["enable_internet"], metadata["dataset_sources"], metadata["competition_sources"]) == (
+        True, [DATA], ["titanic"])
+    assert json.loads(notebook)["metadata"]["kaggle"]["accelerator"] == "none"

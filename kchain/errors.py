@@ -60,3 +60,10 @@ class ChainStop(KchainError):
     """continue refused: a crash needs a human, or a session is still running."""
 
     exit_code = 8
+
+
+class StateError(KchainError):
+    """A file kchain keeps (.kchain/sessions.json, runs.csv) is damaged; the message names it and
+    how to recover. kchain refuses rather than rewrite it, so nothing recorded is lost."""
+
+    exit_code = 1

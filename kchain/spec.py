@@ -435,16 +435,22 @@ def read_text_file(path: Path, label: str, max_bytes: int = MAX_JOB_BYTES) -> st
         raise SpecError(f"{label}: cannot read it ({exc.strerror or exc}); check the path and its permissions") from None
     if len(data) > max_bytes:
         raise SpecError(f"{label}: over {max_bytes // 1024} KB; a job file is a few lines of YAML")
+    try:
+        return decode_text(data)
+    except ValueError as exc:
+        raise SpecError(f"{label}: {exc}; save it as UTF-8") from None
+
+
+def decode_text(data: bytes) -> str:
+    """UTF-8 (a BOM is allowed); anything else is a ValueError that says what the bytes look like."""
     if data.startswith((b"\xff\xfe", b"\xfe\xff")):
-        raise SpecError(f"{label}: is UTF-16 text; save it as UTF-8")
+        raise ValueError("is UTF-16 text")
     try:
         return data.decode("utf-8-sig")
     except UnicodeDecodeError as exc:
         if b"\x00" in data:
-            raise SpecError(f"{label}: is not text (it holds NUL bytes); save it as UTF-8 text") from None
-        raise SpecError(
-            f"{label}: is not UTF-8 (byte {data[exc.start]:#04x} at offset {exc.start}; Latin-1?); save it as UTF-8"
-        ) from None
+            raise ValueError("is not text (it holds NUL bytes)") from None
+        raise ValueError(f"is not UTF-8 (byte {data[exc.start]:#04x} at offset {exc.start}; Latin-1?)") from None
 
 
 def _describe(error: dict[str, Any]) -> str:
@@ -537,7 +543,7 @@ def _check_code_path(job: Job, label: str) -> None:
         raise SpecError(f"{label}: code: {shown(job.code)} cannot be resolved; fix the path") from None
     if code != root and not code.is_relative_to(root):
         raise SpecError(
-            f"{label}: code: {shown(job.code)} resolves to {shown(str(code))}, outside the job's folder; "
+            f"{label}: code: {shown(job.code)} resolves to {code}, outside the job's folder; "
             "move the code next to the job file"
         )
     if not exists:
@@ -559,12 +565,10 @@ def _check_entry(job: Job, label: str) -> None:
             f"{label}: {key}: module {shown(module)} is not in the code {shown(job.code)}; "
             "write entry: <module>:<function> naming a .py file of the code"
         )
-    data = source.read_bytes()
     try:
-        text = data.decode("utf-8-sig")
-    except UnicodeDecodeError:
-        kind = "is not text" if b"\x00" in data else "is not UTF-8 text"
-        raise SpecError(f"{label}: {key}: {source.name} {kind}; save it as UTF-8 Python source") from None
+        text = decode_text(source.read_bytes())
+    except ValueError as exc:
+        raise SpecError(f"{label}: {key}: {source.name} {exc}; save it as UTF-8 Python source") from None
     try:
         tree = ast.parse(text, filename=str(source))
     except SyntaxError as exc:

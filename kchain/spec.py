@@ -493,7 +493,7 @@ def load_job(path: str | Path) -> Job:
             path = path / "job.yaml"
     except OSError:
         pass  # read_text_file names the problem
-    label = str(path)
+    label = str(path) if str(path).isprintable() else repr(str(path))  # the error stays one line
     text = read_text_file(path, label)
     try:
         data = parse_yaml(text)

@@ -173,10 +173,8 @@ def _code_candidates(job: Job) -> tuple[list[tuple[str, Path, int]], list[tuple[
             path = here / d
             rel = path.relative_to(src).as_posix()
             why = _why_left_out(path, rel, True, specs)
-            if why is None and path.is_symlink():
+            if why is None and not _skipped_quietly(rel, True) and path.is_symlink():
                 why = "a linked folder (not followed)"
-                if not path.resolve().is_relative_to(root):
-                    why = f"a link out of the job's folder (to {path.resolve()})"
             if why is not None or _skipped_quietly(rel, True):
                 dirs.remove(d)
                 if why is not None:
@@ -188,19 +186,24 @@ def _code_candidates(job: Job) -> tuple[list[tuple[str, Path, int]], list[tuple[
             if why is None and _skipped_quietly(rel, False):
                 continue
             if why is None:
-                target = path.resolve()
-                if not target.is_relative_to(root):
+                try:
+                    target = path.resolve()
+                except (OSError, RuntimeError):  # a symlink loop
+                    target = None
+                    why = "a broken link"
+                if target is not None and not target.is_relative_to(root):
                     raise RenderError(
                         f"{where}: {rel} links to {target}, outside the job's folder; copy the file in or list "
                         f"it in {IGNORE_FILE}"
                     )
-                try:
-                    info = path.stat()
-                except OSError:
-                    why = "cannot be read"
-                else:
-                    if not stat.S_ISREG(info.st_mode):
-                        why = "not a regular file"
+                if why is None:
+                    try:
+                        info = path.stat()
+                    except OSError:
+                        why = "cannot be read"
+                    else:
+                        if not stat.S_ISREG(info.st_mode):
+                            why = "not a regular file"
             if why is not None:
                 left.append((f"code/{rel}", why))
                 continue

@@ -299,3 +299,16 @@ def test_native_windows_is_refused_at_start_with_use_wsl():
     assert done.returncode == 1
     assert done.stderr.strip() == ("Error: kchain runs on Linux and macOS only (it needs POSIX signals and file "
                                    "locks); on Windows, use WSL")
+
+
+def test_links_inside_the_code_folder_are_listed_not_followed(tmp_path):
+    src = tmp_path / "src"
+    (src / "lib").mkdir(parents=True)
+    (src / "train.py").write_text(TRAIN)
+    (src / "loop").symlink_to(src / "loop")
+    (src / "alias").symlink_to(src / "lib")
+    (tmp_path / "job.yaml").write_text("name: secret-test\ncode: src\n")
+    result = invoke("render", tmp_path / "job.yaml", "-o", tmp_path / "out")
+    assert result.exit_code == 0, result.output
+    assert "left out code/loop (a broken link)" in result.output
+    assert "left out code/alias/ (a linked folder (not followed))" in result.output

@@ -6,6 +6,8 @@ class's exit code (listed in the README). No YAML, Jinja, kaggle or torch import
 
 from __future__ import annotations
 
+import math
+import os
 import sys
 from pathlib import Path
 
@@ -13,6 +15,17 @@ import click
 
 import kchain
 from kchain.errors import KchainError
+
+
+class Seconds(click.FloatRange):
+    """A number of seconds in a range; unlike FloatRange, nan is refused (it compares false to both ends)."""
+
+    def convert(self, value, param, ctx):  # type: ignore[no-untyped-def]
+        number = super().convert(value, param, ctx)
+        if not math.isfinite(number):
+            self.fail(f"{value!r} is not a number of seconds", param, ctx)
+        return number
+
 
 JOB = click.argument("job", type=click.Path(path_type=Path), default="job.yaml", required=False)
 
@@ -53,12 +66,14 @@ def render(job: Path, out: Path | None) -> None:
       kchain render jobs/tinygpt/job.yaml -o build/tinygpt
     """
     from kchain.kaggle_api import configured_username
-    from kchain.render import render_job, write_rendered
+    from kchain.render import payload_lines, render_job, write_rendered
     from kchain.spec import load_job
 
     spec = load_job(job)
     rendered = render_job(spec, owner=spec.kaggle.owner or configured_username())
     paths = write_rendered(rendered, out or Path("build") / spec.name)
+    for line in payload_lines(rendered):
+        click.echo(line)
     for path in paths:
         click.echo(f"wrote {path}")
     click.echo(f"fingerprint {rendered.fingerprint}")
@@ -134,9 +149,9 @@ def status(job: Path) -> None:
 
 @cli.command()
 @JOB
-@click.option("--session", "number", type=int, default=None, help="Session number (default: the last).")
+@click.option("--session", "number", type=click.IntRange(min=1), default=None, help="Session number (default: the last).")
 @click.option("--follow", is_flag=True, help="Keep polling until the session ends.")
-@click.option("--poll", type=float, default=30.0, show_default=True, help="Seconds between polls with --follow.")
+@click.option("--poll", type=Seconds(1.0, 3600.0), default=30.0, show_default=True, help="Seconds between polls with --follow.")
 def logs(job: Path, number: int | None, follow: bool, poll: float) -> None:
     """A session's log: heartbeat lines and, for a failure, its class, first line and a hint.
 
@@ -216,8 +231,8 @@ def plot(job: Path, out: Path | None) -> None:
 
 @cli.command()
 @JOB
-@click.option("--session-limit", type=float, default=20.0, show_default=True, help="Seconds per emulated session.")
-@click.option("--kills", type=int, default=1, show_default=True, help="Sessions killed at a random moment.")
+@click.option("--session-limit", type=Seconds(1.0, 12 * 3600.0), default=20.0, show_default=True, help="Seconds per emulated session.")
+@click.option("--kills", type=click.IntRange(0, 100), default=1, show_default=True, help="Sessions killed at a random moment.")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--set", "sets", multiple=True, metavar="NAME=VALUE", help="Override a param, e.g. --set steps=300.")
 def rehearse(job: Path, session_limit: float, kills: int, seed: int, sets: tuple[str, ...]) -> None:
@@ -258,6 +273,11 @@ def serve(ctx: click.Context) -> None:
 
 
 def main() -> None:
+    if os.name == "nt":
+        # kchain kills sessions with SIGKILL and locks its state files: POSIX only.
+        click.echo("Error: kchain runs on Linux and macOS only (it needs POSIX signals and file locks); on Windows, use WSL",
+                   err=True)
+        sys.exit(1)
     cli(prog_name="kchain")
 
 

@@ -70,3 +70,10 @@ class DoctorFailed(KchainError):
 
 class ProbeFormatError(KchainError):
     """The doctor's probe wrote output that is not a document of the format this kchain reads."""
+
+
+class StateError(KchainError):
+    """A file kchain keeps (.kchain/sessions.json, runs.csv) is damaged; the message names it and
+    how to recover. kchain refuses rather than rewrite it, so nothing recorded is lost."""
+
+    exit_code = 1

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import csv
 import io
+import json
 import os
 import uuid
 from dataclasses import dataclass
@@ -15,7 +16,8 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
 
-from kchain.fsutil import atomic_write_json, atomic_write_text, read_json
+from kchain.errors import StateError
+from kchain.fsutil import atomic_write_json, atomic_write_text
 
 RUNS_FILE = "runs.csv"
 SMOKE_FILE = "smoke-passes.json"
@@ -65,11 +67,29 @@ class Ledger:
         return self.root / RUNS_FILE
 
     def runs(self) -> list[dict[str, str]]:
-        try:
-            text = self.runs_path.read_text(encoding="utf-8")
-        except FileNotFoundError:
+        """The run log's rows. A short row is padded (nothing is lost); anything kchain could only
+        rewrite by dropping what the user recorded is refused with the path and line."""
+        path = self.runs_path
+        text = _read_state_text(path)
+        if text is None:
             return []
-        return list(csv.DictReader(io.StringIO(text)))
+        try:
+            table = [row for row in csv.reader(io.StringIO(text)) if row]
+        except csv.Error as exc:
+            raise StateError(f"{path}: {exc}; {_FIX}") from None
+        if not table:
+            return []
+        header, rows = table[0], table[1:]
+        if set(header) - set(RUN_FIELDS) or len(set(header)) != len(header):
+            raise StateError(f"{path}: the header is not {','.join(RUN_FIELDS)}; {_FIX}")
+        out = []
+        for number, row in enumerate(rows, start=2):
+            if len(row) > len(header):
+                raise StateError(f"{path}: row {number} has {len(row)} fields, the header {len(header)}; {_FIX}")
+            record = dict.fromkeys(RUN_FIELDS, "")
+            record.update(zip(header, row, strict=False))  # a short row is padded with ''
+            out.append(record)
+        return out
 
     def append_run(self, **row: Any) -> dict[str, str]:
         unknown = set(row) - set(RUN_FIELDS)
@@ -87,20 +107,20 @@ class Ledger:
 
     # -- smoke passes -----------------------------------------------------------------------
     def record_smoke_pass(self, fingerprint: str, run_id: str, job: str) -> None:
-        passes = read_json(self.root / SMOKE_FILE, {})
+        passes = _read_state_json(self.root / SMOKE_FILE)
         passes[fingerprint] = {"run_id": run_id, "job": job, "date": iso(now_utc())}
         atomic_write_json(self.root / SMOKE_FILE, passes)
 
     def smoke_passed(self, fingerprint: str) -> dict[str, Any] | None:
-        return read_json(self.root / SMOKE_FILE, {}).get(fingerprint)
+        return _read_state_json(self.root / SMOKE_FILE).get(fingerprint)
 
     # -- sessions (one chain per job) -------------------------------------------------------
     def sessions(self, job: str) -> list[dict[str, Any]]:
-        return read_json(self.root / SESSIONS_FILE, {}).get(job, [])
+        return self.all_sessions().get(job, [])
 
     def save_session(self, job: str, session: dict[str, Any]) -> None:
         """Insert or update the session with the same number."""
-        data = read_json(self.root / SESSIONS_FILE, {})
+        data = self.all_sessions()
         chain = [s for s in data.get(job, []) if s["session"] != session["session"]]
         chain.append(session)
         chain.sort(key=lambda s: s["session"])
@@ -108,7 +128,16 @@ class Ledger:
         atomic_write_json(self.root / SESSIONS_FILE, data)
 
     def all_sessions(self) -> dict[str, list[dict[str, Any]]]:
-        return read_json(self.root / SESSIONS_FILE, {})
+        path = self.root / SESSIONS_FILE
+        data = _read_state_json(path)
+        for job, chain in data.items():
+            if not isinstance(chain, list):
+                raise StateError(f"{path}: {job[:60]!r} is not a list of sessions; {_FIX}")
+            for i, record in enumerate(chain):
+                problem = _session_problem(record)
+                if problem:
+                    raise StateError(f"{path}: {job[:60]!r} entry {i + 1}: {problem}; {_FIX}")
+        return data
 
     # -- the GPU-hour week ------------------------------------------------------------------
     def gpu_hours_this_week(self, moment: datetime | None = None) -> float:
@@ -126,6 +155,66 @@ class Ledger:
                 ended = parse_iso(s["ended"]) if s.get("ended") else moment
                 total += max(0.0, (ended - began).total_seconds()) / 3600
         return total
+
+
+# -- reading the state files: damaged ones are refused with their path, never rewritten ----------
+
+_FIX = "fix it by hand, or move the file aside and kchain starts a new one"
+
+
+def _read_state_text(path: Path) -> str | None:
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise StateError(f"{path}: cannot read it ({exc.strerror or exc}); check the file and its permissions") from None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise StateError(f"{path}: not UTF-8 text (byte {exc.start}); {_FIX}") from None
+
+
+def _read_state_json(path: Path) -> dict[str, Any]:
+    text = _read_state_text(path)
+    if text is None or not text.strip():
+        return {}
+    try:
+        data = json.loads(text)
+    except ValueError as exc:
+        raise StateError(f"{path}: not valid JSON ({str(exc)[:80]}); {_FIX}") from None
+    except RecursionError:
+        raise StateError(f"{path}: not valid JSON (nested too deep); {_FIX}") from None
+    if not isinstance(data, dict):
+        raise StateError(f"{path}: expected a JSON object; {_FIX}")
+    return data
+
+
+def _session_problem(record: Any) -> str | None:
+    """What is wrong with one session record, for the fields kchain reads back; None if fine."""
+    if not isinstance(record, dict):
+        return "not an object"
+    if not isinstance(record.get("session"), int) or isinstance(record.get("session"), bool):
+        return "'session' is not a number"
+    if not isinstance(record.get("status"), str):
+        return "'status' is not text"
+    for key in ("started", "ended"):
+        value = record.get(key)
+        if value is None:
+            continue
+        try:
+            parse_iso(value)
+        except (TypeError, ValueError):
+            return f"{key!r} is not a time like 2026-01-31T12:00:00Z"
+    for key in ("kernel", "requested"):
+        if record.get(key) is not None and not isinstance(record[key], str):
+            return f"{key!r} is not text"
+    for key in ("summary", "error"):
+        if record.get(key) is not None and not isinstance(record[key], dict):
+            return f"{key!r} is not an object"
+    if isinstance(record.get("error"), dict) and not {"type", "message"} <= set(record["error"]):
+        return "'error' has no type and message"
+    return None
 
 
 # -- what `kchain budget` and `kchain runs` print --------------------------------------------------

@@ -202,14 +202,8 @@ def _print(echo: Echo, chain: list[dict[str, Any]], rows: list[tuple[int, str, f
 
 
 def parse_sets(values: tuple[str, ...]) -> dict[str, Any]:
-    """--set steps=300 --set lr=1e-3 -> {'steps': 300, 'lr': 0.001} (values read as YAML scalars)."""
-    import yaml
+    """--set steps=300 --set lr=1e-3 -> {'steps': 300, 'lr': 0.001} (values read as YAML, as params are)."""
+    from kchain.spec import parse_overrides
 
-    out: dict[str, Any] = {}
-    for value in values:
-        key, sep, raw = value.partition("=")
-        if not sep or not key:
-            raise KchainError(f"--set {value!r}: write it as name=value, e.g. --set steps=300")
-        out[key] = yaml.safe_load(raw)
-    return out
+    return parse_overrides(values)
 

@@ -11,21 +11,32 @@ import base64
 import hashlib
 import io
 import json
+import os
+import stat
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import jinja2
+import pathspec
 
 import kchain
 from kchain.errors import RenderError
 from kchain.spec import Job, runtime_config
 
 METADATA_FILE = "kernel-metadata.json"
+IGNORE_FILE = ".kchainignore"
 # Code folders are embedded in the notebook; data belongs in a dataset.
 MAX_CODE_BYTES = 5 * 1024 * 1024
-_SKIP_DIRS = {"__pycache__", ".git", ".kchain", ".venv", ".ipynb_checkpoints", "node_modules"}
+# Never embedded, whatever .kchainignore says (gitignore syntax): credentials by name ...
+SECRET_PATTERNS = ["kaggle.json", ".env*", "*.pem", "*.key", "id_rsa*", ".netrc", "access_token",
+                   "access_token.txt", "credentials.json"]
+# ... and what is never training code.
+SKIP_PATTERNS = [".git/", ".kchain/", ".venv/", "__pycache__/", "*.pyc", ".ipynb_checkpoints/", "node_modules/",
+                 ".DS_Store"]
+_SECRETS = pathspec.GitIgnoreSpec.from_lines(SECRET_PATTERNS)
+_SKIPS = pathspec.GitIgnoreSpec.from_lines(SKIP_PATTERNS)
 # Kaggle's default GPU is "GPU T4 x2" (shared/reference/kaggle-api.md 6.6).
 MACHINE_SHAPES = {"gpu": "NvidiaTeslaT4", "tpu": "TpuV5E8", "none": None}
 
@@ -37,6 +48,9 @@ class Rendered:
     metadata: str
     fingerprint: str
     config: dict[str, Any]
+    # The user's files in the payload (name, bytes) and those left out (name, why).
+    embedded: tuple[tuple[str, int], ...] = ()
+    left_out: tuple[tuple[str, str], ...] = ()
 
     @property
     def notebook_file(self) -> str:
@@ -75,27 +89,176 @@ def _runtime_files() -> dict[str, bytes]:
     return files
 
 
-def _code_files(job: Job) -> dict[str, bytes]:
-    src = job.code_path
-    if src.is_file():
-        return {f"code/{src.name}": src.read_bytes()}
-    files: dict[str, bytes] = {}
-    total = 0
-    for p in sorted(src.rglob("*")):
-        rel = p.relative_to(src)
-        if any(part in _SKIP_DIRS for part in rel.parts) or not p.is_file() or p.suffix == ".pyc":
+def credential_strings() -> list[str]:
+    """The user's Kaggle secrets, from where the official client reads them (without importing it):
+    KAGGLE_KEY, KAGGLE_API_TOKEN (a token or a file), kaggle.json in the config folder, and the
+    access-token files under ~/.kaggle. Short strings are ignored: they would match by chance."""
+    found = [os.environ.get("KAGGLE_KEY", "")]
+    token = os.environ.get("KAGGLE_API_TOKEN", "")
+    found.append(token)
+    home_kaggle = Path.home() / ".kaggle"
+    files = [home_kaggle / "access_token", home_kaggle / "access_token.txt"]
+    if token and len(token) < 4096:
+        files.append(Path(token))
+    config_dir = os.environ.get("KAGGLE_CONFIG_DIR")
+    if config_dir:
+        json_files = [Path(config_dir) / "kaggle.json"]
+    else:
+        xdg = Path(os.environ.get("XDG_CONFIG_HOME") or Path.home() / ".config") / "kaggle"
+        json_files = [home_kaggle / "kaggle.json", xdg / "kaggle.json"]
+    json_files.append(home_kaggle / "credentials.json")
+    for path in files:
+        try:
+            found.append(path.read_text(encoding="utf-8", errors="replace").strip())
+        except (OSError, ValueError):
+            pass
+    for path in json_files:
+        try:
+            data = json.loads(path.read_text(encoding="utf-8", errors="replace"))
+        except (OSError, ValueError):
             continue
-        data = p.read_bytes()
-        total += len(data)
-        if total > MAX_CODE_BYTES:
+        if isinstance(data, dict):
+            found += [str(data.get(k) or "") for k in ("key", "refresh_token", "access_token")]
+    return sorted({s for s in found if len(s) >= 8})
+
+
+def _ignore_specs(job: Job) -> list[tuple[Path, pathspec.PathSpec]]:
+    """.kchainignore files, in the job's folder and in the code folder, each relative to its folder."""
+    specs = []
+    for folder in dict.fromkeys([job.root.resolve(), job.code_path if job.code_path.is_dir() else None]):
+        if folder is None or not (folder / IGNORE_FILE).is_file():
+            continue
+        try:
+            lines = (folder / IGNORE_FILE).read_text(encoding="utf-8").splitlines()
+            specs.append((folder, pathspec.GitIgnoreSpec.from_lines(lines)))
+        except (OSError, UnicodeDecodeError, ValueError) as exc:
+            raise RenderError(f"{folder / IGNORE_FILE}: cannot be read as gitignore patterns ({str(exc)[:80]}); "
+                              "fix it") from None
+    return specs
+
+
+def _why_left_out(path: Path, rel: str, is_dir: bool, specs: list[tuple[Path, pathspec.PathSpec]]) -> str | None:
+    name = rel + "/" if is_dir else rel
+    if _SECRETS.match_file(name):
+        return "a credential file"
+    if _SKIPS.match_file(name):
+        return None if is_dir or name.endswith(".pyc") else "not code"
+    for base, spec in specs:
+        if path.is_relative_to(base):
+            inner = path.relative_to(base).as_posix()
+            if spec.match_file(inner + "/" if is_dir else inner):
+                return f"in {IGNORE_FILE}"
+    return None
+
+
+def _skipped_quietly(rel: str, is_dir: bool) -> bool:
+    return bool(_SKIPS.match_file(rel + "/" if is_dir else rel)) and not _SECRETS.match_file(rel)
+
+
+def _code_candidates(job: Job) -> tuple[list[tuple[str, Path, int]], list[tuple[str, str]]]:
+    """The files of the payload (name, path, size) and those left out (name, why), by a walk that
+    follows no symlink out of the job's folder and reads nothing yet."""
+    src, root = job.code_path, job.root.resolve()
+    where = f"{job.path}: code"
+    if src.is_file():
+        if _SECRETS.match_file(src.name):
+            raise RenderError(f"{where}: {src.name!r} is a credential file; point code at your training code")
+        return [(f"code/{src.name}", src, src.stat().st_size)], []
+    specs = _ignore_specs(job)
+    keep: list[tuple[str, Path, int]] = []
+    left: list[tuple[str, str]] = []
+    for folder, dirs, names in os.walk(src, followlinks=False):
+        here = Path(folder)
+        for d in sorted(dirs):
+            path = here / d
+            rel = path.relative_to(src).as_posix()
+            why = _why_left_out(path, rel, True, specs)
+            if why is None and not _skipped_quietly(rel, True) and path.is_symlink():
+                why = "a linked folder (not followed)"
+            if why is not None or _skipped_quietly(rel, True):
+                dirs.remove(d)
+                if why is not None:
+                    left.append((f"code/{rel}/", why))
+        for n in sorted(names):
+            path = here / n
+            rel = path.relative_to(src).as_posix()
+            why = _why_left_out(path, rel, False, specs)
+            if why is None and _skipped_quietly(rel, False):
+                continue
+            if why is None:
+                try:
+                    target = path.resolve()
+                except (OSError, RuntimeError):  # a symlink loop
+                    target = None
+                    why = "a broken link"
+                if target is not None and not target.is_relative_to(root):
+                    raise RenderError(
+                        f"{where}: {rel} links to {target}, outside the job's folder; copy the file in or list "
+                        f"it in {IGNORE_FILE}"
+                    )
+                if why is None:
+                    try:
+                        info = path.stat()
+                    except OSError:
+                        why = "cannot be read"
+                    else:
+                        if not stat.S_ISREG(info.st_mode):
+                            why = "not a regular file"
+            if why is not None:
+                left.append((f"code/{rel}", why))
+                continue
+            keep.append((f"code/{rel}", path, info.st_size))
+    return keep, left
+
+
+def _mb(size: float) -> str:
+    if size < 1024:
+        return f"{size:.0f} B"
+    return f"{size / 2**20:.1f} MB" if size >= 2**20 else f"{size / 1024:.1f} KB"
+
+
+def _code_files(job: Job) -> tuple[dict[str, bytes], list[tuple[str, str]]]:
+    """The user's code for the payload: only files inside the job's folder, no credential by name
+    or by content, nothing .kchainignore lists, and at most MAX_CODE_BYTES."""
+    keep, left = _code_candidates(job)
+    total = sum(size for _, _, size in keep)
+    if total > MAX_CODE_BYTES:
+        biggest = ", ".join(f"{name} {_mb(size)}" for name, _, size in sorted(keep, key=lambda k: -k[2])[:3])
+        raise RenderError(
+            f"{job.path}: code: {job.code!r} holds {_mb(total)}, over the {_mb(MAX_CODE_BYTES)} limit (biggest: "
+            f"{biggest}); list data in {IGNORE_FILE} and attach it as a dataset"
+        )
+    secrets = [s.encode() for s in credential_strings()]
+    files: dict[str, bytes] = {}
+    for name, path, _ in keep:
+        try:
+            data = path.read_bytes()
+        except OSError as exc:
+            raise RenderError(f"{job.path}: code: {name} cannot be read ({exc.strerror}); fix or ignore it") from None
+        if any(secret in data for secret in secrets):
             raise RenderError(
-                f"{job.path}: code: {job.code!r} holds over {MAX_CODE_BYTES // 2**20} MB; "
-                "keep data out of the code folder and attach it as a dataset"
+                f"{job.path}: code: {name} holds your Kaggle key; remove it (attach it to the notebook as a Kaggle "
+                f"Secret instead) or list the file in {IGNORE_FILE}"
             )
-        files[f"code/{rel.as_posix()}"] = data
+        files[name] = data
     if not any(name.endswith(".py") for name in files):
         raise RenderError(f"{job.path}: code: {job.code!r} has no .py file; point it at your training code")
-    return files
+    return files, left
+
+
+def payload_lines(rendered: Rendered) -> list[str]:
+    """What `kchain render` says about the payload: each file embedded, each left out, the total."""
+    shown = 50
+    lines = [f"embedded {name} ({_mb(size)})" for name, size in rendered.embedded[:shown]]
+    if len(rendered.embedded) > shown:
+        lines.append(f"embedded ... and {len(rendered.embedded) - shown} more files")
+    lines += [f"left out {name} ({why})" for name, why in rendered.left_out[:shown]]
+    if len(rendered.left_out) > shown:
+        lines.append(f"left out ... and {len(rendered.left_out) - shown} more")
+    total = sum(size for _, size in rendered.embedded)
+    lines.append(f"payload: {len(rendered.embedded)} files of your code, {_mb(total)} "
+                 f"(limit {_mb(MAX_CODE_BYTES)}), plus the kchain runtime")
+    return lines
 
 
 def _zip(files: dict[str, bytes]) -> bytes:
@@ -131,7 +294,8 @@ def render_job(job: Job, owner: str | None = None, extra_sources: list[str] | No
         "internet": job.kaggle.internet,
     }
     config["kchain_version"] = kchain.__version__
-    files = {**_runtime_files(), **_code_files(job)}
+    code, left_out = _code_files(job)
+    files = {**_runtime_files(), **code}
     payload = _zip(files)
     # What the code does: the code, params, settings and runtime. Not who runs it or where its state
     # goes (config["kaggle"]), so a smoke pass made before the credentials were set still counts.
@@ -170,13 +334,20 @@ def render_job(job: Job, owner: str | None = None, extra_sources: list[str] | No
         dataset_sources=sources,
         competition_sources=[job.kaggle.competition] if job.kaggle.competition else [],
     )
-    return Rendered(
+    rendered = Rendered(
         name=job.name,
         notebook=_canonical(notebook),
         metadata=_canonical(metadata),
         fingerprint=fingerprint,
         config=config,
+        embedded=tuple((name, len(data)) for name, data in sorted(code.items())),
+        left_out=tuple(left_out),
     )
+    text = json.dumps(config) + rendered.metadata
+    if any(secret in text for secret in credential_strings()):
+        raise RenderError(f"{job.path}: params: a value holds your Kaggle key; remove it (attach it to the "
+                          "notebook as a Kaggle Secret instead)")
+    return rendered
 
 
 def write_rendered(rendered: Rendered, out_dir: Path) -> list[Path]:

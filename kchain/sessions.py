@@ -53,9 +53,11 @@ def last_heartbeat(text: str) -> str | None:
 def read_output_summary(folder: Path) -> dict[str, Any] | None:
     for candidate in (folder / layout.KCHAIN_DIR / layout.SUMMARY, *folder.rglob(layout.SUMMARY)):
         try:
-            return json.loads(candidate.read_text())
-        except (OSError, ValueError):
+            summary = json.loads(candidate.read_text(encoding="utf-8"))
+        except (OSError, ValueError, RecursionError):
             continue
+        if isinstance(summary, dict):  # anything else is not a summary kchain wrote
+            return summary
     return None
 
 

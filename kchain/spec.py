@@ -1,13 +1,17 @@
 """The job spec: job.yaml, validated strictly, loaded through one function.
 
 `load_job(path)` is the only way in. Any YAML or validation problem becomes one SpecError line that
-names the file, each bad key path, and the fix (with "did you mean" for typos).
+names the file, each bad key path, and the fix (with "did you mean" for typos). A job file is
+untrusted input: it is read with a size cap, parsed with nesting and alias-expansion limits before
+anything is built from it, and every value that reaches the notebook must be plain JSON.
 """
 
 from __future__ import annotations
 
 import ast
+import datetime
 import difflib
+import math
 import re
 from pathlib import Path
 from typing import Any, Literal
@@ -17,10 +21,41 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from kchain.errors import SpecError
 
-SLUG_RE = re.compile(r"^[a-z0-9](?:[a-z0-9-]{3,48})[a-z0-9]$")
-DATASET_RE = re.compile(r"^[A-Za-z0-9_.-]+/[A-Za-z0-9_.-]+(?:/[0-9]+)?$")
+# Kaggle's slug syntax, as the official client checks it (kaggle_api_extended._validate_slug_syntax):
+# lowercase letters and digits, single dashes inside; owners may also use underscores.
+SLUG_RE = re.compile(r"[a-z0-9]+(?:-[a-z0-9]+)*")
+OWNER_RE = re.compile(r"[a-z0-9]+(?:[_-][a-z0-9]+)*")
+# Kernel slugs are at least 5 characters (validate_kernel_string); dataset slugs 6-50 on creation,
+# and kchain creates <name>-state and <name>-cache, so a name can be at most 50 - 6 characters.
+NAME_MIN, NAME_MAX = 5, 50 - len("-state")
+DATASET_SLUG_MIN, DATASET_SLUG_MAX = 3, 50  # Kaggle's documented range for an existing dataset
+OWNER_MAX = 50
+COMPETITION_MAX = 100
+# A job file is a few hundred bytes; these bound what a hostile or broken one can cost.
+MAX_JOB_BYTES = 256 * 1024
+MAX_DEPTH = 50  # nesting levels, counted after aliases are expanded
+MAX_EXPANDED = 1_000_000  # values + characters after aliases are expanded (an alias bomb stops here)
+MAX_PATH_CHARS = 1024
+MAX_SHOWN = 60  # characters of a value echoed in an error
 _DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)\s*(h|m|s)")
-_STEPS_RE = re.compile(r"^\s*(\d+)\s*steps?\s*$")
+_STEPS_RE = re.compile(r"\s*(\d+)\s*steps?\s*")
+_MAX_DURATION_CHARS = 32
+
+
+def shown(value: Any) -> str:
+    """repr(value), cut to a readable length: an error never echoes a 5 MB value."""
+    text = repr(value)
+    return text if len(text) <= MAX_SHOWN else f"{text[:MAX_SHOWN - 15]}...({len(text)} chars)"
+
+
+def _key_name(part: Any) -> str:
+    if isinstance(part, str) and part.isprintable() and 0 < len(part) <= MAX_SHOWN:
+        return part
+    return shown(part) if not isinstance(part, int) else str(part)
+
+
+def key_path(loc: tuple[Any, ...] | list[Any]) -> str:
+    return ".".join(_key_name(p) for p in loc) or "(top level)"
 
 
 def parse_duration(text: Any) -> float:
@@ -30,7 +65,8 @@ def parse_duration(text: Any) -> float:
     if isinstance(text, (int, float)):
         return float(text)
     s = str(text).strip().lower().replace(" ", "")
-    if not s or _DURATION_PART.sub("", s):
+    # The cap keeps the regex linear in practice: a long run of digits would make it backtrack.
+    if not s or len(s) > _MAX_DURATION_CHARS or _DURATION_PART.sub("", s):
         raise ValueError(text)
     return sum(float(n) * {"h": 3600, "m": 60, "s": 1}[u] for n, u in _DURATION_PART.findall(s))
 
@@ -39,10 +75,20 @@ def parse_cadence(text: Any) -> dict[str, float]:
     """A checkpoint cadence: '500 steps' -> {'steps': 500}; '10m' -> {'seconds': 600}."""
     if isinstance(text, int) and not isinstance(text, bool):
         return {"steps": text}
-    m = _STEPS_RE.match(str(text))
+    s = str(text)
+    m = _STEPS_RE.fullmatch(s) if len(s) <= _MAX_DURATION_CHARS else None
     if m:
         return {"steps": int(m.group(1))}
     return {"seconds": parse_duration(text)}
+
+
+def _check_slug(value: str, what: str, low: int, high: int, pattern: re.Pattern[str] = SLUG_RE) -> None:
+    if not pattern.fullmatch(value):
+        extra = ", underscores" if pattern is OWNER_RE else ""
+        raise ValueError(f"{shown(value)} is not a Kaggle {what}; use lowercase letters, digits{extra} and "
+                         "single dashes inside")
+    if not low <= len(value) <= high:
+        raise ValueError(f"{shown(value)} is {len(value)} characters; a Kaggle {what} has {low}-{high}")
 
 
 class _Strict(BaseModel):
@@ -58,41 +104,88 @@ class KaggleSpec(_Strict):
     competition: str | None = None
     local: dict[str, str] = Field(default_factory=dict)
 
+    @field_validator("owner")
+    @classmethod
+    def _owner(cls, value: str | None) -> str | None:
+        if value is not None:
+            _check_slug(value, "username", 1, OWNER_MAX, OWNER_RE)
+        return value
+
+    @field_validator("accelerator")
+    @classmethod
+    def _accelerator(cls, value: str) -> str:
+        if value == "tpu":
+            raise ValueError("the runtime does not support TPUs yet; use gpu or none")
+        return value
+
     @field_validator("datasets")
     @classmethod
     def _datasets(cls, value: list[str]) -> list[str]:
         for ref in value:
-            if not DATASET_RE.match(ref):
-                raise ValueError(f"{ref!r} is not a dataset; write owner/slug or owner/slug/version")
+            parts = ref.split("/")
+            if len(parts) not in (2, 3) or (len(parts) == 3 and not re.fullmatch(r"[1-9][0-9]{0,8}", parts[2])):
+                raise ValueError(f"{shown(ref)} is not a dataset; write owner/slug or owner/slug/version")
+            _check_slug(parts[0], "username", 1, OWNER_MAX, OWNER_RE)
+            _check_slug(parts[1], "dataset slug", DATASET_SLUG_MIN, DATASET_SLUG_MAX)
+        return value
+
+    @field_validator("competition")
+    @classmethod
+    def _competition(cls, value: str | None) -> str | None:
+        if value is not None:
+            _check_slug(value, "competition slug", 1, COMPETITION_MAX)
+        return value
+
+    @field_validator("local")
+    @classmethod
+    def _local(cls, value: dict[str, str]) -> dict[str, str]:
+        for slug, folder in value.items():
+            if "\x00" in folder or not folder.strip() or len(folder) > MAX_PATH_CHARS:
+                raise ValueError(f"{slug}: {shown(folder)} is not a folder path; write e.g. data/small-copy")
         return value
 
 
+def _positive_duration(value: str | int | float, allow_zero_text: bool = False) -> float:
+    """Seconds of a duration field; a bare number is seconds and must be positive."""
+    seconds = parse_duration(value)
+    if not math.isfinite(seconds):
+        raise ValueError(value)
+    if seconds < 0 or (seconds == 0 and not (allow_zero_text and isinstance(value, str))):
+        raise OverflowError(value)  # in range for the parser, out of range for the field
+    return seconds
+
+
 class TrainSpec(_Strict):
-    checkpoint_every: str | int = "10m"
+    checkpoint_every: str | int | float = "10m"
     keep: int = Field(default=2, ge=1, le=20)
-    session_limit: str | int = "12h"
-    margin: str | int = "15m"
-    heartbeat: str | int = "60s"
+    session_limit: str | int | float = "12h"
+    margin: str | int | float = "15m"
+    heartbeat: str | int | float = "60s"
     precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
 
     @field_validator("checkpoint_every")
     @classmethod
-    def _cadence(cls, value: str | int) -> str | int:
+    def _cadence(cls, value: str | int | float) -> str | int | float:
         try:
             cadence = parse_cadence(value)
         except ValueError:
-            raise ValueError(f"{value!r} is not a duration; write e.g. 10m or 500 steps") from None
-        if min(cadence.values()) <= 0:
-            raise ValueError(f"{value!r} must be positive; write e.g. 10m or 500 steps")
+            raise ValueError(f"{shown(value)} is not a duration; write e.g. 10m or 500 steps") from None
+        amount = min(cadence.values())
+        if not math.isfinite(amount) or amount <= 0:
+            raise ValueError(f"{shown(value)} must be positive; write e.g. 10m or 500 steps")
         return value
 
     @field_validator("session_limit", "margin", "heartbeat")
     @classmethod
-    def _duration(cls, value: str | int) -> str | int:
+    def _duration(cls, value: str | int | float, info: Any) -> str | int | float:
+        heartbeat = info.field_name == "heartbeat"
         try:
-            parse_duration(value)
+            _positive_duration(value, allow_zero_text=heartbeat)
+        except OverflowError:
+            zero = " (or '0s' for a heartbeat every step)" if heartbeat else ""
+            raise ValueError(f"{shown(value)} must be positive; write e.g. 90s, 10m or 12h{zero}") from None
         except ValueError:
-            raise ValueError(f"{value!r} is not a duration; write e.g. 90s, 10m or 12h") from None
+            raise ValueError(f"{shown(value)} is not a duration; write e.g. 90s, 10m or 12h") from None
         return value
 
     @model_validator(mode="after")
@@ -128,15 +221,37 @@ class Job(_Strict):
     @field_validator("name")
     @classmethod
     def _name(cls, value: str) -> str:
-        if not SLUG_RE.match(value):
-            raise ValueError(f"{value!r} is not a kernel slug; use 5-50 lowercase letters, digits and dashes")
+        if not SLUG_RE.fullmatch(value):
+            raise ValueError(f"{shown(value)} is not a kernel slug; use {NAME_MIN}-{NAME_MAX} lowercase letters, "
+                             "digits and single dashes inside")
+        if not NAME_MIN <= len(value) <= NAME_MAX:
+            raise ValueError(
+                f"{shown(value)} is {len(value)} characters; use {NAME_MIN}-{NAME_MAX}, so that <name>-state and "
+                "<name>-cache fit Kaggle's 6-50 character dataset slugs"
+            )
+        return value
+
+    @field_validator("code")
+    @classmethod
+    def _code(cls, value: str) -> str:
+        if "\x00" in value or not value.strip():
+            raise ValueError(f"{shown(value)} is not a path; write the file or folder of your code, e.g. train.py")
+        if len(value) > MAX_PATH_CHARS or any(len(part.encode("utf-8", "replace")) > 255 for part in value.split("/")):
+            raise ValueError(f"{shown(value)} is too long for a path; write the file or folder of your code, "
+                             "e.g. train.py")
+        if Path(value).is_absolute():
+            raise ValueError(f"{shown(value)} is an absolute path; write it relative to the job file, e.g. train.py")
         return value
 
     @field_validator("entry")
     @classmethod
     def _entry(cls, value: str | None) -> str | None:
-        if value is not None and not re.match(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$", value):
-            raise ValueError(f"{value!r} is not an entry point; write module:function, e.g. train:main")
+        if value is None:
+            return value
+        module, sep, function = value.partition(":")
+        if (not sep or len(value) > 200 or not function.isidentifier()
+                or not all(part.isidentifier() for part in module.split("."))):
+            raise ValueError(f"{shown(value)} is not an entry point; write module:function, e.g. train:main")
         return value
 
     @property
@@ -159,19 +274,200 @@ class Job(_Strict):
         return self.kaggle.accelerator == "gpu"
 
 
-class _UniqueKeyLoader(yaml.SafeLoader):
-    """safe_load that refuses a key given twice (YAML would silently keep the last one)."""
+_MERGE_TAG = "tag:yaml.org,2002:merge"
 
-    def construct_mapping(self, node, deep=False):  # type: ignore[override]
+
+class _JobLoader(yaml.SafeLoader):
+    """safe_load with limits: nesting depth while composing, a key given twice refused (YAML would
+    silently keep the last one), a list or map used as a key refused, and dates kept as strings."""
+
+    yaml_implicit_resolvers = {
+        first: [(tag, rx) for tag, rx in resolvers if tag != "tag:yaml.org,2002:timestamp"]
+        for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+    }
+
+    def __init__(self, stream: str) -> None:
+        super().__init__(stream)
+        self._depth = 0
+
+    def compose_node(self, parent, index):  # type: ignore[no-untyped-def]
+        self._depth += 1
+        try:
+            if self._depth > MAX_DEPTH:
+                raise yaml.composer.ComposerError(
+                    None, None, f"nested over {MAX_DEPTH} levels deep; keep the job file flatter",
+                    self.peek_event().start_mark,
+                )
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
+
+    def construct_mapping(self, node, deep=False):  # type: ignore[no-untyped-def, override]
         seen: set[Any] = set()
-        for key_node, _ in node.value:
+        for key_node, _ in node.value if isinstance(node, yaml.MappingNode) else []:
+            if key_node.tag == _MERGE_TAG:
+                continue
             key = self.construct_object(key_node, deep=deep)
+            try:
+                hash(key)
+            except TypeError:
+                raise yaml.constructor.ConstructorError(
+                    None, None, "a list or map is used as a key; keys are plain names", key_node.start_mark
+                ) from None
             if key in seen:
                 raise yaml.constructor.ConstructorError(
-                    None, None, f"key {key!r} is given twice; keep one", key_node.start_mark
+                    None, None, f"key {shown(key)} is given twice; keep one", key_node.start_mark
                 )
             seen.add(key)
         return super().construct_mapping(node, deep=deep)
+
+
+def _measure(root: yaml.Node) -> None:
+    """Refuse a recursive alias or one whose expansion is too big or too deep, before anything is
+    built from the nodes. Iterative and memoized: a billion-laughs file costs what its nodes cost."""
+    done: dict[int, tuple[int, int]] = {}
+    active: set[int] = set()
+    stack: list[tuple[yaml.Node, bool]] = [(root, False)]
+    while stack:
+        node, finished = stack.pop()
+        children: list[yaml.Node] = []
+        if isinstance(node, yaml.SequenceNode):
+            children = list(node.value)
+        elif isinstance(node, yaml.MappingNode):
+            children = [n for pair in node.value for n in pair]
+        if finished:
+            size = 1 + (len(node.value) if isinstance(node, yaml.ScalarNode) else 0)
+            size += sum(done[id(c)][0] for c in children)
+            depth = 1 + max((done[id(c)][1] for c in children), default=0)
+            active.discard(id(node))
+            done[id(node)] = (size, depth)
+            if size > MAX_EXPANDED:
+                raise _LimitError(node, f"its aliases expand to over {MAX_EXPANDED:,} values and characters; "
+                                        "write the values out instead of nesting aliases")
+            if depth > MAX_DEPTH:
+                raise _LimitError(node, f"its aliases nest over {MAX_DEPTH} levels deep; keep the job file flatter")
+            continue
+        if id(node) in done:
+            continue
+        active.add(id(node))
+        stack.append((node, True))
+        for child in children:
+            if id(child) in active:
+                raise _LimitError(child, "an alias refers to a value that holds it; remove the recursive alias")
+            if id(child) not in done:
+                stack.append((child, False))
+
+
+class _LimitError(Exception):
+    def __init__(self, node: yaml.Node, problem: str) -> None:
+        super().__init__(problem)
+        self.line = node.start_mark.line + 1
+        self.problem = problem
+
+
+def _json_problem(value: Any, loc: tuple[Any, ...]) -> tuple[tuple[Any, ...], str] | None:
+    """The first value that is not plain JSON (what the notebook embeds), with its key path."""
+    stack: list[tuple[Any, tuple[Any, ...]]] = [(value, loc)]
+    while stack:
+        item, where = stack.pop()
+        if isinstance(item, dict):
+            for key, sub in item.items():
+                if not isinstance(key, str):
+                    return where + (key,), f"the key {shown(key)} is not text; quote it"
+                stack.append((key, where + (key,)))
+                stack.append((sub, where + (key,)))
+        elif isinstance(item, list):
+            stack.extend((sub, where + (i,)) for i, sub in enumerate(item))
+        elif isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                return where, f"{shown(item)} holds a lone surrogate; remove the \\u escape"
+        elif isinstance(item, float) and not math.isfinite(item):
+            return where, f"{shown(item)} is not a JSON number; write a finite number or quote it"
+        elif isinstance(item, (datetime.date, datetime.datetime)):
+            return where, f"the date {shown(str(item))} is not JSON; quote it"
+        elif isinstance(item, (bytes, bytearray)):
+            return where, "binary data (!!binary) is not JSON; put the data in a file or a dataset"
+        elif isinstance(item, (set, frozenset)):
+            return where, "a set (!!set) is not JSON; write a list"
+        elif item is not None and not isinstance(item, (bool, int, float)):
+            return where, f"a {type(item).__name__} is not JSON; write a number, text, list or map"
+    return None
+
+
+def parse_yaml(text: str) -> Any:
+    """YAML text -> plain data with the job file's limits. Raises yaml.YAMLError or _LimitError."""
+    loader = _JobLoader(text)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        _measure(node)
+        return loader.construct_document(node)
+    finally:
+        loader.dispose()
+
+
+def _yaml_error(label: str, exc: yaml.YAMLError) -> SpecError:
+    if isinstance(exc, yaml.reader.ReaderError):
+        return SpecError(f"{label}: character {shown(chr(exc.character)) if isinstance(exc.character, int) else ''} "
+                         f"at position {exc.position} is not allowed in YAML; remove it")
+    mark = getattr(exc, "problem_mark", None)
+    where = f"line {mark.line + 1}: " if mark is not None else ""
+    problem = " ".join(str(getattr(exc, "problem", None) or "invalid YAML").split())
+    fix = "" if "; " in problem else "; fix the YAML syntax"  # our own problems carry their fix
+    return SpecError(f"{label}: {where}{problem[:200]}{fix}")
+
+
+def read_text_file(path: Path, label: str, max_bytes: int = MAX_JOB_BYTES) -> str:
+    """A UTF-8 text file (a BOM is allowed) with a size cap; anything else is one SpecError line."""
+    try:
+        if not path.is_file():
+            if path.is_dir():
+                raise SpecError(f"{label}: is a folder; pass the path of your job.yaml")
+            if not path.exists():
+                raise SpecError(f"{label}: no such job file; pass the path of your job.yaml")
+            raise SpecError(f"{label}: not a regular file; pass the path of your job.yaml")
+        with path.open("rb") as f:
+            data = f.read(max_bytes + 1)
+    except OSError as exc:
+        raise SpecError(f"{label}: cannot read it ({exc.strerror or exc}); check the path and its permissions") from None
+    if len(data) > max_bytes:
+        raise SpecError(f"{label}: over {max_bytes // 1024} KB; a job file is a few lines of YAML")
+    try:
+        return decode_text(data)
+    except ValueError as exc:
+        raise SpecError(f"{label}: {exc}; save it as UTF-8") from None
+
+
+def decode_text(data: bytes) -> str:
+    """UTF-8 (a BOM is allowed); anything else is a ValueError that says what the bytes look like."""
+    if data.startswith((b"\xff\xfe", b"\xfe\xff")):
+        raise ValueError("is UTF-16 text")
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        if b"\x00" in data:
+            raise ValueError("is not text (it holds NUL bytes)") from None
+        raise ValueError(f"is not UTF-8 (byte {data[exc.start]:#04x} at offset {exc.start}; Latin-1?)") from None
+
+
+def _describe(error: dict[str, Any]) -> str:
+    loc = tuple(error["loc"])
+    key = key_path(loc)
+    if error["type"] == "extra_forbidden":
+        allowed = _fields_at(Job, loc[:-1])
+        last = str(loc[-1])
+        close = difflib.get_close_matches(last, allowed, n=1) if len(last) <= MAX_SHOWN else []
+        hint = f"did you mean {close[0]!r}?" if close else f"allowed keys: {', '.join(allowed)}"
+        return f"{key}: unknown key; {hint}"
+    if error["type"] == "missing":
+        return f"{key}: required; add it"
+    msg = " ".join(str(error["msg"]).removeprefix("Value error, ").split())
+    if error["type"] in ("literal_error",):
+        msg = f"{shown(error.get('input'))} is not allowed; {msg.lower()}"
+    return f"{key}: {msg[:300]}"
 
 
 def _fields_at(model: type[BaseModel], loc: tuple[Any, ...]) -> list[str]:
@@ -189,53 +485,41 @@ def _fields_at(model: type[BaseModel], loc: tuple[Any, ...]) -> list[str]:
     return [name for name in current.model_fields if name != "path"]
 
 
-def _describe(error: dict[str, Any]) -> str:
-    loc = tuple(error["loc"])
-    key = ".".join(str(p) for p in loc) or "(top level)"
-    if error["type"] == "extra_forbidden":
-        allowed = _fields_at(Job, loc[:-1])
-        close = difflib.get_close_matches(str(loc[-1]), allowed, n=1)
-        hint = f"did you mean {close[0]!r}?" if close else f"allowed keys: {', '.join(allowed)}"
-        return f"{key}: unknown key; {hint}"
-    if error["type"] == "missing":
-        return f"{key}: required; add it"
-    msg = str(error["msg"]).removeprefix("Value error, ")
-    if error["type"] in ("literal_error",):
-        msg = f"{error.get('input')!r} is not allowed; {msg.lower()}"
-    return f"{key}: {msg}"
-
-
 def load_job(path: str | Path) -> Job:
     """Read and validate a job file; every problem is one SpecError line."""
     path = Path(path)
-    if path.is_dir():
-        path = path / "job.yaml"
-    label = str(path)
     try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise SpecError(f"{label}: no such job file; pass the path of your job.yaml") from None
-    except OSError as exc:
-        raise SpecError(f"{label}: cannot read it ({exc.strerror})") from None
+        if path.is_dir() and (path / "job.yaml").exists():
+            path = path / "job.yaml"
+    except OSError:
+        pass  # read_text_file names the problem
+    label = str(path) if str(path).isprintable() else repr(str(path))  # the error stays one line
+    text = read_text_file(path, label)
     try:
-        data = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
+        data = parse_yaml(text)
     except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f"line {mark.line + 1}: " if mark is not None else ""
-        problem = getattr(exc, "problem", None) or "invalid YAML"
-        fix = "" if "; " in problem else "; fix the YAML syntax"  # our own problems carry their fix
-        raise SpecError(f"{label}: {where}{problem}{fix}") from None
+        raise _yaml_error(label, exc) from None
+    except _LimitError as exc:
+        raise SpecError(f"{label}: line {exc.line}: {exc.problem}") from None
+    except (ValueError, OverflowError) as exc:  # e.g. an integer of thousands of digits
+        raise SpecError(f"{label}: a value cannot be read ({str(exc)[:80]}); fix it") from None
+    if data is None:
+        raise SpecError(f"{label}: is empty; write at least name: and code: (see the README)")
     if not isinstance(data, dict):
         raise SpecError(f"{label}: expected a mapping of keys (name, code, params, ...)")
     if "path" in data:
         raise SpecError(f"{label}: path: unknown key; remove it")
+    problem = _json_problem(data, ())
+    if problem is not None:
+        raise SpecError(f"{label}: {key_path(problem[0])}: {problem[1]}")
     try:
         job = Job.model_validate({**data, "path": path.resolve()})
     except ValidationError as exc:
-        problems = [_describe(e) for e in exc.errors()]
-        raise SpecError(f"{label}: " + "; ".join(problems)) from None
-    if not job.code_path.exists():
-        raise SpecError(f"{label}: code: {job.code!r} does not exist next to the job file; fix the path")
+        errors = exc.errors()
+        problems = [_describe(e) for e in errors[:5]]
+        more = f"; and {len(errors) - 5} more" if len(errors) > 5 else ""
+        raise SpecError(f"{label}: " + "; ".join(problems) + more) from None
+    _check_code_path(job, label)
     _check_entry(job, label)
     for slug in job.kaggle.local:
         known = {ref.split("/")[1] for ref in job.kaggle.datasets}
@@ -243,9 +527,27 @@ def load_job(path: str | Path) -> Job:
             known.add(job.kaggle.competition)
         if slug not in known:
             raise SpecError(
-                f"{label}: kaggle.local.{slug}: not an attached dataset; add it to kaggle.datasets or remove it"
+                f"{label}: kaggle.local.{key_path((slug,))}: not an attached dataset; add it to kaggle.datasets or "
+                "remove it"
             )
     return job
+
+
+def _check_code_path(job: Job, label: str) -> None:
+    """The code is inside the job's folder: a `..` or a symlink out of it would upload other files."""
+    root = job.root.resolve()
+    try:
+        code = job.code_path
+        exists = code.exists()
+    except (OSError, RuntimeError):  # a symlink loop, a name the file system refuses
+        raise SpecError(f"{label}: code: {shown(job.code)} cannot be resolved; fix the path") from None
+    if code != root and not code.is_relative_to(root):
+        raise SpecError(
+            f"{label}: code: {shown(job.code)} resolves to {code}, outside the job's folder; "
+            "move the code next to the job file"
+        )
+    if not exists:
+        raise SpecError(f"{label}: code: {shown(job.code)} does not exist next to the job file; fix the path")
 
 
 def _check_entry(job: Job, label: str) -> None:
@@ -260,21 +562,48 @@ def _check_entry(job: Job, label: str) -> None:
     key = "entry" if job.entry else "code"
     if source is None:
         raise SpecError(
-            f"{label}: {key}: module {module!r} is not in the code {job.code!r}; "
+            f"{label}: {key}: module {shown(module)} is not in the code {shown(job.code)}; "
             "write entry: <module>:<function> naming a .py file of the code"
         )
     try:
-        tree = ast.parse(source.read_text(encoding="utf-8"), filename=str(source))
+        text = decode_text(source.read_bytes())
+    except ValueError as exc:
+        raise SpecError(f"{label}: {key}: {source.name} {exc}; save it as UTF-8 Python source") from None
+    try:
+        tree = ast.parse(text, filename=str(source))
     except SyntaxError as exc:
         raise SpecError(f"{source}: line {exc.lineno}: {exc.msg}; fix the syntax") from None
+    except (ValueError, RecursionError, MemoryError) as exc:
+        raise SpecError(f"{label}: {key}: {source.name} cannot be parsed as Python ({str(exc)[:80]}); "
+                        "fix the file") from None
     names = {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
     names |= {t.id for n in tree.body if isinstance(n, ast.Assign) for t in n.targets if isinstance(t, ast.Name)}
     names |= {a.asname or a.name for n in tree.body if isinstance(n, ast.ImportFrom) for a in n.names}
     if function not in names:
         raise SpecError(
-            f"{label}: {key}: {source.name} defines no function {function!r}; "
+            f"{label}: {key}: {source.name} defines no function {shown(function)}; "
             f"add `def {function}(run):` or set entry: {module}:<your function>"
         )
+
+
+def parse_overrides(values: tuple[str, ...] | list[str], label: str = "--set") -> dict[str, Any]:
+    """--set steps=300 --set lr=1e-3 -> {'steps': 300, 'lr': 0.001}: each value read as one YAML
+    value, with the job file's limits, and it must be plain JSON like every param."""
+    out: dict[str, Any] = {}
+    for value in values:
+        key, sep, raw = value.partition("=")
+        if not sep or not key.strip() or not key.isprintable() or len(key) > MAX_SHOWN:
+            raise SpecError(f"{label} {shown(value)}: write it as name=value, e.g. {label} steps=300")
+        try:
+            parsed = parse_yaml(raw)
+        except (yaml.YAMLError, _LimitError, ValueError, OverflowError):
+            raise SpecError(f"{label} {shown(value)}: the value is not one YAML value; quote it, e.g. "
+                            f"{label} '{key}=\"...\"'") from None
+        problem = _json_problem(parsed, ("params", key))
+        if problem is not None:
+            raise SpecError(f"{label} {shown(value)}: {problem[1]}")
+        out[key] = parsed
+    return out
 
 
 def runtime_config(job: Job) -> dict[str, Any]:

@@ -144,3 +144,55 @@ def test_a_key_given_twice_is_refused(tmp_path):
     with pytest.raises(SpecError) as err:
         load_job(path)
     assert str(err.value) == f"{path}: line 4: key 'params' is given twice; keep one"
+
+
+def test_merge_keys_work_and_dates_stay_text(tmp_path):
+    path = write(tmp_path, GOOD.replace("params: {lr: 3.0e-3, steps: 2000, seed: 7}\n", "") + (
+        "params:\n  base: &base {lr: 0.001, steps: 10}\n  fast:\n    <<: *base\n    steps: 2\n  started: 2024-01-01\n"))
+    assert load_job(path).params == {"base": {"lr": 0.001, "steps": 10}, "fast": {"lr": 0.001, "steps": 2},
+                                     "started": "2024-01-01"}
+
+
+@pytest.mark.parametrize("kaggle, message", [
+    ("{owner: Alice}", "kaggle.owner: 'Alice' is not a Kaggle username; use lowercase letters, digits, underscores "
+                       "and single dashes inside"),
+    ("{owner: " + "a" * 51 + "}", "kaggle.owner: '" + "a" * 51 + "' is 51 characters; a Kaggle username has 1-50"),
+    ("{competition: Titanic}", "kaggle.competition: 'Titanic' is not a Kaggle competition slug; use lowercase "
+                               "letters, digits and single dashes inside"),
+    ("{datasets: [alice/ab]}", "kaggle.datasets: 'ab' is 2 characters; a Kaggle dataset slug has 3-50"),
+    ("{datasets: [alice/notes-data/0]}", "kaggle.datasets: 'alice/notes-data/0' is not a dataset; write owner/slug "
+                                         "or owner/slug/version"),
+    ('{datasets: ["alice/notes-data\\n"]}', "kaggle.datasets: 'notes-data\\n' is not a Kaggle dataset slug; use "
+                                            "lowercase letters, digits and single dashes inside"),
+    ("{accelerator: tpu}", "kaggle.accelerator: the runtime does not support TPUs yet; use gpu or none"),
+])
+def test_kaggle_refs_follow_kaggles_rules(tmp_path, kaggle, message):
+    path = write(tmp_path, GOOD + f"kaggle: {kaggle}\n")
+    with pytest.raises(SpecError) as err:
+        load_job(path)
+    assert str(err.value) == f"{path}: {message}"
+
+
+def test_a_name_leaves_room_for_the_state_and_cache_datasets(tmp_path):
+    assert load_job(write(tmp_path, GOOD.replace("tinygpt-notes", "a" * 44))).name == "a" * 44
+    path = write(tmp_path, GOOD.replace("tinygpt-notes", "a" * 45))
+    with pytest.raises(SpecError) as err:
+        load_job(path)
+    assert str(err.value) == (
+        f"{path}: name: '{'a' * 45}' is 45 characters; use 5-44, so that <name>-state and <name>-cache fit "
+        "Kaggle's 6-50 character dataset slugs"
+    )
+
+
+def test_durations_given_as_numbers_must_be_positive(tmp_path):
+    path = write(tmp_path, GOOD + "train: {margin: 0, heartbeat: -1, session_limit: -3600, checkpoint_every: 0}\n")
+    with pytest.raises(SpecError) as err:
+        load_job(path)
+    assert str(err.value) == (
+        f"{path}: train.checkpoint_every: 0 must be positive; write e.g. 10m or 500 steps; "
+        "train.session_limit: -3600 must be positive; write e.g. 90s, 10m or 12h; "
+        "train.margin: 0 must be positive; write e.g. 90s, 10m or 12h; "
+        "train.heartbeat: -1 must be positive; write e.g. 90s, 10m or 12h (or '0s' for a heartbeat every step)"
+    )
+    job = load_job(write(tmp_path, GOOD + "train: {margin: 90, heartbeat: 0s, session_limit: 7200.5}\n"))
+    assert runtime_config(job)["train"]["margin_s"] == 90 and runtime_config(job)["train"]["heartbeat_s"] == 0

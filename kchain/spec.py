@@ -411,8 +411,9 @@ def parse_yaml(text: str) -> Any:
 
 def _yaml_error(label: str, exc: yaml.YAMLError) -> SpecError:
     if isinstance(exc, yaml.reader.ReaderError):
-        return SpecError(f"{label}: character {shown(chr(exc.character)) if isinstance(exc.character, int) else ''} "
-                         f"at position {exc.position} is not allowed in YAML; remove it")
+        char = chr(exc.character) if isinstance(exc.character, int) else exc.character
+        return SpecError(f"{label}: character {shown(char)} at position {exc.position} is not allowed in YAML; "
+                         "remove it")
     mark = getattr(exc, "problem_mark", None)
     where = f"line {mark.line + 1}: " if mark is not None else ""
     problem = " ".join(str(getattr(exc, "problem", None) or "invalid YAML").split())

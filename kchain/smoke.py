@@ -190,10 +190,12 @@ def compare_traces(
     return rows, first
 
 
-def likely_cause(first: tuple[int, str], resume_step: int) -> str:
+def likely_cause(first: tuple[int, str], resume_step: int, not_exact: list[str] | None = None) -> str:
     step, key = first
     if step <= resume_step:
         return "the trace before the kill differs: the training is not deterministic even without a resume"
+    if not_exact:  # the runtime already named what it cannot restore (a hand-built DataLoader, a stream)
+        return not_exact[0]
     if key.startswith("val"):
         return "only validation differs: validation uses randomness that is not seeded or tracked"
     if step == resume_step + 1:
@@ -264,6 +266,9 @@ def smoke(job_path: Path, echo: Echo = print, quiet_training: bool = False, down
         _wait(phase, proc)
 
     failure = _phase_failure(run) or _phase_failure(ref)
+    not_exact = list((ref.summary or {}).get("not_exact") or [])
+    for line in not_exact:
+        echo(f"  not exact  {line}")
     reference = read_trace(sandbox_trace(ref.root))
     resumed: list[dict[str, Any]] = []
     resume_step = steps
@@ -273,11 +278,12 @@ def smoke(job_path: Path, echo: Echo = print, quiet_training: bool = False, down
             f"{layout.CHECKPOINT_PREFIX}*"
         ))
         if not ckpts:
+            note = (ref.summary or {}).get("note") or "the run ended without writing a checkpoint"
             failure = diagnose.Failure(
                 "NoCheckpoint",
-                "the run ended without writing a checkpoint; train with `for step in run.steps(total)`",
+                f"{note}; train with `for step in run.steps(total)` or `for epoch in run.epochs(n)`",
                 "checkpoint",
-                "the training loop must use run.steps so the runtime can checkpoint and resume it",
+                "the runtime can only checkpoint and resume a loop it drives (or one that calls run.save)",
             )
         elif run.returncode == 0:
             failure = diagnose.Failure(
@@ -332,7 +338,7 @@ def smoke(job_path: Path, echo: Echo = print, quiet_training: bool = False, down
                 f"run.steps(total) must allow at least {2 * steps} steps in a smoke run",
             )
         elif first is not None:
-            cause = likely_cause(first, resume_step)
+            cause = likely_cause(first, resume_step, not_exact)
             failure = diagnose.Failure(
                 "ResumeMismatch",
                 f"{first[1]} at step {first[0]} differs from the uninterrupted run",

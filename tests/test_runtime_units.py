@@ -195,9 +195,11 @@ def test_resume_from_an_attached_state_dataset_and_a_zip(tmp_path, capsys):
     second = tiny_training(s2, 6)
     assert second.resumed_from == 4 and second.session == 2
     assert len(second.metrics_path.read_text().splitlines()) == 6  # one history, no duplicated steps
-    # A session whose state came as an un-unpacked zip of the checkpoint directory.
+    # A session whose state came as an un-unpacked zip of the checkpoint directory, in a state
+    # dataset (its marker file says so: archives anywhere else are never opened).
     s3 = tmp_path / "s3"
     (s3 / "input/tiny-zip").mkdir(parents=True)
+    (s3 / "input/tiny-zip" / layout.STATE_MARKER).write_text("{}")
     with zipfile.ZipFile(s3 / "input/tiny-zip/state.zip", "w") as z:
         ckpt = second.checkpoints / layout.checkpoint_name(6)
         for f in ckpt.iterdir():
@@ -295,3 +297,23 @@ def test_a_long_evaluation_in_run_every_stays_in_the_deadline_plan(tmp_path):
     assert not run._should_stop()
     run.step = 19  # step 20 evaluates
     assert run._should_stop() and run._stop_reason == "deadline"
+
+
+def test_foreign_archives_and_manifests_under_input_are_never_opened(tmp_path, capsys):
+    first = tiny_training(tmp_path / "s1", 2)
+    s2 = tmp_path / "s2"
+    # Someone's dataset holding a zip of a real kchain checkpoint and a .tar.gz that is not even
+    # gzip: without the state marker next to them, neither is read, extracted or listed.
+    data = s2 / "input/datasets/someone/images"
+    data.mkdir(parents=True)
+    with zipfile.ZipFile(data / "ckpt.zip", "w") as z:
+        ckpt = first.checkpoints / layout.checkpoint_name(2)
+        for f in ckpt.iterdir():
+            z.write(f, f"inner/{f.name}")
+    (data / "shards.tar.gz").write_bytes(b"not a gzip stream")
+    capsys.readouterr()
+    run = tiny_training(s2, 3)
+    assert run.resumed_from is None and run.session == 1
+    assert "skipping archive" not in capsys.readouterr().out
+    scratch = run.dir / ".scratch"
+    assert not scratch.exists() or not any(scratch.iterdir())

@@ -20,6 +20,10 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from kchain.errors import SpecError
+from kchain.runtime import settings
+from kchain.runtime.settings import parse_cadence, parse_duration
+
+__all__ = ["Job", "SpecError", "load_job", "parse_cadence", "parse_duration", "runtime_config"]
 
 # Kaggle's slug syntax, as the official client checks it (kaggle_api_extended._validate_slug_syntax):
 # lowercase letters and digits, single dashes inside; owners may also use underscores.
@@ -37,9 +41,6 @@ MAX_DEPTH = 50  # nesting levels, counted after aliases are expanded
 MAX_EXPANDED = 1_000_000  # values + characters after aliases are expanded (an alias bomb stops here)
 MAX_PATH_CHARS = 1024
 MAX_SHOWN = 60  # characters of a value echoed in an error
-_DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)\s*(h|m|s)")
-_STEPS_RE = re.compile(r"\s*(\d+)\s*steps?\s*")
-_MAX_DURATION_CHARS = 32
 
 
 def shown(value: Any) -> str:
@@ -56,30 +57,6 @@ def _key_name(part: Any) -> str:
 
 def key_path(loc: tuple[Any, ...] | list[Any]) -> str:
     return ".".join(_key_name(p) for p in loc) or "(top level)"
-
-
-def parse_duration(text: Any) -> float:
-    """'90s', '10m', '1h30m', '12h' -> seconds. Raises ValueError for anything else."""
-    if isinstance(text, bool):
-        raise ValueError(text)
-    if isinstance(text, (int, float)):
-        return float(text)
-    s = str(text).strip().lower().replace(" ", "")
-    # The cap keeps the regex linear in practice: a long run of digits would make it backtrack.
-    if not s or len(s) > _MAX_DURATION_CHARS or _DURATION_PART.sub("", s):
-        raise ValueError(text)
-    return sum(float(n) * {"h": 3600, "m": 60, "s": 1}[u] for n, u in _DURATION_PART.findall(s))
-
-
-def parse_cadence(text: Any) -> dict[str, float]:
-    """A checkpoint cadence: '500 steps' -> {'steps': 500}; '10m' -> {'seconds': 600}."""
-    if isinstance(text, int) and not isinstance(text, bool):
-        return {"steps": text}
-    s = str(text)
-    m = _STEPS_RE.fullmatch(s) if len(s) <= _MAX_DURATION_CHARS else None
-    if m:
-        return {"steps": int(m.group(1))}
-    return {"seconds": parse_duration(text)}
 
 
 def _check_slug(value: str, what: str, low: int, high: int, pattern: re.Pattern[str] = SLUG_RE) -> None:
@@ -156,12 +133,13 @@ def _positive_duration(value: str | int | float, allow_zero_text: bool = False) 
 
 
 class TrainSpec(_Strict):
-    checkpoint_every: str | int | float = "10m"
-    keep: int = Field(default=2, ge=1, le=20)
-    session_limit: str | int | float = "12h"
-    margin: str | int | float = "15m"
-    heartbeat: str | int | float = "60s"
-    precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
+    # The defaults live with the runtime's parsers (kchain/runtime/settings.py): one meaning each.
+    checkpoint_every: str | int | float = settings.CHECKPOINT_EVERY
+    keep: int = Field(default=settings.KEEP, ge=1, le=20)
+    session_limit: str | int | float = settings.SESSION_LIMIT
+    margin: str | int | float = settings.MARGIN
+    heartbeat: str | int | float = settings.HEARTBEAT
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = settings.PRECISION
 
     @field_validator("checkpoint_every")
     @classmethod
@@ -198,8 +176,8 @@ class TrainSpec(_Strict):
 
 
 class SmokeSpec(_Strict):
-    fraction: float = Field(default=0.02, gt=0, le=1)
-    steps: int = Field(default=2, ge=1, le=50)
+    fraction: float = Field(default=settings.SMOKE_FRACTION, gt=0, le=1)
+    steps: int = Field(default=settings.SMOKE_STEPS, ge=1, le=50)
 
 
 class BudgetSpec(_Strict):

@@ -74,6 +74,8 @@ class TrainSpec(_Strict):
     margin: str | int = "15m"
     heartbeat: str | int = "60s"
     precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
+    # Ranks (one per GPU) under torchrun; auto: every visible GPU. 2 on the CPU: 2 gloo ranks.
+    gpus: Literal["auto", 1, 2] = "auto"
 
     @field_validator("checkpoint_every")
     @classmethod
@@ -290,6 +292,7 @@ def runtime_config(job: Job) -> dict[str, Any]:
             "margin_s": parse_duration(job.train.margin),
             "heartbeat_s": parse_duration(job.train.heartbeat),
             "precision": job.train.precision,
+            "gpus": job.train.gpus,
         },
         "smoke": {"fraction": job.smoke.fraction, "steps": job.smoke.steps},
     }

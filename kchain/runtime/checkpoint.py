@@ -22,6 +22,7 @@ import tempfile
 import threading
 import time
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -43,12 +44,17 @@ class CheckpointInvalid(Exception):
     """A checkpoint failed verification; the message says which file and why."""
 
 
+# kchain ddp: under torchrun only rank 0 narrates; the other ranks' warnings carry their rank.
+_RANK = os.environ.get("RANK", "0") if os.environ.get("WORLD_SIZE", "1") != "1" else "0"
+
+
 def say(msg: str) -> None:
-    print(f"[kchain] {msg}", flush=True)
+    if _RANK == "0":
+        print(f"[kchain] {msg}", flush=True)
 
 
 def warn(msg: str) -> None:
-    print(f"[kchain] WARNING: {msg}", flush=True)
+    print(f"[kchain{'' if _RANK == '0' else f' rank {_RANK}'}] WARNING: {msg}", flush=True)
 
 
 # --- snapshot ---------------------------------------------------------------------------------
@@ -229,6 +235,7 @@ class Writer:
         self._error: BaseException | None = None
         self.last_path: Path | None = None
         self.last_write_s = 0.0  # how long the last background write took (for the deadline)
+        self.die: Callable[[], None] | None = None  # kchain ddp: how kill_after_first ends every rank
 
     def submit(self, **kwargs) -> None:
         self.wait()
@@ -247,7 +254,7 @@ class Writer:
                 self.last_path = write_checkpoint(fault_point=self.fault_point, **kwargs)
                 self.last_write_s = time.perf_counter() - t0
                 if self.kill_after_first:
-                    os.kill(os.getpid(), signal.SIGKILL)
+                    (self.die or (lambda: os.kill(os.getpid(), signal.SIGKILL)))()
             except BaseException as e:  # re-raised in the training thread by wait()
                 self._error = e
             finally:

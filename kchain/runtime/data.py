@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Subset, default_collate
 
-from . import layout
+from . import distributed, layout
 
 # Attached data on Kaggle: /kaggle/input/<slug>, or one or two folders deeper
 # (datasets/<owner>/<slug>, competitions/<slug>, notebooks/<owner>/<slug>, models/...).
@@ -77,6 +77,10 @@ class _Descriptors:
         lo = self.loader
         order = lo.order(lo.epoch)
         for b in range(lo.position, len(lo)):
+            if lo.world_size > 1:  # kchain ddp: this rank's share of global batch b (distributed.shard)
+                rows = distributed.shard(order, lo.batch_size, b, lo.rank, lo.world_size)
+                yield (lo.epoch, b * lo.world_size + lo.rank, rows)
+                continue
             yield (lo.epoch, b, order[b * lo.batch_size : (b + 1) * lo.batch_size].tolist())
 
     def __len__(self):
@@ -105,8 +109,11 @@ class Loader:
         seed: int = 0,
         pin_memory: bool = False,
         on_wait: Callable[[float], None] | None = None,
+        rank: int = 0,
+        world_size: int = 1,
     ):
         self.dataset = dataset
+        self.rank, self.world_size = rank, world_size  # kchain ddp: batch_size is per rank
         self.batch_size = batch_size
         self.shuffle = shuffle
         self.drop_last = drop_last
@@ -131,6 +138,8 @@ class Loader:
 
     def __len__(self):
         n = len(self.dataset)
+        if self.world_size > 1:  # kchain ddp: global batches; each rank takes one micro-batch of each
+            return distributed.batches_per_rank(n, self.batch_size, self.world_size, self.drop_last)
         return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
 
     def order(self, epoch: int) -> torch.Tensor:

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from . import data, heartbeat, layout, precision, preflight
+from . import data, distributed, heartbeat, layout, precision, preflight
 from .checkpoint import (
     Snapshotter,
     Writer,
@@ -77,6 +77,7 @@ def parse_faults(text: str) -> dict[str, str]:
 
 
 def _state_of(obj):
+    obj = distributed.unwrap(obj)
     if isinstance(obj, torch.Generator):
         return obj.get_state()
     if isinstance(obj, np.random.Generator):
@@ -85,6 +86,7 @@ def _state_of(obj):
 
 
 def _load_into(obj, state) -> None:
+    obj = distributed.unwrap(obj)
     if isinstance(obj, torch.Generator):
         obj.set_state(state)
     elif isinstance(obj, np.random.Generator):
@@ -141,8 +143,11 @@ class Run:
         self.heartbeat_s = float(train.get("heartbeat_s", DEFAULT_HEARTBEAT_S))
         self.faults = parse_faults(env.get(layout.FAULT_ENV, ""))
 
+        # kchain ddp: the group this process is one rank of (a no-op group of 1 without torchrun).
+        self.ranks = distributed.Ranks(env)
         self.device, why = precision.choose_device()
-        say(f"device: {self.device} ({why})")
+        self.device = self.ranks.device(self.device)
+        say(f"device: {self.device} ({why}); {self.ranks.describe()}")
         self.dtype, why = precision.choose_dtype(self.device, train.get("precision", "auto"))
         say(f"precision: {str(self.dtype).removeprefix('torch.')} ({why})")
 
@@ -169,20 +174,54 @@ class Run:
         self.stalls: list[float] = []  # seconds the training thread spent blocked in each save
         self._snapshots = Snapshotter()
         self.writer = Writer(self.faults.get("kill_in_save"), self.faults.get("kill_after_checkpoint") == "1")
+        self.writer.die = self.ranks.kill_all  # kchain ddp: a kill fault ends every rank at once
 
-        clean_tmp(self.checkpoints)
-        self._resume = find_latest(self.checkpoints, self.input_root, self.dir / ".scratch", self.job)
+        # kchain ddp: rank 0 alone owns the files; the others learn which checkpoint it picked.
+        self._resume = None
+        if self.is_main:
+            clean_tmp(self.checkpoints)
+            self._resume = find_latest(self.checkpoints, self.input_root, self.dir / ".scratch", self.job)
+        self._resume = self.ranks.all_gather(self._resume)[0]
         if self._resume:
             path, manifest = self._resume
             self.session = int(manifest.get("session", 0)) + 1
             # One continuous history: the trace as it was at the checkpoint; later lines are replayed.
-            (self.dir / layout.METRICS).write_bytes((path / layout.METRICS).read_bytes())
+            if self.is_main:
+                (self.dir / layout.METRICS).write_bytes((path / layout.METRICS).read_bytes())
             say(f"session {self.session} of {self.job}: will resume from {path}")
         else:
-            self.metrics_path.write_bytes(b"")
+            if self.is_main:
+                self.metrics_path.write_bytes(b"")
             say(f"session 1 of {self.job}: no checkpoint found, starting fresh")
+        self.ranks.barrier()
         self._metrics_file = None  # opened by the first run.log
         self._metrics_bytes = self.metrics_path.stat().st_size
+
+    # --- ranks (kchain ddp) -----------------------------------------------------------------------
+
+    @property
+    def rank(self) -> int:
+        """This process's rank: 0 .. world_size-1 (0 without torchrun)."""
+        return self.ranks.rank
+
+    @property
+    def world_size(self) -> int:
+        """How many ranks run `main(run)` (train.gpus; 1 without torchrun)."""
+        return self.ranks.world_size
+
+    @property
+    def is_main(self) -> bool:
+        """True on rank 0: the rank that writes checkpoints, the trace and the summary."""
+        return self.ranks.is_main
+
+    def wrap(self, model):
+        """The model on this rank's device, in DistributedDataParallel when there are several ranks.
+
+        Example:
+            model = run.wrap(Net())          # DDP on 2 GPUs, the plain module on 1
+            run.track(model=model)           # checkpoints hold the inner module's keys either way
+        """
+        return distributed.wrap(model, self.ranks, self.device)
 
     # --- registration ---------------------------------------------------------------------------
 
@@ -212,6 +251,7 @@ class Run:
         lo = data.Loader(
             dataset, batch_size, shuffle=shuffle, num_workers=num_workers, drop_last=drop_last,
             collate_fn=collate_fn, seed=self.seed, pin_memory=self.device.type == "cuda", on_wait=self._add_wait,
+            rank=self.rank, world_size=self.world_size,
         )
         self.track(**{"loader" if self._n_loaders == 1 else f"loader{self._n_loaders}": lo})
         return lo
@@ -266,9 +306,8 @@ class Run:
         kill_at = int(self.faults.get("kill_at_step", -1))
         try:
             step = self.step
-            while step < total:
-                if self._should_stop():
-                    break
+            stop = self._agreed_stop(save=False)
+            while step < total and not stop:
                 step += 1
                 self._current = step
                 self.phase = "step"
@@ -277,19 +316,23 @@ class Run:
                 if stall:
                     time.sleep(stall)
                 if step == kill_at:
-                    os.kill(os.getpid(), signal.SIGKILL)  # a real death: nothing below runs
+                    self.ranks.kill_all()  # a real death of every rank: nothing below runs
                 self.step = step
                 self._loop_steps += 1
                 self._step_times = (self._step_times + [time.perf_counter() - t0])[-STEP_TIME_WINDOW:]
                 self._heartbeat()
-                if self._save_due():
-                    self.save()
+                stop = self._agreed_stop(save=self._save_due())
             if self._saved_step != self.step:
                 self.save()
             self.phase = "checkpoint"
             self.writer.wait()
+            self.ranks.barrier()  # kchain ddp: no rank leaves before rank 0's checkpoint is complete
             self.status = self._stop_reason or "finished"
             say(f"{self.status} at step {self.step}/{total}; checkpoint {self.checkpoint_rel()}")
+        except GeneratorExit:
+            if self.ranks.active:  # kchain ddp: a `break` on one rank must not leave the others waiting
+                self._leave_group_on_break()
+            raise
         finally:
             self._restore_signals(old_handlers)
         self.phase = "validation"  # whatever runs after the loop is usually a final evaluation
@@ -306,8 +349,22 @@ class Run:
         """The loop reached its total (False after a deadline or interrupt stop)."""
         return self.status == "finished"
 
-    def log(self, **metrics) -> None:
+    def log(self, mean_over_ranks: bool = False, **metrics) -> None:
+        """Append one row to the metrics trace (rank 0 writes it; the other ranks' calls only count).
+
+        Args:
+            mean_over_ranks: average each number over the ranks first (a collective: then every
+                rank must call run.log at the same point with the same names).
+        Example:
+            run.log(loss=loss.item(), lr=sched.get_last_lr()[0])
+            run.log(val_loss=local_val, mean_over_ranks=True)
+        """
         values = {k: _plain(v) for k, v in metrics.items()}
+        if mean_over_ranks:
+            values = {**values, **self.ranks.mean({k: v for k, v in values.items() if isinstance(v, (int, float))})}
+        if not self.is_main:
+            self.metrics.update(values)
+            return
         row = {"step": self._current or self.step, "time": round(time.time(), 3), **values}
         line = (json.dumps(row) + "\n").encode()
         if self._metrics_file is None:
@@ -347,8 +404,38 @@ class Run:
         for s, handler in (old or {}).items():
             signal.signal(s, handler)
 
+    def _agreed_stop(self, save: bool) -> bool:
+        """One all-reduce per step (kchain ddp): every rank stops, and saves, when any rank says so.
+
+        With one rank this is the local decision. The save comes before the stop, so a stop right
+        after a due save writes no second checkpoint."""
+        local = self._stop_reason if self._should_stop() else None
+        stop, save = self.ranks.agree(local, save)
+        if stop and not self._stop_reason:
+            self._stop_reason = stop
+            say(f"another rank stopped ({stop}): stopping at step {self.step} with it")
+        if save:
+            self.save()
+        return bool(stop)
+
+    def _leave_group_on_break(self) -> None:
+        """This rank broke out of run.steps after finishing its step: tell the others, save with them."""
+        self.step = self._current
+        self._stop_reason = "stopped"
+        self._agreed_stop(save=self._save_due())
+        if self._saved_step != self.step:
+            self.save()
+        self.writer.wait()
+        self.ranks.barrier()
+        self.status = "stopped"
+
     def _should_stop(self) -> bool:
         if self._stop_reason:
+            return True
+        at = self.faults.get("deadline_at_step")  # a test's clock: this rank's deadline is now
+        if at and self.step >= int(at) and str(self.rank) == self.faults.get("deadline_rank", str(self.rank)):
+            self._stop_reason = "deadline"
+            say(f"deadline (fault: this rank's clock) at step {self.step}: stopping and saving")
             return True
         step_s = max(self._step_times, default=0.0)
         save_s = max(self.stalls, default=0.0) + self.writer.last_write_s
@@ -375,7 +462,7 @@ class Run:
 
     def _heartbeat(self) -> None:
         now = time.perf_counter()
-        if self.heartbeat_s and now - self._last_heartbeat < self.heartbeat_s:
+        if not self.is_main or (self.heartbeat_s and now - self._last_heartbeat < self.heartbeat_s):
             return
         self._last_heartbeat = now
         elapsed = now - self._loop_start
@@ -384,7 +471,7 @@ class Run:
         shown = {k: v for k, v in self.metrics.items() if isinstance(v, (int, float))}
         print(heartbeat.line(
             self.step, self.total, shown, rate, self._data_wait / elapsed if elapsed > 0 else 0.0,
-            eta, self.deadline - time.time(), self._next_checkpoint(),
+            eta, self.deadline - time.time(), self._next_checkpoint(), ranks=self.world_size,
         ), flush=True)
 
     def _restore(self) -> None:
@@ -395,7 +482,12 @@ class Run:
             return
         self.phase = "resume"
         path, manifest = self._resume
+        distributed.check_world_size(path, manifest, self.world_size)
         saved = load_state(path)
+        if self.ranks.active:  # kchain ddp: this rank's own RNGs and loader positions
+            mine = saved["ranks"][self.rank]
+            saved["rng"] = mine["rng"]
+            saved["tracked"] = {**saved["tracked"], **mine["tracked"]}
         current = {name: _state_of(obj) for name, obj in self._tracked.items()}
         check_compatible(path, manifest, saved["tracked"], current, dict(self.params))
         for name, obj in self._tracked.items():
@@ -418,12 +510,20 @@ class Run:
         before, self.phase = self.phase, "checkpoint"
         t0 = time.perf_counter()
         self.writer.wait()  # one write in flight at most: bounds memory to one extra copy
+        # kchain ddp: every rank's own RNGs and loader positions go to rank 0, which writes alone.
+        per_rank = self.ranks.gather(self._rank_state()) if self.ranks.active else None
+        if not self.is_main:
+            self._saved_step = self.step
+            self._last_save = time.time()
+            self.phase = before
+            return
         state = self._snapshots.take({
             "step": self.step,
             "tracked": {name: _state_of(obj) for name, obj in self._tracked.items()},
             "rng": rng_state(),
             "metrics": self.metrics,
             "best": self.best,
+            **({"ranks": per_rank} if per_rank else {}),
         })
         if self._metrics_file is not None:
             self._metrics_file.flush()
@@ -435,6 +535,7 @@ class Run:
             "fingerprint": self.config.get("fingerprint"),
             "kchain_version": self.config.get("kchain_version"),
             "params": dict(self.params),
+            "world_size": self.world_size,
         }
         self.writer.submit(
             checkpoints=self.checkpoints, step=self.step, state=state, metrics_src=self.metrics_path,
@@ -444,6 +545,11 @@ class Run:
         self._saved_step = self.step
         self._last_save = time.time()
         self.phase = before
+
+    def _rank_state(self) -> dict:
+        """What differs between ranks (kchain ddp): the global RNGs and the per-rank tracked objects."""
+        private = {n: _state_of(o) for n, o in self._tracked.items() if distributed.per_rank(o)}
+        return {"rank": self.rank, "rng": rng_state(), "tracked": private}
 
     def checkpoint_rel(self) -> str | None:
         """The newest complete checkpoint, relative to the working dir."""
@@ -462,6 +568,7 @@ class Run:
         try:
             self.writer.wait()
         finally:
+            self.ranks.close()
             if self._metrics_file is not None:
                 self._metrics_file.close()
                 self._metrics_file = None
@@ -483,4 +590,5 @@ class Run:
             "fingerprint": self.config.get("fingerprint"),
             "resumed_from": self.resumed_from,
             "published": None,
+            "world_size": self.world_size,
         }

@@ -276,7 +276,15 @@ class Run:
         return data.find_input(name, self.input_root)
 
     def stage(self, name: str, params, build: Callable):
-        return data.stage(name, params, build, self.cache_dir, self.input_root)
+        if not self.ranks.active:
+            return data.stage(name, params, build, self.cache_dir, self.input_root)
+        # kchain ddp: rank 0 builds (or finds) the entry first; the others then load it from the cache.
+        if not self.is_main:
+            self.ranks.barrier()
+        obj = data.stage(name, params, build, self.cache_dir, self.input_root)
+        if self.is_main:
+            self.ranks.barrier()
+        return obj
 
     def subset(self, items):
         return data.subset(items, self.fraction) if self.smoke else items

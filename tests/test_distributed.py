@@ -1,3 +1,4 @@
+# ruff: noqa: F811  (the shared fixtures are imported, then requested by name)
 """Several ranks under torchrun (gloo on this CPU): exact resume, agreed stops, errors, sharding.
 
 Every run is a real `python -m kchain.runtime.launch` that starts 2 ranks through
@@ -16,6 +17,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from emulator_helpers import emulator, kaggle_api  # noqa: F401  (fixtures)
+from helpers import copy_job, invoke
 
 from kchain.runtime import distributed, layout
 from kchain.runtime.checkpoint import load_state
@@ -178,3 +181,27 @@ def test_plan_ranks():
     assert distributed.plan_ranks(two, {**kaggle, "KCHAIN_ACCELERATOR_CHECK": "off"}, cuda_count=0)[0] == 2
     cpu_job = {"train": {"gpus": "auto"}, "kaggle": {"accelerator": "none"}}
     assert distributed.plan_ranks(cpu_job, kaggle, cuda_count=0)[0] == 1
+
+
+def test_the_emulator_runs_a_two_gpu_job_as_two_ranks_and_stops_a_gpuless_session(emulator, kaggle_api, tmp_path):
+    """The same notebook: 2 gloo ranks when GPUs are granted; no-accelerator when the session has none."""
+    emulator.session_limit_s = 600  # generous: two rank processes start slowly on a busy CPU
+    small = {"steps": 6, "rows": 2000, "num_workers": 0, "eval_every": 3}
+    job = copy_job("classifier", tmp_path, train={"gpus": 2}, params=small)
+    assert invoke("render", job, "-o", tmp_path / "kernel").exit_code == 0
+    ref = "alice/blobs-classifier"
+    for version, no_gpu in ((1, False), (2, True)):
+        emulator.faults.no_gpu = no_gpu
+        assert kaggle_api.kernels_push(str(tmp_path / "kernel")).version_number == version
+        session = emulator.wait_session(ref)
+        kaggle_api.kernels_output(f"{ref}/{version}", str(tmp_path / f"out{version}"))
+        result = json.loads((tmp_path / f"out{version}" / "kchain" / layout.SUMMARY).read_text())
+        log = (tmp_path / f"out{version}" / "blobs-classifier.log").read_text()
+        if not no_gpu:
+            assert session["status"] == "COMPLETE", log
+            assert (result["status"], result["step"], result["world_size"]) == ("finished", 6, 2)
+            assert "2 ranks (gloo, CPU)" in log
+        else:
+            assert session["status"] == "ERROR"
+            assert result["status"] == "no-accelerator"
+            assert "asked for GPU T4 x2 (train.gpus: 2), got no GPU" in result["error"]["message"]

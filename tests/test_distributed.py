@@ -205,3 +205,11 @@ def test_the_emulator_runs_a_two_gpu_job_as_two_ranks_and_stops_a_gpuless_sessio
             assert session["status"] == "ERROR"
             assert result["status"] == "no-accelerator"
             assert "asked for GPU T4 x2 (train.gpus: 2), got no GPU" in result["error"]["message"]
+
+
+def test_status_shows_the_ranks_of_a_finished_session():
+    from kchain.sessions import status_table
+
+    row = {"session": 1, "version": 1, "status": "COMPLETE", "step": 6, "total": 6, "end_status": "finished",
+           "ranks": 2}
+    assert status_table([row], 0.0, 30)[1].endswith("6/6  finished, 2 ranks")

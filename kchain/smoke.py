@@ -188,9 +188,10 @@ def stopped_right(prep: Prepared, killed: Child) -> diagnose.Failure | None:
         f"{layout.CHECKPOINT_PREFIX}*"
     ))
     if not ckpts:
+        note = (killed.summary or {}).get("note") or "the run ended without writing a checkpoint"
         return diagnose.Failure(
-            "NoCheckpoint", "the run ended without writing a checkpoint; train with `for step in run.steps(total)`",
-            "checkpoint", "the training loop must use run.steps so the runtime can checkpoint and resume it",
+            "NoCheckpoint", f"{note}; train with `for step in run.steps(total)` or `for epoch in run.epochs(n)`",
+            "checkpoint", "the runtime can only checkpoint and resume a loop it drives (or one that calls run.save)",
         )
     if killed.returncode == 0:
         return diagnose.Failure(
@@ -224,8 +225,13 @@ def judge(prep: Prepared, reference: Child, killed: Child, resumed: Child | None
         resumed=traces.read_trace(traces.sandbox_trace(killed.root)) if resumed else [],
         failure=failure,
     )
+    not_exact = list((reference.summary or {}).get("not_exact") or [])
+    for line in not_exact:
+        echo(f"  not exact  {line}")
     if failure is None:
-        rows, report.failure, report.verdict = traces.judge(report.reference, report.resumed, prep.steps, 2 * prep.steps)
+        rows, report.failure, report.verdict = traces.judge(
+            report.reference, report.resumed, prep.steps, 2 * prep.steps, not_exact,
+        )
         traces.print_traces(echo, rows, prep.steps)
     report.passed = report.failure is None
     summary = (resumed.summary if resumed else None) or killed.summary or {}

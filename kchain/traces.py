@@ -57,11 +57,13 @@ def compare_traces(
     return rows, first
 
 
-def likely_cause(first: tuple[int, str], resume_step: int) -> str:
+def likely_cause(first: tuple[int, str], resume_step: int, not_exact: list[str] | None = None) -> str:
     """The state most likely missing from the checkpoint, from where the traces first part."""
     step, key = first
     if step <= resume_step:
         return "the trace before the kill differs: the training is not deterministic even without a resume"
+    if not_exact:  # the runtime already named what it cannot restore (a hand-built DataLoader, a stream)
+        return not_exact[0]
     if key.startswith("val"):
         return "only validation differs: validation uses randomness that is not seeded or tracked"
     if step == resume_step + 1:
@@ -76,7 +78,8 @@ def likely_cause(first: tuple[int, str], resume_step: int) -> str:
 
 
 def judge(
-    reference: list[dict[str, Any]], resumed: list[dict[str, Any]], resume_step: int, total_steps: int
+    reference: list[dict[str, Any]], resumed: list[dict[str, Any]], resume_step: int, total_steps: int,
+    not_exact: list[str] | None = None,
 ) -> tuple[list[Row], diagnose.Failure | None, str]:
     """Compare an uninterrupted trace with a killed-and-resumed one: (rows, failure or None, verdict)."""
     rows, first = compare_traces(reference, resumed)
@@ -100,7 +103,7 @@ def judge(
     if first is not None:
         return rows, diagnose.Failure(
             "ResumeMismatch", f"{first[1]} at step {first[0]} differs from the uninterrupted run",
-            "resume", likely_cause(first, resume_step),
+            "resume", likely_cause(first, resume_step, not_exact),
         ), ""
     biggest = max(abs(r[2] - (r[3] or 0.0)) for r in rows)
     return rows, None, (

@@ -9,18 +9,21 @@ depend on which worker gets the batch or on what the process did before.
 
 from __future__ import annotations
 
+import contextlib
+import dis
 import hashlib
 import json
 import os
 import random
 import shutil
+import sys
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset, Subset, default_collate
+from torch.utils.data import DataLoader, Dataset, IterableDataset, Subset, default_collate
 
 from . import distributed, layout
 
@@ -75,13 +78,10 @@ class _Descriptors:
 
     def __iter__(self):
         lo = self.loader
-        order = lo.order(lo.epoch)
-        for b in range(lo.position, len(lo)):
-            if lo.world_size > 1:  # kchain ddp: this rank's share of global batch b (distributed.shard)
-                rows = distributed.shard(order, lo.batch_size, b, lo.rank, lo.world_size)
-                yield (lo.epoch, b * lo.world_size + lo.rank, rows)
-                continue
-            yield (lo.epoch, b, order[b * lo.batch_size : (b + 1) * lo.batch_size].tolist())
+        batches = lo.batches(lo.epoch)
+        for b in range(lo.position, len(batches)):
+            # kchain ddp: with several ranks each rank's share of global batch b has its own seed
+            yield (lo.epoch, b * lo.world_size + lo.rank if lo.world_size > 1 else b, batches[b])
 
     def __len__(self):
         return len(self.loader) - self.loader.position
@@ -91,17 +91,59 @@ def _identity(batch):
     return batch
 
 
+@contextlib.contextmanager
+def _seeded_global_rngs(seed: int):
+    """The global python/numpy/torch RNGs seeded for the block, then put back as they were."""
+    saved = random.getstate(), np.random.get_state(), torch.get_rng_state()
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.default_generator.manual_seed(seed)
+    try:
+        yield
+    finally:
+        random.setstate(saved[0])
+        np.random.set_state(saved[1])
+        torch.set_rng_state(saved[2])
+
+
+def _draw(source, seed: int, epoch: int) -> list:
+    """One epoch of a sampler or batch sampler, the same for the same (seed, epoch) in every process.
+
+    The sampler's own generator (RandomSampler, WeightedRandomSampler) is swapped for a seeded one
+    for the draw, and the global RNGs are seeded around it for samplers that use those instead.
+    """
+    if hasattr(source, "set_epoch"):  # DistributedSampler and friends
+        source.set_epoch(epoch)
+    holder = getattr(source, "sampler", source)  # a BatchSampler draws from its sampler
+    s = mix_seed(seed, epoch)
+    own = getattr(holder, "generator", None)
+    with _seeded_global_rngs(s):
+        if own is not None:
+            holder.generator = torch.Generator().manual_seed(s)
+        try:
+            return [list(b) if isinstance(b, (list, tuple)) else b for b in source]
+        finally:
+            if own is not None:
+                holder.generator = own
+
+
 class Loader:
     """A DataLoader whose position is checkpointed; counts batches delivered, not prefetched.
 
-    `next(loader)` returns the next batch and moves into the next epoch by itself (the step-based
-    loop); `for batch in loader` iterates the rest of the current epoch.
+    One rule for the two ways to read it: `next(loader)` returns the next batch and moves into the
+    next epoch by itself (the `run.steps` loop); `for batch in loader` iterates the rest of the
+    current epoch and then ends (the `run.epochs` loop). Under `run.epochs`, each batch handed out
+    by `for` is one step: the step ends when the loop asks for the next batch.
+
+    The order of an epoch comes from (seed, epoch): a shuffle, or one draw of the given `sampler`
+    or `batch_sampler` (see _draw). An IterableDataset has no order to draw: its epoch is replayed
+    from the start and the batches already trained are skipped on resume.
     """
 
     def __init__(
         self,
         dataset,
-        batch_size: int,
+        batch_size: int | None,
         shuffle: bool = True,
         num_workers: int = 0,
         drop_last: bool = False,
@@ -109,6 +151,8 @@ class Loader:
         seed: int = 0,
         pin_memory: bool = False,
         on_wait: Callable[[float], None] | None = None,
+        sampler=None,
+        batch_sampler=None,
         rank: int = 0,
         world_size: int = 1,
     ):
@@ -118,10 +162,33 @@ class Loader:
         self.shuffle = shuffle
         self.drop_last = drop_last
         self.seed = seed
+        self.sampler = sampler
+        self.batch_sampler = batch_sampler
+        self.iterable = isinstance(dataset, IterableDataset)
+        if world_size > 1 and (self.iterable or batch_sampler is not None):
+            print(
+                f"[kchain] WARNING: run.loader shards a dataset or a sampler across the {world_size} ranks, not "
+                f"{'an IterableDataset' if self.iterable else 'a batch_sampler'}: every rank reads the same "
+                "batches unless it shards them itself by run.rank",
+                flush=True,
+            )
         self.epoch = 0
         self.position = 0  # batches of this epoch already handed to the user
+        self.run = None  # the Run whose epoch loop this loader drives (set by run.epochs)
         self._on_wait = on_wait
         self._it = None
+        self._skip = 0  # batches of an iterable epoch to drop after a resume
+        self._drawn: tuple[int, list] | None = None
+        # Its own generator: DataLoader draws a base seed per iterator, which must not come from
+        # (and shift) the global torch RNG that dropout uses. Reseeded per epoch (see _fetch).
+        self._gen = torch.Generator().manual_seed(seed)
+        if self.iterable:
+            self._dl = DataLoader(
+                dataset, batch_size=batch_size, num_workers=num_workers, drop_last=drop_last,
+                collate_fn=collate_fn or default_collate, pin_memory=pin_memory,
+                persistent_workers=False, generator=self._gen,
+            )
+            return
         self._dl = DataLoader(
             _Batches(dataset, collate_fn or default_collate, seed, in_main_process=num_workers == 0),
             batch_size=None,
@@ -131,13 +198,15 @@ class Loader:
             pin_memory=pin_memory,
             # Workers live across epochs (no fork per epoch); the sampler is re-read at each reset.
             persistent_workers=num_workers > 0,
-            # Its own generator: DataLoader draws a base seed per iterator, which must not come
-            # from (and shift) the global torch RNG that dropout uses.
-            generator=torch.Generator().manual_seed(seed),
+            generator=self._gen,
         )
 
     def __len__(self):
-        n = len(self.dataset)
+        if self.iterable:
+            return len(self._dl)  # TypeError when the stream has no length, as DataLoader does
+        if self.batch_sampler is not None:
+            return len(self.batch_sampler)
+        n = len(self.sampler) if self.sampler is not None else len(self.dataset)
         if self.world_size > 1:  # kchain ddp: global batches; each rank takes one micro-batch of each
             return distributed.batches_per_rank(n, self.batch_size, self.world_size, self.drop_last)
         return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
@@ -148,10 +217,32 @@ class Loader:
             return torch.arange(n)
         return torch.randperm(n, generator=torch.Generator().manual_seed(mix_seed(self.seed, epoch)))
 
+    def batches(self, epoch: int) -> list[list[int]]:
+        """The index lists of every batch of `epoch` (drawn once per epoch)."""
+        if self._drawn is not None and self._drawn[0] == epoch:
+            return self._drawn[1]
+        if self.batch_sampler is not None:
+            out = _draw(self.batch_sampler, self.seed, epoch)
+        else:
+            idx = _draw(self.sampler, self.seed, epoch) if self.sampler is not None else self.order(epoch).tolist()
+            bs = self.batch_size
+            out = [idx[i : i + bs] for i in range(0, len(idx), bs)]
+            if self.drop_last and out and len(out[-1]) < bs:
+                out.pop()
+            if self.world_size > 1:  # kchain ddp: this rank's share of each global batch
+                out = [distributed.shard(idx, bs, b, self.rank, self.world_size) for b in range(len(self))]
+        self._drawn = (epoch, out)
+        return out
+
     def _fetch(self):
         """The next batch of this epoch; StopIteration at its end."""
         if self._it is None:
+            self._gen.manual_seed(mix_seed(self.seed, self.epoch))  # worker seeds depend on the epoch only
             self._it = iter(self._dl)
+            if self.iterable:
+                for _ in range(self._skip):  # replay the stream up to where the checkpoint was
+                    next(self._it)
+                self._skip = 0
         t0 = time.perf_counter()
         batch = next(self._it)
         if self._on_wait:
@@ -172,26 +263,57 @@ class Loader:
             return self._fetch()  # an empty dataset raises StopIteration here, as it should
 
     def __iter__(self):
+        run = self.run
         while True:
+            if run is not None and not run._may_start_step():
+                return  # deadline, signal or step cap: the epoch loop ends here, saved
             try:
                 batch = self._fetch()
             except StopIteration:
                 self._next_epoch()
                 return
-            yield batch
+            if run is None:
+                yield batch
+                continue
+            step = run.step + 1
+            t0 = run._start_step(step)
+            try:
+                yield batch
+            except GeneratorExit:
+                if left_on_purpose():  # `break` out of the batches: the batch counts as done
+                    run._end_step(step, t0)
+                raise
+            run._end_step(step, t0)
 
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "position": self.position, "seed": self.seed, "batches": len(self)}
+        return {"epoch": self.epoch, "position": self.position, "seed": self.seed, "batches": self._length()}
+
+    def _length(self) -> int | None:
+        try:
+            return len(self)
+        except TypeError:
+            return None
 
     def load_state_dict(self, state: dict) -> None:
-        if state.get("seed", self.seed) != self.seed or state.get("batches", len(self)) != len(self):
+        if state.get("seed", self.seed) != self.seed or state.get("batches", self._length()) != self._length():
             print(
                 f"[kchain] WARNING: loader seed/batches changed ({state.get('seed')}/{state.get('batches')} -> "
-                f"{self.seed}/{len(self)}); the data order after the resume is not the original one",
+                f"{self.seed}/{self._length()}); the data order after the resume is not the original one",
                 flush=True,
             )
         self.epoch, self.position = state["epoch"], state["position"]
+        self._skip = self.position if self.iterable else 0
         self._it = None  # prefetched batches belong to the old position
+
+
+def left_on_purpose() -> bool:
+    """Called while a loop generator handles GeneratorExit: True when the user's loop was left by
+    `break` or `return` (the frame closing the generator is popping it off its stack), False when
+    an exception is unwinding through the loop (its last instruction is a raise or a call).
+    Checked on CPython 3.10, 3.11 and 3.12.
+    """
+    frame = sys._getframe(2)
+    return dis.opname[frame.f_code.co_code[frame.f_lasti]] == "POP_TOP"
 
 
 # --- staging -----------------------------------------------------------------------------------

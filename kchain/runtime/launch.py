@@ -57,8 +57,8 @@ def main(argv: list[str]) -> int:
         run.phase = "build"
         entry = getattr(importlib.import_module(module_name), func_name or "main")
         entry(run)
-        if run.status == "running":  # main returned without finishing run.steps (e.g. broke out)
-            run.status = "finished"
+        if run.status == "running":
+            run.end_without_loop()
     except KeyboardInterrupt:
         if run is not None:
             run.status = "interrupted"

@@ -8,6 +8,10 @@ import torch
 
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 BF16_MIN_CAPABILITY = (8, 0)  # Ampere: bf16 tensor cores; older GPUs emulate it slowly
+FP16_WITHOUT_SCALER = (
+    "run.autocast() in fp16 without run.optimize: no GradScaler, so small gradients underflow to zero; "
+    "step the optimizer through trainer = run.optimize(opt) (it scales the loss), or set train.precision: bf16/fp32"
+)
 
 
 def choose_device() -> tuple[torch.device, str]:
@@ -17,19 +21,25 @@ def choose_device() -> tuple[torch.device, str]:
     return torch.device("cpu"), "no CUDA device visible (torch.cuda.is_available() is False)"
 
 
-def choose_dtype(device: torch.device, requested: str = "auto") -> tuple[torch.dtype, str]:
-    """The autocast dtype and why; fp32 means autocast is off."""
+def choose_dtype(device: torch.device, requested: str = "auto",
+                 capability: tuple[int, int] | None = None) -> tuple[torch.dtype, str]:
+    """The autocast dtype and why; fp32 means autocast is off. `capability` overrides the GPU's."""
     if requested not in PRECISIONS:
         raise ValueError(f"train.precision is {requested!r}; use one of {', '.join(PRECISIONS)}")
     if device.type != "cuda":
         why = "CPU: autocast is off" + ("" if requested in ("auto", "fp32") else f" (asked for {requested})")
         return torch.float32, why
-    cap = torch.cuda.get_device_capability(device)
+    cap = torch.cuda.get_device_capability(device) if capability is None else capability
     if requested == "fp32":
         return torch.float32, "train.precision: fp32"
     if requested == "fp16":
         return torch.float16, "train.precision: fp16 (with GradScaler)"
     if requested == "bf16":
+        if cap < BF16_MIN_CAPABILITY:
+            raise ValueError(
+                f"train.precision is bf16 but this GPU (compute capability {cap[0]}.{cap[1]}, e.g. a T4) "
+                "has no bf16 support (it needs 8.0+, e.g. an A100 or L4); use precision auto or fp16"
+            )
         return torch.bfloat16, "train.precision: bf16"
     if cap >= BF16_MIN_CAPABILITY:
         return torch.bfloat16, f"auto: compute capability {cap[0]}.{cap[1]} >= 8.0 supports bf16"

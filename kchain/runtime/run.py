@@ -9,6 +9,7 @@ deadline, on SIGTERM/SIGINT and at the end.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import re
@@ -20,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from torch.utils.data import BatchSampler, DataLoader, Dataset, RandomSampler, SequentialSampler
 
 from . import data, distributed, heartbeat, layout, precision, preflight
 from .checkpoint import (
@@ -43,7 +45,9 @@ SHORT_LIMIT_MARGIN = 0.2  # with an overridden (short, local) limit, keep at mos
 DEFAULT_HEARTBEAT_S = 60
 DEFAULT_SMOKE_FRACTION = 0.05
 DEFAULT_SMOKE_STEPS = 20
-STEP_TIME_WINDOW = 5  # the deadline guard plans with the slowest of the last few steps
+STEP_TIME_WINDOW = 5
+PLAIN_LOADER_NOTE = "data order: a DataLoader not made by run.loader restarts its order on resume"
+NO_LOOP_NOTE = "no checkpoint was written: the loop did not use run.steps"  # the deadline guard plans with the slowest of the last few steps
 
 
 class Params(dict):
@@ -93,6 +97,18 @@ def _load_into(obj, state) -> None:
         obj.bit_generator.state = state
     else:
         obj.load_state_dict(state)
+
+
+def match_module_prefix(saved: dict, live: dict) -> dict:
+    """Add or strip the `module.` prefix nn.DataParallel / DDP put on every key, to match `live`."""
+    p = "module."
+    saved_wrapped = bool(saved) and all(k.startswith(p) for k in saved)
+    live_wrapped = bool(live) and all(k.startswith(p) for k in live)
+    if saved_wrapped and not live_wrapped:
+        return {k[len(p):]: v for k, v in saved.items()}
+    if live_wrapped and not saved_wrapped:
+        return {p + k: v for k, v in saved.items()}
+    return saved
 
 
 def _plain(v):
@@ -156,16 +172,25 @@ class Run:
         self.session = 1
         self.resumed_from: int | None = None
         self.status = "running"
+        self.note: str | None = None  # one line for the summary when the status needs a why
         self.phase = "build"  # what the code is doing, for a crash report
         self.metrics: dict = {}
         self.best: dict | None = None
         self._tracked: dict[str, object] = {}
-        self._n_loaders = 0
+        self.not_exact: list[str] = []  # what a resume cannot restore exactly, one line each
+        self._loaders: list[data.Loader] = []
+        self._scaled = False  # run.optimize made a GradScaler
+        self._warned_fp16 = False
         self._current = 0  # the step whose body is running
         self._restored = False
         self._stop_reason: str | None = None
         self._saved_step: int | None = None
         self._step_times: list[float] = []
+        self._every_n: int | None = None  # the n of run.every(n), for the deadline plan
+        self._eval_step: int | None = None
+        self._eval_s = 0.0  # the longest step that ran run.every's evaluation
+        self._loop_used = False  # run.steps / run.epochs / run.save / run.restore was used
+        self._old_handlers = None
         self._data_wait = 0.0
         self._loop_start: float | None = None
         self._loop_steps = 0
@@ -226,7 +251,11 @@ class Run:
     # --- registration ---------------------------------------------------------------------------
 
     def track(self, **objects) -> None:
-        """Register what a checkpoint must hold, by name (names must stay the same across sessions)."""
+        """Register what a checkpoint must hold, by name (names must stay the same across sessions).
+
+        Example: `run.track(model=model, sched=sched, ema=ema_model)`. A name already used for
+        another object is an error: two objects under one name would overwrite each other.
+        """
         for name, obj in objects.items():
             ok = hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")
             if not (ok or isinstance(obj, (torch.Generator, np.random.Generator))):
@@ -242,32 +271,87 @@ class Run:
                 )
             if any(o is obj for o in self._tracked.values()):
                 continue
+            if name in self._tracked:
+                raise ValueError(
+                    f"run.track({name}=...): the name {name!r} already tracks a {type(self._tracked[name]).__name__}; "
+                    "give each object its own name (e.g. run.optimize(opt, name='disc_opt'))"
+                )
             self._tracked[name] = obj
 
-    def loader(self, dataset, batch_size: int, shuffle: bool = True, num_workers: int = 0,
-               drop_last: bool = False, collate_fn: Callable | None = None) -> data.Loader:
-        """A DataLoader whose position is checkpointed (registered automatically)."""
-        self._n_loaders += 1
+    def _free_name(self, base: str) -> str:
+        """base, base2, base3, ...: the first not tracked yet (stable while the code is the same)."""
+        n = 1
+        while (name := base if n == 1 else f"{base}{n}") in self._tracked:
+            n += 1
+        return name
+
+    def loader(self, dataset, batch_size: int | None = None, shuffle: bool = True, num_workers: int = 0,
+               drop_last: bool = False, collate_fn: Callable | None = None, sampler=None,
+               batch_sampler=None, name: str | None = None):
+        """A DataLoader whose position is checkpointed (registered automatically).
+
+        `dataset` may also be a DataLoader you built (rebuilt here with its dataset, batch size,
+        sampler and collate_fn), or any loader with state_dict/load_state_dict (e.g. torchdata's
+        StatefulDataLoader), which is tracked as it is. Example:
+        `loader = run.loader(train, batch_size=64, sampler=WeightedRandomSampler(w, len(w)))`.
+        """
+        name = name or self._free_name("loader")
+        if not isinstance(dataset, (Dataset, DataLoader)) and hasattr(dataset, "state_dict") \
+                and hasattr(dataset, "load_state_dict") and hasattr(dataset, "__iter__"):
+            self.track(**{name: dataset})  # a stateful loader: its own state_dict is the position
+            return dataset
+        if isinstance(dataset, DataLoader):
+            dl = dataset
+            dataset, num_workers, collate_fn = dl.dataset, dl.num_workers, dl.collate_fn
+            batch_size, drop_last = dl.batch_size, dl.drop_last
+            if isinstance(dl.sampler, RandomSampler) and dl.sampler.generator is None:
+                shuffle = True
+            elif isinstance(dl.sampler, SequentialSampler):
+                shuffle = False
+            elif dl.batch_size is None or not isinstance(dl.batch_sampler, BatchSampler):
+                batch_sampler = dl.batch_sampler
+            else:
+                sampler = dl.sampler
+        if batch_sampler is None and batch_size is None:
+            raise TypeError(f"run.loader({type(dataset).__name__}): give batch_size= (or a batch_sampler=)")
         lo = data.Loader(
             dataset, batch_size, shuffle=shuffle, num_workers=num_workers, drop_last=drop_last,
             collate_fn=collate_fn, seed=self.seed, pin_memory=self.device.type == "cuda", on_wait=self._add_wait,
-            rank=self.rank, world_size=self.world_size,
+            sampler=sampler, batch_sampler=batch_sampler, rank=self.rank, world_size=self.world_size,
         )
-        self.track(**{"loader" if self._n_loaders == 1 else f"loader{self._n_loaders}": lo})
+        self._loaders.append(lo)
+        if lo.iterable:
+            self.not_exact.append(
+                f"data order: {name} reads an IterableDataset; a resume replays its epoch and skips the "
+                "batches already trained, exact only if the stream yields the same items each time"
+            )
+        self.track(**{name: lo})
         return lo
 
-    def optimize(self, optimizer, accumulate: int = 1, clip: float | None = None, track: bool = True):
-        """A Trainer: .backward(loss) accumulate times, then .step()."""
+    def optimize(self, optimizer, accumulate: int = 1, clip: float | None = None, track: bool = True,
+                 name: str | None = None):
+        """A Trainer: .backward(loss) accumulate times, then .step().
+
+        The optimizer (and the GradScaler fp16 needs) is tracked as `name`, by default `optimizer`,
+        then `optimizer2`, ... for a second one (a GAN's discriminator). Example:
+        `g = run.optimize(opt_g, name="gen"); d = run.optimize(opt_d, name="disc")`.
+        """
         scaler = None
         if self.dtype == torch.float16:
             scaler = torch.amp.GradScaler(self.device.type)
         if track:
-            self.track(optimizer=optimizer)
+            opt_name = name or self._free_name("optimizer")
+            self.track(**{opt_name: optimizer})
             if scaler is not None:
-                self.track(scaler=scaler)
+                self.track(**{f"{name}_scaler" if name else self._free_name("scaler"): scaler})
+        self._scaled = self._scaled or scaler is not None
         return precision.Trainer(optimizer, accumulate=accumulate, clip=clip, scaler=scaler)
 
     def autocast(self):
+        """Mixed precision for the forward pass (a no-op on CPU and with precision fp32)."""
+        if self.dtype == torch.float16 and not self._scaled and not self._warned_fp16:
+            self._warned_fp16 = True
+            warn(precision.FP16_WITHOUT_SCALER)
         return precision.autocast(self.device, self.dtype)
 
     # --- data -----------------------------------------------------------------------------------
@@ -300,56 +384,152 @@ class Run:
     # --- the loop -------------------------------------------------------------------------------
 
     def steps(self, total: int):
-        """Yield step numbers restored_step+1 .. total; save on cadence, at the deadline and at the end."""
-        if self._total_cap is not None:
-            total = min(total, self._total_cap)
-        elif self.smoke:  # the smoke driver sets the cap itself (steps, then as many after the kill)
-            total = min(total, self._smoke_steps)
-        self.total = total
+        """Yield step numbers restored_step+1 .. total; save on cadence, at the deadline and at the end.
+
+        `break` (or `return`) out of the loop is an early stop: the step reached is counted and
+        saved, and the session ends with status `stopped`.
+        """
+        self.total = self._capped(total)
         self._restore()
-        old_handlers = self._install_signals()
+        self._begin_loop()
+        step = self.step
+        try:
+            while step < self.total:
+                if self._should_stop():
+                    break
+                step += 1
+                t0 = self._start_step(step)
+                try:
+                    yield step
+                except GeneratorExit:
+                    if data.left_on_purpose():
+                        self._end_step(step, t0, save=False)
+                        if self.ranks.active and step < self.total:  # kchain ddp: the others stop with it
+                            self._stop_reason = self._stop_reason or "stopped"
+                            self._should_stop()
+                        self._finish_loop(stopped=step < self.total)
+                    raise
+                self._end_step(step, t0)
+            self._finish_loop()
+        finally:
+            self._end_loop()
+
+    def epochs(self, total: int, loader: data.Loader | None = None):
+        """Yield epoch numbers from the restored one to total-1; `for batch in loader` inside.
+
+        Each batch is one step: saved on the job's cadence between batches, so a resume starts
+        mid-epoch at the next batch, with the same shuffle. `loader` is the first run.loader by
+        default. Example::
+
+            for epoch in run.epochs(10):
+                for x, y in loader:
+                    ...
+                    run.log(loss=loss)
+                sched.step()
+        """
+        lo = loader or (self._loaders[0] if self._loaders else None)
+        if lo is None:
+            raise RuntimeError("run.epochs needs a loader made by run.loader (make it before the loop)")
+        self.total = self._capped(total * len(lo))
+        self._restore()
+        self._begin_loop()
+        lo.run = self
+        try:
+            while lo.epoch < total and self._may_start_step():
+                epoch = lo.epoch
+                try:
+                    yield epoch
+                except GeneratorExit:
+                    if data.left_on_purpose():
+                        nxt = epoch + 1 if lo.epoch == epoch else lo.epoch
+                        if self.ranks.active and nxt < total and self.step < self.total:
+                            self._stop_reason = self._stop_reason or "stopped"  # kchain ddp: agreed
+                            self._should_stop()
+                        self._finish_loop(stopped=True)
+                    raise
+                if lo.epoch == epoch and not self._stop_reason:
+                    lo._next_epoch()  # the batches were left early: the rest of this epoch is skipped
+            self._finish_loop()
+        finally:
+            lo.run = None
+            self._end_loop()
+
+    def _may_start_step(self) -> bool:
+        """False once the loop must end: the step cap reached, or a deadline or signal stop."""
+        return self.step < self.total and not self._should_stop()
+
+    def _capped(self, total: int) -> int:
+        if self._total_cap is not None:
+            return min(total, self._total_cap)
+        if self.smoke:  # the smoke driver sets the cap itself (steps, then as many after the kill)
+            return min(total, self._smoke_steps)
+        return total
+
+    def _begin_loop(self) -> None:
+        self._loop_used = True
+        self._note_plain_loaders()
+        self._old_handlers = self._install_signals()
         self._loop_start = time.perf_counter()
         self._last_save = time.time()
+
+    def _start_step(self, step: int) -> float:
+        self._current = step
+        self.phase = "step"
+        return time.perf_counter()
+
+    def _end_step(self, step: int, t0: float, save: bool = True) -> None:
+        """The body of `step` ran to its end: count it, and save when the cadence says so."""
         stall = float(self.faults.get("stall_step", 0))
-        kill_at = int(self.faults.get("kill_at_step", -1))
-        try:
-            step = self.step
-            stop = self._agreed_stop(save=False)
-            while step < total and not stop:
-                step += 1
-                self._current = step
-                self.phase = "step"
-                t0 = time.perf_counter()
-                yield step
-                if stall:
-                    time.sleep(stall)
-                if step == kill_at:
-                    self.ranks.kill_all()  # a real death of every rank: nothing below runs
-                self.step = step
-                self._loop_steps += 1
-                self._step_times = (self._step_times + [time.perf_counter() - t0])[-STEP_TIME_WINDOW:]
-                self._heartbeat()
-                stop = self._agreed_stop(save=self._save_due())
-            if self._saved_step != self.step:
-                self.save()
-            self.phase = "checkpoint"
-            self.writer.wait()
-            self.ranks.barrier()  # kchain ddp: no rank leaves before rank 0's checkpoint is complete
-            self.status = self._stop_reason or "finished"
-            say(f"{self.status} at step {self.step}/{total}; checkpoint {self.checkpoint_rel()}")
-        except GeneratorExit:
-            if self.ranks.active:  # kchain ddp: a `break` on one rank must not leave the others waiting
-                self._leave_group_on_break()
-            raise
-        finally:
-            self._restore_signals(old_handlers)
+        if stall:
+            time.sleep(stall)
+        if step == int(self.faults.get("kill_at_step", -1)):
+            self.ranks.kill_all()  # a real death (of every rank): nothing below runs
+        self.step = step
+        self._loop_steps += 1
+        took = time.perf_counter() - t0
+        self._step_times = (self._step_times + [took])[-STEP_TIME_WINDOW:]
+        if self._eval_step == step:  # a step that ran run.every's evaluation: remembered apart
+            self._eval_s = max(self._eval_s, took)
+        self._heartbeat()
+        # kchain ddp: with several ranks the save is agreed at the start of the next step (_should_stop)
+        if save and not self.ranks.active and self._save_due():
+            self.save()
+
+    def _finish_loop(self, stopped: bool = False) -> None:
+        if stopped:
+            self._stop_reason = self._stop_reason or "stopped"
+        if self._saved_step != self.step:
+            self.save()
+        self.phase = "checkpoint"
+        self.writer.wait()
+        self.ranks.barrier()  # kchain ddp: no rank leaves before rank 0's checkpoint is complete
+        self.status = self._stop_reason or "finished"
+        say(f"{self.status} at step {self.step}/{self.total}; checkpoint {self.checkpoint_rel()}")
         self.phase = "validation"  # whatever runs after the loop is usually a final evaluation
+
+    def _note_plain_loaders(self) -> None:
+        """Name any torch DataLoader the user built (not via run.loader): it restarts on resume."""
+        ours = {id(lo._dl) for lo in self._loaders}
+        tracked = {id(o) for o in self._tracked.values()}
+        # type(o), not isinstance: isinstance reads __class__, which some torch objects warn on
+        plain = [o for o in gc.get_objects()
+                 if issubclass(type(o), DataLoader) and id(o) not in ours and id(o) not in tracked]
+        if plain and not any(line.startswith(PLAIN_LOADER_NOTE) for line in self.not_exact):
+            self.not_exact.append(f"{PLAIN_LOADER_NOTE} (pass it to run.loader(...) to keep its place)")
+        for line in self.not_exact:
+            warn(f"not exact on resume: {line}")
+
+    def _end_loop(self) -> None:
+        self._restore_signals(self._old_handlers)
+        self._old_handlers = None
 
     def every(self, n: int) -> bool:
         """True every n steps and on the last step; that step's crash stage is 'validation'."""
+        self._every_n = n
         hit = self._current % n == 0 or self._current == self.total
         if hit:
             self.phase = "validation"
+            self._eval_step = self._current
         return hit
 
     @property
@@ -368,12 +548,14 @@ class Run:
             run.log(val_loss=local_val, mean_over_ranks=True)
         """
         values = {k: _plain(v) for k, v in metrics.items()}
+        # step=... names the step in a loop kchain does not drive (run.restore / run.save).
+        step = values.pop("step", None) or self._current or self.step
         if mean_over_ranks:
             values = {**values, **self.ranks.mean({k: v for k, v in values.items() if isinstance(v, (int, float))})}
         if not self.is_main:
             self.metrics.update(values)
             return
-        row = {"step": self._current or self.step, "time": round(time.time(), 3), **values}
+        row = {"step": step, "time": round(time.time(), 3), **values}
         line = (json.dumps(row) + "\n").encode()
         if self._metrics_file is None:
             self._metrics_file = open(self.metrics_path, "ab")
@@ -413,31 +595,30 @@ class Run:
             signal.signal(s, handler)
 
     def _agreed_stop(self, save: bool) -> bool:
-        """One all-reduce per step (kchain ddp): every rank stops, and saves, when any rank says so.
+        """One all-reduce (kchain ddp): every rank stops, and saves, when any rank says so.
 
-        With one rank this is the local decision. The save comes before the stop, so a stop right
-        after a due save writes no second checkpoint."""
-        local = self._stop_reason if self._should_stop() else None
+        The save comes before the stop, so a stop right after a due save writes no second checkpoint."""
+        local = self._stop_reason if self._local_stop() else None
         stop, save = self.ranks.agree(local, save)
         if stop and not self._stop_reason:
-            self._stop_reason = stop
             say(f"another rank stopped ({stop}): stopping at step {self.step} with it")
+        if stop:
+            self._stop_reason = stop
         if save:
             self.save()
         return bool(stop)
 
-    def _leave_group_on_break(self) -> None:
-        """This rank broke out of run.steps after finishing its step: tell the others, save with them."""
-        self.step = self._current
-        self._stop_reason = "stopped"
-        self._agreed_stop(save=self._save_due())
-        if self._saved_step != self.step:
-            self.save()
-        self.writer.wait()
-        self.ranks.barrier()
-        self.status = "stopped"
-
     def _should_stop(self) -> bool:
+        """Whether the loop must end before the next step (checked at the start of every step)."""
+        if not self.ranks.active:
+            return self._local_stop()
+        # kchain ddp: one all-reduce at the start of each step decides for every rank, and saves
+        # the step just finished when any rank's cadence says so.
+        due = self._loop_steps > 0 and self._saved_step != self.step and self._save_due()
+        return self._agreed_stop(save=due)
+
+    def _local_stop(self) -> bool:
+        """This process's own view: a signal, the deadline guard, or a test's deadline fault."""
         if self._stop_reason:
             return True
         at = self.faults.get("deadline_at_step")  # a test's clock: this rank's deadline is now
@@ -446,6 +627,11 @@ class Run:
             say(f"deadline (fault: this rank's clock) at step {self.step}: stopping and saving")
             return True
         step_s = max(self._step_times, default=0.0)
+        nxt = self.step + 1
+        if self._every_n and (nxt % self._every_n == 0 or nxt == self.total):
+            # The next step runs run.every's evaluation: plan with the longest such step seen,
+            # which may have left the window of recent steps long ago.
+            step_s = max(step_s, self._eval_s)
         save_s = max(self.stalls, default=0.0) + self.writer.last_write_s
         left = self.deadline - time.time()
         if left < step_s + save_s:
@@ -482,6 +668,21 @@ class Run:
             eta, self.deadline - time.time(), self._next_checkpoint(), ranks=self.world_size,
         ), flush=True)
 
+    def restore(self) -> int:
+        """Load the newest checkpoint into everything tracked; returns the step it resumes at (0 fresh).
+
+        For a loop kchain cannot drive; `run.steps` calls this itself. Example::
+
+            start = run.restore()
+            for step in range(start + 1, total + 1):
+                train_one_step()
+                if step % 500 == 0 or step == total:
+                    run.save(step)
+        """
+        self._restore()
+        self._loop_used = True
+        return self.step
+
     def _restore(self) -> None:
         if self._restored:
             return
@@ -496,6 +697,10 @@ class Run:
             mine = saved["ranks"][self.rank]
             saved["rng"] = mine["rng"]
             saved["tracked"] = {**saved["tracked"], **mine["tracked"]}
+        for name, obj in self._tracked.items():
+            live = distributed.unwrap(obj)  # DDP: checkpoints hold the inner module's keys
+            if isinstance(live, torch.nn.Module) and isinstance(saved["tracked"].get(name), dict):
+                saved["tracked"][name] = match_module_prefix(saved["tracked"][name], live.state_dict())
         current = {name: _state_of(obj) for name, obj in self._tracked.items()}
         check_compatible(path, manifest, saved["tracked"], current, dict(self.params))
         for name, obj in self._tracked.items():
@@ -513,8 +718,15 @@ class Run:
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(manifest.get("time", 0))))
         say(f"resumed from step {self.step} ({path}, saved at {when})")
 
-    def save(self) -> None:
-        """Snapshot the state (blocking) and write it in the background."""
+    def save(self, step: int | None = None) -> None:
+        """Checkpoint everything tracked as `step` (default: the step reached), as run.steps does.
+
+        The snapshot blocks; the write runs in the background. See run.restore for an example.
+        """
+        if step is not None:
+            self._restore()  # a save before any restore would hide the checkpoint to resume from
+            self.step = self._current = step
+            self._loop_used = True
         before, self.phase = self.phase, "checkpoint"
         t0 = time.perf_counter()
         self.writer.wait()  # one write in flight at most: bounds memory to one extra copy
@@ -571,6 +783,16 @@ class Run:
         except ValueError:
             return str(path)
 
+    def end_without_loop(self) -> None:
+        """main(run) returned while the status is still `running`: say whether anything was saved."""
+        if self._saved_step is not None or self.writer.last_path is not None:
+            self.writer.wait()
+            self.status = "finished"  # a hand-written loop that called run.save()
+            return
+        self.status = "no_checkpoint"
+        self.note = NO_LOOP_NOTE
+        warn(NO_LOOP_NOTE)
+
     def close(self) -> None:
         """Join the writer (no write is ever left in flight) and close the trace."""
         try:
@@ -598,5 +820,7 @@ class Run:
             "fingerprint": self.config.get("fingerprint"),
             "resumed_from": self.resumed_from,
             "published": None,
+            "note": self.note,
+            "not_exact": self.not_exact,
             "world_size": self.world_size,
         }

@@ -76,6 +76,9 @@ class TrainSpec(_Strict):
     precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
     # Ranks (one per GPU) under torchrun; auto: every visible GPU. 2 on the CPU: 2 gloo ranks.
     gpus: Literal["auto", 1, 2] = "auto"
+    # auto: on out-of-memory at the first step, halve run.loader's batch and double run.optimize's
+    # accumulation (the effective batch stays the same); the size that fitted is in the checkpoint.
+    micro_batch: Literal["auto", "off"] = "off"
 
     @field_validator("checkpoint_every")
     @classmethod
@@ -293,6 +296,7 @@ def runtime_config(job: Job) -> dict[str, Any]:
             "heartbeat_s": parse_duration(job.train.heartbeat),
             "precision": job.train.precision,
             "gpus": job.train.gpus,
+            "micro_batch": job.train.micro_batch,
         },
         "smoke": {"fraction": job.smoke.fraction, "steps": job.smoke.steps},
     }

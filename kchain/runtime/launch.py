@@ -38,7 +38,7 @@ def main(argv: list[str]) -> int:
         print("usage: python -m kchain.runtime.launch CONFIG_JSON", file=sys.stderr)
         return 2
     config = json.loads(Path(argv[1]).read_text())
-    from . import distributed  # torch is imported here, after the clock started
+    from . import distributed, ladder  # torch is imported here, after the clock started
     from .run import Run
 
     if not distributed.in_ranks(os.environ):  # kchain ddp: how many ranks, and is the GPU there?
@@ -56,7 +56,23 @@ def main(argv: list[str]) -> int:
         module_name, _, func_name = config["entry"].partition(":")
         run.phase = "build"
         entry = getattr(importlib.import_module(module_name), func_name or "main")
-        entry(run)
+        while True:  # train.micro_batch: auto retries main with a halved micro-batch (runtime/ladder.py)
+            rung = None
+            try:
+                entry(run)
+            except ladder.OutOfMemory:
+                rung = run.next_rung()
+                if rung is None:
+                    raise
+            if rung is None:
+                break
+            print(f"[kchain] {rung}", flush=True)
+            halvings = run.micro_halvings + 1
+            run.close()
+            run = None
+            ladder.free()
+            run = Run(config, os.environ, started=PROCESS_START, halvings=halvings)
+            run.phase = "build"
         if run.status == "running":
             run.end_without_loop()
     except KeyboardInterrupt:

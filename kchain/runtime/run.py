@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from torch.utils.data import BatchSampler, DataLoader, Dataset, RandomSampler, SequentialSampler
 
-from . import data, distributed, heartbeat, layout, precision, preflight
+from . import data, distributed, heartbeat, ladder, layout, precision, preflight
 from .checkpoint import (
     Snapshotter,
     Writer,
@@ -121,7 +121,8 @@ def _plain(v):
 
 
 class Run:
-    def __init__(self, config: dict, env: Mapping[str, str] | None = None, started: float | None = None):
+    def __init__(self, config: dict, env: Mapping[str, str] | None = None, started: float | None = None,
+                 halvings: int = 0):
         env = os.environ if env is None else env
         self.config = config
         self.job = config.get("job", "job")
@@ -214,6 +215,7 @@ class Run:
             if self.is_main:
                 (self.dir / layout.METRICS).write_bytes((path / layout.METRICS).read_bytes())
             say(f"session {self.session} of {self.job}: will resume from {path}")
+            halvings = max(halvings, int(manifest.get(ladder.MANIFEST_KEY, 0)))  # the size that fitted
         else:
             if self.is_main:
                 self.metrics_path.write_bytes(b"")
@@ -221,6 +223,20 @@ class Run:
         self.ranks.barrier()
         self._metrics_file = None  # opened by the first run.log
         self._metrics_bytes = self.metrics_path.stat().st_size
+        self.micro_auto = train.get("micro_batch") == "auto"
+        self.micro_halvings = halvings if self.micro_auto else 0
+        self._asked_batches: list[int] = []  # run.loader's batch sizes as the code asks for them
+        self._retired = False
+
+    def next_rung(self) -> str | None:
+        """After an out-of-memory error: the ladder's next rung, or None (see ladder.next_rung).
+
+        With a rung, this run is retired: a loop generator closed later (by the garbage collector)
+        must not count or save the failed attempt's step."""
+        rung = ladder.next_rung(self._asked_batches, self.micro_halvings, self.micro_auto, self._loop_steps > 0,
+                                self.world_size)
+        self._retired = rung is not None
+        return rung
 
     # --- ranks (kchain ddp) -----------------------------------------------------------------------
 
@@ -314,6 +330,9 @@ class Run:
                 sampler = dl.sampler
         if batch_sampler is None and batch_size is None:
             raise TypeError(f"run.loader({type(dataset).__name__}): give batch_size= (or a batch_sampler=)")
+        if self.micro_auto and batch_size:  # the out-of-memory ladder's current rung
+            self._asked_batches.append(batch_size)
+            batch_size //= ladder.factor(self.micro_halvings)
         lo = data.Loader(
             dataset, batch_size, shuffle=shuffle, num_workers=num_workers, drop_last=drop_last,
             collate_fn=collate_fn, seed=self.seed, pin_memory=self.device.type == "cuda", on_wait=self._add_wait,
@@ -345,6 +364,8 @@ class Run:
             if scaler is not None:
                 self.track(**{f"{name}_scaler" if name else self._free_name("scaler"): scaler})
         self._scaled = self._scaled or scaler is not None
+        if self.micro_auto:  # the ladder halved the micro-batch this many times: the same effective batch
+            accumulate *= ladder.factor(self.micro_halvings)
         return precision.Trainer(optimizer, accumulate=accumulate, clip=clip, scaler=scaler)
 
     def autocast(self):
@@ -475,6 +496,8 @@ class Run:
     def _start_step(self, step: int) -> float:
         self._current = step
         self.phase = "step"
+        if self._loop_steps == 0:
+            ladder.injected([lo.batch_size for lo in self._loaders if lo.batch_size], self.faults)
         return time.perf_counter()
 
     def _end_step(self, step: int, t0: float, save: bool = True) -> None:
@@ -496,6 +519,8 @@ class Run:
             self.save()
 
     def _finish_loop(self, stopped: bool = False) -> None:
+        if self._retired:  # an attempt the out-of-memory ladder replaced: nothing of it is kept
+            return
         if stopped:
             self._stop_reason = self._stop_reason or "stopped"
         if self._saved_step != self.step:
@@ -723,6 +748,8 @@ class Run:
 
         The snapshot blocks; the write runs in the background. See run.restore for an example.
         """
+        if self._retired:  # kchain ladder: an attempt the out-of-memory ladder replaced is never saved
+            return
         if step is not None:
             self._restore()  # a save before any restore would hide the checkpoint to resume from
             self.step = self._current = step
@@ -756,6 +783,7 @@ class Run:
             "kchain_version": self.config.get("kchain_version"),
             "params": dict(self.params),
             "world_size": self.world_size,
+            ladder.MANIFEST_KEY: self.micro_halvings,
         }
         self.writer.submit(
             checkpoints=self.checkpoints, step=self.step, state=state, metrics_src=self.metrics_path,

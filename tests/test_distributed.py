@@ -26,6 +26,7 @@ from kchain.runtime.checkpoint import load_state
 REPO = Path(__file__).resolve().parent.parent
 JOBS = REPO / "tests" / "runtime_jobs"
 TOTAL = 8
+EPOCHS = {"dropout": 0.3, "epochs": 2}  # 64 rows, 2 ranks x 8: 4 steps an epoch, 8 in all
 KILLED = -signal.SIGKILL
 CHILD_TIMEOUT_S = 240  # generous: a hung rank fails the test instead of hanging CI; never a speed bound
 
@@ -71,7 +72,7 @@ def out(done) -> str:
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> list[tuple[int, float]]:
     root = tmp_path_factory.mktemp("ddp-reference")
-    done = launch(root, params={"dropout": 0.3})
+    done = launch(root, params=EPOCHS)
     assert done.returncode == 0, out(done)
     ref = trace(root)
     assert [s for s, _ in ref] == list(range(1, TOTAL + 1))
@@ -79,13 +80,14 @@ def reference(tmp_path_factory) -> list[tuple[int, float]]:
 
 
 def test_two_ranks_sigkill_at_a_random_step_resume_bit_exact(tmp_path, reference):
+    """The epoch loop (run.epochs, `for batch in loader`): a kill may land in either epoch."""
     seed = random.SystemRandom().randrange(10**6)
     kill = random.Random(seed).randrange(4, TOTAL)  # after the checkpoint at step 3
     print(f"kill at step {kill} (seed {seed})")
-    died = launch(tmp_path, params={"dropout": 0.3}, KCHAIN_FAULT=f"kill_at_step={kill}")
+    died = launch(tmp_path, params=EPOCHS, KCHAIN_FAULT=f"kill_at_step={kill}")
     assert died.returncode == KILLED, out(died)
     assert "2 ranks (gloo, CPU)" in died.stdout
-    done = launch(tmp_path, params={"dropout": 0.3})
+    done = launch(tmp_path, params=EPOCHS)
     assert done.returncode == 0, out(done)
     assert "[kchain] resumed from step" in done.stdout
     got = trace(tmp_path)

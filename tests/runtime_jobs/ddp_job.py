@@ -21,6 +21,14 @@ def main(run):
     trainer = run.optimize(opt)
     run.track(model=model)
     loader = run.loader(TensorDataset(x, y), batch_size=p.get("batch", 8), drop_last=True)
+    if p.get("epochs"):  # the epoch loop: each batch is one step
+        for _ in run.epochs(p.epochs):
+            for xb, yb in loader:
+                loss = F.cross_entropy(model(xb), yb)
+                trainer.backward(loss)
+                trainer.step()
+                run.log(loss=loss.item(), mean_over_ranks=True)
+        return
     for step in run.steps(p.steps):
         xb, yb = next(loader)
         loss = F.cross_entropy(model(xb), yb)

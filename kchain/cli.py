@@ -43,6 +43,21 @@ def cli() -> None:
 
 
 @cli.command()
+@click.argument("folder", type=click.Path(path_type=Path), default=".")
+def init(folder: Path) -> None:
+    """Write a commented job.yaml and a train.py skeleton that pass `kchain smoke` (never overwrites).
+
+    \b
+    Example:
+      kchain init jobs/my-model && kchain smoke jobs/my-model/job.yaml
+    """
+    from kchain.init import init_job
+
+    for path in init_job(folder):
+        click.echo(f"wrote {path}")
+
+
+@cli.command()
 @JOB
 @click.option("-o", "--out", type=click.Path(path_type=Path), default=None, help="Output folder (default: build/<name>).")
 def render(job: Path, out: Path | None) -> None:

@@ -195,9 +195,11 @@ def test_resume_from_an_attached_state_dataset_and_a_zip(tmp_path, capsys):
     second = tiny_training(s2, 6)
     assert second.resumed_from == 4 and second.session == 2
     assert len(second.metrics_path.read_text().splitlines()) == 6  # one history, no duplicated steps
-    # A session whose state came as an un-unpacked zip of the checkpoint directory.
+    # A session whose state came as an un-unpacked zip of the checkpoint directory, in a state
+    # dataset (its marker file says so: archives anywhere else are never opened).
     s3 = tmp_path / "s3"
     (s3 / "input/tiny-zip").mkdir(parents=True)
+    (s3 / "input/tiny-zip" / layout.STATE_MARKER).write_text("{}")
     with zipfile.ZipFile(s3 / "input/tiny-zip/state.zip", "w") as z:
         ckpt = second.checkpoints / layout.checkpoint_name(6)
         for f in ckpt.iterdir():
@@ -250,3 +252,68 @@ def test_tracking_after_the_loop_started_is_refused(tmp_path):
         with pytest.raises(RuntimeError, match=r"run.track\(model=...\) after run.steps started"):
             run.track(model=model)
     run.close()
+
+
+def test_bf16_on_a_gpu_without_it_is_refused_with_the_reason():
+    from kchain.runtime.precision import choose_dtype
+
+    cuda = torch.device("cuda")
+    with pytest.raises(ValueError, match=r"bf16 but this GPU \(compute capability 7.5, e.g. a T4\) has no bf16"):
+        choose_dtype(cuda, "bf16", capability=(7, 5))
+    assert choose_dtype(cuda, "bf16", capability=(8, 0))[0] == torch.bfloat16
+    assert choose_dtype(cuda, "auto", capability=(7, 5))[0] == torch.float16
+
+
+def test_fp16_autocast_without_run_optimize_warns_once_with_the_fix(tmp_path, capsys):
+    run = make_run(tmp_path)
+    run.dtype = torch.float16  # what a T4 gets; the warning does not depend on the device
+    capsys.readouterr()
+    for _ in range(3):
+        with run.autocast():
+            pass
+    out = capsys.readouterr().out
+    assert out.count("WARNING: run.autocast() in fp16 without run.optimize") == 1
+    assert "trainer = run.optimize(opt)" in out
+    run.optimize(torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1))  # makes the GradScaler
+    assert "scaler" in run._tracked
+    run.close()
+
+
+def test_a_long_evaluation_in_run_every_stays_in_the_deadline_plan(tmp_path):
+    import time
+
+    run = make_run(tmp_path, checkpoint_every={"steps": 1000})
+    for step in run.steps(16):
+        if run.every(5) and step <= 10:
+            time.sleep(0.3)  # the evaluation at steps 5 and 10
+    run.close()
+    evaluation = run._eval_s
+    assert evaluation >= 0.3 and max(run._step_times) < evaluation  # it left the recent-steps window
+    # Steps 17..: plan with it before an evaluation step only (time left: between the two).
+    run._stop_reason, run.total = None, 30
+    run.deadline = time.time() + (evaluation + max(run._step_times)) / 2  # between a step and an evaluation
+    run.writer.last_write_s, run.stalls = 0.0, [0.0]
+    run.step = 17  # step 18: no evaluation, enough time
+    assert not run._should_stop()
+    run.step = 19  # step 20 evaluates
+    assert run._should_stop() and run._stop_reason == "deadline"
+
+
+def test_foreign_archives_and_manifests_under_input_are_never_opened(tmp_path, capsys):
+    first = tiny_training(tmp_path / "s1", 2)
+    s2 = tmp_path / "s2"
+    # Someone's dataset holding a zip of a real kchain checkpoint and a .tar.gz that is not even
+    # gzip: without the state marker next to them, neither is read, extracted or listed.
+    data = s2 / "input/datasets/someone/images"
+    data.mkdir(parents=True)
+    with zipfile.ZipFile(data / "ckpt.zip", "w") as z:
+        ckpt = first.checkpoints / layout.checkpoint_name(2)
+        for f in ckpt.iterdir():
+            z.write(f, f"inner/{f.name}")
+    (data / "shards.tar.gz").write_bytes(b"not a gzip stream")
+    capsys.readouterr()
+    run = tiny_training(s2, 3)
+    assert run.resumed_from is None and run.session == 1
+    assert "skipping archive" not in capsys.readouterr().out
+    scratch = run.dir / ".scratch"
+    assert not scratch.exists() or not any(scratch.iterdir())

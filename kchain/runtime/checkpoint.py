@@ -10,6 +10,7 @@ next start ignores. Older checkpoints are pruned only after the newer one is in 
 from __future__ import annotations
 
 import copy
+import errno
 import hashlib
 import json
 import os
@@ -34,6 +35,7 @@ HASH_CHUNK = 1 << 20  # 1 MiB reads: checkpoints can be gigabytes
 # How deep to look for state under the input root: /kaggle/input/datasets/<owner>/<slug>/kchain/
 # checkpoints/step-N/manifest.json is 7 levels; deeper trees are other people's data.
 SEARCH_DEPTH = 8
+WRITE_SLACK = 1.05  # a checkpoint file is its tensors plus a little pickle and zip overhead
 
 
 class ResumeError(Exception):
@@ -42,6 +44,25 @@ class ResumeError(Exception):
 
 class CheckpointInvalid(Exception):
     """A checkpoint failed verification; the message says which file and why."""
+
+
+class CheckpointWriteFailed(Exception):
+    """A checkpoint could not be written (disk full, file too large); the previous one stays in use."""
+
+
+class CheckpointTooLarge(Exception):
+    """The checkpoint cannot fit the disk even after pruning; the message says what to change."""
+
+
+class CheckpointsDamaged(Exception):
+    """Checkpoints were found but none can be loaded: starting fresh would silently redo the run."""
+
+
+GB = 1e9
+
+
+def gb(n: float) -> str:
+    return f"{n / GB:.1f} GB" if n >= 0.1 * GB else f"{n / 1e6:.1f} MB"
 
 
 # kchain ddp: under torchrun only rank 0 narrates; the other ranks' warnings carry their rank.
@@ -69,21 +90,33 @@ class Snapshotter:
     This is the only part of a save that blocks training; the write happens in a thread. The host
     buffers are kept and reused by the next snapshot (same key path, shape and dtype): copying into
     memory already touched avoids a page fault per 4 KiB, which dominates a fresh copy. Reuse is safe
-    because a snapshot is taken only after the previous write finished.
+    because a snapshot is taken only after the previous write finished. release() drops them (large
+    states: a second full host copy must not outlive its write). A tensor seen twice in one state
+    (tied weights) is copied once, so torch.save writes it once.
     """
 
     def __init__(self):
         self._buffers: dict[tuple, torch.Tensor] = {}
+        self._seen: dict[tuple, torch.Tensor] = {}
+
+    def release(self) -> None:
+        self._buffers = {}
 
     def take(self, obj, path: tuple = ()):
+        if not path:
+            self._seen = {}
         if isinstance(obj, torch.Tensor):
             t = obj.detach()
+            view = (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+            if t.numel() and view in self._seen:
+                return self._seen[view]  # tied weights: one copy, one storage in the file
             buf = self._buffers.get(path)
             if buf is None or buf.shape != t.shape or buf.dtype != t.dtype or t.device.type != "cpu":
                 # clone even on CPU: the optimizer updates its tensors in place while the writer runs.
                 buf = self._buffers[path] = t.to("cpu", copy=True)
             else:
                 buf.copy_(t)
+            self._seen[view] = buf
             return buf
         if type(obj) in _ATOMS:
             return obj  # immutable: sharing it is a copy
@@ -94,6 +127,42 @@ class Snapshotter:
         if type(obj) in (list, tuple):
             return type(obj)(self.take(v, (*path, i)) for i, v in enumerate(obj))
         return copy.deepcopy(obj)
+
+
+def state_bytes(obj) -> int:
+    """Bytes of tensor data in a nested state (each storage once): the checkpoint's size, nearly."""
+    seen: set = set()
+    total = 0
+
+    def walk(o):
+        nonlocal total
+        if isinstance(o, torch.Tensor):
+            key = (o.device, o.untyped_storage().data_ptr())
+            if key not in seen:
+                seen.add(key)
+                total += o.untyped_storage().nbytes()
+        elif isinstance(o, dict):
+            for v in o.values():
+                walk(v)
+        elif isinstance(o, (list, tuple)):
+            for v in o:
+                walk(v)
+        elif isinstance(o, np.ndarray):
+            total += o.nbytes
+
+    walk(obj)
+    return total
+
+
+def available_ram() -> int | None:
+    """MemAvailable from /proc/meminfo (Linux), in bytes; None elsewhere."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
 
 
 def snapshot(obj):
@@ -175,7 +244,34 @@ def write_checkpoint(
         shutil.rmtree(tmp)
     tmp.mkdir()
 
-    torch.save(state, tmp / layout.STATE_FILE)
+    try:
+        return _write_into(tmp, final, checkpoints, step, state, metrics_src, metrics_bytes, manifest, keep, fault_point)
+    except (OSError, RuntimeError) as e:
+        # torch's zip writer turns a failed write() of the file into a RuntimeError about stream
+        # positions; the OSError that says why is its context.
+        cause = e if isinstance(e, OSError) else e.__context__
+        if not isinstance(cause, OSError):
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)  # the space it took is needed more than ever
+        raise CheckpointWriteFailed(write_failure(cause, checkpoints, state_bytes(state))) from e
+
+
+def write_failure(e: OSError, where: Path, need: int) -> str:
+    """'checkpoint write failed: no space left on /kaggle/working (needs 12.1 GB, 3.2 GB free)'."""
+    why = {errno.ENOSPC: "no space left", errno.EDQUOT: "disk quota exceeded",
+           errno.EFBIG: "file too large (a file-size limit)"}.get(e.errno, e.strerror or str(e))
+    try:
+        free = gb(shutil.disk_usage(where).free)
+    except OSError:
+        free = "unknown"
+    return f"checkpoint write failed: {why} on {where} (needs {gb(need)}, {free} free); the previous checkpoint stays in use"
+
+
+def _write_into(tmp, final, checkpoints, step, state, metrics_src, metrics_bytes, manifest, keep, fault_point) -> Path:
+    # A state of live tensors (streaming) goes out one tensor at a time: torch.save copies each CUDA
+    # storage to the host on its own, and writes CPU storages straight from their memory.
+    with open(tmp / layout.STATE_FILE, "wb") as f:  # a Python file: a failed write is an OSError
+        torch.save(state, f)
     _fsync_file(tmp / layout.STATE_FILE)
     _die_if("after_state", fault_point)
 
@@ -206,14 +302,62 @@ def write_checkpoint(
     _fsync_dir(checkpoints)
     _die_if("after_rename", fault_point)
 
-    prune(checkpoints, keep)
+    prune(checkpoints, keep, fault_point)
     return final
 
 
-def prune(checkpoints: Path, keep: int) -> None:
-    done = sorted(p for p in checkpoints.iterdir() if p.is_dir() and p.name.startswith(layout.CHECKPOINT_PREFIX))
+def complete(checkpoints: Path) -> list[Path]:
+    """The step-* folders in checkpoints, oldest first."""
+    if not checkpoints.is_dir():
+        return []
+    return sorted(p for p in checkpoints.iterdir() if p.is_dir() and p.name.startswith(layout.CHECKPOINT_PREFIX))
+
+
+def remove(ckpt: Path, fault_point: str | None = None) -> None:
+    """Atomic for a reader: renamed aside (a .tmp- name nobody loads) first, then deleted."""
+    aside = ckpt.with_name(f"{layout.TMP_PREFIX}prune-{ckpt.name}-{os.getpid()}")
+    os.replace(ckpt, aside)
+    _fsync_dir(ckpt.parent)
+    _die_if("in_prune", fault_point)
+    shutil.rmtree(aside, ignore_errors=True)
+
+
+def prune(checkpoints: Path, keep: int, fault_point: str | None = None) -> None:
+    done = complete(checkpoints)
     for old in done[: max(0, len(done) - keep)]:
-        shutil.rmtree(old, ignore_errors=True)
+        remove(old, fault_point)
+
+
+def dir_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def make_room(checkpoints: Path, need: int) -> str | None:
+    """Before a write of `need` bytes: prune old checkpoints (never the newest) until it fits.
+
+    Returns what was pruned, in words, or None; raises CheckpointTooLarge with one line when even
+    the newest alone leaves too little room.
+    """
+    checkpoints.mkdir(parents=True, exist_ok=True)
+
+    def free() -> int:
+        return shutil.disk_usage(checkpoints).free
+
+    want = int(need * WRITE_SLACK)
+    pruned = []
+    done = complete(checkpoints)
+    while len(done) > 1 and free() < want:  # the newest stays until the new one is complete
+        old = done.pop(0)
+        remove(old)
+        pruned.append(old.name)
+    if free() < want:
+        newest = (f" (the newest checkpoint, {done[-1].name} of {gb(dir_bytes(done[-1]))}, stays until a new one "
+                  "is complete)") if done else ""
+        raise CheckpointTooLarge(
+            f"checkpoint needs {gb(need)} but {checkpoints} has {gb(free())} free{newest}: free disk space "
+            "(delete files in /kaggle/working), set train.keep: 1, or checkpoint less state"
+        )
+    return f"pruned {', '.join(pruned)} before writing to make room" if pruned else None
 
 
 class Writer:
@@ -256,9 +400,25 @@ class Writer:
                 if self.kill_after_first:
                     (self.die or (lambda: os.kill(os.getpid(), signal.SIGKILL)))()
             except BaseException as e:  # re-raised in the training thread by wait()
+                if isinstance(e, CheckpointWriteFailed):
+                    warn(str(e))  # at once, not at the next save
                 self._error = e
             finally:
+                del kwargs  # release the snapshot as soon as its write ends, not at the next one
                 self._idle.set()
+
+    def write_now(self, **kwargs) -> None:
+        """The same write in the calling thread (a streamed state: live tensors, no host copy)."""
+        self.wait()
+        t0 = time.perf_counter()
+        try:
+            self.last_path = write_checkpoint(fault_point=self.fault_point, **kwargs)
+        except CheckpointWriteFailed as e:
+            warn(str(e))
+            raise
+        self.last_write_s = time.perf_counter() - t0
+        if self.kill_after_first:
+            (self.die or (lambda: os.kill(os.getpid(), signal.SIGKILL)))()
 
     def wait(self) -> None:
         self._idle.wait()
@@ -285,7 +445,10 @@ def verify(ckpt: Path) -> dict:
         raise CheckpointInvalid(f"{mpath}: unreadable ({e})") from None
     if not isinstance(manifest, dict) or layout.MARKER not in manifest:
         raise CheckpointInvalid(f"{mpath}: not a kchain manifest (no {layout.MARKER!r} key)")
-    for name, want in manifest.get("files", {}).items():
+    files = manifest.get("files")
+    if not isinstance(files, dict) or layout.STATE_FILE not in files:
+        raise CheckpointInvalid(f"{mpath}: no file list with {layout.STATE_FILE} (an incomplete manifest)")
+    for name, want in files.items():
         path = ckpt / name
         if not path.is_file():
             raise CheckpointInvalid(f"{path}: missing")
@@ -308,40 +471,44 @@ def _walk(top: Path, depth: int = SEARCH_DEPTH):
 
 
 def _unpack(archive: Path, scratch: Path) -> list[Path]:
-    """Extract an archive that holds a kchain manifest; returns the checkpoint dirs inside."""
-    name = archive.name
+    """Extract an archive of a kchain state dataset; returns the checkpoint dirs inside.
+
+    Only called for archives next to the state marker: other people's archives are never opened.
+    A .tar.gz is extracted in one pass, never decompressed once more just to list it.
+    """
+    dest = Path(tempfile.mkdtemp(prefix="ckpt-", dir=scratch))
     try:
-        if name.endswith(".zip"):
+        if archive.name.endswith(".zip"):
             with zipfile.ZipFile(archive) as z:
-                if not any(m.endswith(layout.MANIFEST) for m in z.namelist()):
-                    return []
-                dest = Path(tempfile.mkdtemp(prefix="ckpt-", dir=scratch))
                 z.extractall(dest)
         else:
             with tarfile.open(archive) as t:
-                if not any(m.endswith(layout.MANIFEST) for m in t.getnames()):
-                    return []
-                dest = Path(tempfile.mkdtemp(prefix="ckpt-", dir=scratch))
                 t.extractall(dest, filter="data")
     except (OSError, zipfile.BadZipFile, tarfile.TarError) as e:
         warn(f"skipping archive {archive}: cannot read it ({e})")
+        shutil.rmtree(dest, ignore_errors=True)
         return []
     return [d for d, files in _walk(dest) if layout.MANIFEST in files]
 
 
+def _ours(d: Path, files: list[str]) -> bool:
+    """A folder of kchain state: a state dataset version (marker file) or a step-* checkpoint."""
+    return layout.STATE_MARKER in files or (d.name.startswith(layout.CHECKPOINT_PREFIX) and layout.MANIFEST in files)
+
+
 def candidates(checkpoints: Path, input_root: Path, scratch: Path) -> list[Path]:
-    """Every directory that might be a checkpoint: ours in the working dir, then attached state."""
-    found: list[Path] = []
-    if checkpoints.is_dir():
-        found += [p for p in checkpoints.iterdir() if p.is_dir() and p.name.startswith(layout.CHECKPOINT_PREFIX)]
+    """Every directory that might be a checkpoint: ours in the working dir, then attached state.
+
+    Under the input root only kchain's own folders are opened (see _ours); any other manifest.json
+    or archive belongs to someone's data and is left alone.
+    """
+    found: list[Path] = list(complete(checkpoints))
     if input_root.is_dir():
         for d, files in _walk(input_root):
+            if not _ours(d, files):
+                continue
             if layout.MANIFEST in files:
-                try:
-                    if layout.MARKER in json.loads((d / layout.MANIFEST).read_text()):
-                        found.append(d)
-                except (OSError, ValueError):
-                    found.append(d)  # verify() will name the problem
+                found.append(d)  # verify() names whatever is wrong with it
             for f in files:
                 if f.endswith(layout.ARCHIVE_SUFFIXES):
                     scratch.mkdir(parents=True, exist_ok=True)
@@ -361,41 +528,51 @@ def _step_of(path: Path) -> int:
         return -1
 
 
-def find_latest(checkpoints: Path, input_root: Path, scratch: Path, job: str | None) -> tuple[Path, dict] | None:
-    """The newest checkpoint that verifies; each one skipped is named in a warning.
+def find_checkpoints(checkpoints: Path, input_root: Path, scratch: Path,
+                     job: str | None) -> tuple[list[tuple[Path, dict]], list[str]]:
+    """(every checkpoint that verifies, newest first; one line per damaged one).
 
     Broken ones in our own working dir are renamed `.corrupt-...` so they are neither loaded nor
-    counted when old checkpoints are pruned.
+    counted when old checkpoints are pruned (the next start removes them).
     """
     found = candidates(checkpoints, input_root, scratch)
     # Newest first; at equal steps prefer the working dir (it is the one we are writing to).
     found.sort(key=lambda p: (_step_of(p), p.parent == checkpoints), reverse=True)
+    good, damaged = [], []
     for path in found:
         try:
             manifest = verify(path)
         except CheckpointInvalid as e:
             warn(f"skipping checkpoint {path}: {e}; trying the previous one")
+            damaged.append(str(e))
             if path.parent == checkpoints:
                 os.replace(path, checkpoints / f"{layout.CORRUPT_PREFIX}{path.name}-{int(time.time())}")
             continue
         if job and manifest.get("job") and manifest["job"] != job:
             say(f"ignoring checkpoint {path}: it belongs to job {manifest['job']!r}, not {job!r}")
             continue
-        return path, manifest
-    return None
+        good.append((path, manifest))
+    return good, damaged
+
+
+def find_latest(checkpoints: Path, input_root: Path, scratch: Path, job: str | None) -> tuple[Path, dict] | None:
+    """The newest checkpoint that verifies; each one skipped is named in a warning."""
+    good, _ = find_checkpoints(checkpoints, input_root, scratch, job)
+    return good[0] if good else None
 
 
 def clean_tmp(checkpoints: Path) -> None:
-    """Remove half-written checkpoints left by a killed process."""
+    """Remove half-written checkpoints, half-pruned ones and those set aside as corrupt last time."""
     if checkpoints.is_dir():
         for p in checkpoints.iterdir():
-            if p.name.startswith(layout.TMP_PREFIX):
+            if p.name.startswith((layout.TMP_PREFIX, layout.CORRUPT_PREFIX)):
                 shutil.rmtree(p, ignore_errors=True)
 
 
 def load_state(ckpt: Path) -> dict:
     # weights_only=False: the file is our own (RNG states hold numpy arrays and Python tuples).
-    return torch.load(ckpt / layout.STATE_FILE, map_location="cpu", weights_only=False)
+    # mmap: the tensors stay in the page cache and are copied once, into the live objects.
+    return torch.load(ckpt / layout.STATE_FILE, map_location="cpu", weights_only=False, mmap=True)
 
 
 # --- resuming into live objects ---------------------------------------------------------------

@@ -19,13 +19,46 @@ PROCESS_START = time.time()
 
 from . import layout  # noqa: E402  (after the clock on purpose)
 
+SUMMARY_RESERVE = 64 * 1024  # bytes held for summary.json from the start, for a disk that fills up
+
+
+def _reserve_path(path: Path) -> Path:
+    return path.with_name(f".reserve-{path.name}")
+
+
+def _reserve(path: Path) -> None:
+    """SUMMARY_RESERVE bytes set aside beside summary.json while the disk still has room."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(_reserve_path(path), "wb") as f:
+        f.write(b" " * SUMMARY_RESERVE)
+        f.flush()
+        os.fsync(f.fileno())
+
 
 def _write_json(path: Path, obj: dict) -> None:
-    """Atomic: the notebook (or the next session) never reads half a summary."""
+    """Atomic: the notebook (or the next session) never reads half a summary.
+
+    When the disk is full the temporary file cannot be written: the summary then goes into the
+    reserved file (its blocks are already allocated), padded with spaces, renamed into place.
+    """
     path.parent.mkdir(parents=True, exist_ok=True)
+    text = (json.dumps(obj, indent=2, default=str) + "\n").encode()
     tmp = path.with_name(f"{layout.TMP_PREFIX}{path.name}")
-    tmp.write_text(json.dumps(obj, indent=2, default=str) + "\n")
-    os.replace(tmp, path)
+    reserve = _reserve_path(path)
+    try:
+        tmp.write_bytes(text)
+        os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        if not reserve.is_file() or reserve.stat().st_size < len(text):
+            raise
+        print(f"[kchain] summary: {e.strerror or e}; written into the space reserved for it", flush=True)
+        with open(reserve, "r+b") as f:
+            f.write(text + b" " * (reserve.stat().st_size - len(text)))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(reserve, path)
+    reserve.unlink(missing_ok=True)
 
 
 def _first_line(e: BaseException) -> str:
@@ -53,6 +86,7 @@ def main(argv: list[str]) -> int:
     error = None
     try:
         run = Run(config, os.environ, started=PROCESS_START)
+        _reserve(run.summary_path)
         module_name, _, func_name = config["entry"].partition(":")
         run.phase = "build"
         entry = getattr(importlib.import_module(module_name), func_name or "main")

@@ -13,6 +13,7 @@ import gc
 import json
 import os
 import re
+import shutil
 import signal
 import threading
 import time
@@ -25,15 +26,24 @@ from torch.utils.data import BatchSampler, DataLoader, Dataset, RandomSampler, S
 
 from . import data, distributed, heartbeat, ladder, layout, precision, preflight
 from .checkpoint import (
+    WRITE_SLACK,
+    CheckpointsDamaged,
+    CheckpointTooLarge,
     Snapshotter,
     Writer,
+    available_ram,
     check_compatible,
     clean_tmp,
-    find_latest,
+    complete,
+    dir_bytes,
+    find_checkpoints,
+    gb,
     load_state,
+    make_room,
     restore_rng,
     rng_state,
     say,
+    state_bytes,
     warn,
 )
 
@@ -46,6 +56,8 @@ DEFAULT_HEARTBEAT_S = 60
 DEFAULT_SMOKE_FRACTION = 0.05
 DEFAULT_SMOKE_STEPS = 20
 STEP_TIME_WINDOW = 5
+SNAPSHOT_RAM_FRACTION = 0.25  # a state above this share of free RAM is streamed, not copied
+REUSE_MAX_BYTES = 256 * 2**20  # host copies up to this size are kept for the next save (no page faults)
 PLAIN_LOADER_NOTE = "data order: a DataLoader not made by run.loader restarts its order on resume"
 NO_LOOP_NOTE = "no checkpoint was written: the loop did not use run.steps"  # the deadline guard plans with the slowest of the last few steps
 
@@ -159,6 +171,7 @@ class Run:
         self.keep = int(train.get("keep", DEFAULT_KEEP))
         self.heartbeat_s = float(train.get("heartbeat_s", DEFAULT_HEARTBEAT_S))
         self.faults = parse_faults(env.get(layout.FAULT_ENV, ""))
+        self.env_stream = env.get(layout.CHECKPOINT_STREAM_ENV)
 
         # kchain ddp: the group this process is one rank of (a no-op group of 1 without torchrun).
         self.ranks = distributed.Ranks(env)
@@ -202,25 +215,22 @@ class Run:
         self.writer = Writer(self.faults.get("kill_in_save"), self.faults.get("kill_after_checkpoint") == "1")
         self.writer.die = self.ranks.kill_all  # kchain ddp: a kill fault ends every rank at once
 
-        # kchain ddp: rank 0 alone owns the files; the others learn which checkpoint it picked.
-        self._resume = None
+        # kchain ddp: rank 0 alone owns the files; the others learn what it found.
+        found = None
         if self.is_main:
             clean_tmp(self.checkpoints)
-            self._resume = find_latest(self.checkpoints, self.input_root, self.dir / ".scratch", self.job)
-        self._resume = self.ranks.all_gather(self._resume)[0]
-        if self._resume:
-            path, manifest = self._resume
-            self.session = int(manifest.get("session", 0)) + 1
-            # One continuous history: the trace as it was at the checkpoint; later lines are replayed.
-            if self.is_main:
-                (self.dir / layout.METRICS).write_bytes((path / layout.METRICS).read_bytes())
-            say(f"session {self.session} of {self.job}: will resume from {path}")
-            halvings = max(halvings, int(manifest.get(ladder.MANIFEST_KEY, 0)))  # the size that fitted
+            found = find_checkpoints(self.checkpoints, self.input_root, self.dir / ".scratch", self.job)
+        self._found, self._damaged = self.ranks.all_gather(found)[0]
+        self._resume: tuple[Path, dict] | None = None
+        if self._found:
+            self._adopt(*self._found[0])
+            halvings = max(halvings, int(self._found[0][1].get(ladder.MANIFEST_KEY, 0)))  # the size that fitted
         else:
             if self.is_main:
                 self.metrics_path.write_bytes(b"")
             say(f"session 1 of {self.job}: no checkpoint found, starting fresh")
         self.ranks.barrier()
+        self._plan: dict | None = None  # the checkpoint's size and write mode, set at the first save
         self._metrics_file = None  # opened by the first run.log
         self._metrics_bytes = self.metrics_path.stat().st_size
         self.micro_auto = train.get("micro_batch") == "auto"
@@ -263,6 +273,16 @@ class Run:
             run.track(model=model)           # checkpoints hold the inner module's keys either way
         """
         return distributed.wrap(model, self.ranks, self.device)
+
+    def _adopt(self, path: Path, manifest: dict) -> None:
+        """Resume from this checkpoint: its session number and its trace."""
+        self._resume = (path, manifest)
+        self.session = int(manifest.get("session", 0)) + 1
+        # One continuous history: the trace as it was at the checkpoint; later lines are replayed.
+        if self.is_main:  # kchain ddp: rank 0 alone writes the trace
+            self.metrics_path.write_bytes((path / layout.METRICS).read_bytes())
+            self._metrics_bytes = self.metrics_path.stat().st_size
+        say(f"session {self.session} of {self.job}: will resume from {path}")
 
     # --- registration ---------------------------------------------------------------------------
 
@@ -536,9 +556,12 @@ class Run:
         """Name any torch DataLoader the user built (not via run.loader): it restarts on resume."""
         ours = {id(lo._dl) for lo in self._loaders}
         tracked = {id(o) for o in self._tracked.values()}
-        # type(o), not isinstance: isinstance reads __class__, which some torch objects warn on
+        gc.collect()  # a DataLoader made for one batch (a preflight check) is garbage, not a loader in use
+        # type(o), not isinstance: isinstance reads __class__, which some torch objects warn on.
+        # A sequential one (a validation loader) restarting from its start is what it should do.
         plain = [o for o in gc.get_objects()
-                 if issubclass(type(o), DataLoader) and id(o) not in ours and id(o) not in tracked]
+                 if issubclass(type(o), DataLoader) and id(o) not in ours and id(o) not in tracked
+                 and not isinstance(o.sampler, SequentialSampler)]
         if plain and not any(line.startswith(PLAIN_LOADER_NOTE) for line in self.not_exact):
             self.not_exact.append(f"{PLAIN_LOADER_NOTE} (pass it to run.loader(...) to keep its place)")
         for line in self.not_exact:
@@ -712,12 +735,28 @@ class Run:
         if self._restored:
             return
         self._restored = True
-        if not self._resume:
-            return
         self.phase = "resume"
+        saved = None
+        for path, manifest in self._found:
+            if self._resume[0] != path:
+                self._adopt(path, manifest)
+            try:
+                saved = load_state(path)
+                break
+            except Exception as e:  # verified but unloadable (e.g. written by another torch): the previous one
+                warn(f"checkpoint {path} verifies but does not load ({type(e).__name__}: {e}); trying the previous one")
+                self._damaged.append(f"{path / layout.STATE_FILE}: does not load ({type(e).__name__})")
+        if saved is None:
+            if self._damaged:
+                # Starting over would silently redo (and overwrite) the chain's work: stop and say why.
+                raise CheckpointsDamaged(
+                    f"every checkpoint found is damaged: {'; '.join(self._damaged)}. Attach an earlier "
+                    "state version, or detach the state dataset to start fresh on purpose"
+                )
+            self.phase = "build"
+            return
         path, manifest = self._resume
         distributed.check_world_size(path, manifest, self.world_size)
-        saved = load_state(path)
         if self.ranks.active:  # kchain ddp: this rank's own RNGs and loader positions
             mine = saved["ranks"][self.rank]
             saved["rng"] = mine["rng"]
@@ -764,14 +803,19 @@ class Run:
             self._last_save = time.time()
             self.phase = before
             return
-        state = self._snapshots.take({
+        live = {
             "step": self.step,
             "tracked": {name: _state_of(obj) for name, obj in self._tracked.items()},
             "rng": rng_state(),
             "metrics": self.metrics,
             "best": self.best,
             **({"ranks": per_rank} if per_rank else {}),
-        })
+        }
+        if self._plan is None:
+            self._plan = self._plan_checkpoints(live)
+        pruned = make_room(self.checkpoints, self._plan["bytes"])
+        if pruned:
+            say(pruned)
         if self._metrics_file is not None:
             self._metrics_file.flush()
         manifest = {
@@ -785,10 +829,16 @@ class Run:
             "world_size": self.world_size,
             ladder.MANIFEST_KEY: self.micro_halvings,
         }
-        self.writer.submit(
-            checkpoints=self.checkpoints, step=self.step, state=state, metrics_src=self.metrics_path,
-            metrics_bytes=self._metrics_bytes, manifest=manifest, keep=self.keep,
-        )
+        job = dict(checkpoints=self.checkpoints, step=self.step, metrics_src=self.metrics_path,
+                   metrics_bytes=self._metrics_bytes, manifest=manifest, keep=self.keep)
+        if self._plan["stream"]:
+            self.writer.write_now(state=live, **job)  # blocks; no host copy of the state
+        else:
+            state = self._snapshots.take(live)
+            del live
+            if not self._plan["reuse"]:
+                self._snapshots.release()  # the writer holds the only reference: freed when written
+            self.writer.submit(state=state, **job)
         self.stalls.append(time.perf_counter() - t0)
         self._saved_step = self.step
         self._last_save = time.time()
@@ -798,6 +848,38 @@ class Run:
         """What differs between ranks (kchain ddp): the global RNGs and the per-rank tracked objects."""
         private = {n: _state_of(o) for n, o in self._tracked.items() if distributed.per_rank(o)}
         return {"rank": self.rank, "rng": rng_state(), "tracked": private}
+
+    def _plan_checkpoints(self, live: dict) -> dict:
+        """At the first save: the checkpoint's size against the disk and RAM, said in one line.
+
+        A state that fits a quarter of the free RAM is copied to host memory and written in the
+        background (training goes on); a larger one is streamed to the file from the live tensors,
+        blocking, so no second full copy ever exists. KCHAIN_CHECKPOINT_STREAM=1/0 forces either.
+        """
+        size = state_bytes(live)
+        self.checkpoints.mkdir(parents=True, exist_ok=True)
+        free = shutil.disk_usage(self.checkpoints).free
+        ours = sum(dir_bytes(p) for p in complete(self.checkpoints))
+        ram = available_ram()
+        forced = self.env_stream
+        if forced in ("0", "1"):
+            stream, why = forced == "1", f"{layout.CHECKPOINT_STREAM_ENV}={forced}"
+        elif ram is not None and size > SNAPSHOT_RAM_FRACTION * ram:
+            stream, why = True, f"more than {SNAPSHOT_RAM_FRACTION:.0%} of the {gb(ram)} of RAM available"
+        else:
+            stream, why = False, f"fits in RAM ({gb(ram) if ram is not None else 'unknown'} available)"
+        mode = "streamed from the live tensors (blocks training)" if stream else "copied to RAM, written in the background"
+        peak = (self.keep + 1) * size
+        if size * WRITE_SLACK > free + ours:
+            raise CheckpointTooLarge(
+                f"checkpoint needs {gb(size)} but {self.checkpoints} has {gb(free + ours)} for checkpoints: free "
+                "disk space (delete files in /kaggle/working) or checkpoint less state"
+            )
+        room = ("fits" if peak <= free + ours else
+                "does not fit: older checkpoints are pruned before each write, the newest kept until the new one is complete")
+        say(f"checkpoint plan: {gb(size)} per checkpoint, keep {self.keep} + 1 being written = {gb(peak)} "
+            f"({gb(free + ours)} available) {room}; {mode}: {why}")
+        return {"bytes": size, "stream": stream, "reuse": size <= REUSE_MAX_BYTES}
 
     def checkpoint_rel(self) -> str | None:
         """The newest complete checkpoint, relative to the working dir."""

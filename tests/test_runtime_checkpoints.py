@@ -1,0 +1,208 @@
+"""Checkpoints sized for a Kaggle box: failed writes, pruning, verification, fallbacks, tied weights.
+
+Session deaths are real SIGKILLs and the file-size limit is a real RLIMIT_FSIZE in the child.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from kchain.runtime import layout
+from kchain.runtime.checkpoint import (
+    CheckpointInvalid,
+    CheckpointsDamaged,
+    CheckpointTooLarge,
+    load_state,
+    make_room,
+    sha256_of,
+    verify,
+)
+from kchain.runtime.run import Run
+
+REPO = Path(__file__).resolve().parent.parent
+JOBS = REPO / "tests" / "runtime_jobs"
+KILLED = -9
+PARAMS = {"d_model": 2048, "steps": 12, "workers": 0, "accumulate": 1, "dropout": 0.2, "lr": 0.01}  # ~400 KB of state
+
+
+def launch(root: Path, params: dict, fsize: int | None = None, **env: str) -> subprocess.CompletedProcess:
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "cfg.json").write_text(json.dumps({
+        "job": "tiny", "entry": "tiny_job:main", "params": params, "fingerprint": "f00d",
+        "train": {"checkpoint_every": {"steps": 3}, "keep": 2, "heartbeat_s": 0},
+    }))
+    child_env = {k: v for k, v in os.environ.items() if not k.startswith("KCHAIN_")}
+    child_env.update(KCHAIN_ROOT=str(root), PYTHONPATH=os.pathsep.join([str(REPO), str(JOBS)]), **env)
+
+    def limit():
+        if fsize is not None:
+            resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, fsize))
+
+    return subprocess.run([sys.executable, "-m", "kchain.runtime.launch", str(root / "cfg.json")], env=child_env,
+                          cwd=root, capture_output=True, text=True, timeout=180, preexec_fn=limit)
+
+
+def kdir(root: Path) -> Path:
+    return root / layout.WORKING_DIR / layout.KCHAIN_DIR
+
+
+def losses(root: Path) -> list[tuple[int, float]]:
+    rows = map(json.loads, (kdir(root) / layout.METRICS).read_text().splitlines())
+    return [(r["step"], r["loss"]) for r in rows if "loss" in r]
+
+
+def test_a_write_over_the_file_size_limit_is_reported_and_the_previous_checkpoint_stays(tmp_path):
+    first = launch(tmp_path, {**PARAMS, "steps": 6})
+    assert first.returncode == 0, first.stderr
+    # Session 2 cannot write a state file (RLIMIT_FSIZE below its size), and its summary's temporary
+    # file sits on a full disk (/dev/full): the summary still lands, in the space reserved for it.
+    os.symlink("/dev/full", kdir(tmp_path) / f"{layout.TMP_PREFIX}{layout.SUMMARY}")
+    failed = launch(tmp_path, PARAMS, fsize=200_000)
+    assert failed.returncode == 1, failed.stdout + failed.stderr
+    line = next(x for x in failed.stdout.splitlines() if "checkpoint write failed" in x)
+    assert line.startswith("[kchain] WARNING: checkpoint write failed: file too large (a file-size limit) on ")
+    assert "(needs " in line and "the previous checkpoint stays in use" in line
+    assert "written into the space reserved for it" in failed.stdout
+    got = json.loads((kdir(tmp_path) / layout.SUMMARY).read_text())
+    assert got["status"] == "crashed" and got["error"]["type"] == "CheckpointWriteFailed"
+    assert got["checkpoint"] == f"kchain/checkpoints/{layout.checkpoint_name(6)}"
+    ckpts = kdir(tmp_path) / layout.CHECKPOINTS_DIR
+    assert not [p for p in ckpts.iterdir() if p.name.startswith(layout.TMP_PREFIX)]  # its temp folder went
+    verify(ckpts / layout.checkpoint_name(6))
+    # Session 3 (room again) resumes from step 6 and matches an uninterrupted run exactly.
+    done = launch(tmp_path, PARAMS)
+    assert done.returncode == 0 and "resumed from step 6" in done.stdout, done.stdout + done.stderr
+    ref = launch(tmp_path / "ref", PARAMS)
+    assert ref.returncode == 0
+    assert losses(tmp_path) == losses(tmp_path / "ref")
+
+
+def test_a_sigkill_in_the_middle_of_a_prune_leaves_no_half_checkpoint(tmp_path):
+    died = launch(tmp_path, PARAMS, KCHAIN_FAULT="kill_in_save=in_prune")  # at step 9: step-3 is pruned
+    assert died.returncode == KILLED, died.stdout + died.stderr
+    ckpts = kdir(tmp_path) / layout.CHECKPOINTS_DIR
+    names = sorted(p.name for p in ckpts.iterdir())
+    assert [n for n in names if n.startswith(layout.CHECKPOINT_PREFIX)] == [layout.checkpoint_name(s) for s in (6, 9)]
+    assert any(n.startswith(f"{layout.TMP_PREFIX}prune-") for n in names)
+    done = launch(tmp_path, PARAMS)
+    assert "resumed from step 9" in done.stdout, done.stdout
+    assert sorted(p.name for p in ckpts.iterdir()) == [layout.checkpoint_name(s) for s in (9, 12)]
+
+
+def make_run(root: Path, **env: str) -> Run:
+    return Run({"job": "unit", "params": {}, "train": {"heartbeat_s": 0, "checkpoint_every": {"steps": 2}, "keep": 2}},
+               {layout.ROOT_ENV: str(root), **env})
+
+
+def train(root: Path, steps: int, model: nn.Module | None = None, **env: str) -> Run:
+    run = make_run(root, **env)
+    model = model or nn.Linear(4, 4)
+    run.track(model=model)
+    for step in run.steps(steps):
+        with torch.no_grad():
+            model.weight += step
+        run.log(loss=float(model.weight.detach().sum()))
+    run.close()
+    return run
+
+
+def test_a_manifest_without_its_file_list_does_not_verify(tmp_path):
+    run = train(tmp_path, 2)
+    ckpt = run.checkpoints / layout.checkpoint_name(2)
+    manifest = json.loads((ckpt / layout.MANIFEST).read_text())
+    del manifest["files"]
+    (ckpt / layout.MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointInvalid, match="no file list with state.pt"):
+        verify(ckpt)
+
+
+def test_a_checkpoint_that_verifies_but_does_not_load_falls_back(tmp_path, capsys):
+    train(tmp_path, 4)
+    newest = kdir_of(tmp_path) / layout.checkpoint_name(4)
+    (newest / layout.STATE_FILE).write_bytes(b"not a torch file")
+    manifest = json.loads((newest / layout.MANIFEST).read_text())
+    manifest["files"][layout.STATE_FILE] = {"sha256": sha256_of(newest / layout.STATE_FILE), "size": 16}
+    (newest / layout.MANIFEST).write_text(json.dumps(manifest))
+    capsys.readouterr()
+    run = train(tmp_path, 6)
+    assert f"checkpoint {newest} verifies but does not load" in capsys.readouterr().out
+    assert run.resumed_from == 2 and run.finished
+
+
+def kdir_of(root: Path) -> Path:
+    return root / layout.WORKING_DIR / layout.KCHAIN_DIR / layout.CHECKPOINTS_DIR
+
+
+def test_when_every_checkpoint_is_damaged_the_run_stops_naming_them(tmp_path):
+    first = train(tmp_path / "s1", 4)
+    state = tmp_path / "s2/input/datasets/me/job-state"
+    shutil.copytree(first.checkpoints / layout.checkpoint_name(4), state)
+    (state / layout.STATE_MARKER).write_text("{}")
+    (state / layout.STATE_FILE).write_bytes(b"x")
+    run = make_run(tmp_path / "s2")
+    run.track(model=nn.Linear(4, 4))
+    with pytest.raises(CheckpointsDamaged, match=rf"every checkpoint found is damaged: {state}/state.pt: 1 bytes"):
+        run.restore()
+    assert run.phase == "resume"
+    # A first session with nothing attached starts fresh.
+    assert train(tmp_path / "s3", 2).resumed_from is None
+
+
+def test_tied_weights_are_written_once(tmp_path):
+    class Tied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(1000, 64)
+            self.out = nn.Linear(64, 1000, bias=False)
+            self.out.weight = self.emb.weight
+            self.weight = self.emb.weight  # what train() updates
+
+    for stream in ("0", "1"):
+        root = tmp_path / stream
+        model = Tied()
+        run = train(root, 2, model, KCHAIN_CHECKPOINT_STREAM=stream)
+        path = run.checkpoints / layout.checkpoint_name(2) / layout.STATE_FILE
+        one_copy = 1000 * 64 * 4
+        assert one_copy < path.stat().st_size < 1.5 * one_copy, stream
+        saved = load_state(path.parent)["tracked"]["model"]
+        assert saved["emb.weight"].untyped_storage().data_ptr() == saved["out.weight"].untyped_storage().data_ptr()
+
+
+def test_resume_loads_memory_mapped(tmp_path):
+    run = train(tmp_path, 2)
+    path = run.checkpoints / layout.checkpoint_name(2)
+    state = load_state(path)
+    maps = Path("/proc/self/maps").read_text()
+    assert str(path / layout.STATE_FILE) in maps
+    del state
+
+
+def test_make_room_prunes_the_oldest_first_and_refuses_in_one_line(tmp_path, monkeypatch):
+    ckpts = tmp_path / "checkpoints"
+    for step in (2, 4):
+        (ckpts / layout.checkpoint_name(step)).mkdir(parents=True)
+        (ckpts / layout.checkpoint_name(step) / layout.STATE_FILE).write_bytes(b"x" * 1000)
+    free = {"bytes": 1500}
+
+    def disk_usage(path):
+        gone = 2 - len([p for p in ckpts.iterdir() if p.name.startswith(layout.CHECKPOINT_PREFIX)])
+        return shutil._ntuple_diskusage(10**6, 0, free["bytes"] + 1000 * gone)
+
+    monkeypatch.setattr(shutil, "disk_usage", disk_usage)  # the disk's free space, not a kchain function
+    assert make_room(ckpts, 1000) is None  # fits: nothing pruned
+    assert make_room(ckpts, 2000) == f"pruned {layout.checkpoint_name(2)} before writing to make room"
+    assert sorted(p.name for p in ckpts.iterdir()) == [layout.checkpoint_name(4)]  # the newest stays
+    with pytest.raises(CheckpointTooLarge) as e:
+        make_room(ckpts, 10_000)
+    assert str(e.value).startswith(f"checkpoint needs 0.0 MB but {ckpts} has 0.0 MB free (the newest checkpoint, ")
+    assert "set train.keep: 1" in str(e.value)

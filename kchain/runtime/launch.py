@@ -187,7 +187,9 @@ def _run_ranks(n: int, why: str, config_path: str, config: dict) -> int:
     except (OSError, ValueError):
         # Rank 0 left without a summary (it failed too): say what the newest checkpoint is.
         ckpts = sorted((kdir / layout.CHECKPOINTS_DIR).glob(f"{layout.CHECKPOINT_PREFIX}*"))
-        summary = {"status": "crashed", "error": None, "started": PROCESS_START, "ended": time.time(),
+        summary = {"status": "crashed", "started": PROCESS_START, "ended": time.time(),
+                   "error": {"type": "RankFailed", "stage": "step",
+                             "message": f"rank 0 ended without a summary (torchrun exited with code {code})"},
                    "step": int(ckpts[-1].name.removeprefix(layout.CHECKPOINT_PREFIX)) if ckpts else 0,
                    "total": None, "checkpoint": str(ckpts[-1].relative_to(kdir.parent)) if ckpts else None,
                    "fingerprint": config.get("fingerprint"), "published": None, "world_size": n}
@@ -197,9 +199,6 @@ def _run_ranks(n: int, why: str, config_path: str, config: dict) -> int:
         summary["error"] = {k: first[k] for k in ("type", "message", "stage", "rank") if k in first}
         print(f"[kchain] rank {first['rank']} crashed in {first.get('stage')}: {first['type']}: {first['message']}",
               flush=True)
-    elif code != 0 and summary.get("status") != "crashed":
-        summary["status"] = "crashed"
-        summary["error"] = {"type": "RankFailed", "message": f"torchrun exited with code {code}", "stage": "step"}
     _write_json(path, summary)
     print(f"[kchain] summary: {json.dumps({k: summary.get(k) for k in ('status', 'step', 'total', 'checkpoint')})}",
           flush=True)

@@ -204,5 +204,19 @@ def test_make_room_prunes_the_oldest_first_and_refuses_in_one_line(tmp_path, mon
     assert sorted(p.name for p in ckpts.iterdir()) == [layout.checkpoint_name(4)]  # the newest stays
     with pytest.raises(CheckpointTooLarge) as e:
         make_room(ckpts, 10_000)
-    assert str(e.value).startswith(f"checkpoint needs 0.0 MB but {ckpts} has 0.0 MB free (the newest checkpoint, ")
+    assert str(e.value).startswith(f"checkpoint needs 10 KB but {ckpts} has 2 KB free (the newest checkpoint, ")
     assert "set train.keep: 1" in str(e.value)
+
+
+def test_a_state_two_copies_of_which_cannot_fit_is_refused_at_the_first_save(tmp_path, monkeypatch, capsys):
+    run = make_run(tmp_path)
+    run.track(model=nn.Linear(100, 100))  # 40 KB of weights + 8 KB of RNG states
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10**9, 0, 50_000))
+    with pytest.raises(CheckpointTooLarge) as e:
+        run.save(1)
+    assert str(e.value).startswith("checkpoint needs 48 KB, and two must fit while one is written (96 KB), but ")
+    assert "has 50 KB for checkpoints: free disk space" in str(e.value)
+    monkeypatch.undo()
+    run.save(1)
+    run.close()
+    assert "checkpoint plan: 48 KB per checkpoint, keep 2 + 1 being written = 0.1 MB" in capsys.readouterr().out

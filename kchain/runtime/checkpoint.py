@@ -62,7 +62,9 @@ GB = 1e9
 
 
 def gb(n: float) -> str:
-    return f"{n / GB:.1f} GB" if n >= 0.1 * GB else f"{n / 1e6:.1f} MB"
+    if n >= 0.1 * GB:
+        return f"{n / GB:.1f} GB"
+    return f"{n / 1e6:.1f} MB" if n >= 1e5 else f"{n / 1e3:.0f} KB"
 
 
 # kchain ddp: under torchrun only rank 0 narrates; the other ranks' warnings carry their rank.

@@ -870,10 +870,12 @@ class Run:
             stream, why = False, f"fits in RAM ({gb(ram) if ram is not None else 'unknown'} available)"
         mode = "streamed from the live tensors (blocks training)" if stream else "copied to RAM, written in the background"
         peak = (self.keep + 1) * size
-        if size * WRITE_SLACK > free + ours:
+        if 2 * size * WRITE_SLACK > free + ours:
+            # The newest checkpoint stays until the next one is complete: two must fit at once.
             raise CheckpointTooLarge(
-                f"checkpoint needs {gb(size)} but {self.checkpoints} has {gb(free + ours)} for checkpoints: free "
-                "disk space (delete files in /kaggle/working) or checkpoint less state"
+                f"checkpoint needs {gb(size)}, and two must fit while one is written ({gb(2 * size)}), but "
+                f"{self.checkpoints} has {gb(free + ours)} for checkpoints: free disk space (delete files in "
+                "/kaggle/working) or checkpoint less state (8-bit or bf16 optimizer moments)"
             )
         room = ("fits" if peak <= free + ours else
                 "does not fit: older checkpoints are pruned before each write, the newest kept until the new one is complete")

@@ -16,33 +16,13 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from kchain.errors import SpecError
+from kchain.runtime import settings
+from kchain.runtime.settings import parse_cadence, parse_duration
+
+__all__ = ["Job", "SpecError", "load_job", "parse_cadence", "parse_duration", "runtime_config"]
 
 SLUG_RE = re.compile(r"^[a-z0-9](?:[a-z0-9-]{3,48})[a-z0-9]$")
 DATASET_RE = re.compile(r"^[A-Za-z0-9_.-]+/[A-Za-z0-9_.-]+(?:/[0-9]+)?$")
-_DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)\s*(h|m|s)")
-_STEPS_RE = re.compile(r"^\s*(\d+)\s*steps?\s*$")
-
-
-def parse_duration(text: Any) -> float:
-    """'90s', '10m', '1h30m', '12h' -> seconds. Raises ValueError for anything else."""
-    if isinstance(text, bool):
-        raise ValueError(text)
-    if isinstance(text, (int, float)):
-        return float(text)
-    s = str(text).strip().lower().replace(" ", "")
-    if not s or _DURATION_PART.sub("", s):
-        raise ValueError(text)
-    return sum(float(n) * {"h": 3600, "m": 60, "s": 1}[u] for n, u in _DURATION_PART.findall(s))
-
-
-def parse_cadence(text: Any) -> dict[str, float]:
-    """A checkpoint cadence: '500 steps' -> {'steps': 500}; '10m' -> {'seconds': 600}."""
-    if isinstance(text, int) and not isinstance(text, bool):
-        return {"steps": text}
-    m = _STEPS_RE.match(str(text))
-    if m:
-        return {"steps": int(m.group(1))}
-    return {"seconds": parse_duration(text)}
 
 
 class _Strict(BaseModel):
@@ -68,12 +48,13 @@ class KaggleSpec(_Strict):
 
 
 class TrainSpec(_Strict):
-    checkpoint_every: str | int = "10m"
-    keep: int = Field(default=2, ge=1, le=20)
-    session_limit: str | int = "12h"
-    margin: str | int = "15m"
-    heartbeat: str | int = "60s"
-    precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
+    # The defaults live with the runtime's parsers (kchain/runtime/settings.py): one meaning each.
+    checkpoint_every: str | int = settings.CHECKPOINT_EVERY
+    keep: int = Field(default=settings.KEEP, ge=1, le=20)
+    session_limit: str | int = settings.SESSION_LIMIT
+    margin: str | int = settings.MARGIN
+    heartbeat: str | int = settings.HEARTBEAT
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = settings.PRECISION
     # Ranks (one per GPU) under torchrun; auto: every visible GPU. 2 on the CPU: 2 gloo ranks.
     gpus: Literal["auto", 1, 2] = "auto"
     # auto: on out-of-memory at the first step, halve run.loader's batch and double run.optimize's
@@ -110,8 +91,8 @@ class TrainSpec(_Strict):
 
 
 class SmokeSpec(_Strict):
-    fraction: float = Field(default=0.02, gt=0, le=1)
-    steps: int = Field(default=2, ge=1, le=50)
+    fraction: float = Field(default=settings.SMOKE_FRACTION, gt=0, le=1)
+    steps: int = Field(default=settings.SMOKE_STEPS, ge=1, le=50)
 
 
 class BudgetSpec(_Strict):

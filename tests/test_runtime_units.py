@@ -17,7 +17,8 @@ from torch.utils.data import TensorDataset
 from kchain.runtime import layout
 from kchain.runtime.checkpoint import restore_rng, rng_state
 from kchain.runtime.preflight import PreflightError
-from kchain.runtime.run import Run, parse_every
+from kchain.runtime.run import Run
+from kchain.runtime.settings import Settings
 
 
 def make_run(root: Path, params: dict | None = None, env: dict | None = None, **train) -> Run:
@@ -224,8 +225,9 @@ def test_cuda_rng_mismatch_is_said_loudly(capsys):
 
 
 def test_smoke_caps_steps_subsets_evenly_and_every_fires_on_the_last_step(tmp_path):
-    run = make_run(tmp_path, env={"KCHAIN_SMOKE": "1"}, checkpoint_every={"steps": 100})
-    run.config["smoke"] = {}
+    config = {"job": "unit", "params": {}, "smoke": {"fraction": 0.05, "steps": 20},
+              "train": {"heartbeat_s": 0, "checkpoint_every": {"steps": 100}}}
+    run = Run(config, {layout.ROOT_ENV: str(tmp_path), layout.SMOKE_ENV: "1"})
     assert run.smoke and run.fraction == 0.05
     labels = np.repeat(np.arange(10), 100)  # sorted by class: the first rows are all class 0
     assert set(run.subset(labels)) == set(range(10)) and len(run.subset(labels)) == 50
@@ -236,12 +238,32 @@ def test_smoke_caps_steps_subsets_evenly_and_every_fires_on_the_last_step(tmp_pa
     assert make_run(tmp_path).subset(labels) is labels
 
 
-def test_cadence_syntax():
-    assert parse_every("20 steps") == {"steps": 20}
-    assert parse_every("10m") == {"seconds": 600.0}
-    assert parse_every("30s") == {"seconds": 30.0}
-    with pytest.raises(ValueError, match="write e.g. '20 steps' or '10m'"):
-        parse_every("ten minutes")
+def test_cadence_syntax_and_defaults_agree_with_the_spec():
+    from kchain.spec import Job
+
+    def every(text):
+        return Settings.parse({}, {layout.CHECKPOINT_EVERY_ENV: text}).every
+
+    assert every("20 steps") == {"steps": 20}
+    assert every("10m") == {"seconds": 600.0}
+    assert every("30s") == {"seconds": 30.0}
+    with pytest.raises(ValueError, match="KCHAIN_CHECKPOINT_EVERY='ten minutes' is not a cadence; write e.g."):
+        every("ten minutes")
+    # A Run built with no train: config plans like a job.yaml without one.
+    plain = Settings.parse({}, {}, started=0.0)
+    spec = Job(name="defaults", code="train.py")
+    assert plain.margin_s == 15 * 60 == settings_seconds(spec.train.margin)
+    assert plain.limit_s == settings_seconds(spec.train.session_limit)
+    assert plain.every == {"seconds": settings_seconds(spec.train.checkpoint_every)}
+    assert plain.keep == spec.train.keep and plain.heartbeat_s == settings_seconds(spec.train.heartbeat)
+    smoke = Settings.parse({}, {layout.SMOKE_ENV: "1"})
+    assert (smoke.fraction, smoke.smoke_steps) == (spec.smoke.fraction, spec.smoke.steps)
+
+
+def settings_seconds(text) -> float:
+    from kchain.runtime.settings import parse_duration
+
+    return parse_duration(text)
 
 
 def test_tracking_after_the_loop_started_is_refused(tmp_path):

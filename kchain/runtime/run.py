@@ -12,7 +12,6 @@ from __future__ import annotations
 import gc
 import json
 import os
-import re
 import shutil
 import signal
 import threading
@@ -46,15 +45,8 @@ from .checkpoint import (
     state_bytes,
     warn,
 )
+from .settings import Settings
 
-DEFAULT_EVERY = {"seconds": 600}  # 10 minutes: a lost session costs at most that much training
-DEFAULT_KEEP = 2
-DEFAULT_SESSION_LIMIT_S = 12 * 3600  # Kaggle's GPU session limit
-DEFAULT_MARGIN_S = 600  # time kept back for the final save and the kernel's own output upload
-SHORT_LIMIT_MARGIN = 0.2  # with an overridden (short, local) limit, keep at most 20% back
-DEFAULT_HEARTBEAT_S = 60
-DEFAULT_SMOKE_FRACTION = 0.05
-DEFAULT_SMOKE_STEPS = 20
 STEP_TIME_WINDOW = 5
 SNAPSHOT_RAM_FRACTION = 0.25  # a state above this share of free RAM is streamed, not copied
 REUSE_MAX_BYTES = 256 * 2**20  # host copies up to this size are kept for the next save (no page faults)
@@ -70,26 +62,6 @@ class Params(dict):
             return self[name]
         except KeyError:
             raise AttributeError(f"params has no {name!r}; the job defines {sorted(self)}") from None
-
-
-def parse_every(text: str) -> dict:
-    """'20 steps' -> {'steps': 20}; '10m' / '30s' / '1h' -> {'seconds': ...}."""
-    m = re.fullmatch(r"\s*(\d+)\s*steps?\s*", text)
-    if m:
-        return {"steps": int(m.group(1))}
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*(s|m|h)?\s*", text)
-    if m:
-        return {"seconds": float(m.group(1)) * {"s": 1, "m": 60, "h": 3600}[m.group(2) or "s"]}
-    raise ValueError(f"{layout.CHECKPOINT_EVERY_ENV}={text!r} is not a cadence; write e.g. '20 steps' or '10m'")
-
-
-def parse_faults(text: str) -> dict[str, str]:
-    """KCHAIN_FAULT='kill_at_step=7,stall_step=0.5' -> {'kill_at_step': '7', 'stall_step': '0.5'}."""
-    out = {}
-    for item in filter(None, (s.strip() for s in text.split(","))):
-        key, _, value = item.partition("=")
-        out[key.strip()] = value.strip()
-    return out
 
 
 def _state_of(obj):
@@ -139,13 +111,9 @@ class Run:
         self.config = config
         self.job = config.get("job", "job")
         self.params = Params(config.get("params") or {})
-        train = config.get("train") or {}
-        smoke = config.get("smoke") or {}
-
-        self.smoke = env.get(layout.SMOKE_ENV) == "1"
-        self.fraction = float(smoke.get("fraction", DEFAULT_SMOKE_FRACTION)) if self.smoke else 1.0
-        self._smoke_steps = int(smoke.get("steps", DEFAULT_SMOKE_STEPS))
-        self._total_cap = int(env[layout.TOTAL_STEPS_ENV]) if env.get(layout.TOTAL_STEPS_ENV) else None
+        self.settings = st = Settings.parse(config, env, started)
+        self.smoke, self.fraction, self.started, self.deadline = st.smoke, st.fraction, st.started, st.deadline
+        self.every_cfg, self.keep, self.heartbeat_s, self.faults = st.every, st.keep, st.heartbeat_s, st.faults
         self.seed = int(self.params.get("seed", 0))
 
         self.input_root = layout.input_root(env)
@@ -157,28 +125,12 @@ class Run:
         self.summary_path = self.dir / layout.SUMMARY
         self.dir.mkdir(parents=True, exist_ok=True)
 
-        # The session's clock: the notebook's first cell, not this process, when the notebook says.
-        self.started = float(env[layout.SESSION_START_ENV]) if env.get(layout.SESSION_START_ENV) else (started or time.time())
-        margin = float(train.get("margin_s", DEFAULT_MARGIN_S))
-        if env.get(layout.SESSION_LIMIT_ENV):
-            limit = float(env[layout.SESSION_LIMIT_ENV])
-            margin = min(margin, SHORT_LIMIT_MARGIN * limit)
-        else:
-            limit = float(train.get("session_limit_s", DEFAULT_SESSION_LIMIT_S))
-        self.deadline = self.started + limit - margin
-        every = env.get(layout.CHECKPOINT_EVERY_ENV)
-        self.every_cfg = parse_every(every) if every else dict(train.get("checkpoint_every") or DEFAULT_EVERY)
-        self.keep = int(train.get("keep", DEFAULT_KEEP))
-        self.heartbeat_s = float(train.get("heartbeat_s", DEFAULT_HEARTBEAT_S))
-        self.faults = parse_faults(env.get(layout.FAULT_ENV, ""))
-        self.env_stream = env.get(layout.CHECKPOINT_STREAM_ENV)
-
         # kchain ddp: the group this process is one rank of (a no-op group of 1 without torchrun).
         self.ranks = distributed.Ranks(env)
         self.device, why = precision.choose_device()
         self.device = self.ranks.device(self.device)
         say(f"device: {self.device} ({why}); {self.ranks.describe()}")
-        self.dtype, why = precision.choose_dtype(self.device, train.get("precision", "auto"))
+        self.dtype, why = precision.choose_dtype(self.device, st.precision)
         say(f"precision: {str(self.dtype).removeprefix('torch.')} ({why})")
 
         self.step = 0  # steps completed (restored ones included)
@@ -215,25 +167,18 @@ class Run:
         self.writer = Writer(self.faults.get("kill_in_save"), self.faults.get("kill_after_checkpoint") == "1")
         self.writer.die = self.ranks.kill_all  # kchain ddp: a kill fault ends every rank at once
 
-        # kchain ddp: rank 0 alone owns the files; the others learn what it found.
-        found = None
-        if self.is_main:
+        if self.is_main:  # kchain ddp: rank 0 alone owns the files
             clean_tmp(self.checkpoints)
-            found = find_checkpoints(self.checkpoints, self.input_root, self.dir / ".scratch", self.job)
-        self._found, self._damaged = self.ranks.all_gather(found)[0]
-        self._resume: tuple[Path, dict] | None = None
-        if self._found:
-            self._adopt(*self._found[0])
-            halvings = max(halvings, int(self._found[0][1].get(ladder.MANIFEST_KEY, 0)))  # the size that fitted
-        else:
-            if self.is_main:
-                self.metrics_path.write_bytes(b"")
-            say(f"session 1 of {self.job}: no checkpoint found, starting fresh")
-        self.ranks.barrier()
+        self._resume: tuple[Path, dict] | None = None  # found when the loop starts (run.restore)
+        self.micro_auto = (config.get("train") or {}).get("micro_batch") == "auto"
+        if self.micro_auto and self.is_main:  # the ladder starts from the size that fitted last session
+            found, _ = find_checkpoints(self.checkpoints, self.input_root, self.dir / ".scratch", self.job)
+            halvings = max([halvings] + [int(m.get(ladder.MANIFEST_KEY, 0)) for _, m in found[:1]])
         self._plan: dict | None = None  # the checkpoint's size and write mode, set at the first save
+        if self.is_main:
+            self.metrics_path.write_bytes(b"")  # this session's lines; a resume puts the history before them
         self._metrics_file = None  # opened by the first run.log
-        self._metrics_bytes = self.metrics_path.stat().st_size
-        self.micro_auto = train.get("micro_batch") == "auto"
+        self._metrics_bytes = 0
         self.micro_halvings = halvings if self.micro_auto else 0
         self._asked_batches: list[int] = []  # run.loader's batch sizes as the code asks for them
         self._retired = False
@@ -274,15 +219,16 @@ class Run:
         """
         return distributed.wrap(model, self.ranks, self.device)
 
-    def _adopt(self, path: Path, manifest: dict) -> None:
+    def _adopt(self, path: Path, manifest: dict, logged: bytes) -> None:
         """Resume from this checkpoint: its session number and its trace."""
         self._resume = (path, manifest)
         self.session = int(manifest.get("session", 0)) + 1
-        # One continuous history: the trace as it was at the checkpoint; later lines are replayed.
+        # One continuous history: the trace as it was at the checkpoint (later lines are replayed),
+        # then whatever this process logged before its loop started.
         if self.is_main:  # kchain ddp: rank 0 alone writes the trace
-            self.metrics_path.write_bytes((path / layout.METRICS).read_bytes())
+            self.metrics_path.write_bytes((path / layout.METRICS).read_bytes() + logged)
             self._metrics_bytes = self.metrics_path.stat().st_size
-        say(f"session {self.session} of {self.job}: will resume from {path}")
+        say(f"session {self.session} of {self.job}: resuming from {path}")
 
     # --- registration ---------------------------------------------------------------------------
 
@@ -500,10 +446,10 @@ class Run:
         return self.step < self.total and not self._should_stop()
 
     def _capped(self, total: int) -> int:
-        if self._total_cap is not None:
-            return min(total, self._total_cap)
+        if self.settings.total_cap is not None:
+            return min(total, self.settings.total_cap)
         if self.smoke:  # the smoke driver sets the cap itself (steps, then as many after the kill)
-            return min(total, self._smoke_steps)
+            return min(total, self.settings.smoke_steps)
         return total
 
     def _begin_loop(self) -> None:
@@ -736,23 +682,29 @@ class Run:
             return
         self._restored = True
         self.phase = "resume"
+        # kchain ddp: rank 0 finds (and sets aside damaged ones); the others learn what it found.
+        mine = find_checkpoints(self.checkpoints, self.input_root, self.dir / ".scratch", self.job) if self.is_main else None
+        found, damaged = self.ranks.all_gather(mine)[0]
+        if self._metrics_file is not None:
+            self._metrics_file.flush()
+        logged = self.metrics_path.read_bytes() if self.is_main else b""
         saved = None
-        for path, manifest in self._found:
-            if self._resume[0] != path:
-                self._adopt(path, manifest)
+        for path, manifest in found:
+            self._adopt(path, manifest, logged)
             try:
                 saved = load_state(path)
                 break
             except Exception as e:  # verified but unloadable (e.g. written by another torch): the previous one
                 warn(f"checkpoint {path} verifies but does not load ({type(e).__name__}: {e}); trying the previous one")
-                self._damaged.append(f"{path / layout.STATE_FILE}: does not load ({type(e).__name__})")
+                damaged.append(f"{path / layout.STATE_FILE}: does not load ({type(e).__name__})")
         if saved is None:
-            if self._damaged:
+            if damaged:
                 # Starting over would silently redo (and overwrite) the chain's work: stop and say why.
                 raise CheckpointsDamaged(
-                    f"every checkpoint found is damaged: {'; '.join(self._damaged)}. Attach an earlier "
+                    f"every checkpoint found is damaged: {'; '.join(damaged)}. Attach an earlier "
                     "state version, or detach the state dataset to start fresh on purpose"
                 )
+            say(f"session 1 of {self.job}: no checkpoint found, starting fresh")
             self.phase = "build"
             return
         path, manifest = self._resume
@@ -861,7 +813,7 @@ class Run:
         free = shutil.disk_usage(self.checkpoints).free
         ours = sum(dir_bytes(p) for p in complete(self.checkpoints))
         ram = available_ram()
-        forced = self.env_stream
+        forced = self.settings.stream
         if forced in ("0", "1"):
             stream, why = forced == "1", f"{layout.CHECKPOINT_STREAM_ENV}={forced}"
         elif ram is not None and size > SNAPSHOT_RAM_FRACTION * ram:

@@ -1,0 +1,122 @@
+"""The runtime's settings, parsed once: the job's `train` / `smoke` config and the environment.
+
+Standard library only: `kchain/spec.py` validates job.yaml with the same parsers and defaults, so
+a duration means the same thing on the laptop and in the kernel.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from . import layout
+
+# The defaults of job.yaml's train: and smoke: keys (spec.py uses these too).
+CHECKPOINT_EVERY = "10m"  # a lost session costs at most this much training
+KEEP = 2
+SESSION_LIMIT = "12h"  # Kaggle's GPU session limit
+MARGIN = "15m"  # kept back for the final save and the kernel's own output upload
+HEARTBEAT = "60s"
+PRECISION = "auto"
+SMOKE_FRACTION = 0.02
+SMOKE_STEPS = 2
+SHORT_LIMIT_MARGIN = 0.2  # with an overridden (short, local) limit, keep at most 20% back
+
+_DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)\s*(h|m|s)")
+_STEPS_RE = re.compile(r"^\s*(\d+)\s*steps?\s*$")
+
+
+def parse_duration(text: Any) -> float:
+    """'90s', '10m', '1h30m', '12h' (or a number of seconds) -> seconds. ValueError for anything else."""
+    if isinstance(text, bool):
+        raise ValueError(text)
+    if isinstance(text, (int, float)):
+        return float(text)
+    s = str(text).strip().lower().replace(" ", "")
+    if not s or _DURATION_PART.sub("", s):
+        raise ValueError(text)
+    return sum(float(n) * {"h": 3600, "m": 60, "s": 1}[u] for n, u in _DURATION_PART.findall(s))
+
+
+def parse_cadence(text: Any) -> dict[str, float]:
+    """A checkpoint cadence: '500 steps' (or an int) -> {'steps': 500}; '10m' -> {'seconds': 600}."""
+    if isinstance(text, int) and not isinstance(text, bool):
+        return {"steps": text}
+    m = _STEPS_RE.match(str(text))
+    if m:
+        return {"steps": int(m.group(1))}
+    return {"seconds": parse_duration(text)}
+
+
+def parse_faults(text: str) -> dict[str, str]:
+    """KCHAIN_FAULT='kill_at_step=7,stall_step=0.5' -> {'kill_at_step': '7', 'stall_step': '0.5'}."""
+    out = {}
+    for item in filter(None, (s.strip() for s in text.split(","))):
+        key, _, value = item.partition("=")
+        out[key.strip()] = value.strip()
+    return out
+
+
+def _env_cadence(text: str) -> dict[str, float]:
+    try:
+        return parse_cadence(text)
+    except ValueError:
+        raise ValueError(f"{layout.CHECKPOINT_EVERY_ENV}={text!r} is not a cadence; write e.g. '20 steps' or '10m'") from None
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Everything a Run reads from its config and environment, in numbers."""
+
+    job: str
+    smoke: bool
+    fraction: float  # the share of the data run.subset keeps (1.0 outside a smoke)
+    smoke_steps: int
+    total_cap: int | None  # KCHAIN_TOTAL_STEPS
+    started: float  # the session's start, epoch seconds
+    limit_s: float
+    margin_s: float
+    every: dict[str, float]  # {'steps': n} or {'seconds': s}
+    keep: int
+    heartbeat_s: float
+    precision: str
+    stream: str | None  # KCHAIN_CHECKPOINT_STREAM: '1', '0' or None (by size)
+    faults: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def deadline(self) -> float:
+        return self.started + self.limit_s - self.margin_s
+
+    @classmethod
+    def parse(cls, config: Mapping, env: Mapping[str, str], started: float | None = None) -> Settings:
+        train = config.get("train") or {}
+        smoke_cfg = config.get("smoke") or {}
+        smoke = env.get(layout.SMOKE_ENV) == "1"
+        # The session's clock: the notebook's first cell, not this process, when the notebook says.
+        start = float(env[layout.SESSION_START_ENV]) if env.get(layout.SESSION_START_ENV) else (started or time.time())
+        margin = float(train.get("margin_s", parse_duration(MARGIN)))
+        if env.get(layout.SESSION_LIMIT_ENV):
+            limit = float(env[layout.SESSION_LIMIT_ENV])
+            margin = min(margin, SHORT_LIMIT_MARGIN * limit)
+        else:
+            limit = float(train.get("session_limit_s", parse_duration(SESSION_LIMIT)))
+        every = env.get(layout.CHECKPOINT_EVERY_ENV)
+        return cls(
+            job=config.get("job", "job"),
+            smoke=smoke,
+            fraction=float(smoke_cfg.get("fraction", SMOKE_FRACTION)) if smoke else 1.0,
+            smoke_steps=int(smoke_cfg.get("steps", SMOKE_STEPS)),
+            total_cap=int(env[layout.TOTAL_STEPS_ENV]) if env.get(layout.TOTAL_STEPS_ENV) else None,
+            started=start,
+            limit_s=limit,
+            margin_s=margin,
+            every=_env_cadence(every) if every else dict(train.get("checkpoint_every") or parse_cadence(CHECKPOINT_EVERY)),
+            keep=int(train.get("keep", KEEP)),
+            heartbeat_s=float(train.get("heartbeat_s", parse_duration(HEARTBEAT))),
+            precision=train.get("precision", PRECISION),
+            stream=env.get(layout.CHECKPOINT_STREAM_ENV),
+            faults=parse_faults(env.get(layout.FAULT_ENV, "")),
+        )

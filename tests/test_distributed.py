@@ -82,12 +82,14 @@ def reference(tmp_path_factory) -> list[tuple[int, float]]:
 def test_two_ranks_sigkill_at_a_random_step_resume_bit_exact(tmp_path, reference):
     """The epoch loop (run.epochs, `for batch in loader`): a kill may land in either epoch."""
     seed = random.SystemRandom().randrange(10**6)
-    kill = random.Random(seed).randrange(4, TOTAL)  # after the checkpoint at step 3
+    # Checkpoints every 2 steps: the one of step 4 waits for step 2's write, so a kill at the end of
+    # step 5 or later always leaves a complete checkpoint (a later one may still be in flight).
+    kill = random.Random(seed).randrange(5, TOTAL)
     print(f"kill at step {kill} (seed {seed})")
-    died = launch(tmp_path, params=EPOCHS, KCHAIN_FAULT=f"kill_at_step={kill}")
+    died = launch(tmp_path, every=2, params=EPOCHS, KCHAIN_FAULT=f"kill_at_step={kill}")
     assert died.returncode == KILLED, out(died)
     assert "2 ranks (gloo, CPU)" in died.stdout
-    done = launch(tmp_path, params=EPOCHS)
+    done = launch(tmp_path, every=2, params=EPOCHS)
     assert done.returncode == 0, out(done)
     assert "[kchain] resumed from step" in done.stdout
     got = trace(tmp_path)

@@ -58,12 +58,18 @@ def plan_for(job: Job, ledger: Ledger, client: KaggleClient | None = None) -> Pl
         except KaggleError:
             pass  # the quota view is a second opinion; the ledger still counts
     return Plan(
-        accelerator={"gpu": "GPU T4 x2 (NvidiaTeslaT4)", "tpu": "TPU v5e-8", "none": "CPU"}[job.kaggle.accelerator],
+        accelerator={"gpu": f"GPU T4 x2, {_ranks(job)} (NvidiaTeslaT4)", "tpu": "TPU v5e-8",
+                     "none": "CPU"}[job.kaggle.accelerator],
         session_limit_h=limit_h,
         expected_gpu_h=limit_h if job.gpu else 0.0,
         used_h=used_h,
         weekly_h=job.budget.weekly_gpu_hours,
     )
+
+
+def _ranks(job: Job) -> str:
+    """train.gpus on a T4 x2 session: auto uses both GPUs (one rank each)."""
+    return "1 rank" if job.train.gpus == 1 else "2 ranks"
 
 
 def check_budget(job: Job, plan: Plan, force: bool, job_file: Path) -> None:

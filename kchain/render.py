@@ -292,6 +292,7 @@ def render_job(job: Job, owner: str | None = None, extra_sources: list[str] | No
         "state_dataset": f"{owner}/{job.name}-state" if owner else None,
         "cache_dataset": f"{owner}/{job.name}-cache" if owner else None,
         "internet": job.kaggle.internet,
+        "accelerator": job.kaggle.accelerator,
     }
     config["kchain_version"] = kchain.__version__
     code, left_out = _code_files(job)

@@ -82,6 +82,7 @@ def fetch_output(client: KaggleClient, ledger: Ledger, job: str, record: dict[st
         record["step"] = summary.get("step")
         record["total"] = summary.get("total")
         record["end_status"] = summary.get("status")
+        record["ranks"] = summary.get("world_size") or 1
     return record
 
 
@@ -138,7 +139,7 @@ def status_table(chain: list[dict[str, Any]], used_h: float, weekly_h: float) ->
         elif s.get("heartbeat"):
             note = s["heartbeat"]
         elif s.get("end_status"):
-            note = s["end_status"]
+            note = s["end_status"] + (f", {s['ranks']} ranks" if (s.get("ranks") or 1) > 1 else "")
         rows.append(
             f"{s['session']:>7}  {str(s.get('version') or '-'):>7}  {s['status']:<10} "
             f"{s.get('started') or s.get('requested', '-'):<20} {_duration(s):>10}  {steps:>11}  {note}"

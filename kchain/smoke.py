@@ -165,11 +165,18 @@ def prepare(job_path: Path, echo: Echo, download: bool) -> Prepared:
 def train(prep: Prepared, echo: Echo, show: Echo | None) -> tuple[Child, Child]:
     """Start the uninterrupted reference and the run that is SIGKILLed right after its checkpoint."""
     steps = prep.steps
-    echo(f"  train      {steps} steps, checkpoint, SIGKILL; reference run of {2 * steps} steps beside it")
+    echo(f"  train      {steps} steps, checkpoint, SIGKILL; reference run of {2 * steps} steps beside it; "
+         f"{ranks_label(prep.job)}")
     reference = Child("reference", prep.work / "reference").start(prep.notebook, prep.env, None)
     kill_env = {**prep.env, layout.FAULT_ENV: "kill_after_checkpoint=1"}
     killed = Child("run", prep.work / "run").start(prep.notebook, kill_env, show)
     return reference, killed
+
+
+def ranks_label(job: Job) -> str:
+    """How many ranks each smoke run has: train.gpus: 2 runs 2 gloo ranks on this CPU (auto sees no GPU)."""
+    n = job.train.gpus if job.train.gpus != "auto" else 1
+    return "2 ranks (gloo, CPU), the whole group SIGKILLed" if n == 2 else "1 rank (CPU)"
 
 
 def stopped_right(prep: Prepared, killed: Child) -> diagnose.Failure | None:
@@ -223,7 +230,7 @@ def judge(prep: Prepared, reference: Child, killed: Child, resumed: Child | None
         echo(f"  not exact  {line}")
     if failure is None:
         rows, report.failure, report.verdict = traces.judge(
-            report.reference, report.resumed, prep.steps, 2 * prep.steps, not_exact
+            report.reference, report.resumed, prep.steps, 2 * prep.steps, not_exact,
         )
         traces.print_traces(echo, rows, prep.steps)
     report.passed = report.failure is None

@@ -140,6 +140,11 @@ class TrainSpec(_Strict):
     margin: str | int | float = settings.MARGIN
     heartbeat: str | int | float = settings.HEARTBEAT
     precision: Literal["auto", "fp32", "bf16", "fp16"] = settings.PRECISION
+    # Ranks (one per GPU) under torchrun; auto: every visible GPU. 2 on the CPU: 2 gloo ranks.
+    gpus: Literal["auto", 1, 2] = "auto"
+    # auto: on out-of-memory at the first step, halve run.loader's batch and double run.optimize's
+    # accumulation (the effective batch stays the same); the size that fitted is in the checkpoint.
+    micro_batch: Literal["auto", "off"] = "off"
 
     @field_validator("checkpoint_every")
     @classmethod
@@ -598,6 +603,8 @@ def runtime_config(job: Job) -> dict[str, Any]:
             "margin_s": parse_duration(job.train.margin),
             "heartbeat_s": parse_duration(job.train.heartbeat),
             "precision": job.train.precision,
+            "gpus": job.train.gpus,
+            "micro_batch": job.train.micro_batch,
         },
         "smoke": {"fraction": job.smoke.fraction, "steps": job.smoke.steps},
     }

@@ -78,7 +78,7 @@ def test_push_runs_a_smoked_session_to_complete_and_writes_no_credential(emulato
     assert pushed.exit_code == 0, pushed.output
     assert f"kchain push {job}: session 1 of {REF}" in pushed.output
     assert f"  pushed {REF} version 1: {emulator.url}/code/{REF}" in pushed.output  # the URL Kaggle answered
-    assert "  accelerator    GPU T4 x2 (NvidiaTeslaT4)" in pushed.output
+    assert "  accelerator    GPU T4 x2, 2 ranks (NvidiaTeslaT4)" in pushed.output
     kernel = emulator.store.kernels[REF]
     assert (kernel["machine_shape"], kernel["enable_gpu"], kernel["enable_internet"]) == ("NvidiaTeslaT4", True, False)
     assert emulator.session(REF, 1)["gpu"] is True

@@ -125,3 +125,13 @@ def test_a_loss_that_is_already_nan_fails_the_smoke(tmp_path):
     assert result.exit_code == 3, result.output
     assert error_line(result) == "Error: smoke failed (during step): NonFiniteMetric: loss is nan at step 1"
     assert "check the learning rate" in result.output
+
+
+def test_a_job_asking_for_two_gpus_smokes_with_two_gloo_ranks(tmp_path):
+    """2 ranks on the CPU: the whole group SIGKILLed after the checkpoint, 2 fresh ranks resume it."""
+    path = copy_job("classifier", tmp_path, train={"gpus": 2}, params={"num_workers": 0})
+    result = invoke("smoke", path)
+    assert result.exit_code == 0, result.output
+    assert "2 ranks (gloo, CPU)" in result.output
+    assert "PASS: resumed run equals the uninterrupted run bit for bit" in result.output
+    assert "<- resumed here" in result.output

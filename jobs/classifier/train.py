@@ -41,11 +41,12 @@ def main(run):
               num_classes=p.classes, label_dtype=torch.int64,
               splits={"train": data["x_train"], "val": data["x_val"]})
 
-    model = nn.Sequential(
+    # On run.device; in DistributedDataParallel when train.gpus gives the job several ranks.
+    model = run.wrap(nn.Sequential(
         nn.Linear(p.features, p.hidden), nn.ReLU(), nn.Dropout(p.dropout),
         nn.Linear(p.hidden, p.hidden), nn.ReLU(), nn.Dropout(p.dropout),
         nn.Linear(p.hidden, p.classes),
-    ).to(run.device)
+    ))
     optimizer = torch.optim.Adam(model.parameters(), lr=p.lr)
     schedule = torch.optim.lr_scheduler.StepLR(optimizer, step_size=max(1, p.steps // 3), gamma=0.3)
     run.track(model=model, scheduler=schedule)

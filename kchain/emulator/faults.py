@@ -31,6 +31,9 @@ class Faults:
     # The next N SaveKernel calls create the version (and start its session), then answer 500:
     # a push whose answer is lost after Kaggle acted on it.
     fail_after_save: int = 0
+    # Sessions get no GPU though the kernel asked for one (quota spent): the runtime's granted-
+    # accelerator check sees what a real GPU-less session shows it.
+    no_gpu: bool = False
     seed: int = 0
     _rng: random.Random = field(default=None, init=False, repr=False)  # type: ignore[assignment]
     _rng_seed: int | None = field(default=None, init=False, repr=False)

@@ -185,6 +185,7 @@ class Rpcs:
                 "started": None, "ended": None if run else now, "output_sig": new_secret(), "run": run,
                 # Faults are fixed at push time so a test can change them right after a push.
                 "kill_at": emu.faults.kill_at() if run else None, "lose_output": emu.faults.lose_output,
+                "no_gpu": emu.faults.no_gpu,
             }
             sdir = store.session_dir(session_id)
             sdir.mkdir(parents=True)

@@ -23,6 +23,7 @@ import tempfile
 import threading
 import time
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -66,12 +67,17 @@ def gb(n: float) -> str:
     return f"{n / 1e6:.1f} MB" if n >= 1e5 else f"{n / 1e3:.0f} KB"
 
 
+# kchain ddp: under torchrun only rank 0 narrates; the other ranks' warnings carry their rank.
+_RANK = os.environ.get("RANK", "0") if os.environ.get("WORLD_SIZE", "1") != "1" else "0"
+
+
 def say(msg: str) -> None:
-    print(f"[kchain] {msg}", flush=True)
+    if _RANK == "0":
+        print(f"[kchain] {msg}", flush=True)
 
 
 def warn(msg: str) -> None:
-    print(f"[kchain] WARNING: {msg}", flush=True)
+    print(f"[kchain{'' if _RANK == '0' else f' rank {_RANK}'}] WARNING: {msg}", flush=True)
 
 
 # --- snapshot ---------------------------------------------------------------------------------
@@ -375,6 +381,7 @@ class Writer:
         self._error: BaseException | None = None
         self.last_path: Path | None = None
         self.last_write_s = 0.0  # how long the last background write took (for the deadline)
+        self.die: Callable[[], None] | None = None  # kchain ddp: how kill_after_first ends every rank
 
     def submit(self, **kwargs) -> None:
         self.wait()
@@ -393,7 +400,7 @@ class Writer:
                 self.last_path = write_checkpoint(fault_point=self.fault_point, **kwargs)
                 self.last_write_s = time.perf_counter() - t0
                 if self.kill_after_first:
-                    os.kill(os.getpid(), signal.SIGKILL)
+                    (self.die or (lambda: os.kill(os.getpid(), signal.SIGKILL)))()
             except BaseException as e:  # re-raised in the training thread by wait()
                 if isinstance(e, CheckpointWriteFailed):
                     warn(str(e))  # at once, not at the next save
@@ -413,7 +420,7 @@ class Writer:
             raise
         self.last_write_s = time.perf_counter() - t0
         if self.kill_after_first:
-            os.kill(os.getpid(), signal.SIGKILL)
+            (self.die or (lambda: os.kill(os.getpid(), signal.SIGKILL)))()
 
     def wait(self) -> None:
         self._idle.wait()

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, Subset, default_collate
 
-from . import layout
+from . import distributed, layout
 
 # Attached data on Kaggle: /kaggle/input/<slug>, or one or two folders deeper
 # (datasets/<owner>/<slug>, competitions/<slug>, notebooks/<owner>/<slug>, models/...).
@@ -80,7 +80,8 @@ class _Descriptors:
         lo = self.loader
         batches = lo.batches(lo.epoch)
         for b in range(lo.position, len(batches)):
-            yield (lo.epoch, b, batches[b])
+            # kchain ddp: with several ranks each rank's share of global batch b has its own seed
+            yield (lo.epoch, b * lo.world_size + lo.rank if lo.world_size > 1 else b, batches[b])
 
     def __len__(self):
         return len(self.loader) - self.loader.position
@@ -152,8 +153,11 @@ class Loader:
         on_wait: Callable[[float], None] | None = None,
         sampler=None,
         batch_sampler=None,
+        rank: int = 0,
+        world_size: int = 1,
     ):
         self.dataset = dataset
+        self.rank, self.world_size = rank, world_size  # kchain ddp: batch_size is per rank
         self.batch_size = batch_size
         self.shuffle = shuffle
         self.drop_last = drop_last
@@ -161,6 +165,13 @@ class Loader:
         self.sampler = sampler
         self.batch_sampler = batch_sampler
         self.iterable = isinstance(dataset, IterableDataset)
+        if world_size > 1 and (self.iterable or batch_sampler is not None):
+            print(
+                f"[kchain] WARNING: run.loader shards a dataset or a sampler across the {world_size} ranks, not "
+                f"{'an IterableDataset' if self.iterable else 'a batch_sampler'}: every rank reads the same "
+                "batches unless it shards them itself by run.rank",
+                flush=True,
+            )
         self.epoch = 0
         self.position = 0  # batches of this epoch already handed to the user
         self.run = None  # the Run whose epoch loop this loader drives (set by run.epochs)
@@ -196,6 +207,8 @@ class Loader:
         if self.batch_sampler is not None:
             return len(self.batch_sampler)
         n = len(self.sampler) if self.sampler is not None else len(self.dataset)
+        if self.world_size > 1:  # kchain ddp: global batches; each rank takes one micro-batch of each
+            return distributed.batches_per_rank(n, self.batch_size, self.world_size, self.drop_last)
         return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
 
     def order(self, epoch: int) -> torch.Tensor:
@@ -216,6 +229,8 @@ class Loader:
             out = [idx[i : i + bs] for i in range(0, len(idx), bs)]
             if self.drop_last and out and len(out[-1]) < bs:
                 out.pop()
+            if self.world_size > 1:  # kchain ddp: this rank's share of each global batch
+                out = [distributed.shard(idx, bs, b, self.rank, self.world_size) for b in range(len(self))]
         self._drawn = (epoch, out)
         return out
 

@@ -21,8 +21,8 @@ def _fmt(v) -> str:
     return f"{v:.4g}" if isinstance(v, float) else str(v)
 
 
-def line(step, total, metrics, steps_per_s, data_share, eta_s, left_s, next_ckpt) -> str:
-    parts = [f"step {step}/{total}"]
+def line(step, total, metrics, steps_per_s, data_share, eta_s, left_s, next_ckpt, ranks: int = 1) -> str:
+    parts = [f"step {step}/{total}" + (f" x{ranks} ranks" if ranks > 1 else "")]
     parts += [f"{k} {_fmt(v)}" for k, v in metrics.items()]
     parts.append(f"{steps_per_s:.2f} steps/s" if steps_per_s else "- steps/s")
     parts.append(f"data wait {data_share:.0%}")

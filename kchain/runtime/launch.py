@@ -71,7 +71,16 @@ def main(argv: list[str]) -> int:
         print("usage: python -m kchain.runtime.launch CONFIG_JSON", file=sys.stderr)
         return 2
     config = json.loads(Path(argv[1]).read_text())
-    from .run import Run  # torch is imported here, after the clock started
+    from . import distributed, ladder  # torch is imported here, after the clock started
+    from .run import Run
+
+    if not distributed.in_ranks(os.environ):  # kchain ddp: how many ranks, and is the GPU there?
+        try:
+            n, why = distributed.plan_ranks(config, os.environ)
+        except distributed.NoAccelerator as e:
+            return _no_accelerator(config, str(e))
+        if n > 1:
+            return _run_ranks(n, why, argv[1], config)
 
     run = None
     error = None
@@ -81,7 +90,23 @@ def main(argv: list[str]) -> int:
         module_name, _, func_name = config["entry"].partition(":")
         run.phase = "build"
         entry = getattr(importlib.import_module(module_name), func_name or "main")
-        entry(run)
+        while True:  # train.micro_batch: auto retries main with a halved micro-batch (runtime/ladder.py)
+            rung = None
+            try:
+                entry(run)
+            except ladder.OutOfMemory:
+                rung = run.next_rung()
+                if rung is None:
+                    raise
+            if rung is None:
+                break
+            print(f"[kchain] {rung}", flush=True)
+            halvings = run.micro_halvings + 1
+            run.close()
+            run = None
+            ladder.free()
+            run = Run(config, os.environ, started=PROCESS_START, halvings=halvings)
+            run.phase = "build"
         if run.status == "running":
             run.end_without_loop()
     except KeyboardInterrupt:
@@ -95,6 +120,17 @@ def main(argv: list[str]) -> int:
         if run is not None:
             run.status = "crashed"
         print(f"[kchain] crashed in {stage}: {type(e).__name__}: {_first_line(e)}", flush=True)
+        if distributed.in_ranks(os.environ) and os.environ.get("WORLD_SIZE") != "1":
+            # kchain ddp: the others may wait in a collective this rank never joins: leave now, and
+            # let torchrun end them; the launcher's parent names this error in the summary.
+            rank = int(os.environ["RANK"])
+            if run is not None:
+                try:
+                    run.writer.wait()  # never leave rank 0's checkpoint write half done
+                except BaseException:
+                    pass
+            distributed.record_error(layout.kchain_dir(os.environ), rank, error)
+            os._exit(1)
     finally:
         if run is not None:
             try:
@@ -105,6 +141,8 @@ def main(argv: list[str]) -> int:
                     error = {"type": type(e).__name__, "message": _first_line(e), "stage": "checkpoint"}
                     run.status = "crashed"
 
+    if run is not None and not run.is_main:
+        return 1 if run.status == "crashed" else 0  # kchain ddp: rank 0 writes the summary
     if run is not None:
         summary = run.summary(error=error)
         path = run.summary_path
@@ -112,6 +150,55 @@ def main(argv: list[str]) -> int:
         summary = {"status": "crashed", "error": error, "started": PROCESS_START, "ended": time.time(),
                    "fingerprint": config.get("fingerprint"), "published": None}
         path = layout.kchain_dir(os.environ) / layout.SUMMARY
+    _write_json(path, summary)
+    if not distributed.in_ranks(os.environ):  # under torchrun the launcher's parent prints the final one
+        print(f"[kchain] summary: {json.dumps({k: summary.get(k) for k in ('status', 'step', 'total', 'checkpoint')})}",
+              flush=True)
+    return 1 if summary["status"] == "crashed" else 0
+
+
+def _no_accelerator(config: dict, message: str) -> int:
+    """The granted-accelerator check failed: one line, status no-accelerator, within seconds."""
+    print(f"[kchain] no-accelerator: {message}", flush=True)
+    summary = {"status": "no-accelerator", "error": {"type": "NoAccelerator", "message": message, "stage": "start"},
+               "started": PROCESS_START, "ended": time.time(), "step": 0, "total": None, "checkpoint": None,
+               "fingerprint": config.get("fingerprint"), "published": None}
+    _write_json(layout.kchain_dir(os.environ) / layout.SUMMARY, summary)
+    return 1
+
+
+def _run_ranks(n: int, why: str, config_path: str, config: dict) -> int:
+    """kchain ddp: run N ranks under torchrun, then make the summary name the first rank's error."""
+    import signal
+
+    from . import distributed
+
+    kdir = layout.kchain_dir(os.environ)
+    distributed.clear_errors(kdir)
+    (kdir / layout.SUMMARY).unlink(missing_ok=True)
+    print(f"[kchain] launching {n} ranks with torchrun ({why})", flush=True)
+    env = {**os.environ, layout.SESSION_START_ENV: os.environ.get(layout.SESSION_START_ENV) or repr(PROCESS_START)}
+    code = distributed.launch_ranks(n, config_path, env)
+    if code == -signal.SIGKILL:
+        os.kill(os.getpid(), signal.SIGKILL)  # the session died (a kill fault): die the same way
+    path = kdir / layout.SUMMARY
+    try:
+        summary = json.loads(path.read_text())
+    except (OSError, ValueError):
+        # Rank 0 left without a summary (it failed too): say what the newest checkpoint is.
+        ckpts = sorted((kdir / layout.CHECKPOINTS_DIR).glob(f"{layout.CHECKPOINT_PREFIX}*"))
+        summary = {"status": "crashed", "started": PROCESS_START, "ended": time.time(),
+                   "error": {"type": "RankFailed", "stage": "step",
+                             "message": f"rank 0 ended without a summary (torchrun exited with code {code})"},
+                   "step": int(ckpts[-1].name.removeprefix(layout.CHECKPOINT_PREFIX)) if ckpts else 0,
+                   "total": None, "checkpoint": str(ckpts[-1].relative_to(kdir.parent)) if ckpts else None,
+                   "fingerprint": config.get("fingerprint"), "published": None, "world_size": n}
+    first = distributed.first_error(kdir)
+    if first is not None:
+        summary["status"] = "crashed"
+        summary["error"] = {k: first[k] for k in ("type", "message", "stage", "rank") if k in first}
+        print(f"[kchain] rank {first['rank']} crashed in {first.get('stage')}: {first['type']}: {first['message']}",
+              flush=True)
     _write_json(path, summary)
     print(f"[kchain] summary: {json.dumps({k: summary.get(k) for k in ('status', 'step', 'total', 'checkpoint')})}",
           flush=True)

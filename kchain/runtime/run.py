@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from torch.utils.data import BatchSampler, DataLoader, Dataset, RandomSampler, SequentialSampler
 
-from . import data, heartbeat, layout, precision, preflight
+from . import data, distributed, heartbeat, ladder, layout, precision, preflight
 from .checkpoint import (
     WRITE_SLACK,
     CheckpointsDamaged,
@@ -65,6 +65,7 @@ class Params(dict):
 
 
 def _state_of(obj):
+    obj = distributed.unwrap(obj)
     if isinstance(obj, torch.Generator):
         return obj.get_state()
     if isinstance(obj, np.random.Generator):
@@ -73,6 +74,7 @@ def _state_of(obj):
 
 
 def _load_into(obj, state) -> None:
+    obj = distributed.unwrap(obj)
     if isinstance(obj, torch.Generator):
         obj.set_state(state)
     elif isinstance(obj, np.random.Generator):
@@ -103,7 +105,8 @@ def _plain(v):
 
 
 class Run:
-    def __init__(self, config: dict, env: Mapping[str, str] | None = None, started: float | None = None):
+    def __init__(self, config: dict, env: Mapping[str, str] | None = None, started: float | None = None,
+                 halvings: int = 0):
         env = os.environ if env is None else env
         self.config = config
         self.job = config.get("job", "job")
@@ -122,8 +125,11 @@ class Run:
         self.summary_path = self.dir / layout.SUMMARY
         self.dir.mkdir(parents=True, exist_ok=True)
 
+        # kchain ddp: the group this process is one rank of (a no-op group of 1 without torchrun).
+        self.ranks = distributed.Ranks(env)
         self.device, why = precision.choose_device()
-        say(f"device: {self.device} ({why})")
+        self.device = self.ranks.device(self.device)
+        say(f"device: {self.device} ({why}); {self.ranks.describe()}")
         self.dtype, why = precision.choose_dtype(self.device, st.precision)
         say(f"precision: {str(self.dtype).removeprefix('torch.')} ({why})")
 
@@ -159,13 +165,59 @@ class Run:
         self.stalls: list[float] = []  # seconds the training thread spent blocked in each save
         self._snapshots = Snapshotter()
         self.writer = Writer(self.faults.get("kill_in_save"), self.faults.get("kill_after_checkpoint") == "1")
+        self.writer.die = self.ranks.kill_all  # kchain ddp: a kill fault ends every rank at once
 
-        clean_tmp(self.checkpoints)
+        if self.is_main:  # kchain ddp: rank 0 alone owns the files
+            clean_tmp(self.checkpoints)
         self._resume: tuple[Path, dict] | None = None  # found when the loop starts (run.restore)
+        self.micro_auto = (config.get("train") or {}).get("micro_batch") == "auto"
+        if self.micro_auto and self.is_main:  # the ladder starts from the size that fitted last session
+            found, _ = find_checkpoints(self.checkpoints, self.input_root, self.dir / ".scratch", self.job)
+            halvings = max([halvings] + [int(m.get(ladder.MANIFEST_KEY, 0)) for _, m in found[:1]])
         self._plan: dict | None = None  # the checkpoint's size and write mode, set at the first save
-        self.metrics_path.write_bytes(b"")  # this session's lines; a resume puts the history before them
+        if self.is_main:
+            self.metrics_path.write_bytes(b"")  # this session's lines; a resume puts the history before them
         self._metrics_file = None  # opened by the first run.log
         self._metrics_bytes = 0
+        self.micro_halvings = halvings if self.micro_auto else 0
+        self._asked_batches: list[int] = []  # run.loader's batch sizes as the code asks for them
+        self._retired = False
+
+    def next_rung(self) -> str | None:
+        """After an out-of-memory error: the ladder's next rung, or None (see ladder.next_rung).
+
+        With a rung, this run is retired: a loop generator closed later (by the garbage collector)
+        must not count or save the failed attempt's step."""
+        rung = ladder.next_rung(self._asked_batches, self.micro_halvings, self.micro_auto, self._loop_steps > 0,
+                                self.world_size)
+        self._retired = rung is not None
+        return rung
+
+    # --- ranks (kchain ddp) -----------------------------------------------------------------------
+
+    @property
+    def rank(self) -> int:
+        """This process's rank: 0 .. world_size-1 (0 without torchrun)."""
+        return self.ranks.rank
+
+    @property
+    def world_size(self) -> int:
+        """How many ranks run `main(run)` (train.gpus; 1 without torchrun)."""
+        return self.ranks.world_size
+
+    @property
+    def is_main(self) -> bool:
+        """True on rank 0: the rank that writes checkpoints, the trace and the summary."""
+        return self.ranks.is_main
+
+    def wrap(self, model):
+        """The model on this rank's device, in DistributedDataParallel when there are several ranks.
+
+        Example:
+            model = run.wrap(Net())          # DDP on 2 GPUs, the plain module on 1
+            run.track(model=model)           # checkpoints hold the inner module's keys either way
+        """
+        return distributed.wrap(model, self.ranks, self.device)
 
     def _adopt(self, path: Path, manifest: dict, logged: bytes) -> None:
         """Resume from this checkpoint: its session number and its trace."""
@@ -173,8 +225,9 @@ class Run:
         self.session = int(manifest.get("session", 0)) + 1
         # One continuous history: the trace as it was at the checkpoint (later lines are replayed),
         # then whatever this process logged before its loop started.
-        self.metrics_path.write_bytes((path / layout.METRICS).read_bytes() + logged)
-        self._metrics_bytes = self.metrics_path.stat().st_size
+        if self.is_main:  # kchain ddp: rank 0 alone writes the trace
+            self.metrics_path.write_bytes((path / layout.METRICS).read_bytes() + logged)
+            self._metrics_bytes = self.metrics_path.stat().st_size
         say(f"session {self.session} of {self.job}: resuming from {path}")
 
     # --- registration ---------------------------------------------------------------------------
@@ -243,10 +296,13 @@ class Run:
                 sampler = dl.sampler
         if batch_sampler is None and batch_size is None:
             raise TypeError(f"run.loader({type(dataset).__name__}): give batch_size= (or a batch_sampler=)")
+        if self.micro_auto and batch_size:  # the out-of-memory ladder's current rung
+            self._asked_batches.append(batch_size)
+            batch_size //= ladder.factor(self.micro_halvings)
         lo = data.Loader(
             dataset, batch_size, shuffle=shuffle, num_workers=num_workers, drop_last=drop_last,
             collate_fn=collate_fn, seed=self.seed, pin_memory=self.device.type == "cuda", on_wait=self._add_wait,
-            sampler=sampler, batch_sampler=batch_sampler,
+            sampler=sampler, batch_sampler=batch_sampler, rank=self.rank, world_size=self.world_size,
         )
         self._loaders.append(lo)
         if lo.iterable:
@@ -274,6 +330,8 @@ class Run:
             if scaler is not None:
                 self.track(**{f"{name}_scaler" if name else self._free_name("scaler"): scaler})
         self._scaled = self._scaled or scaler is not None
+        if self.micro_auto:  # the ladder halved the micro-batch this many times: the same effective batch
+            accumulate *= ladder.factor(self.micro_halvings)
         return precision.Trainer(optimizer, accumulate=accumulate, clip=clip, scaler=scaler)
 
     def autocast(self):
@@ -289,7 +347,15 @@ class Run:
         return data.find_input(name, self.input_root)
 
     def stage(self, name: str, params, build: Callable):
-        return data.stage(name, params, build, self.cache_dir, self.input_root)
+        if not self.ranks.active:
+            return data.stage(name, params, build, self.cache_dir, self.input_root)
+        # kchain ddp: rank 0 builds (or finds) the entry first; the others then load it from the cache.
+        if not self.is_main:
+            self.ranks.barrier()
+        obj = data.stage(name, params, build, self.cache_dir, self.input_root)
+        if self.is_main:
+            self.ranks.barrier()
+        return obj
 
     def subset(self, items):
         return data.subset(items, self.fraction) if self.smoke else items
@@ -325,6 +391,9 @@ class Run:
                 except GeneratorExit:
                     if data.left_on_purpose():
                         self._end_step(step, t0, save=False)
+                        if self.ranks.active and step < self.total:  # kchain ddp: the others stop with it
+                            self._stop_reason = self._stop_reason or "stopped"
+                            self._should_stop()
                         self._finish_loop(stopped=step < self.total)
                     raise
                 self._end_step(step, t0)
@@ -359,6 +428,10 @@ class Run:
                     yield epoch
                 except GeneratorExit:
                     if data.left_on_purpose():
+                        nxt = epoch + 1 if lo.epoch == epoch else lo.epoch
+                        if self.ranks.active and nxt < total and self.step < self.total:
+                            self._stop_reason = self._stop_reason or "stopped"  # kchain ddp: agreed
+                            self._should_stop()
                         self._finish_loop(stopped=True)
                     raise
                 if lo.epoch == epoch and not self._stop_reason:
@@ -389,6 +462,8 @@ class Run:
     def _start_step(self, step: int) -> float:
         self._current = step
         self.phase = "step"
+        if self._loop_steps == 0:
+            ladder.injected([lo.batch_size for lo in self._loaders if lo.batch_size], self.faults)
         return time.perf_counter()
 
     def _end_step(self, step: int, t0: float, save: bool = True) -> None:
@@ -397,7 +472,7 @@ class Run:
         if stall:
             time.sleep(stall)
         if step == int(self.faults.get("kill_at_step", -1)):
-            os.kill(os.getpid(), signal.SIGKILL)  # a real death: nothing below runs
+            self.ranks.kill_all()  # a real death (of every rank): nothing below runs
         self.step = step
         self._loop_steps += 1
         took = time.perf_counter() - t0
@@ -405,16 +480,20 @@ class Run:
         if self._eval_step == step:  # a step that ran run.every's evaluation: remembered apart
             self._eval_s = max(self._eval_s, took)
         self._heartbeat()
-        if save and self._save_due():
+        # kchain ddp: with several ranks the save is agreed at the start of the next step (_should_stop)
+        if save and not self.ranks.active and self._save_due():
             self.save()
 
     def _finish_loop(self, stopped: bool = False) -> None:
+        if self._retired:  # an attempt the out-of-memory ladder replaced: nothing of it is kept
+            return
         if stopped:
             self._stop_reason = self._stop_reason or "stopped"
         if self._saved_step != self.step:
             self.save()
         self.phase = "checkpoint"
         self.writer.wait()
+        self.ranks.barrier()  # kchain ddp: no rank leaves before rank 0's checkpoint is complete
         self.status = self._stop_reason or "finished"
         say(f"{self.status} at step {self.step}/{self.total}; checkpoint {self.checkpoint_rel()}")
         self.phase = "validation"  # whatever runs after the loop is usually a final evaluation
@@ -452,10 +531,24 @@ class Run:
         """The loop reached its total (False after a deadline or interrupt stop)."""
         return self.status == "finished"
 
-    def log(self, **metrics) -> None:
+    def log(self, mean_over_ranks: bool = False, **metrics) -> None:
+        """Append one row to the metrics trace (rank 0 writes it; the other ranks' calls only count).
+
+        Args:
+            mean_over_ranks: average each number over the ranks first (a collective: then every
+                rank must call run.log at the same point with the same names).
+        Example:
+            run.log(loss=loss.item(), lr=sched.get_last_lr()[0])
+            run.log(val_loss=local_val, mean_over_ranks=True)
+        """
         values = {k: _plain(v) for k, v in metrics.items()}
         # step=... names the step in a loop kchain does not drive (run.restore / run.save).
         step = values.pop("step", None) or self._current or self.step
+        if mean_over_ranks:
+            values = {**values, **self.ranks.mean({k: v for k, v in values.items() if isinstance(v, (int, float))})}
+        if not self.is_main:
+            self.metrics.update(values)
+            return
         row = {"step": step, "time": round(time.time(), 3), **values}
         line = (json.dumps(row) + "\n").encode()
         if self._metrics_file is None:
@@ -495,8 +588,37 @@ class Run:
         for s, handler in (old or {}).items():
             signal.signal(s, handler)
 
+    def _agreed_stop(self, save: bool) -> bool:
+        """One all-reduce (kchain ddp): every rank stops, and saves, when any rank says so.
+
+        The save comes before the stop, so a stop right after a due save writes no second checkpoint."""
+        local = self._stop_reason if self._local_stop() else None
+        stop, save = self.ranks.agree(local, save)
+        if stop and not self._stop_reason:
+            say(f"another rank stopped ({stop}): stopping at step {self.step} with it")
+        if stop:
+            self._stop_reason = stop
+        if save:
+            self.save()
+        return bool(stop)
+
     def _should_stop(self) -> bool:
+        """Whether the loop must end before the next step (checked at the start of every step)."""
+        if not self.ranks.active:
+            return self._local_stop()
+        # kchain ddp: one all-reduce at the start of each step decides for every rank, and saves
+        # the step just finished when any rank's cadence says so.
+        due = self._loop_steps > 0 and self._saved_step != self.step and self._save_due()
+        return self._agreed_stop(save=due)
+
+    def _local_stop(self) -> bool:
+        """This process's own view: a signal, the deadline guard, or a test's deadline fault."""
         if self._stop_reason:
+            return True
+        at = self.faults.get("deadline_at_step")  # a test's clock: this rank's deadline is now
+        if at and self.step >= int(at) and str(self.rank) == self.faults.get("deadline_rank", str(self.rank)):
+            self._stop_reason = "deadline"
+            say(f"deadline (fault: this rank's clock) at step {self.step}: stopping and saving")
             return True
         step_s = max(self._step_times, default=0.0)
         nxt = self.step + 1
@@ -528,7 +650,7 @@ class Run:
 
     def _heartbeat(self) -> None:
         now = time.perf_counter()
-        if self.heartbeat_s and now - self._last_heartbeat < self.heartbeat_s:
+        if not self.is_main or (self.heartbeat_s and now - self._last_heartbeat < self.heartbeat_s):
             return
         self._last_heartbeat = now
         elapsed = now - self._loop_start
@@ -537,7 +659,7 @@ class Run:
         shown = {k: v for k, v in self.metrics.items() if isinstance(v, (int, float))}
         print(heartbeat.line(
             self.step, self.total, shown, rate, self._data_wait / elapsed if elapsed > 0 else 0.0,
-            eta, self.deadline - time.time(), self._next_checkpoint(),
+            eta, self.deadline - time.time(), self._next_checkpoint(), ranks=self.world_size,
         ), flush=True)
 
     def restore(self) -> int:
@@ -560,10 +682,12 @@ class Run:
             return
         self._restored = True
         self.phase = "resume"
-        found, damaged = find_checkpoints(self.checkpoints, self.input_root, self.dir / ".scratch", self.job)
+        # kchain ddp: rank 0 finds (and sets aside damaged ones); the others learn what it found.
+        mine = find_checkpoints(self.checkpoints, self.input_root, self.dir / ".scratch", self.job) if self.is_main else None
+        found, damaged = self.ranks.all_gather(mine)[0]
         if self._metrics_file is not None:
             self._metrics_file.flush()
-        logged = self.metrics_path.read_bytes()
+        logged = self.metrics_path.read_bytes() if self.is_main else b""
         saved = None
         for path, manifest in found:
             self._adopt(path, manifest, logged)
@@ -584,9 +708,15 @@ class Run:
             self.phase = "build"
             return
         path, manifest = self._resume
+        distributed.check_world_size(path, manifest, self.world_size)
+        if self.ranks.active:  # kchain ddp: this rank's own RNGs and loader positions
+            mine = saved["ranks"][self.rank]
+            saved["rng"] = mine["rng"]
+            saved["tracked"] = {**saved["tracked"], **mine["tracked"]}
         for name, obj in self._tracked.items():
-            if isinstance(obj, torch.nn.Module) and isinstance(saved["tracked"].get(name), dict):
-                saved["tracked"][name] = match_module_prefix(saved["tracked"][name], obj.state_dict())
+            live = distributed.unwrap(obj)  # DDP: checkpoints hold the inner module's keys
+            if isinstance(live, torch.nn.Module) and isinstance(saved["tracked"].get(name), dict):
+                saved["tracked"][name] = match_module_prefix(saved["tracked"][name], live.state_dict())
         current = {name: _state_of(obj) for name, obj in self._tracked.items()}
         check_compatible(path, manifest, saved["tracked"], current, dict(self.params))
         for name, obj in self._tracked.items():
@@ -609,6 +739,8 @@ class Run:
 
         The snapshot blocks; the write runs in the background. See run.restore for an example.
         """
+        if self._retired:  # kchain ladder: an attempt the out-of-memory ladder replaced is never saved
+            return
         if step is not None:
             self._restore()  # a save before any restore would hide the checkpoint to resume from
             self.step = self._current = step
@@ -616,12 +748,20 @@ class Run:
         before, self.phase = self.phase, "checkpoint"
         t0 = time.perf_counter()
         self.writer.wait()  # one write in flight at most: bounds memory to one extra copy
+        # kchain ddp: every rank's own RNGs and loader positions go to rank 0, which writes alone.
+        per_rank = self.ranks.gather(self._rank_state()) if self.ranks.active else None
+        if not self.is_main:
+            self._saved_step = self.step
+            self._last_save = time.time()
+            self.phase = before
+            return
         live = {
             "step": self.step,
             "tracked": {name: _state_of(obj) for name, obj in self._tracked.items()},
             "rng": rng_state(),
             "metrics": self.metrics,
             "best": self.best,
+            **({"ranks": per_rank} if per_rank else {}),
         }
         if self._plan is None:
             self._plan = self._plan_checkpoints(live)
@@ -638,6 +778,8 @@ class Run:
             "fingerprint": self.config.get("fingerprint"),
             "kchain_version": self.config.get("kchain_version"),
             "params": dict(self.params),
+            "world_size": self.world_size,
+            ladder.MANIFEST_KEY: self.micro_halvings,
         }
         job = dict(checkpoints=self.checkpoints, step=self.step, metrics_src=self.metrics_path,
                    metrics_bytes=self._metrics_bytes, manifest=manifest, keep=self.keep)
@@ -653,6 +795,11 @@ class Run:
         self._saved_step = self.step
         self._last_save = time.time()
         self.phase = before
+
+    def _rank_state(self) -> dict:
+        """What differs between ranks (kchain ddp): the global RNGs and the per-rank tracked objects."""
+        private = {n: _state_of(o) for n, o in self._tracked.items() if distributed.per_rank(o)}
+        return {"rank": self.rank, "rng": rng_state(), "tracked": private}
 
     def _plan_checkpoints(self, live: dict) -> dict:
         """At the first save: the checkpoint's size against the disk and RAM, said in one line.
@@ -715,6 +862,7 @@ class Run:
         try:
             self.writer.wait()
         finally:
+            self.ranks.close()
             if self._metrics_file is not None:
                 self._metrics_file.close()
                 self._metrics_file = None
@@ -738,4 +886,5 @@ class Run:
             "published": None,
             "note": self.note,
             "not_exact": self.not_exact,
+            "world_size": self.world_size,
         }

@@ -1,0 +1,54 @@
+"""The out-of-memory ladder (`train.micro_batch: auto`).
+
+A T4 has 15 GB; a micro-batch that does not fit crashes the session at step 1. With the ladder on,
+an out-of-memory error before the first step of this process finishes is caught by the launcher:
+it frees what it can, then runs `main(run)` again with every `run.loader` batch halved and every
+`run.optimize` accumulation doubled, so the effective batch (batch x accumulate) is the same. The
+number of halvings is written in every checkpoint's manifest, so a later session starts with the
+size that fitted, and a resume stays exact (the micro-batch schedule is part of the state).
+
+On the CPU the ladder is exercised with the fault `KCHAIN_FAULT=oom_above=N`: the first step
+raises torch.OutOfMemoryError while a run.loader batch is larger than N.
+"""
+
+from __future__ import annotations
+
+import gc
+
+import torch
+
+MANIFEST_KEY = "micro_batch_halvings"
+OutOfMemory = torch.OutOfMemoryError
+
+
+def factor(halvings: int) -> int:
+    return 2**halvings
+
+
+def injected(batch_sizes: list[int], faults: dict[str, str]) -> None:
+    """KCHAIN_FAULT=oom_above=N: the out-of-memory error a too-large micro-batch gives on a GPU."""
+    limit = faults.get("oom_above")
+    if limit is not None and any(b > int(limit) for b in batch_sizes):
+        raise torch.OutOfMemoryError(
+            f"CUDA out of memory (injected by KCHAIN_FAULT=oom_above={limit}: micro-batch {max(batch_sizes)})"
+        )
+
+
+def next_rung(asked: list[int], halvings: int, enabled: bool, stepped: bool, ranks: int) -> str | None:
+    """The line announcing one more halving, or None when the ladder cannot take it (then the
+    out-of-memory error stands): off, a step already ran, several ranks, or a batch that no longer halves."""
+    if not enabled or stepped or ranks > 1 or not asked:
+        return None
+    new = factor(halvings + 1)
+    if any(b % new for b in asked):
+        return None
+    now = ", ".join(str(b // factor(halvings)) for b in asked)
+    return (f"out of memory at micro-batch {now}: halving it to {', '.join(str(b // new) for b in asked)} "
+            f"and accumulating x{new}; the effective batch stays {', '.join(str(b) for b in asked)}")
+
+
+def free() -> None:
+    """Give back what the failed attempt held before the next one allocates."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import secrets
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -85,3 +86,20 @@ def write_dataset(folder: Path, ref: str, files: dict[str, bytes | str], title: 
             "licenses": [{"name": "CC0-1.0"}]}
     (folder / "dataset-metadata.json").write_text(json.dumps(meta))
     return folder
+
+
+def wait_dataset_ready(api: Any, ref: str, timeout: float = 60) -> None:
+    """Poll the dataset's status through the client until "ready"; a new version answers 403/404 a while."""
+    import requests
+
+    deadline = time.time() + timeout
+    while True:
+        try:
+            if api.dataset_status(ref) == "ready":
+                return
+        except requests.HTTPError as e:
+            if e.response is None or e.response.status_code not in (403, 404):
+                raise
+        if time.time() > deadline:
+            raise TimeoutError(f"dataset {ref} not ready after {timeout} s")
+        time.sleep(0.1)

@@ -24,6 +24,7 @@ from kchain.emulator.rpcs import Rpcs
 from kchain.emulator.server import EmulatorHTTPServer, free_closed_port
 from kchain.emulator.sessions import SessionRunner
 from kchain.emulator.state import LIVE, Store
+from kchain.emulator.switches import Switches
 
 TERMINAL = ("COMPLETE", "ERROR", "CANCEL_ACKNOWLEDGED")
 
@@ -33,7 +34,8 @@ class Emulator:
                  tokens: dict[str, str] | None = None, session_limit_s: float = 12 * 3600,
                  gpu_quota_s: float = 30 * 3600, max_gpu_sessions: int = 2,
                  secrets: dict[str, dict[str, str]] | None = None, port: int = 0,
-                 faults: Faults | None = None, python: str = sys.executable) -> None:
+                 faults: Faults | None = None, switches: Switches | None = None,
+                 competitions: dict[str, list[str]] | None = None, python: str = sys.executable) -> None:
         self.state_dir = Path(state_dir)
         self.users = dict(users or {})
         self.tokens = dict(tokens or {})  # token -> user name
@@ -42,6 +44,8 @@ class Emulator:
         self.max_gpu_sessions = max_gpu_sessions
         self.secrets = dict(secrets or {})
         self.faults = faults or Faults()
+        self.switches = switches or Switches()
+        self.competitions = {slug: list(users) for slug, users in (competitions or {}).items()}  # rules accepted by
         self.port = port
         self.calls: Counter[str] = Counter()
         self._calls_lock = threading.Lock()
@@ -102,7 +106,9 @@ class Emulator:
             self.calls[rpc] += 1
 
     def sessions(self) -> list[dict[str, Any]]:
-        """Every session: kernel ref, version, status, failure_message, gpu, queued/started/ended times."""
+        """Every session: id, kernel ref, version, status, failure_message, gpu/tpu, queued/started/first_cell/ended
+        times, requested_sources / dataset_sources (valid) / invalid_sources / mounted (owner/slug/N actually
+        attached), resumed_from and summary (if the session's output or log shows them)."""
         with self.store.lock:
             return [dict(s) for s in sorted(self.store.sessions.values(), key=lambda s: int(s["id"]))]
 
@@ -124,13 +130,36 @@ class Emulator:
                 raise TimeoutError(f"session of {ref} still {session['status']} after {timeout} s")
             time.sleep(0.05)
 
+    def attach_secrets(self, ref: str) -> None:
+        """Stands for "the user attached their Secrets to kernel ref in the web UI" (no API can)."""
+        with self.store.lock:
+            if ref not in self.store.secrets_attached:
+                self.store.secrets_attached.append(ref)
+                self.store.save()
+
+    def cancel(self, ref: str, version: int | None = None) -> None:
+        """Stands for "the user stopped the session in the web UI"."""
+        self.runner.cancel(self.session(ref, version)["id"], by="web UI")
+
+    def cancellations(self) -> list[dict[str, Any]]:
+        """Every cancelled session: session id, kernel, version, by ("api" / "web UI"), status_before, at."""
+        with self.store.lock:
+            return [dict(c) for c in self.store.cancellations]
+
+    def all_dataset_versions(self) -> dict[str, list[dict[str, Any]]]:
+        """Every dataset's versions (as dataset_versions), by dataset ref: count what a chain created."""
+        with self.store.lock:
+            refs = list(self.store.datasets)
+        return {ref: self.dataset_versions(ref) for ref in refs}
+
     def live_sessions(self) -> list[dict[str, Any]]:
         return [s for s in self.sessions() if s["status"] in LIVE]
 
     def dataset_versions(self, ref: str) -> list[dict[str, Any]]:
-        """Versions of dataset ref: number, created, ready (bool), notes, files [{name, size}]."""
+        """Versions of dataset ref: number, created, visible and ready (bools), notes, files [{name, size}]."""
         with self.store.lock:
-            return [dict(v, ready=self.store.version_ready(v)) for v in self.store.datasets[ref]["versions"]]
+            return [dict(v, visible=self.store.version_visible(v), ready=self.store.version_ready(v))
+                    for v in self.store.datasets[ref]["versions"]]
 
     def session_output_dir(self, session_id: str) -> Path:
         return self.store.session_dir(session_id) / "output"

@@ -21,6 +21,9 @@ class Faults:
     kill_after_s: float | None = None
     # Or at a time drawn uniformly from (low, high) seconds after it starts.
     kill_random_s: tuple[float, float] | None = None
+    # Or as soon as the session's log shows this text (a marker the notebook prints): a kill that
+    # never races the machine's speed.
+    kill_on_output: str | None = None
     # Upload PUTs that carry bytes are cut off after reading half their body: the 1st, the
     # (N+1)th, ... (1 = every one).
     drop_upload_every: int = 0

@@ -15,11 +15,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kchain.emulator.state import LIVE, iso, new_secret
+from kchain.emulator.switches import Switches
 
 if TYPE_CHECKING:
     from kchain.emulator.app import Emulator
 
 GPU_SHAPE_PREFIXES = ("Nvidia",)
+TPU_SHAPE_PREFIXES = ("Tpu",)
+SESSION_ID_BASE = 100_000_000
 
 
 class ApiError(Exception):
@@ -45,7 +48,7 @@ def _duration(seconds: float) -> str:
     return f"{seconds:.3f}s"
 
 
-def _version_label(body: dict[str, Any]) -> int | None:
+def version_label(body: dict[str, Any]) -> int | None:
     label = body.get("versionLabel")
     if not label:
         return None
@@ -61,6 +64,17 @@ class Rpcs:
 
     # -- helpers ------------------------------------------------------------------------------
 
+    @property
+    def switches(self) -> Switches:
+        return self.emu.switches
+
+    def _missing(self, what: str) -> ApiError:
+        """Missing and not visible read the same (403 on Kaggle, so the namespace cannot be probed)."""
+        code = self.switches.missing_status
+        if code == 403:
+            return ApiError(403, f"Permission denied: {what} does not exist or you cannot see it")
+        return ApiError(404, f"{what} not found")
+
     def _own(self, user: str, owner: str, what: str) -> None:
         if owner != user:
             raise ApiError(403, f"Permission denied: {user} cannot write {what} owned by {owner}")
@@ -69,30 +83,33 @@ class Rpcs:
         ref = f"{body.get('userName') or user}/{body.get('kernelSlug', '')}"
         kernel = self.store.kernels.get(ref)
         if kernel is None or (kernel["is_private"] and kernel["owner"] != user):
-            raise ApiError(404, f"Kernel {ref} not found")
+            raise self._missing(f"kernel {ref}")
         return kernel
 
     def _kernel_version(self, kernel: dict[str, Any], number: int | None) -> dict[str, Any]:
         versions = kernel["versions"]
         if not versions:
-            raise ApiError(404, f"Kernel {kernel['ref']} has no versions")
+            raise self._missing(f"kernel {kernel['ref']} (no versions)")
         if number is None:
             return versions[-1]
         for version in versions:
             if version["number"] == number:
                 return version
-        raise ApiError(404, f"Kernel {kernel['ref']} has no version {number}")
+        raise self._missing(f"version {number} of kernel {kernel['ref']}")
 
     def _dataset(self, user: str, owner: str | None, slug: str | None) -> dict[str, Any]:
+        """A dataset the caller may see and that has a visible version (a new one is invisible a while)."""
         ref = f"{owner or user}/{slug or ''}"
         dataset = self.store.datasets.get(ref)
         if dataset is None or (dataset["is_private"] and dataset["owner"] != user):
-            raise ApiError(404, f"Dataset {ref} not found")
+            raise self._missing(f"dataset {ref}")
+        if not self.store.visible_versions(dataset):
+            raise ApiError(self.switches.lag_status, f"Dataset {ref} not found (a new dataset is not visible yet)")
         return dataset
 
     def _ready_version(self, dataset: dict[str, Any], number: int | None) -> dict[str, Any]:
         """The version to read: the one asked for if it is ready, else the latest ready one."""
-        versions = [v for v in dataset["versions"] if self.store.version_ready(v)]
+        versions = self.store.ready_versions(dataset)
         if number is not None:
             versions = [v for v in versions if v["number"] == number]
         if not versions:
@@ -112,14 +129,27 @@ class Rpcs:
 
     # -- kernels ------------------------------------------------------------------------------
 
+    def _dataset_source_ok(self, user: str, source: str) -> bool:
+        """owner/slug (or owner/slug/N): visible to user, with a ready version (the pinned one if pinned)."""
+        parts = source.split("/")
+        if len(parts) not in (2, 3):
+            return False
+        dataset = self.store.datasets.get("/".join(parts[:2]))
+        if dataset is None or (dataset["is_private"] and dataset["owner"] != user):
+            return False
+        ready = self.store.ready_versions(dataset)
+        if len(parts) == 3:
+            ready = [v for v in ready if parts[2].isdigit() and v["number"] == int(parts[2])]
+        return bool(ready)
+
     def SaveKernel(self, user: str, body: dict[str, Any]) -> dict[str, Any]:
-        emu, store = self.emu, self.store
+        emu, store, switches = self.emu, self.store, self.switches
         with store.lock:
             kernel = None
             if body.get("id"):
                 kernel = next((k for k in store.kernels.values() if k["id"] == body["id"]), None)
                 if kernel is None:
-                    raise ApiError(404, f"Kernel id {body['id']} not found")
+                    raise self._missing(f"kernel id {body['id']}")
                 owner, slug = kernel["owner"], kernel["slug"]
             else:
                 raw = body.get("slug") or ""
@@ -133,6 +163,7 @@ class Rpcs:
 
             shape = body.get("machineShape") or ""
             gpu = bool(body.get("enableGpu")) or shape.startswith(GPU_SHAPE_PREFIXES)
+            tpu = bool(body.get("enableTpu")) or shape.startswith(TPU_SHAPE_PREFIXES)
             run = body.get("kernelExecutionType") != "QUICK_SAVE"
             now = time.time()
             if run and gpu:
@@ -144,19 +175,17 @@ class Rpcs:
                     return {"error": (f"GPU quota exceeded: {used / 3600:.2f} of {emu.gpu_quota_s / 3600:.2f} hours "
                                       f"used this week; the quota resets Saturday 00:00 UTC")}
 
-            valid_ds, invalid_ds = [], []
-            for source in body.get("datasetDataSources", []):
-                parts = source.split("/")
-                dataset = store.datasets.get("/".join(parts[:2])) if len(parts) in (2, 3) else None
-                ok = dataset is not None and (not dataset["is_private"] or dataset["owner"] == user)
-                if ok and len(parts) == 3:
-                    ok = parts[2].isdigit() and any(v["number"] == int(parts[2]) for v in dataset["versions"])
-                (valid_ds if ok else invalid_ds).append(source)
+            requested = list(body.get("datasetDataSources", []))
+            valid_ds = [s for s in requested if self._dataset_source_ok(user, s)]
+            invalid_ds = [s for s in requested if s not in valid_ds]
             valid_ks, invalid_ks = [], []
             for source in body.get("kernelDataSources", []):
                 ref = "/".join(source.split("/")[:2])
                 ok = ref in store.kernels or ref == f"{owner}/{slug}"
                 (valid_ks if ok else invalid_ks).append(source)
+            competitions = list(body.get("competitionDataSources", []))
+            valid_cs = [c for c in competitions if user in emu.competitions.get(c, ())]
+            invalid_cs = [c for c in competitions if c not in valid_cs]
 
             if kernel is None:
                 kernel = {"id": store.next_id(), "ref": f"{owner}/{slug}", "owner": owner, "slug": slug,
@@ -169,22 +198,30 @@ class Rpcs:
                 "is_private": body.get("isPrivate", False), "enable_gpu": bool(body.get("enableGpu")),
                 "enable_tpu": bool(body.get("enableTpu")), "enable_internet": bool(body.get("enableInternet", False)),
                 "machine_shape": shape, "dataset_sources": valid_ds, "kernel_sources": valid_ks,
-                "competition_sources": body.get("competitionDataSources", []),
+                "competition_sources": valid_cs,
                 "model_sources": body.get("modelDataSources", []), "category_ids": body.get("categoryIds", []),
                 "docker_image": body.get("dockerImage", ""), "last_run": now,
             })
             number = len(kernel["versions"]) + 1
-            session_id = str(store.next_id())
+            # Session ids are internal, like a PID: not the version number, not the kernel id.
+            session_id = str(SESSION_ID_BASE + store.next_id())
             limit = emu.session_limit_s
+            if tpu:
+                limit = min(limit, switches.tpu_session_limit_s)
             if body.get("sessionTimeoutSeconds"):
                 limit = min(limit, int(body["sessionTimeoutSeconds"]))
             session = {
-                "id": session_id, "kernel": kernel["ref"], "owner": owner, "version": number, "gpu": gpu,
-                "kernel_type": kernel["kernel_type"], "dataset_sources": valid_ds, "limit_s": limit,
+                "id": session_id, "kernel": kernel["ref"], "owner": owner, "version": number, "gpu": gpu, "tpu": tpu,
+                "kernel_type": kernel["kernel_type"], "requested_sources": requested, "dataset_sources": valid_ds,
+                "invalid_sources": invalid_ds, "competition_sources": valid_cs, "invalid_competition_sources": invalid_cs,
+                "mounted": [], "limit_s": limit,
                 "status": "QUEUED" if run else "COMPLETE", "failure_message": "", "queued": now,
                 "started": None, "ended": None if run else now, "output_sig": new_secret(), "run": run,
-                # Faults are fixed at push time so a test can change them right after a push.
+                # Faults and switches are fixed at push time so a test can change them right after a push.
                 "kill_at": emu.faults.kill_at() if run else None, "lose_output": emu.faults.lose_output,
+                "kill_on_output": emu.faults.kill_on_output if run else None,
+                "queue_s": switches.queue_s, "boot_s": switches.boot_s, "output_at_limit": switches.output_at_limit,
+                "ignore_version_pin": switches.ignore_version_pin,
             }
             sdir = store.session_dir(session_id)
             sdir.mkdir(parents=True)
@@ -198,11 +235,12 @@ class Rpcs:
         if emu.faults.lose_save_answer():
             raise ApiError(500, "Internal error after the version was saved (injected)")
         return {"ref": f"/code/{owner}/{slug}", "url": f"{emu.url}/code/{owner}/{slug}", "versionNumber": number,
-                "kernelId": kernel["id"], "invalidDatasetSources": invalid_ds, "invalidKernelSources": invalid_ks}
+                "kernelId": kernel["id"], "invalidDatasetSources": invalid_ds, "invalidKernelSources": invalid_ks,
+                "invalidCompetitionSources": invalid_cs}
 
     def GetKernelSessionStatus(self, user: str, body: dict[str, Any]) -> dict[str, Any]:
         kernel = self._kernel(user, body)
-        version = self._kernel_version(kernel, _version_label(body))
+        version = self._kernel_version(kernel, version_label(body))
         session = self.store.session(version["session"])
         answer = {"status": session["status"]}
         if session["failure_message"]:
@@ -211,11 +249,13 @@ class Rpcs:
 
     def ListKernelSessionOutput(self, user: str, body: dict[str, Any]) -> dict[str, Any]:
         kernel = self._kernel(user, body)
-        version = self._kernel_version(kernel, _version_label(body))
+        version = self._kernel_version(kernel, version_label(body))
         session = self.store.session(version["session"])
         sdir = self.store.session_dir(session["id"])
         output = sdir / "output"
-        names = sorted(str(p.relative_to(output)) for p in output.rglob("*") if p.is_file()) if output.exists() else []
+        live = session["status"] in LIVE  # Kaggle persists output and log when the session ends
+        names = [] if live or not output.exists() else sorted(
+            str(p.relative_to(output)) for p in output.rglob("*") if p.is_file())
         size = int(body.get("pageSize") or 0) or len(names) or 1
         start = int(body.get("pageToken") or 0)
         page = names[start:start + size]
@@ -225,13 +265,39 @@ class Rpcs:
             answer["nextPageToken"] = str(start + size)
         if not body.get("pageToken"):
             log = sdir / "log.json"
-            answer["log"] = log.read_text(encoding="utf-8") if log.exists() else ""
+            answer["log"] = log.read_text(encoding="utf-8") if log.exists() and not live else ""
         return answer
 
     def GetKernel(self, user: str, body: dict[str, Any]) -> dict[str, Any]:
         kernel = self._kernel(user, body)
-        version = self._kernel_version(kernel, _version_label(body))
+        version = self._kernel_version(kernel, version_label(body))
         source = (self.store.session_dir(version["session"]) / "source").read_text(encoding="utf-8")
+        return {"metadata": self._kernel_metadata(kernel),
+                "blob": {"source": source, "language": kernel["language"], "kernelType": kernel["kernel_type"],
+                         "slug": kernel["slug"]}}
+
+    def GetAcceleratorQuotaStatistics(self, user: str, body: dict[str, Any]) -> dict[str, Any]:
+        now = time.time()
+        answer = {
+            "quotaRefreshTime": iso(week_start(now) + 7 * 86400),
+            "tpuQuota": {"timeUsed": _duration(0), "totalTimeAllowed": _duration(20 * 3600)},
+        }
+        if self.switches.quota_has_gpu:
+            answer["gpuQuota"] = {"timeUsed": _duration(self._gpu_used_s(user, now)),
+                                  "totalTimeAllowed": _duration(self.emu.gpu_quota_s)}
+        return answer
+
+    def CancelKernelSession(self, user: str, body: dict[str, Any]) -> dict[str, Any]:
+        """Cancel by the internal session id (Kaggle exposes it to no client; tests read emu.sessions())."""
+        session = self.store.sessions.get(str(body.get("kernelSessionId") or ""))
+        if session is None or session["owner"] != user:
+            raise self._missing(f"kernel session {body.get('kernelSessionId')}")
+        if session["status"] not in LIVE:
+            return {"errorMessage": f"Kernel session {session['id']} is not running (status {session['status']})"}
+        self.emu.runner.cancel(session["id"], by="api")
+        return {}
+
+    def _kernel_metadata(self, kernel: dict[str, Any]) -> dict[str, Any]:
         metadata = {
             "id": kernel["id"], "ref": kernel["ref"], "title": kernel["title"], "author": kernel["owner"],
             "slug": kernel["slug"], "language": kernel["language"], "kernelType": kernel["kernel_type"],
@@ -245,17 +311,26 @@ class Rpcs:
             metadata["machineShape"] = kernel["machine_shape"]
         if kernel["docker_image"]:
             metadata["dockerImage"] = kernel["docker_image"]
-        return {"metadata": metadata, "blob": {"source": source, "language": kernel["language"],
-                                                "kernelType": kernel["kernel_type"], "slug": kernel["slug"]}}
+        return metadata
 
-    def GetAcceleratorQuotaStatistics(self, user: str, body: dict[str, Any]) -> dict[str, Any]:
-        now = time.time()
-        return {
-            "quotaRefreshTime": iso(week_start(now) + 7 * 86400),
-            "gpuQuota": {"timeUsed": _duration(self._gpu_used_s(user, now)),
-                         "totalTimeAllowed": _duration(self.emu.gpu_quota_s)},
-            "tpuQuota": {"timeUsed": _duration(0), "totalTimeAllowed": _duration(20 * 3600)},
-        }
+    def ListKernels(self, user: str, body: dict[str, Any]) -> dict[str, Any]:
+        """`kaggle kernels list [--mine] [--user U] [-s TERM]`: the caller's own (group PROFILE) or public ones."""
+        mine = "PROFILE" in str(body.get("group") or "").upper()
+        owner, search = body.get("user") or (user if mine else ""), str(body.get("search") or "").lower()
+        kernels = [k for k in self.store.kernels.values() if k["versions"]
+                   and (not owner or k["owner"] == owner) and (not k["is_private"] or k["owner"] == user)
+                   and (not mine or k["owner"] == user)
+                   and (search in k["title"].lower() or search in k["slug"])]
+        kernels.sort(key=lambda k: k["last_run"], reverse=True)
+        return self._page(body, [dict(self._kernel_metadata(k), totalVotes=0) for k in kernels], "kernels")
+
+    def _page(self, body: dict[str, Any], items: list[dict[str, Any]], key: str) -> dict[str, Any]:
+        size = int(body.get("pageSize") or 20)
+        start = int(body.get("pageToken") or 0) or (max(int(body.get("page") or 1), 1) - 1) * size
+        answer: dict[str, Any] = {key: items[start:start + size]}
+        if start + size < len(items):
+            answer["nextPageToken"] = str(start + size)
+        return answer
 
     # -- blobs --------------------------------------------------------------------------------
 
@@ -276,17 +351,34 @@ class Rpcs:
 
     def GetDatasetStatus(self, user: str, body: dict[str, Any]) -> dict[str, Any]:
         dataset = self._dataset(user, body.get("ownerSlug"), body.get("datasetSlug"))
+        if not self.store.version_visible(dataset["versions"][-1]):
+            raise ApiError(self.switches.lag_status, f"Dataset {dataset['ref']} not found (its new version is not visible yet)")
         latest = dataset["versions"][-1]
         return {"status": "READY" if self.store.version_ready(latest) else "BLOBS_RECEIVED"}
 
     def GetDataset(self, user: str, body: dict[str, Any]) -> dict[str, Any]:
-        dataset = self._dataset(user, body.get("ownerSlug"), body.get("datasetSlug"))
-        latest = dataset["versions"][-1]
+        return self._dataset_info(self._dataset(user, body.get("ownerSlug"), body.get("datasetSlug")))
+
+    def _dataset_info(self, dataset: dict[str, Any]) -> dict[str, Any]:
+        latest = self.store.visible_versions(dataset)[-1]  # the version number lags while a new one is invisible
         return {"id": dataset["id"], "ref": dataset["ref"], "title": dataset["title"],
                 "subtitle": dataset.get("subtitle", ""), "url": f"{self.emu.url}/datasets/{dataset['ref']}",
                 "ownerName": dataset["owner"], "ownerRef": dataset["owner"], "isPrivate": dataset["is_private"],
                 "licenseName": dataset["license"], "currentVersionNumber": latest["number"],
-                "totalBytes": sum(f["size"] for f in latest["files"]), "lastUpdated": iso(latest["created"])}
+                "totalBytes": sum(f["size"] for f in latest["files"]), "lastUpdated": iso(latest["created"]),
+                "downloadCount": 0, "voteCount": 0, "usabilityRating": 0.0}
+
+    def ListDatasets(self, user: str, body: dict[str, Any]) -> dict[str, Any]:
+        """`kaggle datasets list [--mine] [--user U] [-s TERM]`: group MY (the caller's), USER or PUBLIC."""
+        group = str(body.get("group") or "").upper()
+        owner = user if group.endswith("_MY") else (body.get("user") or "" if group.endswith("_USER") else "")
+        search = str(body.get("search") or "").lower()
+        datasets = [d for d in self.store.datasets.values() if self.store.visible_versions(d)
+                    and (not owner or d["owner"] == owner) and (not d["is_private"] or d["owner"] == user)
+                    and (owner == user or not d["is_private"])
+                    and (search in d["title"].lower() or search in d["slug"])]
+        datasets.sort(key=lambda d: self.store.visible_versions(d)[-1]["created"], reverse=True)
+        return self._page(body, [self._dataset_info(d) for d in datasets], "datasets")
 
     def _new_version(self, user: str, dataset: dict[str, Any], files: list[dict[str, Any]], notes: str) -> None:
         """Materialise a version from uploaded blobs; uploaded zips become folders, as on Kaggle."""
@@ -319,7 +411,9 @@ class Rpcs:
         now = time.time()
         listing = [{"name": str(p.relative_to(dest)), "size": p.stat().st_size}
                    for p in sorted(dest.rglob("*")) if p.is_file()]
-        dataset["versions"].append({"number": number, "created": now, "ready_at": now + self.emu.faults.processing_s,
+        visible = now + self.switches.version_lag_s
+        dataset["versions"].append({"number": number, "created": now, "visible_at": visible,
+                                    "ready_at": visible + self.emu.faults.processing_s,
                                     "notes": notes, "files": listing, "sig": new_secret()})
 
     def CreateDataset(self, user: str, body: dict[str, Any]) -> dict[str, Any]:
@@ -358,7 +452,7 @@ class Rpcs:
     def CreateDatasetVersionById(self, user: str, body: dict[str, Any]) -> dict[str, Any]:
         dataset = next((d for d in self.store.datasets.values() if d["id"] == body.get("id")), None)
         if dataset is None or (dataset["is_private"] and dataset["owner"] != user):
-            raise ApiError(404, f"Dataset id {body.get('id')} not found")
+            raise self._missing(f"dataset id {body.get('id')}")
         return self._create_version(user, dataset, body)
 
     def DownloadDataset(self, user: str, body: dict[str, Any]) -> dict[str, Any]:
@@ -421,7 +515,11 @@ class Rpcs:
         return None
 
     def user_secret(self, token: str, label: str) -> str | None:
-        user = self.emu.runner.secret_tokens.get(token)
-        if user is None:
+        """A Secret for a session's token: only once the user attached Secrets to that kernel."""
+        found = self.emu.runner.secret_tokens.get(token)
+        if found is None:
+            return None
+        user, kernel_ref = found
+        if self.switches.secrets_need_attaching and kernel_ref not in self.store.secrets_attached:
             return None
         return self.emu.secrets.get(user, {}).get(label)

@@ -19,18 +19,22 @@ import binascii
 import json
 import re
 import socket
+import time
 from email.utils import formatdate
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
-from urllib.parse import unquote, urlsplit
+from urllib.parse import parse_qs, unquote, urlsplit
 
-from kchain.emulator.rpcs import ApiError, Redirect
+from kchain.emulator.rpcs import ApiError, Redirect, version_label
+from kchain.emulator.state import LIVE
 
 if TYPE_CHECKING:
     from kchain.emulator.app import Emulator
 
 RPC_PATH = re.compile(r"^(?:/api)?/v1/(?P<service>[\w.]+)/(?P<rpc>\w+)$")
+LOG_STREAM_PATH = re.compile(r"^(?:/api)?/v1/kernels/logs/stream/(?P<owner>[^/]+)/(?P<slug>[^/]+)$")
+END_OF_LOG = "END_OF_LOG"  # the client's _LOG_STREAM_END_SENTINEL
 CHUNK = 1 << 20
 
 
@@ -201,12 +205,63 @@ class Handler(BaseHTTPRequestHandler):
         self._json(200, {"token": token})
 
     def do_GET(self) -> None:
-        path, _ = self._target()
+        path, query = self._target()
+        if match := LOG_STREAM_PATH.match(path):
+            return self._log_stream(match["owner"], match["slug"], query)
         with self.emu.store.lock:
             found, name = self._lookup(path)
         if found is None:
             return self._error(404, f"Not found: {path}")
         self._file(found[0], found[1], "application/zip" if name.endswith(".zip") else "application/octet-stream")
+
+    def _log_stream(self, owner: str, slug: str, query: str) -> None:
+        """kernels_logs_stream: SSE `data:` lines while the session lives, then END_OF_LOG; the
+        persisted JSON log (not SSE) once it has ended."""
+        self.emu.count("GetKernelSessionLogsStream")
+        fault = self.emu.faults.api_fault()
+        if fault:
+            return self._error(fault, "Injected fault", {"Retry-After": "1"} if fault == 429 else None)
+        user = self._user()
+        if user is None:
+            return self._error(401, "Unauthenticated: missing or invalid Kaggle credentials")
+        if not self.emu.switches.log_stream:
+            return self._error(404, "No such endpoint: the live log stream is not served")
+        label = parse_qs(query).get("versionLabel", [""])[0]
+        rpcs, store = self.emu.rpcs, self.emu.store
+        try:
+            with store.lock:
+                kernel = rpcs._kernel(user, {"userName": owner, "kernelSlug": slug})
+                session_id = rpcs._kernel_version(kernel, version_label({"versionLabel": label}))["session"]
+                live = store.session(session_id)["status"] in LIVE
+        except ApiError as e:
+            return self._error(e.code, e.message)
+        sdir = store.session_dir(session_id)
+        if not live:
+            log = sdir / "log.json"
+            return self._send(200, log.read_bytes() if log.exists() else b"[]")
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Cache-Control", "no-cache")
+        self.send_header("Connection", "close")
+        self.end_headers()
+        self.close_connection = True
+        sent = 0
+        try:
+            while not self.emu.runner.stopping:
+                with store.lock:
+                    done = store.session(session_id)["status"] not in LIVE
+                lines = _complete_lines(sdir / "log.jsonl")
+                for line in lines[sent:]:
+                    self.wfile.write(f"data: {line}\n\n".encode())
+                sent = len(lines)
+                self.wfile.flush()
+                if done:
+                    break
+                time.sleep(0.1)
+            self.wfile.write(f"data: {END_OF_LOG}\n\n".encode())
+            self.wfile.flush()
+        except (BrokenPipeError, ConnectionResetError):
+            pass
 
     def _lookup(self, path: str) -> tuple[tuple[Path, float] | None, str]:
         rpcs = self.emu.rpcs
@@ -248,6 +303,24 @@ class Handler(BaseHTTPRequestHandler):
                     break
                 self.wfile.write(chunk)
                 left -= len(chunk)
+
+
+def _complete_lines(path: Path) -> list[str]:
+    """The whole lines of a log the session is still writing (a torn last line waits)."""
+    try:
+        text = path.read_text(encoding="utf-8", errors="replace")
+    except FileNotFoundError:
+        return []
+    lines = text.split("\n")[:-1]
+    out = []
+    for line in lines:
+        try:
+            entry = json.loads(line)
+        except ValueError:
+            continue
+        out.append(json.dumps({"stream_name": entry.get("stream_name", "stdout"), "time": entry.get("time", 0.0),
+                               "data": entry.get("data", "")}))
+    return out
 
 
 def serve_forever_in(server: EmulatorHTTPServer) -> None:

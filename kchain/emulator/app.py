@@ -141,6 +141,10 @@ class Emulator:
         """Stands for "the user stopped the session in the web UI"."""
         self.runner.cancel(self.session(ref, version)["id"], by="web UI")
 
+    def expire(self, ref: str, version: int | None = None) -> None:
+        """The session reaches its time limit now: killed, ERROR, output as `switches.output_at_limit` says."""
+        self.runner.expire(self.session(ref, version)["id"])
+
     def cancellations(self) -> list[dict[str, Any]]:
         """Every cancelled session: session id, kernel, version, by ("api" / "web UI"), status_before, at."""
         with self.store.lock:

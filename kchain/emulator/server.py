@@ -242,9 +242,8 @@ class Handler(BaseHTTPRequestHandler):
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
         self.send_header("Cache-Control", "no-cache")
-        self.send_header("Connection", "close")
+        self.send_header("Transfer-Encoding", "chunked")  # each event reaches the client as it happens
         self.end_headers()
-        self.close_connection = True
         sent = 0
         try:
             while not self.emu.runner.stopping:
@@ -252,16 +251,19 @@ class Handler(BaseHTTPRequestHandler):
                     done = store.session(session_id)["status"] not in LIVE
                 lines = _complete_lines(sdir / "log.jsonl")
                 for line in lines[sent:]:
-                    self.wfile.write(f"data: {line}\n\n".encode())
+                    self._chunk(f"data: {line}\n\n".encode())
                 sent = len(lines)
-                self.wfile.flush()
                 if done:
                     break
                 time.sleep(0.1)
-            self.wfile.write(f"data: {END_OF_LOG}\n\n".encode())
-            self.wfile.flush()
+            self._chunk(f"data: {END_OF_LOG}\n\n".encode())
+            self._chunk(b"")
         except (BrokenPipeError, ConnectionResetError):
-            pass
+            self.close_connection = True
+
+    def _chunk(self, data: bytes) -> None:
+        self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
+        self.wfile.flush()
 
     def _lookup(self, path: str) -> tuple[tuple[Path, float] | None, str]:
         rpcs = self.emu.rpcs

@@ -145,6 +145,7 @@ class SessionRunner:
         self._threads: dict[str, threading.Thread] = {}
         self._procs: dict[str, subprocess.Popen[bytes]] = {}
         self._cancels: dict[str, str] = {}  # session id -> who cancelled it
+        self._expired: set[str] = set()  # sessions whose time limit a test declared reached
         self._stopping = threading.Event()
 
     # -- lifecycle ----------------------------------------------------------------------------
@@ -161,6 +162,10 @@ class SessionRunner:
     def cancel(self, session_id: str, by: str) -> None:
         """Ask a live session to end as CANCEL_ACKNOWLEDGED; its watcher kills it within 50 ms."""
         self._cancels.setdefault(session_id, by)
+
+    def expire(self, session_id: str) -> None:
+        """Reach the session's time limit now (a clock control: tests need not wait for the limit)."""
+        self._expired.add(session_id)
 
     def stop(self) -> None:
         """Kill every live session without recording an end: after a restart they read as lost."""
@@ -272,7 +277,8 @@ class SessionRunner:
         mounted = self._mount_inputs(session, root)
         self._update(session_id, status="RUNNING", started=started, mounted=mounted)
         limit, kill_at = session["limit_s"], session["kill_at"]
-        deadline, reason = started + limit, f"Session exceeded its time limit of {limit:g} seconds and was stopped"
+        limit_reason = f"Session exceeded its time limit of {limit:g} seconds and was stopped"
+        deadline, reason = started + limit, limit_reason
         if kill_at is not None and kill_at < limit:
             deadline, reason = started + kill_at, f"Session was killed (fault injection after {kill_at:.1f} s)"
         if not self._wait(session_id, min(started + session.get("boot_s", 0.0), deadline)):
@@ -300,6 +306,8 @@ class SessionRunner:
                 return  # stop() kills the tree; the record stays RUNNING and reads as lost on restart
             if marker and log_jsonl.exists() and marker in log_jsonl.read_text(errors="replace"):
                 deadline, reason = time.time(), f"Session was killed (fault injection on output {marker!r})"
+            if session_id in self._expired:
+                deadline, reason = time.time(), limit_reason
             if time.time() >= deadline or session_id in self._cancels:
                 kill_tree(proc.pid)
                 proc.wait()
@@ -312,7 +320,7 @@ class SessionRunner:
             return
         if session_id in self._cancels:
             return self._end_early(session_id, sdir, root)
-        at_limit = killed and reason.startswith("Session exceeded")
+        at_limit = killed and reason == limit_reason
         lose = killed and (session["lose_output"] or (at_limit and session.get("output_at_limit") == "lost"))
         self._capture(sdir, root, lose)
         if killed:

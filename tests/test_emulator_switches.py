@@ -174,6 +174,7 @@ def test_logs_come_at_the_end_and_the_stream_is_live(emulator, kaggle_api, tmp_p
     with pytest.raises(requests.HTTPError) as info:
         list(kaggle_api.kernels_logs_stream("alice/chatty-kernel"))
     assert info.value.response.status_code == 404
+    info.value.response.close()  # the client leaves a refused stream's response open
 
 
 def test_secrets_reach_a_pushed_kernel_only_once_attached(tmp_path, monkeypatch):

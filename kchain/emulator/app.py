@@ -24,12 +24,29 @@ from kchain.emulator.rpcs import Rpcs
 from kchain.emulator.server import EmulatorHTTPServer, free_closed_port
 from kchain.emulator.sessions import SessionRunner
 from kchain.emulator.state import LIVE, Store
-from kchain.emulator.switches import Switches
+from kchain.emulator.switches import Limits, Switches
 
 TERMINAL = ("COMPLETE", "ERROR", "CANCEL_ACKNOWLEDGED")
 
 
+def _shared(holder: str, name: str) -> property:
+    """An Emulator attribute that lives on one of its parts, so a test's change reaches the server."""
+    def get(self: Emulator) -> Any:
+        return getattr(getattr(self, holder), name)
+
+    def set_(self: Emulator, value: Any) -> None:
+        setattr(getattr(self, holder), name, value)
+
+    return property(get, set_)
+
+
 class Emulator:
+    session_limit_s = _shared("limits", "session_limit_s")
+    gpu_quota_s = _shared("limits", "gpu_quota_s")
+    max_gpu_sessions = _shared("limits", "max_gpu_sessions")
+    faults = _shared("rpcs", "faults")
+    switches = _shared("rpcs", "switches")
+
     def __init__(self, state_dir: str | Path, users: dict[str, str] | None = None,
                  tokens: dict[str, str] | None = None, session_limit_s: float = 12 * 3600,
                  gpu_quota_s: float = 30 * 3600, max_gpu_sessions: int = 2,
@@ -39,20 +56,17 @@ class Emulator:
         self.state_dir = Path(state_dir)
         self.users = dict(users or {})
         self.tokens = dict(tokens or {})  # token -> user name
-        self.session_limit_s = session_limit_s
-        self.gpu_quota_s = gpu_quota_s
-        self.max_gpu_sessions = max_gpu_sessions
+        self.limits = Limits(session_limit_s, gpu_quota_s, max_gpu_sessions)
         self.secrets = dict(secrets or {})
-        self.faults = faults or Faults()
-        self.switches = switches or Switches()
         self.competitions = {slug: list(users) for slug, users in (competitions or {}).items()}  # rules accepted by
         self.port = port
         self.calls: Counter[str] = Counter()
         self._calls_lock = threading.Lock()
         self.store = Store(self.state_dir)
-        self.rpcs = Rpcs(self)
         self.runner = SessionRunner(self.store, lambda: self.url,
                                     f"http://127.0.0.1:{free_closed_port()}", python=python)
+        self.rpcs = Rpcs(self.store, self.runner, faults or Faults(), switches or Switches(), self.limits,
+                         lambda: self.url, self.secrets, self.competitions)
         self._server: EmulatorHTTPServer | None = None
         self._thread: threading.Thread | None = None
 
@@ -62,7 +76,7 @@ class Emulator:
         """Serve in a background thread; return the base URL (http://127.0.0.1:PORT)."""
         lost = self.store.recover_after_restart()
         self.runner.reap_orphans(lost)
-        self._server = EmulatorHTTPServer(("127.0.0.1", self.port), self)
+        self._server = EmulatorHTTPServer(("127.0.0.1", self.port), self.rpcs, self.users, self.tokens, self.count)
         self.port = self._server.server_address[1]
         self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.1},
                                         name="kaggle-emulator", daemon=True)

@@ -262,20 +262,15 @@ class SessionRunner:
 
     def _run_session(self, session_id: str) -> None:
         session = self.store.session(session_id)
-        kernel = self.store.kernels[session["kernel"]]
         sdir = self.store.session_dir(session_id)
         root = sdir / "root"
         (root / "input").mkdir(parents=True, exist_ok=True)
         (root / "working").mkdir(parents=True, exist_ok=True)
-        notebook = sdir / "kernel.ipynb"
-        notebook.write_text(as_notebook((sdir / "source").read_text(encoding="utf-8"), session["kernel_type"]))
-        log_jsonl = sdir / "log.jsonl"
         if not self._wait(session_id, session["queued"] + session.get("queue_s", 0.0)):
             return self._end_early(session_id, sdir, root)
         # The session's clock starts now: the container boots on the session's time.
         started = time.time()
-        mounted = self._mount_inputs(session, root)
-        self._update(session_id, status="RUNNING", started=started, mounted=mounted)
+        self._update(session_id, status="RUNNING", started=started, mounted=self._mount_inputs(session, root))
         limit, kill_at = session["limit_s"], session["kill_at"]
         limit_reason = f"Session exceeded its time limit of {limit:g} seconds and was stopped"
         deadline, reason = started + limit, limit_reason
@@ -283,27 +278,55 @@ class SessionRunner:
             deadline, reason = started + kill_at, f"Session was killed (fault injection after {kill_at:.1f} s)"
         if not self._wait(session_id, min(started + session.get("boot_s", 0.0), deadline)):
             return self._end_early(session_id, sdir, root)
-        env = self._env(session, kernel, sdir, root)
-        proc = None
-        if time.time() < deadline:
-            with open(sdir / "stdout.txt", "wb") as out, open(sdir / "stderr.txt", "wb") as err:
-                proc = subprocess.Popen(
-                    [self.python, "-m", "kchain.local", "run", str(notebook), "--root", str(root),
-                     "--log-jsonl", str(log_jsonl)],
-                    cwd=root / "working", env=env, stdout=out, stderr=err, stdin=subprocess.DEVNULL,
-                    start_new_session=True)
-            self._procs[session_id] = proc
-            try:
-                created = psutil.Process(proc.pid).create_time()
-            except psutil.NoSuchProcess:
-                created = None
-            self._update(session_id, pid=proc.pid, pid_created=created, first_cell=time.time())
+        proc = self._launch(session_id, session, sdir, root) if time.time() < deadline else None
+        killed_by = reason if proc is None else self._watch(session_id, proc, deadline, reason, limit_reason)
+        if proc is not None:
+            kill_tree(proc.pid)  # stray grandchildren of a finished notebook die with the session
+        if self._stopping.is_set():
+            return  # stop() killed the tree; the record stays RUNNING and reads as lost on restart
+        if session_id in self._cancels:
+            return self._end_early(session_id, sdir, root)
+        lose = killed_by is not None and (
+            session["lose_output"] or (killed_by == limit_reason and session.get("output_at_limit") == "lost"))
+        self._capture(sdir, root, lose)
+        if killed_by is not None:
+            status, message = "ERROR", killed_by
+        elif proc is not None and proc.returncode == 0:
+            status, message = "COMPLETE", ""
+        else:
+            lines = [ln for ln in (sdir / "stderr.txt").read_text(errors="replace").splitlines() if ln.strip()]
+            status, message = "ERROR", (lines[-1].strip() if lines else f"exit code {proc and proc.returncode}")
+        self._update(session_id, status=status, failure_message=message, ended=time.time(),
+                     returncode=proc.returncode if proc else None, output_lost=lose, **_resumed(sdir))
 
-        killed = proc is None  # booting took the whole session
-        marker = session.get("kill_on_output")
-        while proc is not None and proc.poll() is None:
+    def _launch(self, session_id: str, session: dict[str, Any], sdir: Path, root: Path) -> subprocess.Popen[bytes]:
+        """Start the notebook's process tree in its own process group (its first cell runs now)."""
+        notebook = sdir / "kernel.ipynb"
+        notebook.write_text(as_notebook((sdir / "source").read_text(encoding="utf-8"), session["kernel_type"]))
+        env = self._env(session, self.store.kernels[session["kernel"]], sdir, root)
+        with open(sdir / "stdout.txt", "wb") as out, open(sdir / "stderr.txt", "wb") as err:
+            proc = subprocess.Popen(
+                [self.python, "-m", "kchain.local", "run", str(notebook), "--root", str(root),
+                 "--log-jsonl", str(sdir / "log.jsonl")],
+                cwd=root / "working", env=env, stdout=out, stderr=err, stdin=subprocess.DEVNULL,
+                start_new_session=True)
+        self._procs[session_id] = proc
+        try:
+            created = psutil.Process(proc.pid).create_time()
+        except psutil.NoSuchProcess:
+            created = None
+        self._update(session_id, pid=proc.pid, pid_created=created, first_cell=time.time())
+        return proc
+
+    def _watch(self, session_id: str, proc: subprocess.Popen[bytes], deadline: float, reason: str,
+               limit_reason: str) -> str | None:
+        """Wait for the process; kill its tree at the deadline, on a marker fault, an expiry or a cancel.
+        Returns why it was killed, or None if it ended by itself (or the emulator is stopping)."""
+        marker = self.store.session(session_id).get("kill_on_output")
+        log_jsonl = self.store.session_dir(session_id) / "log.jsonl"
+        while proc.poll() is None:
             if self._stopping.is_set():
-                return  # stop() kills the tree; the record stays RUNNING and reads as lost on restart
+                return None
             if marker and log_jsonl.exists() and marker in log_jsonl.read_text(errors="replace"):
                 deadline, reason = time.time(), f"Session was killed (fault injection on output {marker!r})"
             if session_id in self._expired:
@@ -311,27 +334,9 @@ class SessionRunner:
             if time.time() >= deadline or session_id in self._cancels:
                 kill_tree(proc.pid)
                 proc.wait()
-                killed = True
-                break
+                return reason
             time.sleep(0.05)
-        if proc is not None:
-            kill_tree(proc.pid)  # stray grandchildren of a finished notebook die with the session
-        if self._stopping.is_set():
-            return
-        if session_id in self._cancels:
-            return self._end_early(session_id, sdir, root)
-        at_limit = killed and reason == limit_reason
-        lose = killed and (session["lose_output"] or (at_limit and session.get("output_at_limit") == "lost"))
-        self._capture(sdir, root, lose)
-        if killed:
-            status, message = "ERROR", reason
-        elif proc.returncode == 0:
-            status, message = "COMPLETE", ""
-        else:
-            lines = [ln for ln in (sdir / "stderr.txt").read_text(errors="replace").splitlines() if ln.strip()]
-            status, message = "ERROR", (lines[-1].strip() if lines else f"exit code {proc.returncode}")
-        self._update(session_id, status=status, failure_message=message, ended=time.time(),
-                     returncode=proc.returncode if proc else None, output_lost=lose, **_resumed(sdir))
+        return None
 
     def _capture(self, sdir: Path, root: Path, lose: bool) -> None:
         """Keep ROOT/working as the version's output (or nothing), and the log in Kaggle's format."""

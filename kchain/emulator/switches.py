@@ -15,6 +15,14 @@ KEPT, LOST = "kept", "lost"
 
 
 @dataclass
+class Limits:
+    """The account's limits: a session's time limit, the weekly GPU quota, the GPU concurrency cap."""
+    session_limit_s: float = 12 * 3600
+    gpu_quota_s: float = 30 * 3600
+    max_gpu_sessions: int = 2
+
+
+@dataclass
 class Switches:
     # HTTP status for a kernel or dataset that does not exist or that the caller may not see
     # (Kaggle answers 403 so the namespace cannot be probed); 404 is the kind alternative.

@@ -331,3 +331,24 @@ def test_internet_secrets_and_offline_sessions(tmp_path, monkeypatch):
         for path in (tmp_path / "state").rglob("*"):
             if path.is_file():
                 assert secret.encode() not in path.read_bytes() and key.encode() not in path.read_bytes()
+
+
+def test_a_lost_answer_after_a_creating_call_has_acted(emulator, kaggle_api, tmp_path):
+    emulator.switches.version_lag_s = 0
+    emulator.faults.rate_lost_answer = 1.0
+    folder = write_dataset(tmp_path / "ds", "alice/lost-answer", {"a.txt": "a"})
+    with pytest.raises(requests.HTTPError) as info:
+        kaggle_api.dataset_create_new(str(folder), quiet=True)
+    assert info.value.response.status_code == 500
+    assert len(emulator.dataset_versions("alice/lost-answer")) == 1  # it was created all the same
+    with pytest.raises(requests.HTTPError):
+        kaggle_api.dataset_create_version(str(folder), "v2", quiet=True)
+    assert len(emulator.dataset_versions("alice/lost-answer")) == 2
+    write_kernel(tmp_path / "k", "alice/lost-push", ["print(1)"])
+    with pytest.raises(requests.HTTPError):
+        kaggle_api.kernels_push(str(tmp_path / "k"))
+    assert emulator.calls["SaveKernel"] == 1 and len(emulator.sessions()) == 1  # pushed once, answer lost
+
+    emulator.faults.rate_lost_answer, emulator.faults.seed = 0.5, 11
+    outcomes = [emulator.faults.lose_answer() for _ in range(200)]
+    assert 0 < sum(outcomes) < 200  # a rate, not all or nothing

@@ -47,6 +47,8 @@ def parser(prog: str = "python -m kchain.emulator") -> argparse.ArgumentParser:
                    help="kill a session as soon as its log shows TEXT")
     f.add_argument("--fail-after-save", type=int, default=0, metavar="N",
                    help="the next N SaveKernel calls act, then answer 500 (a lost answer)")
+    f.add_argument("--rate-lost-answer", type=float, default=0.0, metavar="P",
+                   help="that fraction of creating calls act, then answer 500")
     f.add_argument("--seed", type=int, default=0)
     s.add_argument("--competition", action="append", default=[], metavar="SLUG:USER",
                    help="USER accepted the rules of competition SLUG (else it is an invalid source)")
@@ -103,7 +105,7 @@ def faults_from(args: argparse.Namespace) -> Faults:
                   kill_random_s=tuple(args.kill_random) if args.kill_random else None,
                   drop_upload_every=args.drop_upload_every, processing_s=args.processing,
                   lose_output=args.lose_output, kill_on_output=args.kill_on_output,
-                  fail_after_save=args.fail_after_save, seed=args.seed)
+                  fail_after_save=args.fail_after_save, rate_lost_answer=args.rate_lost_answer, seed=args.seed)
 
 
 def serve_command(args: list[str]) -> None:

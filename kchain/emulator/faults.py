@@ -34,6 +34,9 @@ class Faults:
     # The next N SaveKernel calls create the version (and start its session), then answer 500:
     # a push whose answer is lost after Kaggle acted on it.
     fail_after_save: int = 0
+    # That fraction of creating calls (SaveKernel, CreateDataset, CreateDatasetVersion[ById]) act, then
+    # answer 500: a lost answer, drawn from the seeded RNG.
+    rate_lost_answer: float = 0.0
     seed: int = 0
     _rng: random.Random = field(default=None, init=False, repr=False)  # type: ignore[assignment]
     _rng_seed: int | None = field(default=None, init=False, repr=False)
@@ -58,11 +61,16 @@ class Faults:
         return None
 
     def lose_save_answer(self) -> bool:
+        """Whether this SaveKernel, which has acted, answers 500 (fail_after_save, then the rate)."""
         with self._lock:
-            if self.fail_after_save <= 0:
-                return False
-            self.fail_after_save -= 1
-            return True
+            if self.fail_after_save > 0:
+                self.fail_after_save -= 1
+                return True
+        return self.lose_answer()
+
+    def lose_answer(self) -> bool:
+        """Whether this creating call, which has acted, answers 500 (rate_lost_answer)."""
+        return self.rate_lost_answer > 0 and self._random() < self.rate_lost_answer
 
     def drop_this_upload(self) -> bool:
         if self.drop_upload_every <= 0:

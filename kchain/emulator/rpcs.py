@@ -456,6 +456,10 @@ class Rpcs:
         datasets.sort(key=lambda d: self.store.visible_versions(d)[-1]["created"], reverse=True)
         return self._page(body, [self._dataset_info(d) for d in datasets], "datasets")
 
+    def _maybe_lose_answer(self) -> None:
+        if self.faults.lose_answer():
+            raise ApiError(500, "Internal error after the version was created (injected)")
+
     def _blobs(self, user: str, files: list[dict[str, Any]]) -> list[tuple[Path, str]]:
         """(bytes on disk, file name) of each complete upload the request names; under the lock."""
         blobs = []
@@ -527,6 +531,7 @@ class Rpcs:
             self._add_version(dataset, staging, "Initial release")
             self.store.datasets[ref] = dataset
             self.store.save()
+        self._maybe_lose_answer()
         return {"ref": ref, "url": f"{self.url()}/datasets/{ref}", "status": "ok"}
 
     def _create_version(self, user: str, dataset: dict[str, Any], body: dict[str, Any]) -> dict[str, Any]:
@@ -543,6 +548,7 @@ class Rpcs:
             if inner.get("subtitle"):
                 dataset["subtitle"] = inner["subtitle"]
             self.store.save()
+        self._maybe_lose_answer()
         return {"ref": dataset["ref"], "url": f"{self.url()}/datasets/{dataset['ref']}", "status": "ok"}
 
     def CreateDatasetVersion(self, user: str, body: dict[str, Any]) -> dict[str, Any]:

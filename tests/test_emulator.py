@@ -352,3 +352,20 @@ def test_a_lost_answer_after_a_creating_call_has_acted(emulator, kaggle_api, tmp
     emulator.faults.rate_lost_answer, emulator.faults.seed = 0.5, 11
     outcomes = [emulator.faults.lose_answer() for _ in range(200)]
     assert 0 < sum(outcomes) < 200  # a rate, not all or nothing
+
+
+def test_sessions_record_the_step_they_resumed_from(emulator, kaggle_api, tmp_path):
+    summary = ("import json, pathlib\npathlib.Path('out').mkdir()\n"
+               "pathlib.Path('out/summary.json').write_text(json.dumps({'status': 'done', 'step': 50, 'total': 90,"
+               " 'resumed_from': 42}))")
+    logged = "print('[kchain] resumed from step 7 (x, saved at y)', flush=True)\nimport time\ntime.sleep(600)"
+    write_kernel(tmp_path / "a", "alice/with-summary", [summary])
+    write_kernel(tmp_path / "b", "alice/with-log-only", [logged])
+    kaggle_api.kernels_push(str(tmp_path / "a"))
+    emulator.faults.kill_on_output, emulator.faults.lose_output = "resumed from step", True
+    kaggle_api.kernels_push(str(tmp_path / "b"))
+    done = emulator.wait_session("alice/with-summary")
+    assert done["resumed_from"] == 42 and done["summary"] == {"status": "done", "step": 50, "total": 90,
+                                                              "resumed_from": 42}
+    killed = emulator.wait_session("alice/with-log-only")
+    assert killed["output_lost"] and killed["summary"] is None and killed["resumed_from"] == 7

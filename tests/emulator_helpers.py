@@ -32,7 +32,8 @@ def fake_key() -> str:
 
 @pytest.fixture
 def emulator(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Emulator]:
-    """A running emulator with user alice (random key), short limits, and the client env pointed at it."""
+    """A running emulator with user alice (random key), short limits, the client env pointed at it, and
+    Kaggle's strict behaviour (the default Switches(): 403 for missing, invisible new versions, ...)."""
     emu = Emulator(tmp_path / "kaggle-state", users={USER: fake_key()}, session_limit_s=60,
                    gpu_quota_s=30 * 3600, max_gpu_sessions=2)
     emu.start()

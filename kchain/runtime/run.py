@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from . import data, heartbeat, layout, precision, preflight
+from . import data, heartbeat, layout, precision, preflight, publishplan, resumecheck, watchdog
 from .checkpoint import (
     Snapshotter,
     Writer,
@@ -134,7 +134,14 @@ class Run:
             margin = min(margin, SHORT_LIMIT_MARGIN * limit)
         else:
             limit = float(train.get("session_limit_s", DEFAULT_SESSION_LIMIT_S))
-        self.deadline = self.started + limit - margin
+        self.limit_s, self.margin_s = limit, margin
+        self.end = self.started + limit  # the session's hard limit
+        self.deadline = self.end - margin  # moved earlier when the kernel publishes its own state
+        # The in-kernel publish after the final save (None: the laptop relays the state).
+        self.publish_plan = None if self.smoke else publishplan.figures(config)
+        self._state_bytes = 0  # the checkpoint's size: estimated at the first heartbeat, then measured
+        self._sized_path: Path | None = None
+        self._planned = False
         every = env.get(layout.CHECKPOINT_EVERY_ENV)
         self.every_cfg = parse_every(every) if every else dict(train.get("checkpoint_every") or DEFAULT_EVERY)
         self.keep = int(train.get("keep", DEFAULT_KEEP))
@@ -178,9 +185,13 @@ class Run:
             # One continuous history: the trace as it was at the checkpoint; later lines are replayed.
             (self.dir / layout.METRICS).write_bytes((path / layout.METRICS).read_bytes())
             say(f"session {self.session} of {self.job}: will resume from {path}")
+            self._state_bytes = publishplan.tree_bytes(path)
         else:
             self.metrics_path.write_bytes(b"")
             say(f"session 1 of {self.job}: no checkpoint found, starting fresh")
+        if not self.smoke:
+            resumecheck.check(config, int(self._resume[1]["step"]) if self._resume else None,
+                              str(self._resume[0]) if self._resume else None)
         self._metrics_file = None  # opened by the first run.log
         self._metrics_bytes = self.metrics_path.stat().st_size
 
@@ -264,6 +275,8 @@ class Run:
         self._last_save = time.time()
         stall = float(self.faults.get("stall_step", 0))
         kill_at = int(self.faults.get("kill_at_step", -1))
+        hang_at = int(self.faults.get("hang_at_step", -1))
+        dog = None if self.smoke else watchdog.Watchdog(watchdog.floor_s(self.config, os.environ), self._hung).start()
         try:
             step = self.step
             while step < total:
@@ -278,12 +291,20 @@ class Run:
                     time.sleep(stall)
                 if step == kill_at:
                     os.kill(os.getpid(), signal.SIGKILL)  # a real death: nothing below runs
+                if step == hang_at:
+                    time.sleep(10**9)  # a step that never returns: the watchdog ends the run
                 self.step = step
                 self._loop_steps += 1
                 self._step_times = (self._step_times + [time.perf_counter() - t0])[-STEP_TIME_WINDOW:]
                 self._heartbeat()
+                if dog is not None:
+                    dog.beat(self._step_times[-1])
                 if self._save_due():
                     self.save()
+                    if dog is not None:
+                        dog.pause()
+            if dog is not None:
+                dog.stop()
             if self._saved_step != self.step:
                 self.save()
             self.phase = "checkpoint"
@@ -291,6 +312,8 @@ class Run:
             self.status = self._stop_reason or "finished"
             say(f"{self.status} at step {self.step}/{total}; checkpoint {self.checkpoint_rel()}")
         finally:
+            if dog is not None:
+                dog.stop()
             self._restore_signals(old_handlers)
         self.phase = "validation"  # whatever runs after the loop is usually a final evaluation
 
@@ -347,11 +370,30 @@ class Run:
         for s, handler in (old or {}).items():
             signal.signal(s, handler)
 
+    def _hung(self, waited: float, limit: float) -> None:
+        """The watchdog's verdict: a step hangs. The summary says `hung`; no checkpoint is written."""
+        def write() -> None:
+            self.status = "hung"
+            summary = self.summary(error={"type": "Hung", "message": f"no step completed for {waited:.0f}s",
+                                          "stage": self.phase})
+            tmp = self.summary_path.with_name(f"{layout.TMP_PREFIX}{self.summary_path.name}")
+            tmp.write_text(json.dumps(summary, indent=2, default=str) + "\n")
+            os.replace(tmp, self.summary_path)
+
+        watchdog.end_hung(say, write, waited, limit)
+
     def _should_stop(self) -> bool:
         if self._stop_reason:
             return True
+        after = int(self.faults.get("deadline_after_steps", 0) or 0)
+        if after and self._loop_steps >= after:
+            # A test's clock: the deadline falls after N steps of this session, whatever the machine.
+            self._stop_reason = "deadline"
+            say(f"deadline (fault deadline_after_steps={after}): stopping at step {self.step} and saving")
+            return True
         step_s = max(self._step_times, default=0.0)
         save_s = max(self.stalls, default=0.0) + self.writer.last_write_s
+        self.deadline = self.end - self._reserve_s()
         left = self.deadline - time.time()
         if left < step_s + save_s:
             self._stop_reason = "deadline"
@@ -361,6 +403,40 @@ class Run:
             )
             return True
         return False
+
+    def _publish_s(self) -> float:
+        """Seconds the in-kernel publish needs, 0 when there is none or it cannot fit the session."""
+        if self.publish_plan is None:
+            return 0.0
+        path = self.writer.last_path
+        if path is not None and path != self._sized_path:
+            self._sized_path, self._state_bytes = path, publishplan.tree_bytes(path)
+        need = publishplan.seconds(self.publish_plan, self._state_bytes)
+        return need if need <= (self.limit_s - self.margin_s) / 2 else 0.0
+
+    def _reserve_s(self) -> float:
+        """Kept back after the last step besides the final save: train.margin, or the publish if longer."""
+        return max(self.margin_s, self._publish_s())
+
+    def _plan(self) -> None:
+        """Once, with the first heartbeat: when the session stops and what the time after it is for."""
+        self._planned = True
+        if self.publish_plan is None:
+            return
+        if not self._state_bytes:
+            self._state_bytes = publishplan.state_bytes(
+                {name: _state_of(obj) for name, obj in self._tracked.items()})
+        size = publishplan.size_text(self._state_bytes)
+        need = publishplan.seconds(self.publish_plan, self._state_bytes)
+        source = "measured" if self.publish_plan.get("measured") else "assumed"
+        if not self._publish_s():
+            say(f"plan: the publish of {size} needs about {heartbeat.duration(need)} ({source}), more than half "
+                f"this session: stopping at {heartbeat.duration(self.end - self.margin_s - self.started)}; "
+                "`kchain continue` relays the state from the laptop")
+            return
+        self.deadline = self.end - self._reserve_s()
+        say(f"plan: stopping at {heartbeat.duration(self.deadline - self.started)}: "
+            f"{heartbeat.duration(self._reserve_s())} for save + publish of {size} ({source} figures)")
 
     def _save_due(self) -> bool:
         if "steps" in self.every_cfg:
@@ -374,6 +450,8 @@ class Run:
         return heartbeat.duration(float(self.every_cfg["seconds"]) - (time.time() - self._last_save))
 
     def _heartbeat(self) -> None:
+        if not self._planned:
+            self._plan()
         now = time.perf_counter()
         if self.heartbeat_s and now - self._last_heartbeat < self.heartbeat_s:
             return

@@ -118,10 +118,11 @@ def state_dataset(owner: str | None, name: str) -> str:
 
 
 def render_job(job: Job, owner: str | None = None, extra_sources: list[str] | None = None,
-               session: int = 1) -> Rendered:
+               session: int = 1, session_facts: dict | None = None) -> Rendered:
     """Pure: job (+ the Kaggle owner, the session number, pinned state sources) -> notebook and
     metadata text. The session number and sources only label the notebook: the fingerprint is the
-    same for every session of a chain."""
+    same for every session of a chain. session_facts (what this session must resume, the measured
+    publish figures) go into config["kaggle"], which the fingerprint leaves out."""
     owner = job.kaggle.owner or owner
     config = runtime_config(job)
     config["kaggle"] = {
@@ -129,6 +130,7 @@ def render_job(job: Job, owner: str | None = None, extra_sources: list[str] | No
         "state_dataset": f"{owner}/{job.name}-state" if owner else None,
         "cache_dataset": f"{owner}/{job.name}-cache" if owner else None,
         "internet": job.kaggle.internet,
+        **(session_facts or {}),
     }
     config["kchain_version"] = kchain.__version__
     files = {**_runtime_files(), **_code_files(job)}

@@ -125,7 +125,7 @@ def test_bad_or_missing_credentials_get_401(emulator, monkeypatch):
 
 def test_dataset_processing_then_ready_download_and_list(emulator, kaggle_api, tmp_path):
     emulator.switches.version_lag_s = 0  # this test is about processing; the lag has its own test
-    emulator.faults.processing_s = 1.5
+    emulator.faults.processing_s = 600  # long, so no check races the machine; settle() ends it
     folder = write_dataset(tmp_path / "ds", "alice/chain-state", {"state.json": '{"step": 1}', "ckpt/last.pt": b"\0" * 10})
     created = kaggle_api.dataset_create_new(str(folder), quiet=True, dir_mode="zip")
     assert created.status == "ok"
@@ -137,11 +137,14 @@ def test_dataset_processing_then_ready_download_and_list(emulator, kaggle_api, t
         kaggle_api.dataset_list_files("alice/chain-state/1")
     assert info.value.response.status_code == 404
 
-    deadline = time.time() + 10
-    while kaggle_api.dataset_status("alice/chain-state") != "ready" and time.time() < deadline:
-        time.sleep(0.2)
+    emulator.settle("alice/chain-state")
+    assert kaggle_api.dataset_status("alice/chain-state") == "ready"
     emulator.faults.processing_s = 0
     (folder / "state.json").write_text('{"step": 2}')
+    # The client resumes the refused attempt's finished uploads if name, size and mtime (whole seconds)
+    # match: a file rewritten in the same second with the same size would go up stale.
+    later = time.time() + 5
+    os.utime(folder / "state.json", (later, later))
     assert kaggle_api.dataset_create_version(str(folder), "session 2", quiet=True, dir_mode="zip").status == "ok"
     assert json.loads(kaggle_api.dataset_status("alice/chain-state", format="json")) == {
         "status": "ready", "current_version_number": 2}

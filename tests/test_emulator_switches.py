@@ -87,12 +87,13 @@ def test_missing_or_invisible_answers_403_and_404_is_a_switch(emulator, kaggle_a
 
 
 def test_a_new_version_is_invisible_for_a_while_then_ready(emulator, kaggle_api, tmp_path):
-    emulator.switches.version_lag_s = 1.5
+    emulator.switches.version_lag_s = 600  # long, so no check races the machine; settle() ends it
     folder = _dataset(kaggle_api, tmp_path, "alice/lagging-data", {"s.txt": "1"}, ready=False)
     with pytest.raises(requests.HTTPError) as info:
         kaggle_api.dataset_status("alice/lagging-data")
     assert info.value.response.status_code == 404
-    wait_dataset_ready(kaggle_api, "alice/lagging-data")
+    emulator.settle("alice/lagging-data")
+    assert kaggle_api.dataset_status("alice/lagging-data") == "ready"
 
     emulator.switches.lag_status = 403
     (folder / "s.txt").write_text("2")
@@ -103,7 +104,7 @@ def test_a_new_version_is_invisible_for_a_while_then_ready(emulator, kaggle_api,
     lagging = json.loads(kaggle_api.dataset_status("alice/lagging-data", format="json(current_version_number)"))
     assert lagging == {"current_version_number": 1}  # the number lags too
     assert [v["visible"] for v in emulator.dataset_versions("alice/lagging-data")] == [True, False]
-    wait_dataset_ready(kaggle_api, "alice/lagging-data")
+    emulator.settle("alice/lagging-data")
     assert json.loads(kaggle_api.dataset_status("alice/lagging-data", format="json")) == {
         "status": "ready", "current_version_number": 2}
 
@@ -226,10 +227,17 @@ def test_output_of_a_session_killed_at_its_limit_is_lost_or_kept(emulator, kaggl
 
 
 def test_sessions_queue_and_the_clock_starts_before_the_first_cell(emulator, kaggle_api, tmp_path):
+    emulator.switches.queue_s = 600
+    write_kernel(tmp_path / "q", "alice/long-queue", ["print('never')"])
+    kaggle_api.kernels_push(str(tmp_path / "q"))
+    assert kaggle_api.kernels_status("alice/long-queue").status.name == "QUEUED"
+    emulator.cancel("alice/long-queue")  # the user gave up waiting
+    assert emulator.wait_session("alice/long-queue")["started"] is None
+    assert emulator.cancellations()[0]["status_before"] == "QUEUED"
+
     emulator.switches.queue_s, emulator.switches.boot_s = 1.5, 1.0
     write_kernel(tmp_path / "k", "alice/queued-kernel", ["print('ran')"])
     kaggle_api.kernels_push(str(tmp_path / "k"))
-    assert kaggle_api.kernels_status("alice/queued-kernel").status.name == "QUEUED"
     session = emulator.wait_session("alice/queued-kernel")
     assert session["status"] == "COMPLETE"
     assert session["started"] - session["queued"] >= 1.5  # queue time is not session time
@@ -331,3 +339,16 @@ def test_stream_threads_end_with_the_emulator(emulator, kaggle_api, tmp_path):
     emulator.stop()  # a follower must not keep the emulator (or the test) alive
     reader.join(30)
     assert not reader.is_alive()
+
+
+def test_kchain_emulator_serve_help_lists_every_switch():
+    from click.testing import CliRunner
+
+    from kchain.cli import cli
+
+    result = CliRunner().invoke(cli, ["emulator", "serve", "--help"])
+    assert result.exit_code == 0, result.output
+    assert result.output.startswith("usage: kchain emulator serve")
+    for option in SWITCH_OPTIONS:
+        assert "--" + option.replace("_", "-") in result.output
+    assert "--lenient" in result.output and "--rate-lost-answer" in result.output

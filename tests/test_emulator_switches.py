@@ -352,3 +352,10 @@ def test_kchain_emulator_serve_help_lists_every_switch():
     for option in SWITCH_OPTIONS:
         assert "--" + option.replace("_", "-") in result.output
     assert "--lenient" in result.output and "--rate-lost-answer" in result.output
+
+
+def test_switches_refuse_values_kaggle_never_answers():
+    with pytest.raises(ValueError, match="403 or 404"):
+        Switches(missing_status=500)
+    with pytest.raises(ValueError, match="'kept' or 'lost'"):
+        Switches(output_at_limit="sometimes")

@@ -218,7 +218,7 @@ def plot(job: Path, out: Path | None) -> None:
 @JOB
 @click.option("--session-limit", type=float, default=20.0, show_default=True,
               help="Seconds per emulated session (longer when session 1 shows the chain would need many).")
-@click.option("--kills", type=int, default=1, show_default=True, help="Sessions killed at a random moment, exactly.")
+@click.option("--kills", type=int, default=1, show_default=True, help="Sessions killed (a SIGKILL once they trained a step), exactly.")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--set", "sets", multiple=True, metavar="NAME=VALUE", help="Override a param, e.g. --set steps=300.")
 @click.option("--faults", "fault_spec", default="", metavar="SPEC",

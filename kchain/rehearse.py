@@ -1,7 +1,7 @@
 """`kchain rehearse`: the whole chain on this machine, against the local Kaggle, before any quota.
 
 The job is pushed to a private emulator with a short session limit (the runtime's deadline guard is
-set from it, as on Kaggle), chosen sessions are killed at a random moment, and `continue` chains
+set from it, as on Kaggle), chosen sessions are killed once they trained a step, and `continue` chains
 session after session until training is done. Beside it, the same notebook runs once,
 uninterrupted. The two metrics traces are compared step by step.
 """
@@ -37,6 +37,7 @@ from kchain.spec import Job, load_job
 
 Echo = Callable[[str], None]
 USER = "rehearsal"
+KILL_MARKER = "[kchain] step "  # a session's first heartbeat: it has started training
 
 
 @dataclass
@@ -198,19 +199,17 @@ def rehearse(job_file: Path, session_limit_s: float = 20.0, kills: int = 1, seed
     killed: set[int] = set()
 
     def before_each(_session: int) -> None:
-        # Session 1 runs clean and measures how long a session lasts; then exactly `kills` sessions
-        # die at a moment drawn inside that span. A session pushed with a kill that ended before it
-        # passes the kill on to the next one.
+        # Session 1 runs clean; then exactly `kills` sessions die: each is killed (a real SIGKILL of
+        # its process tree) as soon as its log shows its first training step, so a kill never misses
+        # a session however fast or slow the machine is at the moment.
         ours = [s for s in emu.sessions() if s["kernel"] == kernel]
-        with_kill = [s for s in ours if s.get("kill_at") is not None]
+        with_kill = [s for s in ours if s.get("kill_on_output")]
         killed.update(s["version"] for s in with_kill if "killed" in (s.get("failure_message") or "").lower())
         pending = [s for s in with_kill if s["status"] not in sess.TERMINAL]
-        first = ours[0] if ours else None
-        if first is None or not first.get("ended") or pending or len(killed) >= kills:
-            emu.faults.kill_random_s = None
+        if not ours or pending or len(killed) >= kills:
+            emu.faults.kill_on_output = None
             return
-        span = first["ended"] - (first.get("started") or first["ended"])
-        emu.faults.kill_random_s = (0.3 * span, max(0.3 * span, min(0.8 * span, 0.95 * session_limit_s)))
+        emu.faults.kill_on_output = KILL_MARKER
 
     echo(f"kchain rehearse {job_file}: sessions of {session_limit_s:g}s against a local Kaggle at {emu.url}")
     try:

@@ -23,7 +23,8 @@ from kchain.rehearse import rehearse
 from kchain.runtime import layout
 
 STALL = "stall_step=0.05"  # at most 20 steps/s, whatever the machine
-GENEROUS_S = 90  # a rehearsal session's limit: the deadline fault ends sessions long before it
+GENEROUS_S = 600  # a session's limit: the deadline fault ends sessions long before it, however loaded
+ROOMY = {"session_limit": "600s", "margin": "30s"}
 
 
 def no_overlap(sessions: list[dict]) -> bool:
@@ -115,6 +116,7 @@ def crashing_job(tmp_path: Path) -> Path:
 
 
 def test_the_same_crash_twice_is_refused(tmp_path, emulator):
+    emulator.session_limit_s = GENEROUS_S
     path = crashing_job(tmp_path)
     ref = "alice/tinygpt-notes"
     assert invoke("push", path, "--skip-smoke").exit_code == 0
@@ -140,10 +142,11 @@ def test_the_same_crash_twice_is_refused(tmp_path, emulator):
 
 def test_a_session_whose_output_was_lost_resumes_from_the_last_good_state(tmp_path, emulator, monkeypatch):
     monkeypatch.setenv(layout.FAULT_ENV, f"{STALL},deadline_after_steps=10")
+    emulator.session_limit_s = GENEROUS_S
     path = copy_job(
         "tinygpt", tmp_path,
         params={"steps": 10**6, "eval_every": 500, "batch": 8, "accumulate": 1},
-        train={"session_limit": "60s", "margin": "5s", "heartbeat": "0s"},
+        train={**ROOMY, "heartbeat": "0s"},
     )
     ref = "alice/tinygpt-notes"
     assert invoke("push", path, "--skip-smoke").exit_code == 0
@@ -158,7 +161,7 @@ def test_a_session_whose_output_was_lost_resumes_from_the_last_good_state(tmp_pa
 
     third = invoke("continue", path, "--skip-smoke")
     assert third.exit_code == 0, third.output
-    ledger = Ledger(Path(__import__("os").environ["KCHAIN_HOME"]))
+    ledger = Ledger(Path(os.environ["KCHAIN_HOME"]))
     chain = ledger.sessions("tinygpt-notes")
     published = chain[0]["publish"]["step"]
     assert published == 10
@@ -172,8 +175,8 @@ def test_a_session_whose_output_was_lost_resumes_from_the_last_good_state(tmp_pa
 
 def test_continue_never_starts_a_second_session_while_one_runs(tmp_path, emulator, monkeypatch):
     monkeypatch.setenv(layout.FAULT_ENV, f"{STALL},deadline_after_steps=30")
-    path = copy_job("tinygpt", tmp_path, params={"steps": 10**6, "batch": 8, "accumulate": 1},
-                    train={"session_limit": "60s", "margin": "5s"})
+    emulator.session_limit_s = GENEROUS_S
+    path = copy_job("tinygpt", tmp_path, params={"steps": 10**6, "batch": 8, "accumulate": 1}, train=ROOMY)
     assert invoke("push", path, "--skip-smoke").exit_code == 0
     result = invoke("continue", path, "--skip-smoke")
     assert result.exit_code == 0
@@ -187,6 +190,7 @@ def test_continue_never_starts_a_second_session_while_one_runs(tmp_path, emulato
 
 def test_continue_refuses_a_session_the_budget_cannot_cover_and_publishes_only_once(tmp_path, emulator, monkeypatch):
     monkeypatch.setenv(layout.FAULT_ENV, f"{STALL},deadline_after_steps=5")
+    emulator.session_limit_s = 2 * 3600
     path = copy_job(
         "tinygpt", tmp_path, params={"steps": 10**6, "batch": 8, "accumulate": 1},
         train={"session_limit": "1h", "checkpoint_every": "2s"},
@@ -213,17 +217,20 @@ def session_log(ledger: Ledger, job: str, session: int) -> str:
 
 
 def test_a_publish_that_cannot_fit_the_session_is_left_to_the_relay(tmp_path, emulator, monkeypatch):
-    # Kaggle's assumed publish figures (minutes) cannot fit a 60 s session: the kernel plans without
-    # it, says `published: none`, and `continue` relays the state from the laptop.
+    # A publish measured at an hour cannot fit a 10-minute session: the kernel plans without it, says
+    # `published: none`, and `continue` relays the state from the laptop.
     monkeypatch.setenv(layout.FAULT_ENV, f"{STALL},deadline_after_steps=20")
+    emulator.session_limit_s = GENEROUS_S
     path = copy_job("tinygpt", tmp_path, params={"steps": 10**6, "batch": 8, "accumulate": 1},
-                    kaggle={"internet": True}, train={"session_limit": "60s", "margin": "5s"})
+                    kaggle={"internet": True}, train=ROOMY)
+    Ledger(Path(os.environ["KCHAIN_HOME"])).save_publish_figures(
+        "tinygpt-notes", {"start_s": 3600.0, "create_s": 10.0, "rate_bps": 1e6, "processing_s": 10.0})
     ref = "alice/tinygpt-notes"
     assert invoke("push", path, "--skip-smoke").exit_code == 0
     emulator.wait_session(ref, 1, timeout=120)
     second = invoke("continue", path, "--skip-smoke")
     assert second.exit_code == 0, second.output
-    ledger = Ledger(Path(__import__("os").environ["KCHAIN_HOME"]))
+    ledger = Ledger(Path(os.environ["KCHAIN_HOME"]))
     first = ledger.sessions("tinygpt-notes")[0]
     log = session_log(ledger, "tinygpt-notes", 1)
     assert "[kchain] plan: the publish of" in log and "more than half this session" in log
@@ -234,8 +241,8 @@ def test_a_publish_that_cannot_fit_the_session_is_left_to_the_relay(tmp_path, em
 
 def test_stop_names_the_page_waits_for_the_stop_and_continue_resumes(tmp_path, emulator, monkeypatch):
     monkeypatch.setenv(layout.FAULT_ENV, f"{STALL},deadline_after_steps=10")
-    path = copy_job("tinygpt", tmp_path, params={"steps": 10**6, "batch": 8, "accumulate": 1},
-                    train={"session_limit": "60s", "margin": "5s"})
+    emulator.session_limit_s = GENEROUS_S
+    path = copy_job("tinygpt", tmp_path, params={"steps": 10**6, "batch": 8, "accumulate": 1}, train=ROOMY)
     ref = "alice/tinygpt-notes"
     assert invoke("push", path, "--skip-smoke").exit_code == 0
     emulator.wait_session(ref, 1, timeout=120)

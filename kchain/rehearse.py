@@ -155,6 +155,7 @@ def upload_inputs(emu: Emulator, job: Job, sources: dict[tuple[str, str, str], P
             for _ in range(pinned.get((owner, slug), 1) - 1):
                 wait_ready(client, f"{owner}/{slug}", echo)
                 client.version_dataset(folder, "rehearsal copy", dir_mode="zip")
+            wait_ready(client, f"{owner}/{slug}", echo)  # a new version is invisible for a while
         echo(f"  input {owner}/{slug}: the local copy {source} is on the local Kaggle")
 
 

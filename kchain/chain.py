@@ -47,7 +47,7 @@ Echo = Callable[[str], None]
 
 @dataclass
 class Decision:
-    action: str  # running | finished | pushed | stopped
+    action: str  # running | finished | pushed (a stop is a ChainStop, raised)
     message: str
     record: dict[str, Any] | None = None
 

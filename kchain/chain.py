@@ -24,9 +24,9 @@ from pathlib import Path
 from typing import Any
 
 from kchain import sessions as sess
-from kchain.errors import ChainStop, KaggleError, NotSmoked
-from kchain.kaggle_api import KaggleClient, OutcomeUnknown
-from kchain.ledger import Ledger, new_run_id, state_dir
+from kchain.errors import ChainStop, CredentialsError, KaggleError, NotSmoked
+from kchain.kaggle_api import KaggleClient, OutcomeUnknown, missing
+from kchain.ledger import Ledger, iso, new_run_id, now_utc, state_dir
 from kchain.push import (
     check_budget,
     ensure_dataset,
@@ -34,6 +34,7 @@ from kchain.push import (
     plan_for,
     push_session,
     reconcile,
+    refuse_unpushable,
     write_dataset_metadata,
 )
 from kchain.render import render_job
@@ -46,7 +47,7 @@ Echo = Callable[[str], None]
 
 @dataclass
 class Decision:
-    action: str  # running | finished | pushed | stopped
+    action: str  # running | finished | pushed (a stop is a ChainStop, raised)
     message: str
     record: dict[str, Any] | None = None
 
@@ -81,13 +82,21 @@ def _same_error(a: dict[str, Any], b: dict[str, Any]) -> bool:
     return a.get("type") == b.get("type") and a.get("message") == b.get("message")
 
 
-def wait_ready(client: KaggleClient, ref: str, echo: Echo, timeout_s: float = 1800, poll_s: float = 2.0) -> None:
-    """Poll the dataset until its newest version is ready (a 'processing' version 403s and 404s)."""
+def wait_ready(client: KaggleClient, ref: str, echo: Echo, timeout_s: float = 1800, poll_s: float = 0.5,
+               hidden_s: float = 600) -> None:
+    """Poll the dataset until its newest version is ready. A version that is still processing can
+    answer 403 or 404 for a while (Kaggle hides it until it is ready): that is waited out for
+    hidden_s, then taken as "missing"."""
     started = time.time()
     delay = poll_s
     last = None
     while True:
-        status = client.dataset_status(ref)
+        try:
+            status = client.dataset_status(ref)
+        except KaggleError as exc:
+            if not missing(exc) or time.time() - started > hidden_s:
+                raise
+            status = "not visible yet"
         if status == "ready":
             return
         if status in ("failed", "deleted"):
@@ -101,19 +110,40 @@ def wait_ready(client: KaggleClient, ref: str, echo: Echo, timeout_s: float = 18
         delay = min(delay * 1.5, 30.0)
 
 
-def new_version(client: KaggleClient, folder: Path, ref: str, notes: str, dir_mode: str) -> int:
-    """Upload folder as a new version of ref exactly once (a lost answer is checked, not re-sent)."""
-    before = client.dataset_version_number(ref)
-    try:
-        client.version_dataset(folder, notes, dir_mode=dir_mode)
-    except OutcomeUnknown:
-        if client.dataset_version_number(ref) == before:
-            client.version_dataset(folder, notes, dir_mode=dir_mode)
+def current_version(client: KaggleClient, ref: str, echo: Echo) -> int:
+    """The dataset's newest version number, read once it is ready (a processing version's number lags)."""
+    wait_ready(client, ref, echo)
     return client.dataset_version_number(ref)
 
 
-def relay_state(client: KaggleClient, job: Job, owner: str, record: dict[str, Any], echo: Echo) -> dict[str, Any] | None:
-    """Version the state dataset from the session's downloaded output; None if it holds no checkpoint."""
+def new_version(client: KaggleClient, folder: Path, ref: str, notes: str, dir_mode: str, echo: Echo,
+                before: int | None = None, attempts: int = 4) -> int:
+    """Upload folder as a new version of ref exactly once and return its number. A lost answer is
+    settled by looking at the dataset's versions: a new one means it landed, else it is sent again."""
+    if before is None:
+        before = current_version(client, ref, echo)
+    for attempt in range(attempts):
+        try:
+            client.version_dataset(folder, notes, dir_mode=dir_mode)
+            break
+        except OutcomeUnknown as exc:
+            now = current_version(client, ref, echo)
+            if now != before:
+                echo(f"  the answer to the upload was lost, but {ref} has version {now}: using it")
+                return now
+            echo(f"  the answer to the upload was lost and {ref} has no new version: sending it again")
+            if attempt == attempts - 1:
+                raise KaggleError(f"{ref}: {attempts} uploads in a row lost their answer and none landed ({exc}); "
+                                  "run `kchain continue` again later") from exc
+    return current_version(client, ref, echo)
+
+
+def relay_state(client: KaggleClient, job: Job, owner: str, record: dict[str, Any], echo: Echo,
+                save: Callable[[dict[str, Any]], None]) -> dict[str, Any] | None:
+    """Version the state dataset from the session's downloaded output; None if it holds no checkpoint.
+
+    What is about to be uploaded is saved (save) before the upload and before any wait, so a rerun
+    after an abort looks at the dataset's versions instead of uploading the same state again."""
     output = Path(record["output"]) if record.get("output") else None
     kchain_dir = output / layout.KCHAIN_DIR if output else None
     if kchain_dir is None or not kchain_dir.is_dir():
@@ -125,27 +155,42 @@ def relay_state(client: KaggleClient, job: Job, owner: str, record: dict[str, An
             return None
         state_ref = f"{owner}/{job.name}-state"
         uploaded = sum(p.stat().st_size for p in (work / "state").iterdir() if p.is_file())
-        echo(f"  publishing step {marker['step']} to {state_ref} from the laptop ({uploaded / 1e6:.2f} MB)")
         notes = f"kchain session {record['session']} step {marker['step']}"
-        write_dataset_metadata(work / "state", state_ref, f"{job.name} state")
-        wait_ready(client, state_ref, echo)  # a version uploaded while the first one processes is refused
-        new_version(client, work / "state", state_ref, notes, "skip")
+        pending = dict((record.get("publish") or {}).get("pending") or {})
+        version = pending.get("version") if pending.get("step") == marker["step"] else None
+        if version is None and pending.get("step") == marker["step"]:
+            now = current_version(client, state_ref, echo)
+            if now != pending["before"]:
+                version = now
+                echo(f"  step {marker['step']} reached {state_ref} in an earlier run (version {now}): "
+                     "not uploading it again")
+        if version is None:
+            before = current_version(client, state_ref, echo)  # also: never upload while one processes
+            pending = {"step": marker["step"], "before": before}
+            save({"pending": pending})
+            echo(f"  publishing step {marker['step']} to {state_ref} from the laptop ({uploaded / 1e6:.2f} MB)")
+            write_dataset_metadata(work / "state", state_ref, f"{job.name} state")
+            version = new_version(client, work / "state", state_ref, notes, "skip", echo, before=before)
+        pending["version"] = version
+        save({"pending": pending})
         entries = cache_entries(kchain_dir)
         cache_bytes = 0
-        if entries and entries != record.get("cache_attached"):
+        if entries and entries != record.get("cache_attached") and not pending.get("cache_version"):
             cache_ref = f"{owner}/{job.name}-cache"
             cache_bytes = build_cache_folder(kchain_dir, work / "cache")
             echo(f"  staged-data cache changed: publishing {cache_ref} ({cache_bytes / 1e6:.2f} MB)")
             ensure_dataset(client, cache_ref, f"{job.name} cache", echo)
-            wait_ready(client, cache_ref, echo)
             write_dataset_metadata(work / "cache", cache_ref, f"{job.name} cache")
-            new_version(client, work / "cache", cache_ref, notes, "zip")
-        return {**marker, "uploaded_bytes": uploaded + cache_bytes, "cache_bytes": cache_bytes, "cache": entries}
+            pending["cache_version"] = new_version(client, work / "cache", cache_ref, notes, "zip", echo)
+            save({"pending": pending})
+        return {**marker, "uploaded_bytes": uploaded + cache_bytes, "cache_bytes": cache_bytes, "cache": entries,
+                "version": version}
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
 
-def ready_state(client: KaggleClient, job: Job, owner: str, chain: list[dict[str, Any]], echo: Echo) -> dict[str, Any]:
+def ready_state(client: KaggleClient, job: Job, owner: str, chain: list[dict[str, Any]], echo: Echo,
+                save: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
     """Make sure the newest checkpoint is a ready version of the state dataset; return its facts."""
     last = chain[-1]
     state_ref = f"{owner}/{job.name}-state"
@@ -162,13 +207,12 @@ def ready_state(client: KaggleClient, job: Job, owner: str, chain: list[dict[str
         echo(f"  the kernel published step {facts['step']} to {state_ref} itself "
              f"({facts['uploaded_bytes'] / 1e6:.2f} MB)")
     else:
-        marker = relay_state(client, job, owner, last, echo)
+        marker = relay_state(client, job, owner, last, echo, save or (lambda _facts: None))
         if marker is not None:
             facts.update(published="relay", step=marker["step"], uploaded_bytes=marker["uploaded_bytes"],
                          checkpoint_bytes=marker["checkpoint_bytes"], cache_bytes=marker["cache_bytes"],
                          cache=marker["cache"])
-    wait_ready(client, state_ref, echo)
-    facts["version"] = client.dataset_version_number(state_ref)
+    facts["version"] = current_version(client, state_ref, echo)
     if facts["published"] is None:
         # Nothing new survived: the newest ready version is the last one a session published.
         earlier = [s["publish"]["step"] for s in chain[:-1] if (s.get("publish") or {}).get("step") is not None]
@@ -190,9 +234,48 @@ def _heartbeat_step(line: str | None) -> int | None:
         return None
 
 
+def fetch_or_stop(client: KaggleClient, ledger: Ledger, job: Job, owner: str, chain: list[dict[str, Any]],
+                  from_state: int | None, echo: Echo, attempts: int = 3) -> None:
+    """The last session ended but its output could not be fetched: fetch it again; if that still
+    fails, pushing from an older state loses its steps, so only --from-state N (the newest state
+    version, which is what Kaggle mounts) lets the chain go on without it."""
+    last = chain[-1]
+    error = last.get("output_error")
+    for attempt in range(attempts):
+        try:
+            sess.fetch_output(client, ledger, job.name, last)
+            last.pop("output_error", None)
+            ledger.save_session(job.name, last)
+            echo(f"  fetched the output of session {last['session']} (after an earlier failure)")
+            return
+        except Exception as exc:  # noqa: BLE001 - any failure to fetch is reported below
+            error = f"{type(exc).__name__}: {exc}"
+            time.sleep(min(30.0, 2.0 * 2 ** attempt) if attempt < attempts - 1 else 0)
+    state_ref = f"{owner}/{job.name}-state"
+    version = current_version(client, state_ref, echo)
+    earlier = [s["publish"]["step"] for s in chain[:-1] if (s.get("publish") or {}).get("step") is not None]
+    step = max(earlier, default=0)
+    reached = last.get("step") or _heartbeat_step(last.get("heartbeat"))
+    lost = (f"{reached - step} steps (it reached step {reached})" if reached is not None
+            else "every step it trained (how many is unknown: no heartbeat was seen)")
+    if from_state is None:
+        raise ChainStop(
+            f"the output of session {last['session']} could not be fetched ({str(error)[:160]}); run `kchain continue` "
+            f"again later, or pass --from-state {version} to resume from state version {version} (step {step}), "
+            f"which loses {lost}"
+        )
+    if from_state != version:
+        raise ChainStop(f"--from-state {from_state}: only the newest state version ({version}, step {step}) can be "
+                        f"attached (Kaggle mounts the newest version); pass --from-state {version}")
+    echo(f"  --from-state {version}: resuming from step {step}; session {last['session']}'s output is given up, "
+         f"which loses {lost}")
+
+
 def decide_and_continue(job: Job, ledger: Ledger, client: KaggleClient, retry: bool = False,
-                        force: bool = False, skip_smoke: bool = False, echo: Echo = print) -> Decision:
+                        force: bool = False, skip_smoke: bool = False, echo: Echo = print,
+                        from_state: int | None = None) -> Decision:
     job_file = job.path
+    refuse_unpushable(job)
     owner = job.kaggle.owner or client.username
     with chain_lock(ledger, job.name):
         reconcile(client, ledger, job)
@@ -244,12 +327,18 @@ def decide_and_continue(job: Job, ledger: Ledger, client: KaggleClient, retry: b
                     f"session {last['session']} crashed: {crash.get('type')}: {crash.get('message')}; "
                     f"fix the code and run `kchain smoke {job_file}`, or pass --retry to run it again as it is"
                 )
+        if last["status"] in sess.TERMINAL and not last.get("output") and last.get("output_error"):
+            fetch_or_stop(client, ledger, job, owner, chain, from_state, echo)
         if ledger.smoke_passed(rendered.fingerprint) is None and not skip_smoke:
             raise NotSmoked(
                 f"this code has never passed a smoke run: run `kchain smoke {job_file}` first "
                 "(or --skip-smoke, recorded in the run log)"
             )
-        facts = ready_state(client, job, owner, chain, echo)
+        def save_publish(progress: dict[str, Any]) -> None:
+            last.update(publish=progress)
+            ledger.save_session(job.name, last)
+
+        facts = ready_state(client, job, owner, chain, echo, save_publish)
         last.update(publish=facts)
         ledger.save_session(job.name, last)
         plan = plan_for(job, ledger, client)
@@ -260,7 +349,8 @@ def decide_and_continue(job: Job, ledger: Ledger, client: KaggleClient, retry: b
         if client.dataset_exists(cache_ref):
             wait_ready(client, cache_ref, echo)
             sources.append(cache_ref)
-        rendered = render_job(job, owner=owner, extra_sources=sources, session=last["session"] + 1)
+        rendered = render_job(job, owner=owner, extra_sources=sources, session=last["session"] + 1,
+                              session_facts=session_facts(ledger, job, facts))
         record = push_session(
             client, job, rendered, ledger, last["session"] + 1, echo,
             extra={"state_version": facts["version"], "resumes_at": facts["resumes_at"],
@@ -275,6 +365,22 @@ def decide_and_continue(job: Job, ledger: Ledger, client: KaggleClient, retry: b
                         f"resuming at step {facts['resumes_at']} from state version {facts['version']}", record)
 
 
+def session_facts(ledger: Ledger, job: Job, facts: dict[str, Any] | None = None) -> dict[str, Any]:
+    """What the rendered config tells the next session besides the job: the state it must resume
+    (step and state version) and the measured publish figures its deadline guard plans with."""
+    out: dict[str, Any] = {}
+    figures = ledger.publish_figures(job.name)
+    if figures:
+        out["publish"] = figures
+    if facts is not None:
+        out["resume"] = {"step": facts.get("resumes_at") or 0, "state_version": facts.get("version")}
+    return out
+
+
+def iso_now() -> str:
+    return iso(now_utc())
+
+
 def _val(record: dict[str, Any]) -> str:
     summary = record.get("summary") or {}
     best = summary.get("best") or {}
@@ -287,25 +393,45 @@ def _val(record: dict[str, Any]) -> str:
 
 
 def continue_chain(job_file: Path, retry: bool = False, force: bool = False, skip_smoke: bool = False,
-                   watch_chain: bool = False, echo: Echo = print) -> Decision:
+                   watch_chain: bool = False, echo: Echo = print, from_state: int | None = None) -> Decision:
     job = load_job(job_file)
     ledger, client = Ledger(state_dir(job.path)), KaggleClient(progress=True)
     if watch_chain:
-        return watch(job, ledger, client, retry=retry, force=force, skip_smoke=skip_smoke, echo=echo)
-    return decide_and_continue(job, ledger, client, retry=retry, force=force, skip_smoke=skip_smoke, echo=echo)
+        return watch(job, ledger, client, retry=retry, force=force, skip_smoke=skip_smoke, echo=echo,
+                     from_state=from_state)
+    return decide_and_continue(job, ledger, client, retry=retry, force=force, skip_smoke=skip_smoke, echo=echo,
+                               from_state=from_state)
 
 
 def watch(job: Job, ledger: Ledger, client: KaggleClient, retry: bool = False, force: bool = False,
           skip_smoke: bool = False, echo: Echo = print, poll_s: float = 30.0, max_poll_s: float = 300.0,
-          before_each: Callable[[int], None] | None = None) -> Decision:
-    """Keep chaining until training is finished, the budget is spent, or a crash needs a human."""
+          before_each: Callable[[int], None] | None = None, max_failures: int = 8,
+          from_state: int | None = None) -> Decision:
+    """Keep chaining until training is finished, the budget is spent, or a crash needs a human.
+
+    A Kaggle failure that outlived the client's own retries (429s, 5xx, a lost answer) is not a
+    decision: the watch tries the same step again with backoff, up to max_failures in a row. Every
+    step is safe to repeat (pushes and uploads check Kaggle's versions first)."""
     delay = poll_s
+    failures = 0
     while True:
         if before_each is not None:
             before_each(len(ledger.sessions(job.name)) + 1)
-        decision = decide_and_continue(job, ledger, client, retry=retry, force=force, skip_smoke=skip_smoke,
-                                       echo=echo)
+        try:
+            decision = decide_and_continue(job, ledger, client, retry=retry, force=force, skip_smoke=skip_smoke,
+                                           echo=echo, from_state=from_state)
+        except KaggleError as exc:
+            if isinstance(exc, CredentialsError) or failures + 1 >= max_failures:
+                raise
+            failures += 1
+            wait = min(max_poll_s, poll_s * 2 ** failures) * (0.75 + 0.5 * random.random())
+            echo(f"[{time.strftime('%H:%M:%S')}] {exc} (failure {failures} of at most {max_failures} in a row; "
+                 f"trying again in {wait:.0f}s)")
+            time.sleep(wait)
+            continue
+        failures = 0
         retry = False  # --retry covers one crash, not every crash of the watch
+        from_state = None if decision.action == "pushed" else from_state  # it covers one push too
         if decision.action == "finished":
             echo(decision.message)
             return decision
@@ -316,3 +442,39 @@ def watch(job: Job, ledger: Ledger, client: KaggleClient, retry: bool = False, f
             echo(f"[{time.strftime('%H:%M:%S')}] {decision.message}")
             delay = min(delay * 1.5, max_poll_s)
         time.sleep(delay)
+
+
+def stop_chain(job_file: Path, wait_s: float = 3600.0, poll_s: float = 10.0, echo: Echo = print) -> dict[str, Any]:
+    """`kchain stop`: end the running session and record it, so `continue` resumes from the last state.
+
+    Kaggle's API cannot stop a session: CancelKernelSession takes a session id that no client call
+    returns (Kaggle's maintainers: "not currently exposed outside the server"). So kchain names the
+    session and its page to stop it on, waits until Kaggle reports it ended, and records it."""
+    job = load_job(job_file)
+    ledger, client = Ledger(state_dir(job.path)), KaggleClient()
+    with chain_lock(ledger, job.name):
+        reconcile(client, ledger, job)
+        live = [s for s in sess.refresh(client, ledger, job.name) if s["status"] in sess.LIVE and s.get("version")]
+        if not live:
+            raise ChainStop(f"no session of {job.name} is queued or running; nothing to stop")
+        record = live[-1]
+        record["stop_requested"] = iso_now()
+        ledger.save_session(job.name, record)
+        url = record.get("url") or client.kernel_url(record["kernel"])
+        echo(f"session {record['session']} is {record['status'].lower()}: Kaggle's API cannot stop a session (it does "
+             f"not expose the session id), so stop it on its page: {url} (Stop session); waiting for Kaggle to "
+             "report it ended")
+        started = time.time()
+        while True:
+            record = next(s for s in sess.refresh(client, ledger, job.name) if s["session"] == record["session"])
+            if record["status"] not in sess.LIVE:
+                break
+            if time.time() - started > wait_s:
+                raise ChainStop(f"session {record['session']} is still {record['status'].lower()} after "
+                                f"{wait_s:.0f}s; stop it at {url}, then run `kchain stop {job_file}` again")
+            time.sleep(poll_s)
+        record["stopped_by_user"] = True
+        ledger.save_session(job.name, record)
+    echo(f"session {record['session']} ended ({record['status']}); `kchain continue {job_file}` resumes from the "
+         "last saved state")
+    return record

@@ -185,7 +185,9 @@ def logs(job: Path, number: int | None, follow: bool, poll: float) -> None:
 @click.option("--watch", "watch_chain", is_flag=True, help="Keep chaining until done, out of budget, or a crash.")
 @click.option("--force", is_flag=True, help="Push even if the week's GPU quota cannot cover the session.")
 @click.option("--skip-smoke", is_flag=True, help="Allow code that never passed a smoke run.")
-def continue_(job: Path, retry: bool, watch_chain: bool, force: bool, skip_smoke: bool) -> None:
+@click.option("--from-state", type=int, default=None, metavar="N",
+              help="Resume from state version N when the last session's output cannot be fetched (loses its steps).")
+def continue_(job: Path, retry: bool, watch_chain: bool, force: bool, skip_smoke: bool, from_state: int | None) -> None:
     """Chain the next session from the saved state, or say why not.
 
     \b
@@ -195,8 +197,25 @@ def continue_(job: Path, retry: bool, watch_chain: bool, force: bool, skip_smoke
     from kchain.chain import continue_chain
 
     decision = continue_chain(job, retry=retry, force=force, skip_smoke=skip_smoke, watch_chain=watch_chain,
-                              echo=click.echo)
+                              echo=click.echo, from_state=from_state)
     click.echo(decision.message)
+
+
+@cli.command()
+@JOB
+@click.option("--wait", "wait_s", type=float, default=3600.0, show_default=True,
+              help="Seconds to wait for the session to end once you stopped it on its page.")
+@click.option("--poll", "poll_s", type=float, default=10.0, show_default=True, help="Seconds between status checks.")
+def stop(job: Path, wait_s: float, poll_s: float) -> None:
+    """Stop the running session and record it; `continue` resumes from the last saved state.
+
+    \b
+    Example:
+      kchain stop jobs/tinygpt/job.yaml
+    """
+    from kchain.chain import stop_chain
+
+    stop_chain(job, wait_s=wait_s, poll_s=poll_s, echo=click.echo)
 
 
 @cli.command()
@@ -246,22 +265,31 @@ def plot(job: Path, out: Path | None) -> None:
 
 @cli.command()
 @JOB
-@click.option("--session-limit", type=Seconds(1.0, 12 * 3600.0), default=20.0, show_default=True, help="Seconds per emulated session.")
-@click.option("--kills", type=click.IntRange(0, 100), default=1, show_default=True, help="Sessions killed at a random moment.")
+@click.option("--session-limit", type=Seconds(1.0, 12 * 3600.0), default=20.0, show_default=True,
+              help="Seconds per emulated session (longer when session 1 shows the chain would need many).")
+@click.option("--kills", type=click.IntRange(0, 100), default=1, show_default=True,
+              help="Sessions killed (a SIGKILL once they trained a step), exactly.")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--set", "sets", multiple=True, metavar="NAME=VALUE", help="Override a param, e.g. --set steps=300.")
-def rehearse(job: Path, session_limit: float, kills: int, seed: int, sets: tuple[str, ...]) -> None:
+@click.option("--faults", "fault_spec", default="", metavar="SPEC",
+              help="A flaky Kaggle, rates per call: e.g. 429=0.15,500=0.10,lost_answer=0.1,drop_upload=0.1.")
+@click.option("--strict/--lenient", default=True, show_default=True,
+              help="Kaggle's strict behaviour (403s, lagging versions, ignored pins, lost output) or a kind one.")
+def rehearse(job: Path, session_limit: float, kills: int, seed: int, sets: tuple[str, ...], fault_spec: str,
+             strict: bool) -> None:
     """The whole chain on this machine against a local Kaggle, compared with one uninterrupted run.
 
     \b
     Example:
-      kchain rehearse jobs/tinygpt/job.yaml --session-limit 20 --set steps=300
+      kchain rehearse jobs/tinygpt/job.yaml --set steps=300
+      kchain rehearse jobs/tinygpt/job.yaml --set steps=300 --faults 429=0.15,500=0.10 --kills 2
     """
     from kchain.errors import KchainError
-    from kchain.rehearse import parse_sets
+    from kchain.rehearse import emulator_switches, parse_fault_spec, parse_sets
     from kchain.rehearse import rehearse as run_rehearse
 
     result = run_rehearse(job, session_limit_s=session_limit, kills=kills, seed=seed, params=parse_sets(sets),
+                          faults=parse_fault_spec(fault_spec, seed), switches=emulator_switches(strict),
                           echo=click.echo)
     if not result.identical:
         raise KchainError(f"rehearsal: the chained run {result.verdict}")
@@ -272,19 +300,14 @@ def emulator() -> None:
     """The local Kaggle that kchain is tested against."""
 
 
-@emulator.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
+@emulator.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True,
+                                    "help_option_names": []})
 @click.pass_context
 def serve(ctx: click.Context) -> None:
-    """Run a local Kaggle until interrupted; prints the environment to export.
+    """Run a local Kaggle until interrupted; prints the environment to export. --help lists every switch."""
+    from kchain.emulator.__main__ import serve_command
 
-    \b
-    Example:
-      kchain emulator serve --state /tmp/kaggle --port 7777 --session-limit 60
-    Options: see `python -m kchain.emulator serve --help`.
-    """
-    from kchain.emulator.__main__ import main as emulator_main
-
-    emulator_main(["serve", *ctx.args])
+    serve_command(ctx.args)
 
 
 def main() -> None:

@@ -19,7 +19,7 @@ import json
 import os
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from email.utils import parsedate_to_datetime
 from pathlib import Path
 from typing import Any, TypeVar
@@ -39,8 +39,27 @@ REJECTED_CREDENTIALS = ("Kaggle rejected the credentials (HTTP 401): check KAGGL
 CREATING_RPCS = ("/SaveKernel", "/CreateDataset", "/CreateDatasetVersion", "/CreateDatasetVersionById")
 
 
+# Kaggle answers 403 for what does not exist or is not visible to the caller, so the namespace cannot
+# be probed (kagglehub treats both as missing); kchain does the same for its own kernel and datasets.
+MISSING = (403, 404)
+
+
+def missing(exc: BaseException) -> bool:
+    """True if exc is Kaggle's answer for "not there (or not visible to you)"."""
+    return _status_code(exc) in MISSING
+
+
 class OutcomeUnknown(KaggleError):
     """A creating call was sent but its answer was lost: check the current version before retrying."""
+
+
+class InvalidSources(KaggleError):
+    """SaveKernel answered with invalid sources: Kaggle still created the version and started its
+    session, without them (a client cannot cancel it: the session id is not exposed)."""
+
+    def __init__(self, message: str, version: int | None, url: str, dropped: str) -> None:
+        super().__init__(message)
+        self.version, self.url, self.dropped = version, url, dropped
 
 
 class _TimeoutAdapter(HTTPAdapter):
@@ -253,7 +272,7 @@ class KaggleClient:
         try:
             response = self._call("kernel", get)
         except KaggleError as exc:
-            if _status_code(exc) == 404:  # also after a retried 429/500: "not there" is an answer
+            if _status_code(exc) in MISSING:  # also after a retried 429/500: "not there" is an answer
                 return None
             raise
         return int(response.metadata.current_version_number or 0) or None
@@ -261,6 +280,14 @@ class KaggleClient:
     def log(self, ref: str, version: int | None = None) -> str:
         """The session's log as Kaggle keeps it (a JSON array of stream chunks), "" if none yet."""
         return str(self._call("log", lambda: self.api.kernels_logs(self._ref(ref, version))) or "")
+
+    def log_stream(self, ref: str, version: int | None = None) -> Iterator[dict[str, Any]]:
+        """The session's log as it is written (kernels_logs_stream: live while it runs, the whole log
+        once it ended). KaggleError if Kaggle does not serve the stream (then only the end log exists)."""
+        try:
+            yield from self.api.kernels_logs_stream(self._ref(ref, version))
+        except (requests.RequestException, ValueError) as exc:
+            raise self._translate(exc, "log stream") from exc
 
     def push(self, folder: str | Path, timeout_s: int | None = None, accelerator: str | None = None) -> tuple[int, str]:
         """Push the kernel in folder; return (version_number, url). Refusals raise KaggleError."""
@@ -276,8 +303,9 @@ class KaggleClient:
                    "competition": resp.invalid_competition_sources, "model": resp.invalid_model_sources}
         bad = [f"{kind} sources {names}" for kind, names in invalid.items() if names]
         if bad:
-            raise KaggleError(f"Kaggle dropped invalid {'; '.join(bad)} from the push of {kernel} (version "
-                              f"{resp.version_number}); fix kernel-metadata.json and push again")
+            raise InvalidSources(f"Kaggle dropped invalid {'; '.join(bad)} from the push of {kernel} (version "
+                                 f"{resp.version_number})", int(resp.version_number or 0) or None, str(resp.url),
+                                 "; ".join(bad))
         return int(resp.version_number), str(resp.url)
 
     def status(self, ref: str, version: int | None = None) -> tuple[str, str]:
@@ -295,10 +323,13 @@ class KaggleClient:
         log = log_path.read_text(encoding="utf-8") if log_path.exists() else ""
         return [Path(f) for f in files if Path(f) != log_path], log
 
-    def quota(self) -> dict[str, float]:
-        """This week's GPU quota: used_s, total_s, and refresh (epoch seconds)."""
+    def quota(self) -> dict[str, float] | None:
+        """This week's GPU quota: used_s, total_s, and refresh (epoch seconds); None when Kaggle's
+        answer has no GPU figures (it may not), so the caller falls back to its own ledger."""
         resp = self._call("quota", lambda: self.api.quota_view())
-        gpu = resp.gpu_quota
+        gpu = getattr(resp, "gpu_quota", None)
+        if gpu is None or (gpu.time_used is None and gpu.total_time_allowed is None):
+            return None
         refresh = resp.quota_refresh_time
         return {"used_s": gpu.time_used.total_seconds() if gpu.time_used else 0.0,
                 "total_s": gpu.total_time_allowed.total_seconds() if gpu.total_time_allowed else 0.0,
@@ -318,7 +349,7 @@ class KaggleClient:
         try:
             self.dataset_status(ref)
         except KaggleError as exc:
-            if _status_code(exc) == 404:  # also after a retried 429/500: "not there" is an answer
+            if _status_code(exc) in MISSING:  # also after a retried 429/500: "not there" is an answer
                 return False
             raise
         return True

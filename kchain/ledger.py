@@ -20,6 +20,7 @@ from kchain.errors import StateError
 from kchain.fsutil import atomic_write_json, atomic_write_text
 
 RUNS_FILE = "runs.csv"
+PUBLISH_FILE = "publish.json"
 SMOKE_FILE = "smoke-passes.json"
 SESSIONS_FILE = "sessions.json"
 RUN_FIELDS = ["run_id", "date", "channel", "job", "config", "steps", "val", "checkpoint", "note"]
@@ -126,6 +127,20 @@ class Ledger:
         chain.sort(key=lambda s: s["session"])
         data[job] = chain
         atomic_write_json(self.root / SESSIONS_FILE, data)
+
+    def publish_figures(self, job: str) -> dict[str, Any] | None:
+        """How long the in-kernel publish takes, as last measured: by a session of the chain (its
+        summary's publish_timing) or by a rehearsal (save_publish_figures); None if never measured."""
+        for record in reversed(self.sessions(job)):
+            timing = (record.get("summary") or {}).get("publish_timing")
+            if timing:
+                return dict(timing)
+        return _read_state_json(self.root / PUBLISH_FILE).get(job)
+
+    def save_publish_figures(self, job: str, figures: dict[str, Any]) -> None:
+        data = _read_state_json(self.root / PUBLISH_FILE)
+        data[job] = figures
+        atomic_write_json(self.root / PUBLISH_FILE, data)
 
     def all_sessions(self) -> dict[str, list[dict[str, Any]]]:
         path = self.root / SESSIONS_FILE

@@ -9,15 +9,17 @@ from __future__ import annotations
 import json
 import shutil
 import tempfile
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from kchain.doctor import suggest_doctor
-from kchain.errors import BudgetExceeded, ChainStop, KaggleError, NotSmoked
-from kchain.kaggle_api import KaggleClient, OutcomeUnknown
+from kchain.errors import BudgetExceeded, ChainStop, KaggleError, NotSmoked, SpecError
+from kchain.kaggle_api import InvalidSources, KaggleClient, OutcomeUnknown, missing
 from kchain.ledger import Ledger, iso, new_run_id, now_utc, state_dir
+from kchain.names import name_problem
 from kchain.render import Rendered, render_job, write_rendered
 from kchain.runtime.layout import STATE_MARKER
 from kchain.sessions import LIVE
@@ -54,9 +56,11 @@ def plan_for(job: Job, ledger: Ledger, client: KaggleClient | None = None) -> Pl
     used_h = ledger.gpu_hours_this_week()
     if client is not None:
         try:
-            used_h = max(used_h, client.quota()["used_s"] / 3600)
+            quota = client.quota()
         except KaggleError:
-            pass  # the quota view is a second opinion; the ledger still counts
+            quota = None  # the quota view is a second opinion; the ledger still counts
+        if quota is not None:
+            used_h = max(used_h, quota["used_s"] / 3600)
     return Plan(
         accelerator={"gpu": f"GPU T4 x2, {_ranks(job)} (NvidiaTeslaT4)", "tpu": "TPU v5e-8",
                      "none": "CPU"}[job.kaggle.accelerator],
@@ -81,29 +85,61 @@ def check_budget(job: Job, plan: Plan, force: bool, job_file: Path) -> None:
         )
 
 
+def refuse_unpushable(job: Job) -> None:
+    """What Kaggle (or kchain's runtime) cannot run, refused before anything is created."""
+    problem = name_problem(job.name)
+    if problem:
+        raise SpecError(f"{job.path}: name: {problem}")
+    if job.kaggle.accelerator == "tpu":
+        raise SpecError(f"{job.path}: kaggle.accelerator: tpu is not supported yet (the runtime would train on the "
+                        "TPU machine's CPU); use gpu")
+
+
 def write_dataset_metadata(folder: Path, ref: str, title: str) -> None:
     """dataset-metadata.json as the client reads it (slug and title 6-50 characters, one license)."""
     meta = {"id": ref, "title": title[:50].ljust(6, "-"), "licenses": [{"name": "CC0-1.0"}]}
     (folder / "dataset-metadata.json").write_text(json.dumps(meta, indent=1) + "\n")
 
 
-def ensure_dataset(client: KaggleClient, ref: str, title: str, echo: Echo) -> bool:
-    """Create a private dataset holding only a marker if it does not exist; True if it was made."""
+def ensure_dataset(client: KaggleClient, ref: str, title: str, echo: Echo, attempts: int = 4,
+                   settle_s: float = 30.0) -> bool:
+    """Create a private dataset holding only a marker if it does not exist; True if it was made.
+    A lost answer is settled by looking for the dataset (a new one can stay hidden for a while)."""
     if client.dataset_exists(ref):
         return False
     folder = Path(tempfile.mkdtemp(prefix="kchain-dataset-"))
     try:
         (folder / STATE_MARKER).write_text(json.dumps({"dataset": ref, "session": 0, "step": None}) + "\n")
         write_dataset_metadata(folder, ref, title)
-        try:
-            client.create_dataset(folder, public=False, dir_mode="skip")
-        except OutcomeUnknown:
-            if not client.dataset_exists(ref):
+        for attempt in range(attempts):
+            try:
                 client.create_dataset(folder, public=False, dir_mode="skip")
+                break
+            except OutcomeUnknown as exc:
+                # Sent again at once: if the lost one landed, Kaggle refuses the slug as taken.
+                if attempt == attempts - 1:
+                    if _appears(client, ref, settle_s):
+                        break
+                    raise KaggleError(f"{ref}: {attempts} creations in a row lost their answer and none landed "
+                                      f"({exc}); run the command again later") from exc
+            except KaggleError as exc:
+                if "already in use" in str(exc) or (attempt and _appears(client, ref, settle_s)):
+                    break  # an earlier attempt whose answer was lost created it
+                raise
     finally:
         shutil.rmtree(folder, ignore_errors=True)
     echo(f"  created dataset {ref}")
     return True
+
+
+def _appears(client: KaggleClient, ref: str, within_s: float, poll_s: float = 1.0) -> bool:
+    deadline = time.monotonic() + within_s
+    while True:
+        if client.dataset_exists(ref):
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(poll_s)
 
 
 def ensure_state_dataset(client: KaggleClient, ref: str, job: Job, echo: Echo) -> None:
@@ -115,24 +151,62 @@ def kernel_ref(client: KaggleClient, job: Job) -> str:
     return f"{job.kaggle.owner or client.username}/{job.name}"
 
 
-def _push_once(client: KaggleClient, ref: str, before: int | None, folder: Path,
-               attempts: int = 4) -> tuple[int, str]:
-    """Send the kernel; after each lost answer, a new kernel version means the push landed."""
+def _push_once(client: KaggleClient, ref: str, before: int | None, folder: Path, timeout_s: int,
+               attempts: int = 4, settle_s: float = 6.0) -> tuple[int, str]:
+    """Send the kernel exactly once: after a lost answer, the kernel's version is polled for a bounded
+    time; a new version means the push landed (its session runs), none means it may be sent again.
+    If the version cannot be read at all, OutcomeUnknown: the record stays PUSHING ("outcome
+    unknown" in `kchain status`) and nothing is pushed until Kaggle's versions settle it."""
     for attempt in range(attempts):
         try:
-            return client.push(folder)
+            return client.push(folder, timeout_s=timeout_s)
         except OutcomeUnknown:
-            try:
-                version = client.kernel_version(ref)
-            except KaggleError as exc:
-                raise OutcomeUnknown(f"Kaggle push of {ref}: the answer was lost and the kernel's version could "
-                                     f"not be read ({exc}); the next `kchain push` or `kchain continue` settles it"
-                                     ) from exc
-            if version and version != before:
-                return version, client.kernel_url(ref)
+            landed = _new_kernel_version(client, ref, before, settle_s)
+            if landed is not None:
+                return landed, client.kernel_url(ref)
             if attempt == attempts - 1:
                 raise
     raise AssertionError("unreachable")
+
+
+def _new_kernel_version(client: KaggleClient, ref: str, before: int | None, settle_s: float,
+                        poll_s: float = 1.0) -> int | None:
+    deadline = time.monotonic() + settle_s
+    while True:
+        try:
+            version = client.kernel_version(ref)
+        except KaggleError as exc:
+            raise OutcomeUnknown(f"Kaggle push of {ref}: the answer was lost and the kernel's version could "
+                                 f"not be read ({exc}); the next `kchain push` or `kchain continue` settles it"
+                                 ) from exc
+        if version and version != before:
+            return version
+        if time.monotonic() > deadline:
+            return None
+        time.sleep(poll_s)
+
+
+def verify_sources(client: KaggleClient, sources: list[str], job: Job) -> None:
+    """Before SaveKernel: every dataset source exists, is visible, is ready, and a pinned version
+    exists; Kaggle would otherwise drop it and still start the session without it."""
+    for source in sources:
+        parts = source.split("/")
+        ref, pin = "/".join(parts[:2]), int(parts[2]) if len(parts) == 3 and parts[2].isdigit() else None
+        where = "kaggle.datasets" if source in job.kaggle.datasets else "the chain's state"
+        try:
+            status = client.dataset_status(ref)
+        except KaggleError as exc:
+            if missing(exc):
+                raise ChainStop(f"{job.path}: {where}: dataset {ref} does not exist on Kaggle or is not visible "
+                                "to you; fix the name, or make it visible to your account") from exc
+            raise
+        if status != "ready":
+            raise KaggleError(f"dataset source {ref} is {status}, not ready yet; run the command again shortly")
+        if pin is not None:
+            newest = client.dataset_version_number(ref)
+            if pin > newest:
+                raise ChainStop(f"{job.path}: {where}: dataset {ref} has no version {pin} (the newest is "
+                                f"{newest}); pin an existing version")
 
 
 def push_session(
@@ -158,13 +232,25 @@ def push_session(
         "requested": iso(now_utc()),
         **(extra or {}),
     }
+    verify_sources(client, json.loads(rendered.metadata).get("dataset_sources") or [], job)
     ledger.save_session(job.name, record)
     folder = Path(tempfile.mkdtemp(prefix="kchain-push-"))
     try:
         write_rendered(rendered, folder)
-        version, url = _push_once(client, ref, before, folder)
+        # Kaggle ends the session at the job's limit, not at its own default.
+        version, url = _push_once(client, ref, before, folder, int(parse_duration(job.train.session_limit)))
     except OutcomeUnknown:
         raise  # the record stays PUSHING: the next push or continue settles it from Kaggle's versions
+    except InvalidSources as exc:
+        # Kaggle started the session anyway, without the source. It cannot be cancelled through the
+        # API; its runtime stops it in its first minute (the attached state is not the expected one).
+        ledger.save_session(job.name, {**record, "status": "QUEUED", "version": exc.version, "url": exc.url,
+                                       "started": iso(now_utc()), "invalid_sources": exc.dropped})
+        raise ChainStop(
+            f"{exc}: Kaggle started that session without them (a session pushed to resume a state stops "
+            f"itself in its first minute without it); stop it at {exc.url} (Kaggle's API cannot), fix the "
+            "source, then run `kchain continue`"
+        ) from exc
     except KaggleError:
         ledger.save_session(job.name, {**record, "status": "FAILED_TO_PUSH"})
         raise
@@ -185,6 +271,7 @@ def push_job(job: Job, ledger: Ledger, client: KaggleClient, skip_smoke: bool = 
              echo: Echo = print) -> dict[str, Any]:
     """Start session 1 of the job's chain (or the next one, if the last push never landed)."""
     job_file = job.path
+    refuse_unpushable(job)
     owner = job.kaggle.owner or client.username
     chain = reconcile(client, ledger, job)
     live = [s for s in chain if s["status"] in LIVE]
@@ -198,7 +285,8 @@ def push_job(job: Job, ledger: Ledger, client: KaggleClient, skip_smoke: bool = 
             f"{job.name} already has a chain of {len(chain)} session(s); chain the next one with "
             f"`kchain continue {job_file}`"
         )
-    rendered = render_job(job, owner=owner)
+    figures = ledger.publish_figures(job.name)
+    rendered = render_job(job, owner=owner, session_facts={"publish": figures} if figures else None)
     smoked = ledger.smoke_passed(rendered.fingerprint)
     if smoked is None and not skip_smoke:
         raise NotSmoked(

@@ -1,7 +1,7 @@
 """`kchain rehearse`: the whole chain on this machine, against the local Kaggle, before any quota.
 
 The job is pushed to a private emulator with a short session limit (the runtime's deadline guard is
-set from it, as on Kaggle), chosen sessions are killed at a random moment, and `continue` chains
+set from it, as on Kaggle), chosen sessions are killed once they trained a step, and `continue` chains
 session after session until training is done. Beside it, the same notebook runs once,
 uninterrupted. The two metrics traces are compared step by step.
 """
@@ -10,20 +10,22 @@ from __future__ import annotations
 
 import contextlib
 import os
-import random
 import secrets
 import shutil
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kchain import sessions as sess
 from kchain.chain import wait_ready, watch
 from kchain.emulator import Emulator, Faults
-from kchain.errors import KchainError
+from kchain.emulator.switches import Switches
+from kchain.errors import KaggleError, KchainError
 from kchain.inputs import local_inputs, mount_inputs
 from kchain.kaggle_api import KaggleClient
 from kchain.ledger import Ledger, new_run_id, state_dir
@@ -36,6 +38,7 @@ from kchain.traces import compare_traces, read_trace, sandbox_trace
 
 Echo = Callable[[str], None]
 USER = "rehearsal"
+KILL_MARKER = "[kchain] step "  # a session's first heartbeat: it has started training
 
 
 @dataclass
@@ -48,6 +51,7 @@ class Rehearsal:
     emulator_sessions: list[dict[str, Any]] = field(default_factory=list)
     dataset_versions: list[dict[str, Any]] = field(default_factory=list)
     work: Path | None = None
+    killed: list[int] = field(default_factory=list)  # kernel versions (sessions) the rehearsal killed
 
 
 @contextlib.contextmanager
@@ -73,6 +77,52 @@ def short_session_job(job: Job, session_limit_s: float, params: dict[str, Any]) 
     })
     kaggle = job.kaggle.model_copy(update={"owner": USER})
     return job.model_copy(update={"train": train, "kaggle": kaggle, "params": {**job.params, **params}})
+
+
+def wait_first(client: KaggleClient, ledger: Ledger, job: Job, poll_s: float) -> dict[str, Any]:
+    """Session 1's record once it ended (a flaky local Kaggle is asked again)."""
+    while True:
+        try:
+            first = sess.refresh(client, ledger, job.name)[0]
+        except KaggleError:
+            first = ledger.sessions(job.name)[0]
+        if first["status"] in sess.TERMINAL:
+            return first
+        time.sleep(poll_s)
+
+
+SESSIONS_AFTER_THE_FIRST = 3  # a rehearsal is a handful of sessions, not dozens
+
+
+def sized_limit(first: dict[str, Any], limit_s: float, echo: Echo) -> float | None:
+    """A longer session limit when session 1's measured speed says the given one would need many
+    sessions: the remaining steps in about SESSIONS_AFTER_THE_FIRST sessions. None: keep the limit."""
+    summary = first.get("summary") or {}
+    step, total, rate = summary.get("step") or 0, summary.get("total") or 0, summary.get("steps_per_s")
+    started, ended = summary.get("started"), summary.get("ended")
+    if not rate or not total or step >= total or not isinstance(started, (int, float)) or not ended:
+        return None
+    remaining = total - step
+    if remaining / max(step, 1) <= SESSIONS_AFTER_THE_FIRST:
+        return None
+    overhead = max(0.0, (ended - started) - step / rate)  # start-up and the final save
+    per_session = -(-remaining // SESSIONS_AFTER_THE_FIRST)
+    # The margin is a quarter of the limit (short_session_job); 20% more for a slower moment.
+    longer = round(1.2 * (overhead + per_session / rate) / 0.75, 1)
+    if longer <= limit_s:
+        return None
+    echo(f"  session 1 trained {step} steps at {rate:.2f} steps/s with {overhead:.0f}s of start-up: sessions of "
+         f"{longer:g}s from now on, so the remaining {remaining} steps take about {SESSIONS_AFTER_THE_FIRST} more")
+    return longer
+
+
+def resized(job: Job, limit_s: float) -> Job:
+    margin = max(3.0, round(limit_s * 0.25, 1))
+    train = job.train.model_copy(update={
+        "session_limit": f"{limit_s}s", "margin": f"{margin}s",
+        "checkpoint_every": f"{max(1.0, round(limit_s / 6, 1))}s",
+    })
+    return job.model_copy(update={"train": train})
 
 
 def run_reference(job: Job, root: Path, sources: dict[tuple[str, str, str], Path]) -> list[dict[str, Any]]:
@@ -106,12 +156,14 @@ def upload_inputs(emu: Emulator, job: Job, sources: dict[tuple[str, str, str], P
             for _ in range(pinned.get((owner, slug), 1) - 1):
                 wait_ready(client, f"{owner}/{slug}", echo)
                 client.version_dataset(folder, "rehearsal copy", dir_mode="zip")
+            wait_ready(client, f"{owner}/{slug}", echo)  # a new version is invisible for a while
         echo(f"  input {owner}/{slug}: the local copy {source} is on the local Kaggle")
 
 
 def rehearse(job_file: Path, session_limit_s: float = 20.0, kills: int = 1, seed: int = 0,
              params: dict[str, Any] | None = None, faults: Faults | None = None, internet: bool | None = None,
-             echo: Echo = print, poll_s: float = 0.5, key: str | None = None) -> Rehearsal:
+             echo: Echo = print, poll_s: float = 0.5, key: str | None = None,
+             switches: Switches | None = None) -> Rehearsal:
     base = load_job(job_file)
     job = short_session_job(base, session_limit_s, params or {})
     if internet is not None:
@@ -119,7 +171,6 @@ def rehearse(job_file: Path, session_limit_s: float = 20.0, kills: int = 1, seed
     work = state_dir(base.path) / "rehearse" / new_run_id("rehearse")
     ledger = Ledger(work / "ledger")
     key = key or secrets.token_hex(16)  # a throwaway user of the throwaway Kaggle
-    rng = random.Random(seed)
     faults = faults or Faults(seed=seed)
     if job.kaggle.competition:
         raise KchainError(f"{job_file}: kaggle.competition: competitions are not emulated; to rehearse, "
@@ -127,7 +178,8 @@ def rehearse(job_file: Path, session_limit_s: float = 20.0, kills: int = 1, seed
     sources = local_inputs(job, state_dir(base.path) / "inputs", echo=echo)
     owners = {owner: secrets.token_hex(16) for (_, owner, _) in sources if owner != USER}
     emu = Emulator(work / "kaggle", users={USER: key, **owners}, session_limit_s=session_limit_s * 1.05,
-                   secrets={USER: {"KAGGLE_USERNAME": USER, "KAGGLE_KEY": key}}, faults=faults)
+                   secrets={USER: {"KAGGLE_USERNAME": USER, "KAGGLE_KEY": key}}, faults=faults,
+                   switches=switches)
     emu.start()
     try:
         upload_inputs(emu, job, sources, {USER: key, **owners}, work / "upload", echo)
@@ -145,22 +197,40 @@ def rehearse(job_file: Path, session_limit_s: float = 20.0, kills: int = 1, seed
 
     ref = threading.Thread(target=reference_thread, daemon=True)
     ref.start()
-    kill_set: set[int] = set()
+    kernel = f"{USER}/{job.name}"
+    killed: set[int] = set()
 
-    def before_each(session: int) -> None:
-        # Session 1 runs clean; then `kills` of the next sessions die at a random moment.
-        if session >= 2 and len(kill_set) < kills and session not in kill_set and rng.random() < 0.7:
-            kill_set.add(session)
-        emu.faults.kill_random_s = (session_limit_s * 0.3, session_limit_s * 0.8) if session in kill_set else None
+    def before_each(_session: int) -> None:
+        # Session 1 runs clean; then exactly `kills` sessions die: each is killed (a real SIGKILL of
+        # its process tree) as soon as its log shows its first training step, so a kill never misses
+        # a session however fast or slow the machine is at the moment.
+        ours = [s for s in emu.sessions() if s["kernel"] == kernel]
+        with_kill = [s for s in ours if s.get("kill_on_output")]
+        killed.update(s["version"] for s in with_kill if "killed" in (s.get("failure_message") or "").lower())
+        pending = [s for s in with_kill if s["status"] not in sess.TERMINAL]
+        if not ours or pending or len(killed) >= kills:
+            emu.faults.kill_on_output = None
+            return
+        emu.faults.kill_on_output = KILL_MARKER
 
     echo(f"kchain rehearse {job_file}: sessions of {session_limit_s:g}s against a local Kaggle at {emu.url}")
     try:
         with _env({**emu.env(USER), "KCHAIN_HOME": str(work / "ledger")}):
             client = KaggleClient(backoff_s=0.2, max_backoff_s=2.0)
+            if job.kaggle.internet:
+                # The user attached their Kaggle key to the kernel in the web UI once (no API can).
+                emu.attach_secrets(f"{USER}/{job.name}")
+                ledger.save_publish_figures(job.name, measure_publish(emu, faults, echo))
             before_each(1)
             push_job(job, ledger, client, skip_smoke=True, force=True, echo=echo)
+            first = wait_first(client, ledger, job, poll_s)
+            longer = sized_limit(first, session_limit_s, echo)
+            if longer is not None:
+                job = resized(job, longer)
+                emu.session_limit_s = longer * 1.05
             watch(job, ledger, client, force=True, skip_smoke=True, echo=echo, poll_s=poll_s,
                   max_poll_s=max(poll_s, 2.0), before_each=before_each)
+            before_each(0)  # settle the last kill
         ref.join()
     finally:
         emu.stop()
@@ -178,20 +248,39 @@ def rehearse(job_file: Path, session_limit_s: float = 20.0, kills: int = 1, seed
         verdict = "incomplete: the chained trace is missing steps the reference has"
     else:
         verdict = f"differs first at step {first[0]} ({first[1]})"
-    _print(echo, chain, rows)
+    _print(echo, chain, rows, killed)
     echo(f"verdict: {verdict}")
     return Rehearsal(identical, verdict, chain, reference, chained, emu.sessions(),
-                     emu.dataset_versions(f"{USER}/{job.name}-state"), work)
+                     emu.dataset_versions(f"{USER}/{job.name}-state"), work, sorted(killed))
 
 
-def _print(echo: Echo, chain: list[dict[str, Any]], rows: list[tuple[int, str, float, float | None]]) -> None:
+def measure_publish(emu: Emulator, faults: Faults, echo: Echo) -> dict[str, float]:
+    """The in-kernel publish's figures on this machine, for the sessions' deadline guard: a fresh
+    process that imports torch and the kaggle client and authenticates (what kchain_publish does
+    before its upload), timed once; the local Kaggle's upload is taken as fast, and its processing
+    time as configured."""
+    code = ("import torch, kchain.runtime.statefolder\n"
+            "from kaggle.api.kaggle_api_extended import KaggleApi\nKaggleApi().authenticate()\n")
+    env = {**os.environ, **emu.env(USER)}
+    started = time.monotonic()
+    subprocess.run([sys.executable, "-c", code], env=env, check=False, capture_output=True)
+    start_s = time.monotonic() - started
+    figures = {"start_s": round(2 * start_s, 2), "create_s": 2.0, "rate_bps": 50e6,
+               "processing_s": float(faults.processing_s)}
+    echo(f"  publish from the kernel measured: client start {start_s:.1f}s (planned with twice that)")
+    return figures
+
+
+def _print(echo: Echo, chain: list[dict[str, Any]], rows: list[tuple[int, str, float, float | None]],
+           killed: set[int] = frozenset()) -> None:  # type: ignore[assignment]
     echo(f"{'session':>7}  {'status':<9} {'ended as':<12} {'resumed at':>10} {'reached':>8}  {'published':<9} uploaded")
     for s in chain:
         summary = s.get("summary") or {}
         publish = s.get("publish") or {}
         published = publish.get("published") or summary.get("published") or "-"
         uploaded = f"{publish['uploaded_bytes'] / 1e6:.2f} MB" if publish.get("uploaded_bytes") else "-"
-        echo(f"{s['session']:>7}  {s['status']:<9} {summary.get('status') or 'killed':<12} "
+        ended = "KILLED" if s.get("version") in killed else summary.get("status") or "no summary"
+        echo(f"{s['session']:>7}  {s['status']:<9} {ended:<12} "
              f"{s.get('resumes_at', 0):>10} {summary.get('step') or '-':>8}  {published:<9} {uploaded}")
     starts = {s.get("resumes_at", 0) for s in chain}
     shown = [r for r in rows if r[1] == "loss" and (r[0] - 1 in starts or r[0] % 25 == 0)]
@@ -199,6 +288,34 @@ def _print(echo: Echo, chain: list[dict[str, Any]], rows: list[tuple[int, str, f
     for step, _key, a, b in shown:
         mark = "  <- session boundary" if step - 1 in starts and step > 1 else ""
         echo(f"{step:>6}  {a:>16.8g} {'missing' if b is None else f'{b:.8g}':>16}{mark}")
+
+
+FAULT_NAMES = {"429": "rate_429", "500": "rate_500", "lost_answer": "rate_lost_answer", "drop_upload": None}
+
+
+def emulator_switches(strict: bool) -> Switches:
+    return Switches() if strict else Switches.lenient()
+
+
+def parse_fault_spec(text: str, seed: int = 0) -> Faults:
+    """--faults 429=0.15,500=0.10,lost_answer=0.1,drop_upload=0.1 (rates per call) -> Faults."""
+    faults = Faults(seed=seed)
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        name, sep, raw = item.partition("=")
+        try:
+            rate = float(raw)
+        except ValueError:
+            rate = -1.0
+        if not sep or name not in FAULT_NAMES or not 0 <= rate < 1:
+            raise KchainError(f"--faults {item!r}: write name=rate with name one of {', '.join(FAULT_NAMES)} and a "
+                              "rate in [0, 1), e.g. --faults 429=0.15,500=0.10,lost_answer=0.1,drop_upload=0.1")
+        if name == "drop_upload":
+            faults.drop_upload_every = round(1 / rate) if rate else 0
+        elif not hasattr(faults, FAULT_NAMES[name]):
+            raise KchainError(f"--faults {item!r}: this local Kaggle cannot inject {name} yet")
+        else:
+            setattr(faults, FAULT_NAMES[name], rate)
+    return faults
 
 
 def parse_sets(values: tuple[str, ...]) -> dict[str, Any]:

@@ -281,10 +281,11 @@ def state_dataset(owner: str | None, name: str) -> str:
 
 
 def render_job(job: Job, owner: str | None = None, extra_sources: list[str] | None = None,
-               session: int = 1) -> Rendered:
+               session: int = 1, session_facts: dict | None = None) -> Rendered:
     """Pure: job (+ the Kaggle owner, the session number, pinned state sources) -> notebook and
     metadata text. The session number and sources only label the notebook: the fingerprint is the
-    same for every session of a chain."""
+    same for every session of a chain. session_facts (what this session must resume, the measured
+    publish figures) go into config["kaggle"], which the fingerprint leaves out."""
     owner = job.kaggle.owner or owner
     config = runtime_config(job)
     config["kaggle"] = {
@@ -293,6 +294,7 @@ def render_job(job: Job, owner: str | None = None, extra_sources: list[str] | No
         "cache_dataset": f"{owner}/{job.name}-cache" if owner else None,
         "internet": job.kaggle.internet,
         "accelerator": job.kaggle.accelerator,
+        **(session_facts or {}),
     }
     config["kchain_version"] = kchain.__version__
     code, left_out = _code_files(job)

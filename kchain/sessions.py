@@ -132,7 +132,12 @@ def status_table(chain: list[dict[str, Any]], used_h: float, weekly_h: float) ->
     for s in chain:
         steps = f"{s.get('step') or 0}/{s.get('total') or '?'}" if s.get("step") is not None else "-"
         note = ""
-        if s.get("error"):
+        if s["status"] == "PUSHING":
+            note = ("outcome unknown: the push was sent and its answer lost; `kchain continue` checks the "
+                    "kernel's versions before pushing again")
+        elif s.get("invalid_sources"):
+            note = f"Kaggle dropped {s['invalid_sources']}: the session ran without them"
+        elif s.get("error"):
             note = f"{s['error']['type']}: {s['error']['message']}"
         elif s.get("failure_message"):
             note = s["failure_message"]
@@ -150,17 +155,26 @@ def status_table(chain: list[dict[str, Any]], used_h: float, weekly_h: float) ->
 
 def show_log(client: KaggleClient, record: dict[str, Any], echo: Echo, follow: bool = False,
              poll_s: float = 5.0, timeout_s: float | None = None) -> diagnose.Failure | None:
-    """Print the session's log; with follow, poll until the session ends, printing what is new."""
+    """Print the session's log; with follow, stream it live where Kaggle serves the stream, else say
+    that Kaggle gives the log only at the end and poll until the session ends."""
     shown = 0
     started = time.time()
+    if follow and stream_log(client, record, echo, timeout_s):
+        follow = False  # the stream ran to the end of the log; what follows reads the final status
+        shown = -1
+    elif follow:
+        echo(f"[kchain] no live log from Kaggle for session {record['session']}: Kaggle keeps the log only once "
+             "the session ends, so it is shown then (status every poll)")
     while True:
         status, failure_message = client.status(record["kernel"], record["version"])
         text = log_text(parse_log(client.log(record["kernel"], record["version"])))
-        if len(text) > shown:
+        if len(text) > shown >= 0:
             echo(text[shown:].rstrip("\n"))
             shown = len(text)
         if status in TERMINAL or not follow:
             break
+        if follow and not shown:
+            echo(f"[kchain] session {record['session']} is {status}")
         if timeout_s is not None and time.time() - started > timeout_s:
             break
         time.sleep(poll_s)
@@ -174,6 +188,34 @@ def show_log(client: KaggleClient, record: dict[str, Any], echo: Echo, follow: b
         echo(f"[kchain] failed: {failure.one_line()}")
         echo(f"[kchain] hint: {failure.hint}")
     return failure
+
+
+def stream_log(client: KaggleClient, record: dict[str, Any], echo: Echo, timeout_s: float | None,
+               reconnects: int = 5) -> bool:
+    """Echo the live log stream to its end; False if Kaggle does not serve it. A dropped connection
+    is reopened (the stream starts over, so lines already shown are skipped)."""
+    from kchain.errors import KaggleError
+
+    shown, failures, started = 0, 0, time.time()
+    while True:
+        seen = 0
+        try:
+            for event in client.log_stream(record["kernel"], record["version"]):
+                seen += 1
+                if seen > shown:
+                    echo(str(event.get("data", "")).rstrip("\n"))
+                    shown = seen
+                if timeout_s is not None and time.time() - started > timeout_s:
+                    return True
+            return True
+        except KaggleError:
+            if shown == 0 and failures == 0:
+                return False
+            failures += 1
+            if failures > reconnects:
+                echo("[kchain] the live log stream keeps dropping; the full log comes with the session's end")
+                return True
+            time.sleep(1.0)
 
 
 def status_for(job_file: Path) -> list[str]:

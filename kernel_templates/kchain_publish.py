@@ -18,13 +18,30 @@ import tempfile
 import time
 from pathlib import Path
 
-from kchain.runtime import layout
+PROCESS_START = time.monotonic()  # the client's start-up (torch and kaggle imports) is measured from here
+
+from kchain.runtime import layout  # noqa: E402
 
 SECRET_LABELS = ("KAGGLE_USERNAME", "KAGGLE_KEY")
 
 
 def say(msg: str) -> None:
     print(f"[kchain] publish: {msg}", flush=True)
+
+
+def none(why: str) -> int:
+    """The summary keeps `published: null`: `kchain continue` relays the state from the session's output."""
+    print(f"[kchain] published: none ({why}); `kchain continue` will relay the state from the laptop", flush=True)
+    return 0
+
+
+def time_left(config: dict) -> float | None:
+    """Seconds until the session's hard limit, by the notebook's clock; None if unknown."""
+    start = os.environ.get(layout.SESSION_START_ENV)
+    limit = os.environ.get(layout.SESSION_LIMIT_ENV) or (config.get("train") or {}).get("session_limit_s")
+    if not start or not limit:
+        return None
+    return float(start) + float(limit) - time.time()
 
 
 def credential() -> dict[str, str] | None:
@@ -89,14 +106,25 @@ def main(config_path: str) -> int:
     if os.environ.get(layout.SMOKE_ENV) == "1":
         return 0  # a smoke run publishes nothing
     if not kaggle_cfg.get("internet"):
-        say("internet is off for this kernel; `kchain continue` will relay the state from the laptop")
-        return 0
+        return none("internet is off for this kernel")
     if not kaggle_cfg.get("state_dataset"):
-        say("the job has no Kaggle owner, so there is no state dataset to publish to")
-        return 0
+        return none("the job has no Kaggle owner, so there is no state dataset to publish to")
+    from kchain.runtime import publishplan
+    from kchain.runtime.statefolder import newest_checkpoint
+
+    plan = publishplan.figures(config)
+    found = newest_checkpoint(kchain_dir, config.get("job"))
+    if found is None:
+        return none("no verified checkpoint in this session's output")
+    nbytes = publishplan.tree_bytes(found[0])
+    need, left = publishplan.seconds(plan, nbytes), time_left(config)
+    if left is not None and left < need:
+        return none(f"{left:.0f}s left before the session limit, and publishing "
+                    f"{publishplan.size_text(nbytes)} needs about {need:.0f}s")
     cred = credential()
     if cred is None:
-        return 0
+        return none("no credential in this kernel's Secrets")
+
     # Imported only now: a session without internet must not spend its last seconds importing torch.
     from kchain.runtime.statefolder import CACHE_MARKER, build_cache_folder, build_state_folder, cache_entries
 
@@ -111,11 +139,16 @@ def main(config_path: str) -> int:
     try:
         marker = build_state_folder(kchain_dir, work / "state", published="kernel", job=config.get("job"))
         if marker is None:
-            say("no verified checkpoint in this session's output; nothing to publish")
-            return 0
+            return none("no verified checkpoint in this session's output")
         notes = f"kchain session {marker['session']} step {marker['step']}"
+        t1 = time.monotonic()
         publish_folder(api, work / "state", kaggle_cfg["state_dataset"], f"{config['job']} state"[:50], notes, "skip")
         uploaded = sum(p.stat().st_size for p in (work / "state").iterdir() if p.is_file())
+        # Measured here, planned with by the next session (continue passes them on in its config).
+        took = max(time.monotonic() - t1, 1e-3)
+        # The creation's round trips are folded into the rate: sessions of a chain publish similar sizes.
+        timing = {"start_s": round(t1 - PROCESS_START, 3), "create_s": 0.0,
+                  "rate_bps": round(uploaded / took, 1), "bytes": uploaded}
         cache_bytes = 0
         entries = cache_entries(kchain_dir)
         if entries and entries != attached_cache(layout.input_root(os.environ), CACHE_MARKER) and kaggle_cfg.get("cache_dataset"):
@@ -124,7 +157,7 @@ def main(config_path: str) -> int:
                            notes, "zip")
         summary = json.loads(summary_path.read_text()) if summary_path.is_file() else {}
         summary.update(published="kernel", published_step=marker["step"],
-                       published_bytes=uploaded + cache_bytes)
+                       published_bytes=uploaded + cache_bytes, publish_timing=timing)
         tmp = summary_path.with_name(f".{summary_path.name}.tmp")
         tmp.write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
         os.replace(tmp, summary_path)
@@ -132,8 +165,7 @@ def main(config_path: str) -> int:
             f"({uploaded / 1e6:.1f} MB{f', cache {cache_bytes / 1e6:.1f} MB' if cache_bytes else ''})")
         return 0
     except Exception as exc:  # noqa: BLE001 - the laptop relay is the fallback; say why
-        say(f"failed: {type(exc).__name__}: {str(exc)[:200]}; `kchain continue` will relay it from the laptop")
-        return 0
+        return none(f"failed: {type(exc).__name__}: {str(exc)[:200]}")
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

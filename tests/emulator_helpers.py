@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import secrets
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -31,7 +32,8 @@ def fake_key() -> str:
 
 @pytest.fixture
 def emulator(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Emulator]:
-    """A running emulator with user alice (random key), short limits, and the client env pointed at it."""
+    """A running emulator with user alice (random key), short limits, the client env pointed at it, and
+    Kaggle's strict behaviour (the default Switches(): 403 for missing, invisible new versions, ...)."""
     emu = Emulator(tmp_path / "kaggle-state", users={USER: fake_key()}, session_limit_s=60,
                    gpu_quota_s=30 * 3600, max_gpu_sessions=2)
     emu.start()
@@ -85,3 +87,20 @@ def write_dataset(folder: Path, ref: str, files: dict[str, bytes | str], title: 
             "licenses": [{"name": "CC0-1.0"}]}
     (folder / "dataset-metadata.json").write_text(json.dumps(meta))
     return folder
+
+
+def wait_dataset_ready(api: Any, ref: str, timeout: float = 60) -> None:
+    """Poll the dataset's status through the client until "ready"; a new version answers 403/404 a while."""
+    import requests
+
+    deadline = time.time() + timeout
+    while True:
+        try:
+            if api.dataset_status(ref) == "ready":
+                return
+        except requests.HTTPError as e:
+            if e.response is None or e.response.status_code not in (403, 404):
+                raise
+        if time.time() > deadline:
+            raise TimeoutError(f"dataset {ref} not ready after {timeout} s")
+        time.sleep(0.1)

@@ -1,12 +1,17 @@
 """Session chaining through the real kaggle client and the local Kaggle.
 
 Sessions are real notebook processes; kills are real SIGKILLs of their process trees. The runtime's
-`stall_step` fault caps the training speed, so a chain needs several sessions on any machine.
+`stall_step` fault caps the training speed, and its `deadline_after_steps` fault is the sessions'
+clock in the rehearsals here: a session reaches its deadline after that many steps, whatever the
+machine's speed at the moment, so the session limit only has to be generous (never raced).
 """
 
 # ruff: noqa: F811
 import json
+import os
 import secrets
+import threading
+import time
 from pathlib import Path
 
 from emulator_helpers import emulator  # noqa: F401  (fixture)
@@ -18,6 +23,8 @@ from kchain.rehearse import rehearse
 from kchain.runtime import layout
 
 STALL = "stall_step=0.05"  # at most 20 steps/s, whatever the machine
+GENEROUS_S = 600  # a session's limit: the deadline fault ends sessions long before it, however loaded
+ROOMY = {"session_limit": "600s", "margin": "30s"}
 
 
 def no_overlap(sessions: list[dict]) -> bool:
@@ -26,10 +33,15 @@ def no_overlap(sessions: list[dict]) -> bool:
 
 
 def test_a_chain_with_a_kill_deadlines_and_flaky_api_equals_the_uninterrupted_run(tmp_path, monkeypatch):
-    monkeypatch.setenv(layout.FAULT_ENV, STALL)
-    job = copy_job("tinygpt", tmp_path, params={"steps": 480, "eval_every": 120, "batch": 8, "accumulate": 1})
-    faults = Faults(rate_429=0.1, rate_500=0.1, processing_s=2.0, seed=5)
-    result = rehearse(job, session_limit_s=12, kills=1, seed=2, faults=faults, echo=lambda _: None)
+    # Every strict switch at once (the emulator's defaults: 403 for missing, lagging and processing
+    # versions, ignored version pins, output lost at the limit, queue and boot time, no GPU figures in
+    # the quota) and a flaky API: 25% of calls answered 429 or 500, 10% of creating calls act and lose
+    # their answer, every 4th upload dropped, and the killed session's output lost. One `watch`, no rerun.
+    monkeypatch.setenv(layout.FAULT_ENV, f"{STALL},deadline_after_steps=20")
+    job = copy_job("tinygpt", tmp_path, params={"steps": 80, "eval_every": 20, "batch": 8, "accumulate": 1})
+    faults = Faults(rate_429=0.15, rate_500=0.10, rate_lost_answer=0.1, drop_upload_every=4, processing_s=2.0,
+                    lose_output=True, seed=5)
+    result = rehearse(job, session_limit_s=GENEROUS_S, kills=1, seed=2, faults=faults, echo=lambda _: None)
 
     assert result.identical, result.verdict
     chain = result.sessions
@@ -37,9 +49,18 @@ def test_a_chain_with_a_kill_deadlines_and_flaky_api_equals_the_uninterrupted_ru
     ended_as = [(s.get("summary") or {}).get("status") for s in chain]
     assert "deadline" in ended_as and ended_as[-1] == "finished"
     killed = [s for s in result.emulator_sessions if "killed" in (s.get("failure_message") or "").lower()]
-    assert killed, [s.get("failure_message") for s in result.emulator_sessions]
-    # No two sessions ran at once.
+    assert [s["version"] for s in killed] == result.killed and len(killed) == 1, result.emulator_sessions
+    # No two sessions ran at once, and every session Kaggle ran is one of the chain's (no double push).
     assert no_overlap(result.emulator_sessions)
+    assert sorted(s["version"] for s in result.emulator_sessions) == [r["version"] for r in chain]
+    # No state was uploaded twice: each step is in one state version only.
+    published = [v["notes"] for v in result.dataset_versions if "step" in (v.get("notes") or "")]
+    assert len(published) == len({n.rsplit("step", 1)[1] for n in published}), published
+    # No session trained from a state other than the one it was pushed for.
+    pushed_for = {r["version"]: r.get("resumes_at", 0) for r in chain}
+    for session in result.emulator_sessions:
+        if session.get("resumed_from") is not None:
+            assert session["resumed_from"] == pushed_for[session["version"]], session
     # Every session after the first was pushed only once its pinned state version was ready.
     ready_at = {v["number"]: v["ready_at"] for v in result.dataset_versions}
     for session in result.emulator_sessions[1:]:
@@ -57,10 +78,11 @@ def test_a_chain_with_a_kill_deadlines_and_flaky_api_equals_the_uninterrupted_ru
 
 
 def test_the_kernel_publishes_its_own_state_when_it_has_internet_and_a_secret(tmp_path, monkeypatch):
-    monkeypatch.setenv(layout.FAULT_ENV, STALL)
-    job = copy_job("tinygpt", tmp_path, params={"steps": 100, "eval_every": 50, "batch": 8, "accumulate": 1})
+    monkeypatch.setenv(layout.FAULT_ENV, f"{STALL},deadline_after_steps=25")
+    job = copy_job("tinygpt", tmp_path, params={"steps": 50, "eval_every": 25, "batch": 8, "accumulate": 1})
     key = secrets.token_hex(16)
-    result = rehearse(job, session_limit_s=12, kills=0, seed=1, internet=True, echo=lambda _: None, key=key)
+    lines: list[str] = []
+    result = rehearse(job, session_limit_s=GENEROUS_S, kills=0, seed=1, internet=True, echo=lines.append, key=key)
     assert result.identical, result.verdict
     # The credential reached the kernel through Secrets and was never written anywhere.
     for path in result.work.rglob("*"):
@@ -68,6 +90,9 @@ def test_the_kernel_publishes_its_own_state_when_it_has_internet_and_a_secret(tm
             assert key.encode() not in path.read_bytes(), path
     assert len(result.sessions) >= 2
     first = result.sessions[0]
+    # The first heartbeat came with the plan: when to stop, and the time kept for save + publish.
+    log = session_log(Ledger(result.work / "ledger"), first["kernel"].split("/")[1], 1)
+    assert "[kchain] plan: stopping at " in log and "for save + publish of" in log
     assert first["summary"]["published"] == "kernel"
     assert first["publish"]["published"] == "kernel"
     assert first["publish"]["uploaded_bytes"] > 0
@@ -76,7 +101,7 @@ def test_the_kernel_publishes_its_own_state_when_it_has_internet_and_a_secret(tm
     # The finished chain is one line of the run log, naming the final weights.
     last_run = Ledger(result.work / "ledger").runs()[-1]
     assert last_run["note"] == f"finished after {len(result.sessions)} session(s)"
-    assert last_run["steps"] == "100" and "checkpoints/step-00000100" in last_run["checkpoint"]
+    assert last_run["steps"] == "50" and "checkpoints/step-00000050" in last_run["checkpoint"]
     assert float(last_run["val"]) > 0
 
 
@@ -91,6 +116,7 @@ def crashing_job(tmp_path: Path) -> Path:
 
 
 def test_the_same_crash_twice_is_refused(tmp_path, emulator):
+    emulator.session_limit_s = GENEROUS_S
     path = crashing_job(tmp_path)
     ref = "alice/tinygpt-notes"
     assert invoke("push", path, "--skip-smoke").exit_code == 0
@@ -114,65 +140,129 @@ def test_the_same_crash_twice_is_refused(tmp_path, emulator):
     assert "ValueError: boom at step 25" in status.output
 
 
-def test_a_session_whose_output_was_lost_resumes_from_the_last_good_state(tmp_path, emulator):
+def test_a_session_whose_output_was_lost_resumes_from_the_last_good_state(tmp_path, emulator, monkeypatch):
+    monkeypatch.setenv(layout.FAULT_ENV, f"{STALL},deadline_after_steps=10")
+    emulator.session_limit_s = GENEROUS_S
     path = copy_job(
         "tinygpt", tmp_path,
         params={"steps": 10**6, "eval_every": 500, "batch": 8, "accumulate": 1},
-        train={"session_limit": "9s", "margin": "2s", "checkpoint_every": "2s", "heartbeat": "0s"},
+        train={**ROOMY, "heartbeat": "0s"},
     )
     ref = "alice/tinygpt-notes"
     assert invoke("push", path, "--skip-smoke").exit_code == 0
-    emulator.wait_session(ref, 1, timeout=60)
+    emulator.wait_session(ref, 1, timeout=120)
     emulator.faults.lose_output = True
-    emulator.faults.kill_after_s = 6
+    emulator.faults.kill_on_output = "[kchain] step "  # killed once it trained a step, whatever the speed
     second = invoke("continue", path, "--skip-smoke")
     assert second.exit_code == 0, second.output
-    emulator.wait_session(ref, 2, timeout=60)
+    emulator.wait_session(ref, 2, timeout=120)
     emulator.faults.lose_output = False
-    emulator.faults.kill_after_s = None
+    emulator.faults.kill_on_output = None
 
     third = invoke("continue", path, "--skip-smoke")
     assert third.exit_code == 0, third.output
-    ledger = Ledger(Path(__import__("os").environ["KCHAIN_HOME"]))
+    ledger = Ledger(Path(os.environ["KCHAIN_HOME"]))
     chain = ledger.sessions("tinygpt-notes")
     published = chain[0]["publish"]["step"]
-    assert published > 0
+    assert published == 10
     assert chain[1]["publish"]["published"] is None
     assert chain[1]["publish"]["steps_lost"] > 0
     assert chain[2]["resumes_at"] == published
     assert f"session 2 left no checkpoint: resuming from step {published}" in third.output
     assert f"{chain[1]['publish']['steps_lost']} steps lost" in third.output
+    emulator.wait_session(ref, 3, timeout=120)
 
 
-def test_continue_never_starts_a_second_session_while_one_runs(tmp_path, emulator):
-    path = copy_job("tinygpt", tmp_path, params={"steps": 10**6, "batch": 8, "accumulate": 1},
-                    train={"session_limit": "20s", "margin": "3s"})
+def test_continue_never_starts_a_second_session_while_one_runs(tmp_path, emulator, monkeypatch):
+    monkeypatch.setenv(layout.FAULT_ENV, f"{STALL},deadline_after_steps=30")
+    emulator.session_limit_s = GENEROUS_S
+    path = copy_job("tinygpt", tmp_path, params={"steps": 10**6, "batch": 8, "accumulate": 1}, train=ROOMY)
     assert invoke("push", path, "--skip-smoke").exit_code == 0
     result = invoke("continue", path, "--skip-smoke")
     assert result.exit_code == 0
     assert "session 1 is" in result.output and "pushed" not in result.output
     assert len(emulator.sessions()) == 1
-    emulator.wait_session("alice/tinygpt-notes", 1, timeout=60)
+    emulator.wait_session("alice/tinygpt-notes", 1, timeout=120)
     summary = json.loads(next(Path(emulator.session_output_dir(emulator.sessions()[0]["id"])).rglob(
         layout.SUMMARY)).read_text())
     assert summary["status"] == "deadline"
 
 
-def test_continue_refuses_a_session_the_budget_cannot_cover_and_publishes_only_once(tmp_path, emulator):
+def test_continue_refuses_a_session_the_budget_cannot_cover_and_publishes_only_once(tmp_path, emulator, monkeypatch):
+    monkeypatch.setenv(layout.FAULT_ENV, f"{STALL},deadline_after_steps=5")
+    emulator.session_limit_s = 2 * 3600
     path = copy_job(
         "tinygpt", tmp_path, params={"steps": 10**6, "batch": 8, "accumulate": 1},
-        train={"session_limit": "9s", "margin": "2s", "checkpoint_every": "2s"},
-        budget={"weekly_gpu_hours": 0.002},  # 7.2 s: session 1 spends it
+        train={"session_limit": "1h", "checkpoint_every": "2s"},
+        budget={"weekly_gpu_hours": 1},  # exactly one session: whatever session 1 spent, the next does not fit
     )
     ref = "alice/tinygpt-notes"
-    assert invoke("push", path, "--skip-smoke", "--force").exit_code == 0
-    emulator.wait_session(ref, 1, timeout=60)
+    assert invoke("push", path, "--skip-smoke").exit_code == 0
+    emulator.wait_session(ref, 1, timeout=120)
     refused = invoke("continue", path, "--skip-smoke")
     assert refused.exit_code == 5, refused.output
-    assert "are left this week (budget.weekly_gpu_hours 0.002)" in error_line(refused)
+    assert "are left this week (budget.weekly_gpu_hours 1)" in error_line(refused)
     versions = emulator.dataset_versions("alice/tinygpt-notes-state")
     assert len(versions) == 2  # the marker, then session 1's state
     forced = invoke("continue", path, "--skip-smoke", "--force")
     assert forced.exit_code == 0, forced.output
     assert len(emulator.dataset_versions("alice/tinygpt-notes-state")) == 2
     assert emulator.session(ref, 2)["dataset_sources"][0] == "alice/tinygpt-notes-state/2"
+    emulator.wait_session(ref, 2, timeout=120)
+
+
+def session_log(ledger: Ledger, job: str, session: int) -> str:
+    entries = json.loads((ledger.root / "sessions" / job / str(session) / "log.json").read_text())
+    return "".join(e["data"] for e in entries)
+
+
+def test_a_publish_that_cannot_fit_the_session_is_left_to_the_relay(tmp_path, emulator, monkeypatch):
+    # A publish measured at an hour cannot fit a 10-minute session: the kernel plans without it, says
+    # `published: none`, and `continue` relays the state from the laptop.
+    monkeypatch.setenv(layout.FAULT_ENV, f"{STALL},deadline_after_steps=20")
+    emulator.session_limit_s = GENEROUS_S
+    path = copy_job("tinygpt", tmp_path, params={"steps": 10**6, "batch": 8, "accumulate": 1},
+                    kaggle={"internet": True}, train=ROOMY)
+    Ledger(Path(os.environ["KCHAIN_HOME"])).save_publish_figures(
+        "tinygpt-notes", {"start_s": 3600.0, "create_s": 10.0, "rate_bps": 1e6, "processing_s": 10.0})
+    ref = "alice/tinygpt-notes"
+    assert invoke("push", path, "--skip-smoke").exit_code == 0
+    emulator.wait_session(ref, 1, timeout=120)
+    second = invoke("continue", path, "--skip-smoke")
+    assert second.exit_code == 0, second.output
+    ledger = Ledger(Path(os.environ["KCHAIN_HOME"]))
+    first = ledger.sessions("tinygpt-notes")[0]
+    log = session_log(ledger, "tinygpt-notes", 1)
+    assert "[kchain] plan: the publish of" in log and "more than half this session" in log
+    assert "[kchain] published: none (" in log
+    assert first["summary"]["published"] is None and first["publish"]["published"] == "relay"
+    assert f"publishing step {first['summary']['step']} to {ref}-state from the laptop" in second.output
+
+
+def test_stop_names_the_page_waits_for_the_stop_and_continue_resumes(tmp_path, emulator, monkeypatch):
+    monkeypatch.setenv(layout.FAULT_ENV, f"{STALL},deadline_after_steps=10")
+    emulator.session_limit_s = GENEROUS_S
+    path = copy_job("tinygpt", tmp_path, params={"steps": 10**6, "batch": 8, "accumulate": 1}, train=ROOMY)
+    ref = "alice/tinygpt-notes"
+    assert invoke("push", path, "--skip-smoke").exit_code == 0
+    emulator.wait_session(ref, 1, timeout=120)
+    assert invoke("continue", path, "--skip-smoke").exit_code == 0  # session 2, from step 10
+    monkeypatch.setenv(layout.FAULT_ENV, STALL)  # session 2 would train until its limit
+
+    def user_stops_it_in_the_web_ui() -> None:
+        deadline = time.time() + 60
+        while emulator.session(ref, 2)["status"] != "RUNNING" and time.time() < deadline:
+            time.sleep(0.1)
+        emulator.cancel(ref, 2)
+
+    threading.Thread(target=user_stops_it_in_the_web_ui, daemon=True).start()
+    stopped = invoke("stop", path, "--poll", "0.5")
+    assert stopped.exit_code == 0, stopped.output
+    assert ("session 2 is queued: Kaggle's API cannot stop a session (it does not expose the session id), so "
+            "stop it on its page: ") in stopped.output or "session 2 is running: Kaggle's API" in stopped.output
+    assert "session 2 ended (CANCEL_ACKNOWLEDGED); `kchain continue" in stopped.output
+    record = Ledger(Path(os.environ["KCHAIN_HOME"])).sessions("tinygpt-notes")[1]
+    assert record["stopped_by_user"] and record["status"] == "CANCEL_ACKNOWLEDGED"
+    third = invoke("continue", path, "--skip-smoke")
+    assert third.exit_code == 0, third.output
+    assert "resuming at step 10" in third.output

@@ -15,7 +15,15 @@ from pathlib import Path
 import psutil
 import pytest
 import requests
-from emulator_helpers import USER, emulator, fake_key, kaggle_api, write_dataset, write_kernel  # noqa: F401
+from emulator_helpers import (  # noqa: F401
+    USER,
+    emulator,
+    fake_key,
+    kaggle_api,
+    wait_dataset_ready,
+    write_dataset,
+    write_kernel,
+)
 
 from kchain.emulator import Emulator
 
@@ -29,6 +37,7 @@ def _status(api, ref: str, version: int | None = None) -> str:
 def test_push_runs_the_notebook_and_its_output_and_log_download(emulator, kaggle_api, tmp_path):
     write_dataset(tmp_path / "ds", "alice/input-data", {"a.txt": "hello"})
     kaggle_api.dataset_create_new(str(tmp_path / "ds"), quiet=True)
+    wait_dataset_ready(kaggle_api, "alice/input-data")
     cell = (
         "import os, json, pathlib\n"
         "inp = pathlib.Path(os.environ['KCHAIN_ROOT']) / 'input/datasets/alice/input-data/a.txt'\n"
@@ -72,25 +81,30 @@ def test_session_is_killed_at_its_time_limit(emulator, kaggle_api, tmp_path):
 
 
 def test_injected_kills_and_lost_output(emulator, kaggle_api, tmp_path):
-    cell = "import time, pathlib\npathlib.Path('partial.txt').write_text('x')\ntime.sleep(120)"
+    cell = "import time, pathlib\npathlib.Path('partial.txt').write_text('x')\nprint('KILL-HERE', flush=True)\ntime.sleep(120)"
     emulator.faults.kill_after_s = 2.0
     emulator.faults.lose_output = True
     write_kernel(tmp_path / "a", "alice/killed-kernel", [cell])
     kaggle_api.kernels_push(str(tmp_path / "a"))
     emulator.faults.kill_after_s = None
     emulator.faults.lose_output = False
-    emulator.faults.kill_random_s = (1.5, 2.5)
-    write_kernel(tmp_path / "b", "alice/random-kill", [cell])
+    emulator.faults.kill_on_output = "KILL-HERE"  # after the file was written, however slow the machine
+    write_kernel(tmp_path / "b", "alice/marker-kill", [cell])
     kaggle_api.kernels_push(str(tmp_path / "b"))
+    emulator.faults.kill_on_output = None
+    emulator.faults.kill_random_s = (1.5, 2.5)
+    write_kernel(tmp_path / "c", "alice/random-kill", [cell])
+    kaggle_api.kernels_push(str(tmp_path / "c"))
 
     lost = emulator.wait_session("alice/killed-kernel", timeout=30)
-    kept = emulator.wait_session("alice/random-kill", timeout=30)
-    for session in (lost, kept):
+    kept = emulator.wait_session("alice/marker-kill", timeout=30)
+    drawn = emulator.wait_session("alice/random-kill", timeout=30)
+    for session in (lost, kept, drawn):
         assert session["status"] == "ERROR" and "fault injection" in session["failure_message"]
-    assert 1.5 <= kept["kill_at"] <= 2.5
+    assert 1.5 <= drawn["kill_at"] <= 2.5
     files, _ = kaggle_api.kernels_output("alice/killed-kernel", str(tmp_path / "out-lost"))
     assert [Path(f).name for f in files] == ["killed-kernel.log"]
-    kaggle_api.kernels_output("alice/random-kill", str(tmp_path / "out-kept"))
+    kaggle_api.kernels_output("alice/marker-kill", str(tmp_path / "out-kept"))
     assert (tmp_path / "out-kept/partial.txt").read_text() == "x"
 
 
@@ -110,7 +124,8 @@ def test_bad_or_missing_credentials_get_401(emulator, monkeypatch):
 
 
 def test_dataset_processing_then_ready_download_and_list(emulator, kaggle_api, tmp_path):
-    emulator.faults.processing_s = 1.5
+    emulator.switches.version_lag_s = 0  # this test is about processing; the lag has its own test
+    emulator.faults.processing_s = 600  # long, so no check races the machine; settle() ends it
     folder = write_dataset(tmp_path / "ds", "alice/chain-state", {"state.json": '{"step": 1}', "ckpt/last.pt": b"\0" * 10})
     created = kaggle_api.dataset_create_new(str(folder), quiet=True, dir_mode="zip")
     assert created.status == "ok"
@@ -122,11 +137,14 @@ def test_dataset_processing_then_ready_download_and_list(emulator, kaggle_api, t
         kaggle_api.dataset_list_files("alice/chain-state/1")
     assert info.value.response.status_code == 404
 
-    deadline = time.time() + 10
-    while kaggle_api.dataset_status("alice/chain-state") != "ready" and time.time() < deadline:
-        time.sleep(0.2)
+    emulator.settle("alice/chain-state")
+    assert kaggle_api.dataset_status("alice/chain-state") == "ready"
     emulator.faults.processing_s = 0
     (folder / "state.json").write_text('{"step": 2}')
+    # The client resumes the refused attempt's finished uploads if name, size and mtime (whole seconds)
+    # match: a file rewritten in the same second with the same size would go up stale.
+    later = time.time() + 5
+    os.utime(folder / "state.json", (later, later))
     assert kaggle_api.dataset_create_version(str(folder), "session 2", quiet=True, dir_mode="zip").status == "ok"
     assert json.loads(kaggle_api.dataset_status("alice/chain-state", format="json")) == {
         "status": "ready", "current_version_number": 2}
@@ -142,7 +160,7 @@ def test_dataset_processing_then_ready_download_and_list(emulator, kaggle_api, t
     assert [v["notes"] for v in emulator.dataset_versions("alice/chain-state")] == ["Initial release", "session 2"]
     with pytest.raises(requests.HTTPError) as info:
         kaggle_api.dataset_status("alice/no-such-data")
-    assert info.value.response.status_code == 404
+    assert info.value.response.status_code == 403
 
 
 def test_upload_resumes_after_a_dropped_connection(emulator, kaggle_api, tmp_path):
@@ -151,6 +169,7 @@ def test_upload_resumes_after_a_dropped_connection(emulator, kaggle_api, tmp_pat
     emulator.faults.drop_upload_every = 2  # the first PUT is cut off; the client's own retry goes through
     assert kaggle_api.dataset_create_new(str(folder), quiet=True).status == "ok"
     assert emulator.calls["upload_drop"] == 1
+    wait_dataset_ready(kaggle_api, "alice/big-upload")
 
     # A client that dies mid-upload resumes next time with the `bytes */N` probe and a ranged PUT.
     emulator.faults.drop_upload_every = 1
@@ -167,6 +186,7 @@ def test_upload_resumes_after_a_dropped_connection(emulator, kaggle_api, tmp_pat
     assert kaggle_api.dataset_create_version(str(folder), "v2", quiet=True).status == "ok"
     assert emulator.calls["StartBlobUpload"] == starts
     assert emulator.calls["upload_probe"] == 1 and emulator.calls["upload_resume"] == 1
+    wait_dataset_ready(kaggle_api, "alice/big-upload")
     kaggle_api.dataset_download_files("alice/big-upload/2", str(tmp_path / "dl"), unzip=True, quiet=True)
     assert hashlib.sha256((tmp_path / "dl/blob.bin").read_bytes()).digest() == hashlib.sha256(data).digest()
 
@@ -192,6 +212,7 @@ def test_api_faults_reach_the_client(emulator, kaggle_api, tmp_path):
 
 
 def test_gpu_concurrency_cap_and_weekly_quota(emulator, kaggle_api, tmp_path):
+    emulator.switches.quota_has_gpu = True
     sleeper = ["import time\ntime.sleep(120)"]
     for name in ("gpu-one-run", "gpu-two-run"):
         write_kernel(tmp_path / name, f"alice/{name}", sleeper, enable_gpu=True)
@@ -224,13 +245,14 @@ def test_state_survives_a_restart(tmp_path, monkeypatch):
     api = KaggleApi()
     api.authenticate()
     api.dataset_create_new(str(write_dataset(tmp_path / "ds", "alice/kept-data", {"a.txt": "kept"})), quiet=True)
+    wait_dataset_ready(api, "alice/kept-data")
     write_kernel(tmp_path / "done", "alice/done-kernel", ["open('o.txt', 'w').write('done')"])
     api.kernels_push(str(tmp_path / "done"))
     emu.wait_session("alice/done-kernel")
     write_kernel(tmp_path / "live", "alice/live-kernel", ["import time\ntime.sleep(120)"])
     api.kernels_push(str(tmp_path / "live"))
     deadline = time.time() + 30
-    while emu.session("alice/live-kernel")["status"] != "RUNNING" and time.time() < deadline:
+    while not emu.session("alice/live-kernel").get("pid") and time.time() < deadline:  # booted, notebook runs
         time.sleep(0.05)
     pid = emu.session("alice/live-kernel")["pid"]
     emu.stop()
@@ -300,6 +322,7 @@ def test_internet_secrets_and_offline_sessions(tmp_path, monkeypatch):
                    "    r = 'reached'\nexcept Exception as e:\n    r = 'blocked'\npathlib.Path('net.txt').write_text(r)")
         write_kernel(tmp_path / "on", "alice/online-kernel", [online], enable_internet=True)
         write_kernel(tmp_path / "off", "alice/offline-kernel", [offline], enable_internet=False)
+        emu.attach_secrets("alice/online-kernel")  # the user attached them in the web UI
         api.kernels_push(str(tmp_path / "on"))
         api.kernels_push(str(tmp_path / "off"))
         assert emu.wait_session("alice/online-kernel")["status"] == "COMPLETE"
@@ -311,3 +334,41 @@ def test_internet_secrets_and_offline_sessions(tmp_path, monkeypatch):
         for path in (tmp_path / "state").rglob("*"):
             if path.is_file():
                 assert secret.encode() not in path.read_bytes() and key.encode() not in path.read_bytes()
+
+
+def test_a_lost_answer_after_a_creating_call_has_acted(emulator, kaggle_api, tmp_path):
+    emulator.switches.version_lag_s = 0
+    emulator.faults.rate_lost_answer = 1.0
+    folder = write_dataset(tmp_path / "ds", "alice/lost-answer", {"a.txt": "a"})
+    with pytest.raises(requests.HTTPError) as info:
+        kaggle_api.dataset_create_new(str(folder), quiet=True)
+    assert info.value.response.status_code == 500
+    assert len(emulator.dataset_versions("alice/lost-answer")) == 1  # it was created all the same
+    with pytest.raises(requests.HTTPError):
+        kaggle_api.dataset_create_version(str(folder), "v2", quiet=True)
+    assert len(emulator.dataset_versions("alice/lost-answer")) == 2
+    write_kernel(tmp_path / "k", "alice/lost-push", ["print(1)"])
+    with pytest.raises(requests.HTTPError):
+        kaggle_api.kernels_push(str(tmp_path / "k"))
+    assert emulator.calls["SaveKernel"] == 1 and len(emulator.sessions()) == 1  # pushed once, answer lost
+
+    emulator.faults.rate_lost_answer, emulator.faults.seed = 0.5, 11
+    outcomes = [emulator.faults.lose_answer() for _ in range(200)]
+    assert 0 < sum(outcomes) < 200  # a rate, not all or nothing
+
+
+def test_sessions_record_the_step_they_resumed_from(emulator, kaggle_api, tmp_path):
+    summary = ("import json, pathlib\npathlib.Path('out').mkdir()\n"
+               "pathlib.Path('out/summary.json').write_text(json.dumps({'status': 'done', 'step': 50, 'total': 90,"
+               " 'resumed_from': 42}))")
+    logged = "print('[kchain] resumed from step 7 (x, saved at y)', flush=True)\nimport time\ntime.sleep(600)"
+    write_kernel(tmp_path / "a", "alice/with-summary", [summary])
+    write_kernel(tmp_path / "b", "alice/with-log-only", [logged])
+    kaggle_api.kernels_push(str(tmp_path / "a"))
+    emulator.faults.kill_on_output, emulator.faults.lose_output = "resumed from step", True
+    kaggle_api.kernels_push(str(tmp_path / "b"))
+    done = emulator.wait_session("alice/with-summary")
+    assert done["resumed_from"] == 42 and done["summary"] == {"status": "done", "step": 50, "total": 90,
+                                                              "resumed_from": 42}
+    killed = emulator.wait_session("alice/with-log-only")
+    assert killed["output_lost"] and killed["summary"] is None and killed["resumed_from"] == 7

@@ -6,7 +6,7 @@ from __future__ import annotations
 import socket
 
 import pytest
-from emulator_helpers import USER, emulator, fake_key, write_dataset, write_kernel  # noqa: F401
+from emulator_helpers import USER, emulator, fake_key, wait_dataset_ready, write_dataset, write_kernel  # noqa: F401
 
 from kchain.errors import CredentialsError, KaggleError
 from kchain.kaggle_api import MISSING_CREDENTIALS, REJECTED_CREDENTIALS, KaggleClient, OutcomeUnknown
@@ -22,6 +22,9 @@ def test_calls_succeed_when_30_percent_of_them_fail(emulator, tmp_path):
     emulator.faults.rate_429 = 0.3  # creating calls: only unambiguous refusals
     write_dataset(tmp_path / "ds", "alice/flaky-state", {"state.json": "{}", "ckpt/last.pt": b"\1" * 100})
     assert client.create_dataset(tmp_path / "ds") == "alice/flaky-state"
+    emulator.faults.rate_429 = 0.0
+    wait_dataset_ready(client.api, "alice/flaky-state")  # a new version is invisible for a while
+    emulator.faults.rate_429 = 0.3
     write_kernel(tmp_path / "k", "alice/flaky-kernel", ["open('o.txt', 'w').write('ok')\nprint('logged')"],
                  dataset_sources=["alice/flaky-state"])
     version, url = client.push(tmp_path / "k")
@@ -29,6 +32,7 @@ def test_calls_succeed_when_30_percent_of_them_fail(emulator, tmp_path):
     emulator.wait_session("alice/flaky-kernel")
 
     emulator.faults.rate_429, emulator.faults.rate_500 = 0.15, 0.15
+    emulator.switches.quota_has_gpu = True
     calls_before = sum(emulator.calls.values())
     assert client.status("alice/flaky-kernel", 1) == ("COMPLETE", "")
     files, log = client.output("alice/flaky-kernel", 1, tmp_path / "out")

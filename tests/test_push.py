@@ -117,13 +117,20 @@ def test_push_runs_a_smoked_session_to_complete_and_writes_no_credential(emulato
 
 
 def test_a_session_killed_at_its_limit_reads_as_error_with_a_hint(emulator, tmp_path):
-    emulator.session_limit_s = 6
     job = small_job(tmp_path, steps=1_000_000)
     pushed = invoke("push", job, "--skip-smoke")
     assert pushed.exit_code == 0, pushed.output
+    # The limit comes once the session trained a step (whatever the machine's speed): emu.expire is
+    # Kaggle's limit, with its message and its treatment of the output.
+    log = emulator.store.session_dir(emulator.session(REF)["id"]) / "log.jsonl"
+    deadline = time.time() + 120
+    while not (log.is_file() and "[kchain] step " in log.read_text(errors="replace")):
+        assert time.time() < deadline, "the session never trained a step"
+        time.sleep(0.2)
+    emulator.expire(REF)
 
     table = poll_status(job, ("COMPLETE", "ERROR"))
-    message = "Session exceeded its time limit of 6 seconds and was stopped"
+    message = "Session exceeded its time limit of 60 seconds and was stopped"
     assert table.splitlines()[1].split()[2] == "ERROR" and table.splitlines()[1].endswith(message), table
     assert not process_alive(emulator.session(REF))  # the session's process tree died with it
 
@@ -231,4 +238,88 @@ def test_a_lost_push_answer_makes_one_version_and_a_second_push_is_refused(emula
     assert error_line(again) == (
         f"Error: session 1 of {NAME} is still running; watch it with `kchain status` or `kchain logs --follow`")
     assert emulator.calls["SaveKernel"] == 1 and len(kernel_versions(emulator)) == 1
+    settle(emulator)
+
+
+def test_a_name_too_long_for_its_state_dataset_and_a_tpu_are_refused_before_any_call(emulator, tmp_path):
+    long_name = "a-classifier-whose-name-is-much-too-long-for-ka"  # 47 characters: "-state" makes 53
+    job = small_job(tmp_path)
+    job.write_text(job.read_text().replace(f"name: {NAME}", f"name: {long_name}"))
+    result = invoke("push", job, "--skip-smoke")
+    assert result.exit_code == 2
+    assert error_line(result) == (
+        f"Error: {job}: name: '{long_name}' is 47 characters, so its dataset '{long_name}-state' would be 53; "
+        "Kaggle's dataset slugs are 6-50 characters: shorten name to at most 44 characters")
+    tpu = small_job(tmp_path / "tpu", kaggle={"accelerator": "tpu"})
+    result = invoke("push", tpu, "--skip-smoke")
+    assert result.exit_code == 2
+    assert error_line(result) == (
+        f"Error: {tpu}: kaggle.accelerator: tpu is not supported yet (the runtime would train on the TPU "
+        "machine's CPU); use gpu")
+    assert sum(emulator.calls.values()) == 0
+
+
+def test_a_missing_dataset_source_stops_the_push_before_savekernel(emulator, tmp_path):
+    job = small_job(tmp_path, kaggle={"datasets": [f"{USER}/no-such-data"]})
+    result = invoke("push", job, "--skip-smoke")
+    assert result.exit_code == 8, result.output
+    assert error_line(result) == (
+        f"Error: {job}: kaggle.datasets: dataset {USER}/no-such-data does not exist on Kaggle or is not visible "
+        "to you; fix the name, or make it visible to your account")
+    assert emulator.calls["SaveKernel"] == 0 and ledger().sessions(NAME) == []
+
+
+def test_every_push_asks_for_the_jobs_session_limit(emulator, tmp_path):
+    job = small_job(tmp_path, steps=5, train={"session_limit": "30s", "margin": "5s"})
+    assert invoke("push", job, "--skip-smoke").exit_code == 0
+    assert emulator.session(REF, 1)["limit_s"] == 30  # the emulator's own limit is 60 s
+    settle(emulator)
+
+
+def test_status_shows_a_push_whose_outcome_is_unknown(emulator, tmp_path):
+    job = small_job(tmp_path)
+    # What a push leaves when its answer was lost and Kaggle could not be asked about the kernel.
+    ledger().save_session(NAME, {"session": 1, "status": "PUSHING", "kernel": REF, "version": None,
+                                 "version_before": None, "requested": "2026-01-01T00:00:00Z"})
+    result = invoke("status", job)
+    assert result.exit_code == 0, result.output
+    assert result.output.splitlines()[1].split()[:3] == ["1", "-", "PUSHING"]
+    assert ("outcome unknown: the push was sent and its answer lost; `kchain continue` checks the kernel's "
+            "versions before pushing again") in result.output
+
+
+def test_logs_follow_streams_live_lines_or_says_the_log_comes_at_the_end(emulator, tmp_path):
+    job = small_job(tmp_path, steps=20)
+    assert invoke("push", job, "--skip-smoke").exit_code == 0
+    live = invoke("logs", job, "--follow", "--poll", "0.5")
+    assert live.exit_code == 0, live.output
+    assert "no live log from Kaggle" not in live.output
+    assert "[kchain] step 20/20 " in live.output and live.output.splitlines()[-1] == "[kchain] session 1 is COMPLETE"
+
+    emulator.switches.log_stream = False
+    assert invoke("push", job, "--skip-smoke").exit_code == 8  # a chain exists: continue, not push
+    record = ledger().sessions(NAME)[0]
+    ended = invoke("logs", job, "--follow", "--poll", "0.5")
+    assert ended.exit_code == 0, ended.output
+    assert ended.output.splitlines()[0] == (
+        f"[kchain] no live log from Kaggle for session {record['session']}: Kaggle keeps the log only once the "
+        "session ends, so it is shown then (status every poll)")
+    assert "[kchain] step 20/20 " in ended.output
+
+
+def test_a_source_kaggle_drops_at_savekernel_stops_the_chain_and_names_it(emulator, tmp_path):
+    # A competition whose rules alice never accepted: kchain cannot check that before the push, and
+    # Kaggle answers with invalid sources while it starts the session anyway.
+    job = small_job(tmp_path, steps=5, kaggle={"competition": "titanic"})
+    result = invoke("push", job, "--skip-smoke")
+    assert result.exit_code == 8, result.output
+    assert error_line(result) == (
+        f"Error: Kaggle dropped invalid competition sources ['titanic'] from the push of {REF} (version 1): "
+        "Kaggle started that session without them (a session pushed to resume a state stops itself in its "
+        f"first minute without it); stop it at {emulator.url}/code/{REF} (Kaggle's API cannot), fix the source, "
+        "then run `kchain continue`")
+    record = ledger().sessions(NAME)[0]
+    assert (record["status"], record["version"]) == ("QUEUED", 1)  # recorded: it runs, and counts
+    status = invoke("status", job)
+    assert "Kaggle dropped competition sources ['titanic']: the session ran without them" in status.output
     settle(emulator)

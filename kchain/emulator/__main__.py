@@ -10,6 +10,7 @@ import sys
 
 from kchain.emulator.app import serve
 from kchain.emulator.faults import Faults
+from kchain.emulator.switches import KEPT, LOST, Switches
 
 
 def _pairs(values: list[str], sep: str, what: str) -> list[tuple[str, str]]:
@@ -22,8 +23,8 @@ def _pairs(values: list[str], sep: str, what: str) -> list[tuple[str, str]]:
     return pairs
 
 
-def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m kchain.emulator", description=__doc__.splitlines()[0])
+def parser(prog: str = "python -m kchain.emulator") -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True)
     s = sub.add_parser("serve", help="run a local Kaggle until interrupted")
     s.add_argument("--state", required=True, help="folder holding the emulator's state")
@@ -42,25 +43,88 @@ def parser() -> argparse.ArgumentParser:
     f.add_argument("--drop-upload-every", type=int, default=0, metavar="N")
     f.add_argument("--processing", type=float, default=0.0, metavar="SECONDS")
     f.add_argument("--lose-output", action="store_true")
+    f.add_argument("--kill-on-output", default=None, metavar="TEXT",
+                   help="kill a session as soon as its log shows TEXT")
+    f.add_argument("--fail-after-save", type=int, default=0, metavar="N",
+                   help="the next N SaveKernel calls act, then answer 500 (a lost answer)")
+    f.add_argument("--rate-lost-answer", type=float, default=0.0, metavar="P",
+                   help="that fraction of creating calls act, then answer 500")
     f.add_argument("--seed", type=int, default=0)
+    s.add_argument("--competition", action="append", default=[], metavar="SLUG:USER",
+                   help="USER accepted the rules of competition SLUG (else it is an invalid source)")
+    add_switch_options(s)
     return p
+
+
+def add_switch_options(p: argparse.ArgumentParser) -> None:
+    """Kaggle's strict behaviour, one option per switch (defaults: the strict case; docs/emulator.md)."""
+    d = Switches()
+    g = p.add_argument_group("strictness switches (default: strict; see docs/emulator.md for sources)")
+    g.add_argument("--lenient", action="store_true",
+                   help="start from the kind set (404s, no lag, pins honoured, no queue, output kept, "
+                        "secrets attached, GPU quota answered); the options below still override it")
+    g.add_argument("--missing-status", type=int, choices=(403, 404), default=None,
+                   help=f"answer for a missing or invisible kernel/dataset (default {d.missing_status})")
+    g.add_argument("--version-lag", type=float, default=None, metavar="SECONDS",
+                   help=f"a new dataset version is invisible this long (default {d.version_lag_s:g})")
+    g.add_argument("--lag-status", type=int, choices=(403, 404), default=None,
+                   help=f"status answer while a new version is invisible (default {d.lag_status})")
+    g.add_argument("--ignore-version-pin", action=argparse.BooleanOptionalAction, default=None,
+                   help=f"mount the latest version whatever owner/slug/N says (default {d.ignore_version_pin})")
+    g.add_argument("--log-stream", action=argparse.BooleanOptionalAction, default=None,
+                   help=f"serve kernels_logs_stream live (default {d.log_stream})")
+    g.add_argument("--secrets-need-attaching", action=argparse.BooleanOptionalAction, default=None,
+                   help=f"Secrets reach a kernel only once attached (default {d.secrets_need_attaching})")
+    g.add_argument("--output-at-limit", choices=(KEPT, LOST), default=None,
+                   help=f"output of a session killed at its limit or cancelled (default {d.output_at_limit})")
+    g.add_argument("--queue", type=float, default=None, metavar="SECONDS",
+                   help=f"time a session waits QUEUED (default {d.queue_s:g})")
+    g.add_argument("--boot", type=float, default=None, metavar="SECONDS",
+                   help=f"session time spent before the first cell runs (default {d.boot_s:g})")
+    g.add_argument("--tpu-session-limit", type=float, default=None, metavar="SECONDS",
+                   help=f"limit of TPU sessions (default {d.tpu_session_limit_s:g})")
+    g.add_argument("--quota-has-gpu", action=argparse.BooleanOptionalAction, default=None,
+                   help=f"GetAcceleratorQuotaStatistics answers gpuQuota (default {d.quota_has_gpu})")
+
+
+SWITCH_OPTIONS = {"missing_status": "missing_status", "version_lag": "version_lag_s", "lag_status": "lag_status",
+                  "ignore_version_pin": "ignore_version_pin", "log_stream": "log_stream",
+                  "secrets_need_attaching": "secrets_need_attaching", "output_at_limit": "output_at_limit",
+                  "queue": "queue_s", "boot": "boot_s", "tpu_session_limit": "tpu_session_limit_s",
+                  "quota_has_gpu": "quota_has_gpu"}
+
+
+def switches_from(args: argparse.Namespace) -> Switches:
+    given = {field: getattr(args, option) for option, field in SWITCH_OPTIONS.items()
+             if getattr(args, option) is not None}
+    return Switches.lenient(**given) if args.lenient else Switches(**given)
 
 
 def faults_from(args: argparse.Namespace) -> Faults:
     return Faults(rate_429=args.rate_429, rate_500=args.rate_500, kill_after_s=args.kill_after,
                   kill_random_s=tuple(args.kill_random) if args.kill_random else None,
                   drop_upload_every=args.drop_upload_every, processing_s=args.processing,
-                  lose_output=args.lose_output, seed=args.seed)
+                  lose_output=args.lose_output, kill_on_output=args.kill_on_output,
+                  fail_after_save=args.fail_after_save, rate_lost_answer=args.rate_lost_answer, seed=args.seed)
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = parser().parse_args(argv)
+def serve_command(args: list[str]) -> None:
+    """`kchain emulator serve ARGS`: the same options (and the same --help) under kchain's name."""
+    main(["serve", *args], prog="kchain emulator")
+
+
+def main(argv: list[str] | None = None, prog: str = "python -m kchain.emulator") -> None:
+    args = parser(prog).parse_args(argv)
     secrets: dict[str, dict[str, str]] = {}
     for user, assignment in _pairs(args.secret, ":", "--secret"):
         label, _, value = assignment.partition("=")
         secrets.setdefault(user, {})[label] = value
+    competitions: dict[str, list[str]] = {}
+    for slug, user in _pairs(args.competition, ":", "--competition"):
+        competitions.setdefault(slug, []).append(user)
     serve(args.state, port=args.port, users=dict(_pairs(args.user, ":", "--user")),
           tokens=dict(_pairs(args.token, "=", "--token")), faults=faults_from(args), secrets=secrets,
+          switches=switches_from(args), competitions=competitions,
           session_limit_s=args.session_limit, gpu_quota_s=args.gpu_quota, max_gpu_sessions=args.max_gpu_sessions)
 
 

@@ -24,31 +24,49 @@ from kchain.emulator.rpcs import Rpcs
 from kchain.emulator.server import EmulatorHTTPServer, free_closed_port
 from kchain.emulator.sessions import SessionRunner
 from kchain.emulator.state import LIVE, Store
+from kchain.emulator.switches import Limits, Switches
 
 TERMINAL = ("COMPLETE", "ERROR", "CANCEL_ACKNOWLEDGED")
 
 
+def _shared(holder: str, name: str) -> property:
+    """An Emulator attribute that lives on one of its parts, so a test's change reaches the server."""
+    def get(self: Emulator) -> Any:
+        return getattr(getattr(self, holder), name)
+
+    def set_(self: Emulator, value: Any) -> None:
+        setattr(getattr(self, holder), name, value)
+
+    return property(get, set_)
+
+
 class Emulator:
+    session_limit_s = _shared("limits", "session_limit_s")
+    gpu_quota_s = _shared("limits", "gpu_quota_s")
+    max_gpu_sessions = _shared("limits", "max_gpu_sessions")
+    faults = _shared("rpcs", "faults")
+    switches = _shared("rpcs", "switches")
+
     def __init__(self, state_dir: str | Path, users: dict[str, str] | None = None,
                  tokens: dict[str, str] | None = None, session_limit_s: float = 12 * 3600,
                  gpu_quota_s: float = 30 * 3600, max_gpu_sessions: int = 2,
                  secrets: dict[str, dict[str, str]] | None = None, port: int = 0,
-                 faults: Faults | None = None, python: str = sys.executable) -> None:
+                 faults: Faults | None = None, switches: Switches | None = None,
+                 competitions: dict[str, list[str]] | None = None, python: str = sys.executable) -> None:
         self.state_dir = Path(state_dir)
         self.users = dict(users or {})
         self.tokens = dict(tokens or {})  # token -> user name
-        self.session_limit_s = session_limit_s
-        self.gpu_quota_s = gpu_quota_s
-        self.max_gpu_sessions = max_gpu_sessions
+        self.limits = Limits(session_limit_s, gpu_quota_s, max_gpu_sessions)
         self.secrets = dict(secrets or {})
-        self.faults = faults or Faults()
+        self.competitions = {slug: list(users) for slug, users in (competitions or {}).items()}  # rules accepted by
         self.port = port
         self.calls: Counter[str] = Counter()
         self._calls_lock = threading.Lock()
         self.store = Store(self.state_dir)
-        self.rpcs = Rpcs(self)
         self.runner = SessionRunner(self.store, lambda: self.url,
                                     f"http://127.0.0.1:{free_closed_port()}", python=python)
+        self.rpcs = Rpcs(self.store, self.runner, faults or Faults(), switches or Switches(), self.limits,
+                         lambda: self.url, self.secrets, self.competitions)
         self._server: EmulatorHTTPServer | None = None
         self._thread: threading.Thread | None = None
 
@@ -58,7 +76,7 @@ class Emulator:
         """Serve in a background thread; return the base URL (http://127.0.0.1:PORT)."""
         lost = self.store.recover_after_restart()
         self.runner.reap_orphans(lost)
-        self._server = EmulatorHTTPServer(("127.0.0.1", self.port), self)
+        self._server = EmulatorHTTPServer(("127.0.0.1", self.port), self.rpcs, self.users, self.tokens, self.count)
         self.port = self._server.server_address[1]
         self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.1},
                                         name="kaggle-emulator", daemon=True)
@@ -102,7 +120,9 @@ class Emulator:
             self.calls[rpc] += 1
 
     def sessions(self) -> list[dict[str, Any]]:
-        """Every session: kernel ref, version, status, failure_message, gpu, queued/started/ended times."""
+        """Every session: id, kernel ref, version, status, failure_message, gpu/tpu, queued/started/first_cell/ended
+        times, requested_sources / dataset_sources (valid) / invalid_sources / mounted (owner/slug/N actually
+        attached), resumed_from and summary (if the session's output or log shows them)."""
         with self.store.lock:
             return [dict(s) for s in sorted(self.store.sessions.values(), key=lambda s: int(s["id"]))]
 
@@ -124,13 +144,50 @@ class Emulator:
                 raise TimeoutError(f"session of {ref} still {session['status']} after {timeout} s")
             time.sleep(0.05)
 
+    def attach_secrets(self, ref: str) -> None:
+        """Stands for "the user attached their Secrets to kernel ref in the web UI" (no API can)."""
+        with self.store.lock:
+            if ref not in self.store.secrets_attached:
+                self.store.secrets_attached.append(ref)
+                self.store.save()
+
+    def cancel(self, ref: str, version: int | None = None) -> None:
+        """Stands for "the user stopped the session in the web UI"."""
+        self.runner.cancel(self.session(ref, version)["id"], by="web UI")
+
+    def expire(self, ref: str, version: int | None = None) -> None:
+        """The session reaches its time limit now: killed, ERROR, output as `switches.output_at_limit` says."""
+        self.runner.expire(self.session(ref, version)["id"])
+
+    def settle(self, ref: str) -> None:
+        """Every version of dataset ref is visible and ready now (a clock control: a test need not wait
+        out a lag or a processing time it made long so that nothing races the machine)."""
+        now = time.time()
+        with self.store.lock:
+            for version in self.store.datasets[ref]["versions"]:
+                version["visible_at"] = min(version.get("visible_at", version["created"]), now)
+                version["ready_at"] = min(version["ready_at"], now)
+            self.store.save()
+
+    def cancellations(self) -> list[dict[str, Any]]:
+        """Every cancelled session: session id, kernel, version, by ("api" / "web UI"), status_before, at."""
+        with self.store.lock:
+            return [dict(c) for c in self.store.cancellations]
+
+    def all_dataset_versions(self) -> dict[str, list[dict[str, Any]]]:
+        """Every dataset's versions (as dataset_versions), by dataset ref: count what a chain created."""
+        with self.store.lock:
+            refs = list(self.store.datasets)
+        return {ref: self.dataset_versions(ref) for ref in refs}
+
     def live_sessions(self) -> list[dict[str, Any]]:
         return [s for s in self.sessions() if s["status"] in LIVE]
 
     def dataset_versions(self, ref: str) -> list[dict[str, Any]]:
-        """Versions of dataset ref: number, created, ready (bool), notes, files [{name, size}]."""
+        """Versions of dataset ref: number, created, visible and ready (bools), notes, files [{name, size}]."""
         with self.store.lock:
-            return [dict(v, ready=self.store.version_ready(v)) for v in self.store.datasets[ref]["versions"]]
+            return [dict(v, visible=self.store.version_visible(v), ready=self.store.version_ready(v))
+                    for v in self.store.datasets[ref]["versions"]]
 
     def session_output_dir(self, session_id: str) -> Path:
         return self.store.session_dir(session_id) / "output"

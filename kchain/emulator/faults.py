@@ -21,6 +21,9 @@ class Faults:
     kill_after_s: float | None = None
     # Or at a time drawn uniformly from (low, high) seconds after it starts.
     kill_random_s: tuple[float, float] | None = None
+    # Or as soon as the session's log shows this text (a marker the notebook prints): a kill that
+    # never races the machine's speed.
+    kill_on_output: str | None = None
     # Upload PUTs that carry bytes are cut off after reading half their body: the 1st, the
     # (N+1)th, ... (1 = every one).
     drop_upload_every: int = 0
@@ -34,6 +37,9 @@ class Faults:
     # Sessions get no GPU though the kernel asked for one (quota spent): the runtime's granted-
     # accelerator check sees what a real GPU-less session shows it.
     no_gpu: bool = False
+    # That fraction of creating calls (SaveKernel, CreateDataset, CreateDatasetVersion[ById]) act, then
+    # answer 500: a lost answer, drawn from the seeded RNG.
+    rate_lost_answer: float = 0.0
     seed: int = 0
     _rng: random.Random = field(default=None, init=False, repr=False)  # type: ignore[assignment]
     _rng_seed: int | None = field(default=None, init=False, repr=False)
@@ -58,11 +64,16 @@ class Faults:
         return None
 
     def lose_save_answer(self) -> bool:
+        """Whether this SaveKernel, which has acted, answers 500 (fail_after_save, then the rate)."""
         with self._lock:
-            if self.fail_after_save <= 0:
-                return False
-            self.fail_after_save -= 1
-            return True
+            if self.fail_after_save > 0:
+                self.fail_after_save -= 1
+                return True
+        return self.lose_answer()
+
+    def lose_answer(self) -> bool:
+        """Whether this creating call, which has acted, answers 500 (rate_lost_answer)."""
+        return self.rate_lost_answer > 0 and self._random() < self.rate_lost_answer
 
     def drop_this_upload(self) -> bool:
         if self.drop_upload_every <= 0:

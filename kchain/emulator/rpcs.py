@@ -7,19 +7,24 @@ out by name. Shapes follow docs/reference kaggle-api.md section 3.
 
 from __future__ import annotations
 
+import functools
 import shutil
 import time
 import zipfile
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, TypeVar
 
-from kchain.emulator.state import LIVE, iso, new_secret
-
-if TYPE_CHECKING:
-    from kchain.emulator.app import Emulator
+from kchain.emulator.faults import Faults
+from kchain.emulator.sessions import SessionRunner
+from kchain.emulator.state import LIVE, Store, iso, new_secret
+from kchain.emulator.switches import Limits, Switches
 
 GPU_SHAPE_PREFIXES = ("Nvidia",)
+TPU_SHAPE_PREFIXES = ("Tpu",)
+SESSION_ID_BASE = 100_000_000
 
 
 class ApiError(Exception):
@@ -45,7 +50,7 @@ def _duration(seconds: float) -> str:
     return f"{seconds:.3f}s"
 
 
-def _version_label(body: dict[str, Any]) -> int | None:
+def version_label(body: dict[str, Any]) -> int | None:
     label = body.get("versionLabel")
     if not label:
         return None
@@ -54,12 +59,59 @@ def _version_label(body: dict[str, Any]) -> int | None:
     return int(label[1:])
 
 
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def locked(method: F) -> F:
+    """Run the whole RPC under the store's lock (for the ones that only read and write the store)."""
+    @functools.wraps(method)
+    def run(self: Rpcs, *args: Any, **kwargs: Any) -> Any:
+        with self.store.lock:
+            return method(self, *args, **kwargs)
+    return run  # type: ignore[return-value]
+
+
+@dataclass
+class SaveRequest:
+    """A SaveKernel request after its checks: where it goes, what it runs on, which sources are valid."""
+    owner: str
+    slug: str
+    kernel: dict[str, Any] | None
+    shape: str
+    gpu: bool
+    tpu: bool
+    run: bool
+    sources: dict[str, list[str]] = field(default_factory=dict)  # requested / valid / invalid, per kind
+
+    @property
+    def ref(self) -> str:
+        return f"{self.owner}/{self.slug}"
+
+
 class Rpcs:
-    def __init__(self, emu: Emulator) -> None:
-        self.emu = emu
-        self.store = emu.store
+    """The RPC handlers, given what they use: the store, the session runner, the fault and strictness
+    switches, the account limits and the emulator's base URL (known once it listens)."""
+
+    def __init__(self, store: Store, runner: SessionRunner, faults: Faults, switches: Switches, limits: Limits,
+                 url: Callable[[], str], secrets: dict[str, dict[str, str]],
+                 competitions: dict[str, list[str]]) -> None:
+        self.store = store
+        self.runner = runner
+        self.faults = faults
+        self.switches = switches
+        self.limits = limits
+        self.url = url
+        self.secrets = secrets  # user -> label -> value
+        self.competitions = competitions  # competition slug -> users who accepted its rules
 
     # -- helpers ------------------------------------------------------------------------------
+
+    def _missing(self, what: str) -> ApiError:
+        """Missing and not visible read the same (403 on Kaggle, so the namespace cannot be probed)."""
+        code = self.switches.missing_status
+        if code == 403:
+            return ApiError(403, f"Permission denied: {what} does not exist or you cannot see it")
+        return ApiError(404, f"{what} not found")
 
     def _own(self, user: str, owner: str, what: str) -> None:
         if owner != user:
@@ -69,30 +121,33 @@ class Rpcs:
         ref = f"{body.get('userName') or user}/{body.get('kernelSlug', '')}"
         kernel = self.store.kernels.get(ref)
         if kernel is None or (kernel["is_private"] and kernel["owner"] != user):
-            raise ApiError(404, f"Kernel {ref} not found")
+            raise self._missing(f"kernel {ref}")
         return kernel
 
     def _kernel_version(self, kernel: dict[str, Any], number: int | None) -> dict[str, Any]:
         versions = kernel["versions"]
         if not versions:
-            raise ApiError(404, f"Kernel {kernel['ref']} has no versions")
+            raise self._missing(f"kernel {kernel['ref']} (no versions)")
         if number is None:
             return versions[-1]
         for version in versions:
             if version["number"] == number:
                 return version
-        raise ApiError(404, f"Kernel {kernel['ref']} has no version {number}")
+        raise self._missing(f"version {number} of kernel {kernel['ref']}")
 
     def _dataset(self, user: str, owner: str | None, slug: str | None) -> dict[str, Any]:
+        """A dataset the caller may see and that has a visible version (a new one is invisible a while)."""
         ref = f"{owner or user}/{slug or ''}"
         dataset = self.store.datasets.get(ref)
         if dataset is None or (dataset["is_private"] and dataset["owner"] != user):
-            raise ApiError(404, f"Dataset {ref} not found")
+            raise self._missing(f"dataset {ref}")
+        if not self.store.visible_versions(dataset):
+            raise ApiError(self.switches.lag_status, f"Dataset {ref} not found (a new dataset is not visible yet)")
         return dataset
 
     def _ready_version(self, dataset: dict[str, Any], number: int | None) -> dict[str, Any]:
         """The version to read: the one asked for if it is ready, else the latest ready one."""
-        versions = [v for v in dataset["versions"] if self.store.version_ready(v)]
+        versions = self.store.ready_versions(dataset)
         if number is not None:
             versions = [v for v in versions if v["number"] == number]
         if not versions:
@@ -112,98 +167,149 @@ class Rpcs:
 
     # -- kernels ------------------------------------------------------------------------------
 
+    def _dataset_source_ok(self, user: str, source: str) -> bool:
+        """owner/slug (or owner/slug/N): visible to user, with a ready version (the pinned one if pinned)."""
+        parts = source.split("/")
+        if len(parts) not in (2, 3):
+            return False
+        dataset = self.store.datasets.get("/".join(parts[:2]))
+        if dataset is None or (dataset["is_private"] and dataset["owner"] != user):
+            return False
+        ready = self.store.ready_versions(dataset)
+        if len(parts) == 3:
+            ready = [v for v in ready if parts[2].isdigit() and v["number"] == int(parts[2])]
+        return bool(ready)
+
     def SaveKernel(self, user: str, body: dict[str, Any]) -> dict[str, Any]:
-        emu, store = self.emu, self.store
-        with store.lock:
-            kernel = None
-            if body.get("id"):
-                kernel = next((k for k in store.kernels.values() if k["id"] == body["id"]), None)
-                if kernel is None:
-                    raise ApiError(404, f"Kernel id {body['id']} not found")
-                owner, slug = kernel["owner"], kernel["slug"]
-            else:
-                raw = body.get("slug") or ""
-                owner, slug = raw.split("/", 1) if "/" in raw else (user, raw)
-                if not slug:
-                    raise ApiError(400, "A kernel slug (metadata id) is required")
-                kernel = store.kernels.get(f"{owner}/{slug}")
-            self._own(user, owner, "kernels")
-            if not body.get("text"):
-                raise ApiError(400, "The kernel has no source text")
-
-            shape = body.get("machineShape") or ""
-            gpu = bool(body.get("enableGpu")) or shape.startswith(GPU_SHAPE_PREFIXES)
-            run = body.get("kernelExecutionType") != "QUICK_SAVE"
+        """Checks, then the kernel's upsert, then its new version's session; invalid sources are
+        answered and left out, and the session starts all the same (as on Kaggle)."""
+        with self.store.lock:
+            save = self._check_save(user, body)
+            refusal = self._refusal(user, save)
+            if refusal:
+                return {"error": refusal}
             now = time.time()
-            if run and gpu:
-                live = [s for s in store.sessions.values() if s["owner"] == user and s["gpu"] and s["status"] in LIVE]
-                if len(live) >= emu.max_gpu_sessions:
-                    return {"error": f"Maximum batch GPU session count of {emu.max_gpu_sessions} reached"}
-                used = self._gpu_used_s(user, now)
-                if used >= emu.gpu_quota_s:
-                    return {"error": (f"GPU quota exceeded: {used / 3600:.2f} of {emu.gpu_quota_s / 3600:.2f} hours "
-                                      f"used this week; the quota resets Saturday 00:00 UTC")}
-
-            valid_ds, invalid_ds = [], []
-            for source in body.get("datasetDataSources", []):
-                parts = source.split("/")
-                dataset = store.datasets.get("/".join(parts[:2])) if len(parts) in (2, 3) else None
-                ok = dataset is not None and (not dataset["is_private"] or dataset["owner"] == user)
-                if ok and len(parts) == 3:
-                    ok = parts[2].isdigit() and any(v["number"] == int(parts[2]) for v in dataset["versions"])
-                (valid_ds if ok else invalid_ds).append(source)
-            valid_ks, invalid_ks = [], []
-            for source in body.get("kernelDataSources", []):
-                ref = "/".join(source.split("/")[:2])
-                ok = ref in store.kernels or ref == f"{owner}/{slug}"
-                (valid_ks if ok else invalid_ks).append(source)
-
-            if kernel is None:
-                kernel = {"id": store.next_id(), "ref": f"{owner}/{slug}", "owner": owner, "slug": slug,
-                          "title": body.get("newTitle") or slug, "versions": []}
-                store.kernels[kernel["ref"]] = kernel
-            elif body.get("newTitle"):
-                kernel["title"] = body["newTitle"]
-            kernel.update({
-                "language": body.get("language", "python"), "kernel_type": body.get("kernelType", "notebook"),
-                "is_private": body.get("isPrivate", False), "enable_gpu": bool(body.get("enableGpu")),
-                "enable_tpu": bool(body.get("enableTpu")), "enable_internet": bool(body.get("enableInternet", False)),
-                "machine_shape": shape, "dataset_sources": valid_ds, "kernel_sources": valid_ks,
-                "competition_sources": body.get("competitionDataSources", []),
-                "model_sources": body.get("modelDataSources", []), "category_ids": body.get("categoryIds", []),
-                "docker_image": body.get("dockerImage", ""), "last_run": now,
-            })
-            number = len(kernel["versions"]) + 1
-            session_id = str(store.next_id())
-            limit = emu.session_limit_s
-            if body.get("sessionTimeoutSeconds"):
-                limit = min(limit, int(body["sessionTimeoutSeconds"]))
-            session = {
-                "id": session_id, "kernel": kernel["ref"], "owner": owner, "version": number, "gpu": gpu,
-                "kernel_type": kernel["kernel_type"], "dataset_sources": valid_ds, "limit_s": limit,
-                "status": "QUEUED" if run else "COMPLETE", "failure_message": "", "queued": now,
-                "started": None, "ended": None if run else now, "output_sig": new_secret(), "run": run,
-                # Faults are fixed at push time so a test can change them right after a push.
-                "kill_at": emu.faults.kill_at() if run else None, "lose_output": emu.faults.lose_output,
-                "no_gpu": emu.faults.no_gpu,
-            }
-            sdir = store.session_dir(session_id)
-            sdir.mkdir(parents=True)
-            (sdir / "source").write_text(body["text"], encoding="utf-8")
-            (sdir / "output").mkdir() if not run else None
-            store.sessions[session_id] = session
-            kernel["versions"].append({"number": number, "session": session_id, "created": now})
-            store.save()
-        if run:
-            emu.runner.launch(session_id)
-        if emu.faults.lose_save_answer():
+            kernel = self._upsert_kernel(save, body, now)
+            number, session_id = self._add_session(save, kernel, body, now)
+            self.store.save()
+        if save.run:
+            self.runner.launch(session_id)
+        if self.faults.lose_save_answer():
             raise ApiError(500, "Internal error after the version was saved (injected)")
-        return {"ref": f"/code/{owner}/{slug}", "url": f"{emu.url}/code/{owner}/{slug}", "versionNumber": number,
-                "kernelId": kernel["id"], "invalidDatasetSources": invalid_ds, "invalidKernelSources": invalid_ks}
+        return {"ref": f"/code/{save.ref}", "url": f"{self.url()}/code/{save.ref}", "versionNumber": number,
+                "kernelId": kernel["id"], "invalidDatasetSources": save.sources["invalid_datasets"],
+                "invalidKernelSources": save.sources["invalid_kernels"],
+                "invalidCompetitionSources": save.sources["invalid_competitions"]}
 
+    def _check_save(self, user: str, body: dict[str, Any]) -> SaveRequest:
+        """Which kernel (by id or slug, owned by the caller), on what machine, with which valid sources."""
+        kernel = None
+        if body.get("id"):
+            kernel = next((k for k in self.store.kernels.values() if k["id"] == body["id"]), None)
+            if kernel is None:
+                raise self._missing(f"kernel id {body['id']}")
+            owner, slug = kernel["owner"], kernel["slug"]
+        else:
+            raw = body.get("slug") or ""
+            owner, slug = raw.split("/", 1) if "/" in raw else (user, raw)
+            if not slug:
+                raise ApiError(400, "A kernel slug (metadata id) is required")
+            kernel = self.store.kernels.get(f"{owner}/{slug}")
+        self._own(user, owner, "kernels")
+        if not body.get("text"):
+            raise ApiError(400, "The kernel has no source text")
+        shape = body.get("machineShape") or ""
+        save = SaveRequest(owner=owner, slug=slug, kernel=kernel, shape=shape,
+                           gpu=bool(body.get("enableGpu")) or shape.startswith(GPU_SHAPE_PREFIXES),
+                           tpu=bool(body.get("enableTpu")) or shape.startswith(TPU_SHAPE_PREFIXES),
+                           run=body.get("kernelExecutionType") != "QUICK_SAVE")
+        save.sources = self._check_sources(user, save.ref, body)
+        return save
+
+    def _check_sources(self, user: str, ref: str, body: dict[str, Any]) -> dict[str, list[str]]:
+        datasets = list(body.get("datasetDataSources", []))
+        kernels = list(body.get("kernelDataSources", []))
+        competitions = list(body.get("competitionDataSources", []))
+        valid_ds = [s for s in datasets if self._dataset_source_ok(user, s)]
+        valid_ks = [s for s in kernels if "/".join(s.split("/")[:2]) in self.store.kernels
+                    or "/".join(s.split("/")[:2]) == ref]
+        valid_cs = [c for c in competitions if user in self.competitions.get(c, ())]
+        return {"datasets": datasets, "valid_datasets": valid_ds,
+                "invalid_datasets": [s for s in datasets if s not in valid_ds],
+                "valid_kernels": valid_ks, "invalid_kernels": [s for s in kernels if s not in valid_ks],
+                "valid_competitions": valid_cs, "invalid_competitions": [c for c in competitions if c not in valid_cs]}
+
+    def _refusal(self, user: str, save: SaveRequest) -> str | None:
+        """Kaggle's refusal in SaveKernel's `error` for a GPU run over the concurrency cap or the quota."""
+        if not (save.run and save.gpu):
+            return None
+        cap = self.limits.max_gpu_sessions
+        live = [s for s in self.store.sessions.values() if s["owner"] == user and s["gpu"] and s["status"] in LIVE]
+        if len(live) >= cap:
+            return f"Maximum batch GPU session count of {cap} reached"
+        used, quota = self._gpu_used_s(user, time.time()), self.limits.gpu_quota_s
+        if used >= quota:
+            return (f"GPU quota exceeded: {used / 3600:.2f} of {quota / 3600:.2f} hours "
+                    f"used this week; the quota resets Saturday 00:00 UTC")
+        return None
+
+    def _upsert_kernel(self, save: SaveRequest, body: dict[str, Any], now: float) -> dict[str, Any]:
+        kernel = save.kernel
+        if kernel is None:
+            kernel = {"id": self.store.next_id(), "ref": save.ref, "owner": save.owner, "slug": save.slug,
+                      "title": body.get("newTitle") or save.slug, "versions": []}
+            self.store.kernels[save.ref] = kernel
+        elif body.get("newTitle"):
+            kernel["title"] = body["newTitle"]
+        kernel.update({
+            "language": body.get("language", "python"), "kernel_type": body.get("kernelType", "notebook"),
+            "is_private": body.get("isPrivate", False), "enable_gpu": bool(body.get("enableGpu")),
+            "enable_tpu": bool(body.get("enableTpu")), "enable_internet": bool(body.get("enableInternet", False)),
+            "machine_shape": save.shape, "dataset_sources": save.sources["valid_datasets"],
+            "kernel_sources": save.sources["valid_kernels"], "competition_sources": save.sources["valid_competitions"],
+            "model_sources": body.get("modelDataSources", []), "category_ids": body.get("categoryIds", []),
+            "docker_image": body.get("dockerImage", ""), "last_run": now,
+        })
+        return kernel
+
+    def _add_session(self, save: SaveRequest, kernel: dict[str, Any], body: dict[str, Any],
+                     now: float) -> tuple[int, str]:
+        """The new version and its session record (QUEUED, or COMPLETE for a quick save); (number, id)."""
+        number = len(kernel["versions"]) + 1
+        # Session ids are internal, like a PID: not the version number, not the kernel id.
+        session_id = str(SESSION_ID_BASE + self.store.next_id())
+        limit = self.limits.session_limit_s
+        if save.tpu:
+            limit = min(limit, self.switches.tpu_session_limit_s)
+        if body.get("sessionTimeoutSeconds"):
+            limit = min(limit, int(body["sessionTimeoutSeconds"]))
+        run, faults, switches, sources = save.run, self.faults, self.switches, save.sources
+        self.store.sessions[session_id] = {
+            "id": session_id, "kernel": kernel["ref"], "owner": save.owner, "version": number, "gpu": save.gpu,
+            "tpu": save.tpu, "kernel_type": kernel["kernel_type"], "requested_sources": sources["datasets"],
+            "dataset_sources": sources["valid_datasets"], "invalid_sources": sources["invalid_datasets"],
+            "competition_sources": sources["valid_competitions"],
+            "invalid_competition_sources": sources["invalid_competitions"], "mounted": [], "limit_s": limit,
+            "status": "QUEUED" if run else "COMPLETE", "failure_message": "", "queued": now,
+            "started": None, "ended": None if run else now, "output_sig": new_secret(), "run": run,
+            # Faults and switches are fixed at push time so a test can change them right after a push.
+            "kill_at": faults.kill_at() if run else None, "lose_output": faults.lose_output,
+            "kill_on_output": faults.kill_on_output if run else None,
+            "queue_s": switches.queue_s, "boot_s": switches.boot_s, "output_at_limit": switches.output_at_limit,
+            "ignore_version_pin": switches.ignore_version_pin, "no_gpu": faults.no_gpu,
+        }
+        sdir = self.store.session_dir(session_id)
+        sdir.mkdir(parents=True)
+        (sdir / "source").write_text(body["text"], encoding="utf-8")
+        if not run:
+            (sdir / "output").mkdir()
+        kernel["versions"].append({"number": number, "session": session_id, "created": now})
+        return number, session_id
+
+    @locked
     def GetKernelSessionStatus(self, user: str, body: dict[str, Any]) -> dict[str, Any]:
         kernel = self._kernel(user, body)
-        version = self._kernel_version(kernel, _version_label(body))
+        version = self._kernel_version(kernel, version_label(body))
         session = self.store.session(version["session"])
         answer = {"status": session["status"]}
         if session["failure_message"]:
@@ -211,28 +317,59 @@ class Rpcs:
         return answer
 
     def ListKernelSessionOutput(self, user: str, body: dict[str, Any]) -> dict[str, Any]:
-        kernel = self._kernel(user, body)
-        version = self._kernel_version(kernel, _version_label(body))
-        session = self.store.session(version["session"])
+        with self.store.lock:
+            kernel = self._kernel(user, body)
+            session = dict(self.store.session(self._kernel_version(kernel, version_label(body))["session"]))
         sdir = self.store.session_dir(session["id"])
         output = sdir / "output"
-        names = sorted(str(p.relative_to(output)) for p in output.rglob("*") if p.is_file()) if output.exists() else []
+        live = session["status"] in LIVE  # Kaggle persists output and log when the session ends
+        names = [] if live or not output.exists() else sorted(
+            str(p.relative_to(output)) for p in output.rglob("*") if p.is_file())
         size = int(body.get("pageSize") or 0) or len(names) or 1
         start = int(body.get("pageToken") or 0)
         page = names[start:start + size]
-        base = f"{self.emu.url}/out/{session['output_sig']}"
+        base = f"{self.url()}/out/{session['output_sig']}"
         answer: dict[str, Any] = {"files": [{"url": f"{base}/{name}", "fileName": name} for name in page]}
         if start + size < len(names):
             answer["nextPageToken"] = str(start + size)
         if not body.get("pageToken"):
             log = sdir / "log.json"
-            answer["log"] = log.read_text(encoding="utf-8") if log.exists() else ""
+            answer["log"] = log.read_text(encoding="utf-8") if log.exists() and not live else ""
         return answer
 
     def GetKernel(self, user: str, body: dict[str, Any]) -> dict[str, Any]:
-        kernel = self._kernel(user, body)
-        version = self._kernel_version(kernel, _version_label(body))
-        source = (self.store.session_dir(version["session"]) / "source").read_text(encoding="utf-8")
+        with self.store.lock:
+            kernel = self._kernel(user, body)
+            session_id = self._kernel_version(kernel, version_label(body))["session"]
+            metadata = self._kernel_metadata(kernel)
+        source = (self.store.session_dir(session_id) / "source").read_text(encoding="utf-8")
+        return {"metadata": metadata, "blob": {"source": source, "language": metadata["language"],
+                                               "kernelType": metadata["kernelType"], "slug": metadata["slug"]}}
+
+    @locked
+    def GetAcceleratorQuotaStatistics(self, user: str, body: dict[str, Any]) -> dict[str, Any]:
+        now = time.time()
+        answer = {
+            "quotaRefreshTime": iso(week_start(now) + 7 * 86400),
+            "tpuQuota": {"timeUsed": _duration(0), "totalTimeAllowed": _duration(20 * 3600)},
+        }
+        if self.switches.quota_has_gpu:
+            answer["gpuQuota"] = {"timeUsed": _duration(self._gpu_used_s(user, now)),
+                                  "totalTimeAllowed": _duration(self.limits.gpu_quota_s)}
+        return answer
+
+    @locked
+    def CancelKernelSession(self, user: str, body: dict[str, Any]) -> dict[str, Any]:
+        """Cancel by the internal session id (Kaggle exposes it to no client; tests read emu.sessions())."""
+        session = self.store.sessions.get(str(body.get("kernelSessionId") or ""))
+        if session is None or session["owner"] != user:
+            raise self._missing(f"kernel session {body.get('kernelSessionId')}")
+        if session["status"] not in LIVE:
+            return {"errorMessage": f"Kernel session {session['id']} is not running (status {session['status']})"}
+        self.runner.cancel(session["id"], by="api")
+        return {}
+
+    def _kernel_metadata(self, kernel: dict[str, Any]) -> dict[str, Any]:
         metadata = {
             "id": kernel["id"], "ref": kernel["ref"], "title": kernel["title"], "author": kernel["owner"],
             "slug": kernel["slug"], "language": kernel["language"], "kernelType": kernel["kernel_type"],
@@ -246,17 +383,27 @@ class Rpcs:
             metadata["machineShape"] = kernel["machine_shape"]
         if kernel["docker_image"]:
             metadata["dockerImage"] = kernel["docker_image"]
-        return {"metadata": metadata, "blob": {"source": source, "language": kernel["language"],
-                                                "kernelType": kernel["kernel_type"], "slug": kernel["slug"]}}
+        return metadata
 
-    def GetAcceleratorQuotaStatistics(self, user: str, body: dict[str, Any]) -> dict[str, Any]:
-        now = time.time()
-        return {
-            "quotaRefreshTime": iso(week_start(now) + 7 * 86400),
-            "gpuQuota": {"timeUsed": _duration(self._gpu_used_s(user, now)),
-                         "totalTimeAllowed": _duration(self.emu.gpu_quota_s)},
-            "tpuQuota": {"timeUsed": _duration(0), "totalTimeAllowed": _duration(20 * 3600)},
-        }
+    @locked
+    def ListKernels(self, user: str, body: dict[str, Any]) -> dict[str, Any]:
+        """`kaggle kernels list [--mine] [--user U] [-s TERM]`: the caller's own (group PROFILE) or public ones."""
+        mine = "PROFILE" in str(body.get("group") or "").upper()
+        owner, search = body.get("user") or (user if mine else ""), str(body.get("search") or "").lower()
+        kernels = [k for k in self.store.kernels.values() if k["versions"]
+                   and (not owner or k["owner"] == owner) and (not k["is_private"] or k["owner"] == user)
+                   and (not mine or k["owner"] == user)
+                   and (search in k["title"].lower() or search in k["slug"])]
+        kernels.sort(key=lambda k: k["last_run"], reverse=True)
+        return self._page(body, [dict(self._kernel_metadata(k), totalVotes=0) for k in kernels], "kernels")
+
+    def _page(self, body: dict[str, Any], items: list[dict[str, Any]], key: str) -> dict[str, Any]:
+        size = int(body.get("pageSize") or 20)
+        start = int(body.get("pageToken") or 0) or (max(int(body.get("page") or 1), 1) - 1) * size
+        answer: dict[str, Any] = {key: items[start:start + size]}
+        if start + size < len(items):
+            answer["nextPageToken"] = str(start + size)
+        return answer
 
     # -- blobs --------------------------------------------------------------------------------
 
@@ -271,101 +418,156 @@ class Rpcs:
                                        "created": time.time()}
             self.store.blob_path(token).write_bytes(b"")
             self.store.save()
-        return {"token": token, "createUrl": f"{self.emu.url}/upload/{upload_id}"}
+        return {"token": token, "createUrl": f"{self.url()}/upload/{upload_id}"}
 
     # -- datasets -----------------------------------------------------------------------------
 
+    @locked
     def GetDatasetStatus(self, user: str, body: dict[str, Any]) -> dict[str, Any]:
         dataset = self._dataset(user, body.get("ownerSlug"), body.get("datasetSlug"))
+        if not self.store.version_visible(dataset["versions"][-1]):
+            raise ApiError(self.switches.lag_status, f"Dataset {dataset['ref']} not found (its new version is not visible yet)")
         latest = dataset["versions"][-1]
         return {"status": "READY" if self.store.version_ready(latest) else "BLOBS_RECEIVED"}
 
+    @locked
     def GetDataset(self, user: str, body: dict[str, Any]) -> dict[str, Any]:
-        dataset = self._dataset(user, body.get("ownerSlug"), body.get("datasetSlug"))
-        latest = dataset["versions"][-1]
+        return self._dataset_info(self._dataset(user, body.get("ownerSlug"), body.get("datasetSlug")))
+
+    def _dataset_info(self, dataset: dict[str, Any]) -> dict[str, Any]:
+        latest = self.store.visible_versions(dataset)[-1]  # the version number lags while a new one is invisible
         return {"id": dataset["id"], "ref": dataset["ref"], "title": dataset["title"],
-                "subtitle": dataset.get("subtitle", ""), "url": f"{self.emu.url}/datasets/{dataset['ref']}",
+                "subtitle": dataset.get("subtitle", ""), "url": f"{self.url()}/datasets/{dataset['ref']}",
                 "ownerName": dataset["owner"], "ownerRef": dataset["owner"], "isPrivate": dataset["is_private"],
                 "licenseName": dataset["license"], "currentVersionNumber": latest["number"],
-                "totalBytes": sum(f["size"] for f in latest["files"]), "lastUpdated": iso(latest["created"])}
+                "totalBytes": sum(f["size"] for f in latest["files"]), "lastUpdated": iso(latest["created"]),
+                "downloadCount": 0, "voteCount": 0, "usabilityRating": 0.0}
 
-    def _new_version(self, user: str, dataset: dict[str, Any], files: list[dict[str, Any]], notes: str) -> None:
-        """Materialise a version from uploaded blobs; uploaded zips become folders, as on Kaggle."""
-        tokens = [f.get("token", "") for f in files]
+    @locked
+    def ListDatasets(self, user: str, body: dict[str, Any]) -> dict[str, Any]:
+        """`kaggle datasets list [--mine] [--user U] [-s TERM]`: group MY (the caller's), USER or PUBLIC."""
+        group = str(body.get("group") or "").upper()
+        owner = user if group.endswith("_MY") else (body.get("user") or "" if group.endswith("_USER") else "")
+        search = str(body.get("search") or "").lower()
+        datasets = [d for d in self.store.datasets.values() if self.store.visible_versions(d)
+                    and (not owner or d["owner"] == owner) and (not d["is_private"] or d["owner"] == user)
+                    and (owner == user or not d["is_private"])
+                    and (search in d["title"].lower() or search in d["slug"])]
+        datasets.sort(key=lambda d: self.store.visible_versions(d)[-1]["created"], reverse=True)
+        return self._page(body, [self._dataset_info(d) for d in datasets], "datasets")
+
+    def _maybe_lose_answer(self) -> None:
+        if self.faults.lose_answer():
+            raise ApiError(500, "Internal error after the version was created (injected)")
+
+    def _blobs(self, user: str, files: list[dict[str, Any]]) -> list[tuple[Path, str]]:
+        """(bytes on disk, file name) of each complete upload the request names; under the lock."""
         blobs = []
-        for token in tokens:
+        for token in [f.get("token", "") for f in files]:
             blob = self.store.blobs.get(token)
             if blob is None or blob["owner"] != user:
                 raise ApiError(400, f"Unknown upload token {token!r}")
             if not blob["complete"]:
                 raise ApiError(400, f"Upload {blob['name']!r} is incomplete")
-            blobs.append((token, blob))
+            blobs.append((self.store.blob_path(token), blob["name"]))
+        return blobs
+
+    def _stage(self, blobs: list[tuple[Path, str]]) -> Path:
+        """A version's files in a staging folder, uploaded zips unpacked into folders as on Kaggle.
+        Disk work only, so no lock: other calls go on while a big version is unpacked."""
+        staging = self.store.root / "staging" / new_secret()
+        staging.mkdir(parents=True)
+        try:
+            for src, name in blobs:
+                if name.lower().endswith(".zip") and zipfile.is_zipfile(src):
+                    folder = staging / name[:-4]
+                    with zipfile.ZipFile(src) as zf:
+                        for member in zf.infolist():
+                            target = (folder / member.filename).resolve()
+                            if not str(target).startswith(str(folder.resolve())):
+                                raise ApiError(400, f"Zip {name!r} has an unsafe member {member.filename!r}")
+                        zf.extractall(folder)
+                else:
+                    shutil.copyfile(src, staging / name)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+        return staging
+
+    def _add_version(self, dataset: dict[str, Any], staging: Path, notes: str) -> None:
+        """Move the staged files in as the dataset's next version; under the lock."""
         number = len(dataset["versions"]) + 1
         dest = self.store.version_files_dir(dataset["ref"], number)
         if dest.exists():
             shutil.rmtree(dest)
-        dest.mkdir(parents=True)
-        for token, blob in blobs:
-            src = self.store.blob_path(token)
-            if blob["name"].lower().endswith(".zip") and zipfile.is_zipfile(src):
-                folder = dest / blob["name"][:-4]
-                with zipfile.ZipFile(src) as zf:
-                    for member in zf.infolist():
-                        target = (folder / member.filename).resolve()
-                        if not str(target).startswith(str(folder.resolve())):
-                            raise ApiError(400, f"Zip {blob['name']!r} has an unsafe member {member.filename!r}")
-                    zf.extractall(folder)
-            else:
-                shutil.copyfile(src, dest / blob["name"])
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        staging.replace(dest)
         now = time.time()
         listing = [{"name": str(p.relative_to(dest)), "size": p.stat().st_size}
                    for p in sorted(dest.rglob("*")) if p.is_file()]
-        dataset["versions"].append({"number": number, "created": now, "ready_at": now + self.emu.faults.processing_s,
+        visible = now + self.switches.version_lag_s
+        dataset["versions"].append({"number": number, "created": now, "visible_at": visible,
+                                    "ready_at": visible + self.faults.processing_s,
                                     "notes": notes, "files": listing, "sig": new_secret()})
 
     def CreateDataset(self, user: str, body: dict[str, Any]) -> dict[str, Any]:
         owner, slug = body.get("ownerSlug") or user, body.get("slug") or ""
         self._own(user, owner, "datasets")
         ref = f"{owner}/{slug}"
+        taken = {"status": "error", "error": f'The requested slug "{slug}" is already in use by a dataset.'}
         with self.store.lock:
             if ref in self.store.datasets:
-                return {"status": "error", "error": f'The requested slug "{slug}" is already in use by a dataset.'}
+                return taken
+            blobs = self._blobs(user, body.get("files", []))
+        staging = self._stage(blobs)
+        with self.store.lock:
+            if ref in self.store.datasets:  # made by a concurrent call while this one unpacked
+                shutil.rmtree(staging, ignore_errors=True)
+                return taken
             dataset = {"id": self.store.next_id(), "ref": ref, "owner": owner, "slug": slug,
                        "title": body.get("title") or slug, "subtitle": body.get("subtitle", ""),
                        "license": body.get("licenseName", "unknown"), "is_private": bool(body.get("isPrivate")),
                        "versions": []}
-            self._new_version(user, dataset, body.get("files", []), "Initial release")
+            self._add_version(dataset, staging, "Initial release")
             self.store.datasets[ref] = dataset
             self.store.save()
-        return {"ref": ref, "url": f"{self.emu.url}/datasets/{ref}", "status": "ok"}
+        self._maybe_lose_answer()
+        return {"ref": ref, "url": f"{self.url()}/datasets/{ref}", "status": "ok"}
 
     def _create_version(self, user: str, dataset: dict[str, Any], body: dict[str, Any]) -> dict[str, Any]:
         self._own(user, dataset["owner"], "datasets")
+        inner = body.get("body") or {}
         with self.store.lock:
-            first = dataset["versions"][0]
-            if not self.store.version_ready(first):
+            if not self.store.version_ready(dataset["versions"][0]):
                 raise ApiError(403, f"Dataset {dataset['ref']} is still processing its first version; "
                                     "try again when its status is ready")
-            inner = body.get("body") or {}
-            self._new_version(user, dataset, inner.get("files", []), inner.get("versionNotes", ""))
+            blobs = self._blobs(user, inner.get("files", []))
+        staging = self._stage(blobs)
+        with self.store.lock:
+            self._add_version(dataset, staging, inner.get("versionNotes", ""))
             if inner.get("subtitle"):
                 dataset["subtitle"] = inner["subtitle"]
             self.store.save()
-        return {"ref": dataset["ref"], "url": f"{self.emu.url}/datasets/{dataset['ref']}", "status": "ok"}
+        self._maybe_lose_answer()
+        return {"ref": dataset["ref"], "url": f"{self.url()}/datasets/{dataset['ref']}", "status": "ok"}
 
     def CreateDatasetVersion(self, user: str, body: dict[str, Any]) -> dict[str, Any]:
-        return self._create_version(user, self._dataset(user, body.get("ownerSlug"), body.get("datasetSlug")), body)
-
-    def CreateDatasetVersionById(self, user: str, body: dict[str, Any]) -> dict[str, Any]:
-        dataset = next((d for d in self.store.datasets.values() if d["id"] == body.get("id")), None)
-        if dataset is None or (dataset["is_private"] and dataset["owner"] != user):
-            raise ApiError(404, f"Dataset id {body.get('id')} not found")
+        with self.store.lock:
+            dataset = self._dataset(user, body.get("ownerSlug"), body.get("datasetSlug"))
         return self._create_version(user, dataset, body)
 
+    def CreateDatasetVersionById(self, user: str, body: dict[str, Any]) -> dict[str, Any]:
+        with self.store.lock:
+            dataset = next((d for d in self.store.datasets.values() if d["id"] == body.get("id")), None)
+            if dataset is None or (dataset["is_private"] and dataset["owner"] != user):
+                raise self._missing(f"dataset id {body.get('id')}")
+        return self._create_version(user, dataset, body)
+
+    @locked
     def DownloadDataset(self, user: str, body: dict[str, Any]) -> dict[str, Any]:
         dataset = self._dataset(user, body.get("ownerSlug"), body.get("datasetSlug"))
         version = self._ready_version(dataset, body.get("datasetVersionNumber"))
-        base = f"{self.emu.url}/dl/{version['sig']}"
+        base = f"{self.url()}/dl/{version['sig']}"
         name = body.get("fileName")
         if name:
             if not any(f["name"] == name for f in version["files"]):
@@ -373,6 +575,7 @@ class Rpcs:
             raise Redirect(f"{base}/file/{name}")
         raise Redirect(f"{base}/{dataset['slug']}.zip")
 
+    @locked
     def ListDatasetFiles(self, user: str, body: dict[str, Any]) -> dict[str, Any]:
         dataset = self._dataset(user, body.get("ownerSlug"), body.get("datasetSlug"))
         version = self._ready_version(dataset, body.get("datasetVersionNumber"))
@@ -390,21 +593,25 @@ class Rpcs:
     # -- file serving (pre-signed URLs) --------------------------------------------------------
 
     def dataset_zip(self, sig: str) -> tuple[Path, float] | None:
-        """(zip path, version time) for a download signature; the zip is built once and cached."""
-        for dataset in self.store.datasets.values():
-            for version in dataset["versions"]:
-                if version["sig"] == sig:
-                    files = self.store.version_files_dir(dataset["ref"], version["number"])
-                    path = files.parent / "download.zip"
-                    if not path.exists():
-                        tmp = files.parent / ".download.zip.tmp"
-                        with zipfile.ZipFile(tmp, "w", zipfile.ZIP_DEFLATED) as zf:
-                            for f in version["files"]:
-                                zf.write(files / f["name"], f["name"])
-                        tmp.replace(path)
-                    return path, version["created"]
-        return None
+        """(zip path, version time) for a download signature; the zip is built once (outside the
+        lock) and cached."""
+        with self.store.lock:
+            found = next(((d, v) for d in self.store.datasets.values() for v in d["versions"] if v["sig"] == sig), None)
+            if found is None:
+                return None
+            dataset, version = found
+            files = self.store.version_files_dir(dataset["ref"], version["number"])
+            names, created = [f["name"] for f in version["files"]], version["created"]
+        path = files.parent / "download.zip"
+        if not path.exists():
+            tmp = files.parent / f".download.zip.{new_secret()}.tmp"
+            with zipfile.ZipFile(tmp, "w", zipfile.ZIP_DEFLATED) as zf:
+                for name in names:
+                    zf.write(files / name, name)
+            tmp.replace(path)
+        return path, created
 
+    @locked
     def dataset_file(self, sig: str, name: str) -> tuple[Path, float] | None:
         for dataset in self.store.datasets.values():
             for version in dataset["versions"]:
@@ -412,6 +619,7 @@ class Rpcs:
                     return self.store.version_files_dir(dataset["ref"], version["number"]) / name, version["created"]
         return None
 
+    @locked
     def output_file(self, sig: str, name: str) -> tuple[Path, float] | None:
         for session in self.store.sessions.values():
             if session["output_sig"] == sig:
@@ -421,8 +629,24 @@ class Rpcs:
                     return path, session.get("ended") or time.time()
         return None
 
+    @locked
+    def live_log(self, user: str, owner: str, slug: str, label: str) -> tuple[str, bool]:
+        """(session id, whether it is live) of the kernel version a log-stream GET names."""
+        kernel = self._kernel(user, {"userName": owner, "kernelSlug": slug})
+        session_id = self._kernel_version(kernel, version_label({"versionLabel": label}))["session"]
+        return session_id, self.store.session(session_id)["status"] in LIVE
+
+    @locked
+    def session_live(self, session_id: str) -> bool:
+        return self.store.session(session_id)["status"] in LIVE
+
+    @locked
     def user_secret(self, token: str, label: str) -> str | None:
-        user = self.emu.runner.secret_tokens.get(token)
-        if user is None:
+        """A Secret for a session's token: only once the user attached Secrets to that kernel."""
+        found = self.runner.secret_tokens.get(token)
+        if found is None:
             return None
-        return self.emu.secrets.get(user, {}).get(label)
+        user, kernel_ref = found
+        if self.switches.secrets_need_attaching and kernel_ref not in self.store.secrets_attached:
+            return None
+        return self.secrets.get(user, {}).get(label)

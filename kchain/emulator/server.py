@@ -19,18 +19,19 @@ import binascii
 import json
 import re
 import socket
+import time
+from collections.abc import Callable
 from email.utils import formatdate
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
-from urllib.parse import unquote, urlsplit
+from typing import Any
+from urllib.parse import parse_qs, unquote, urlsplit
 
-from kchain.emulator.rpcs import ApiError, Redirect
-
-if TYPE_CHECKING:
-    from kchain.emulator.app import Emulator
+from kchain.emulator.rpcs import ApiError, Redirect, Rpcs
 
 RPC_PATH = re.compile(r"^(?:/api)?/v1/(?P<service>[\w.]+)/(?P<rpc>\w+)$")
+LOG_STREAM_PATH = re.compile(r"^(?:/api)?/v1/kernels/logs/stream/(?P<owner>[^/]+)/(?P<slug>[^/]+)$")
+END_OF_LOG = "END_OF_LOG"  # the client's _LOG_STREAM_END_SENTINEL
 CHUNK = 1 << 20
 
 
@@ -38,8 +39,12 @@ class EmulatorHTTPServer(ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True
 
-    def __init__(self, address: tuple[str, int], emu: Emulator) -> None:
-        self.emu = emu
+    def __init__(self, address: tuple[str, int], rpcs: Rpcs, users: dict[str, str], tokens: dict[str, str],
+                 count: Callable[[str], None]) -> None:
+        self.rpcs = rpcs
+        self.users = users  # name -> key
+        self.tokens = tokens  # token -> name
+        self.count = count  # one call of a kind (an RPC name, or upload_put/_drop/_probe/_resume)
         super().__init__(address, Handler)
 
 
@@ -55,8 +60,8 @@ class Handler(BaseHTTPRequestHandler):
     # -- plumbing -----------------------------------------------------------------------------
 
     @property
-    def emu(self) -> Emulator:
-        return self.server.emu
+    def rpcs(self) -> Rpcs:
+        return self.server.rpcs
 
     def _target(self) -> tuple[str, str]:
         """(path, query) of an origin-form or absolute-form request target."""
@@ -92,9 +97,9 @@ class Handler(BaseHTTPRequestHandler):
                 name, _, key = base64.b64decode(value).decode().partition(":")
             except (binascii.Error, UnicodeDecodeError):
                 return None
-            return name if key and self.emu.users.get(name) == key else None
+            return name if key and self.server.users.get(name) == key else None
         if scheme.lower() == "bearer":
-            return self.emu.tokens.get(value.strip())
+            return self.server.tokens.get(value.strip())
         return None
 
     # -- verbs --------------------------------------------------------------------------------
@@ -112,24 +117,23 @@ class Handler(BaseHTTPRequestHandler):
         if not match:
             return self._error(404, f"No such endpoint: {path}")
         rpc = match["rpc"]
-        self.emu.count(rpc)
-        fault = self.emu.faults.api_fault()
+        self.server.count(rpc)
+        fault = self.rpcs.faults.api_fault()
         if fault == 429:
             return self._error(429, "TooManyRequests", {"Retry-After": "1"})
         if fault == 500:
             return self._error(500, "Internal error (injected)")
         if rpc == "IntrospectToken":
-            user = self.emu.tokens.get(str(request.get("token", "")))
+            user = self.server.tokens.get(str(request.get("token", "")))
             return self._json(200, {"active": True, "username": user} if user else {"active": False})
         user = self._user()
         if user is None:
             return self._error(401, "Unauthenticated: missing or invalid Kaggle credentials")
-        handler = getattr(self.emu.rpcs, rpc, None)
-        if handler is None or rpc.startswith("_"):
+        handler = getattr(self.rpcs, rpc, None)
+        if handler is None or not rpc[:1].isupper():  # RPCs are the CamelCase methods
             return self._error(404, f"Unknown RPC {match['service']}/{rpc}")
         try:
-            with self.emu.store.lock:  # handlers are quick; one at a time keeps the store consistent
-                answer = handler(user, request)
+            answer = handler(user, request)  # each takes the store's lock for what needs it
         except ApiError as e:
             return self._error(e.code, e.message)
         except Redirect as r:
@@ -137,7 +141,7 @@ class Handler(BaseHTTPRequestHandler):
         self._json(200, answer)
 
     def _secret(self, request: dict[str, Any]) -> None:
-        secret = self.emu.rpcs.user_secret(str(request.get("JWE", "")), str(request.get("Label", "")))
+        secret = self.rpcs.user_secret(str(request.get("JWE", "")), str(request.get("Label", "")))
         if secret is None:
             return self._json(200, {"wasSuccessful": False, "errors": ["No secret with that label for this session"]})
         self._json(200, {"wasSuccessful": True, "result": {"secret": secret}})
@@ -145,7 +149,7 @@ class Handler(BaseHTTPRequestHandler):
     def do_PUT(self) -> None:
         path, _ = self._target()
         match = re.fullmatch(r"/upload/([\w-]+)", path)
-        store = self.emu.store
+        store = self.rpcs.store
         with store.lock:
             found = [(t, b) for t, b in store.blobs.items() if match and b["upload_id"] == match[1]]
         if not found:
@@ -156,7 +160,7 @@ class Handler(BaseHTTPRequestHandler):
         content_range = self.headers.get("Content-Range") or ""
         if content_range.startswith("bytes */"):  # resumable-upload status probe
             self._body()
-            self.emu.count("upload_probe")
+            self.server.count("upload_probe")
             if blob["complete"]:
                 return self._json(200, {"token": token})
             headers = {"Range": f"bytes=0-{blob['received'] - 1}"} if blob["received"] else {}
@@ -165,13 +169,13 @@ class Handler(BaseHTTPRequestHandler):
         ranged = re.fullmatch(r"bytes (\d+)-(\d+)/(\d+)", content_range)
         if ranged:
             start = int(ranged[1])
-            self.emu.count("upload_resume")
+            self.server.count("upload_resume")
             if start > blob["received"]:
                 self._body()
                 return self._error(400, f"Content-Range starts at {start}, only {blob['received']} bytes received")
-        drop = length > 1 and self.emu.faults.drop_this_upload()
+        drop = length > 1 and self.rpcs.faults.drop_this_upload()
         budget = length // 2 if drop else length
-        self.emu.count("upload_drop" if drop else "upload_put")
+        self.server.count("upload_drop" if drop else "upload_put")
         received = start
         with open(store.blob_path(token), "r+b") as f:
             f.seek(start)
@@ -201,15 +205,62 @@ class Handler(BaseHTTPRequestHandler):
         self._json(200, {"token": token})
 
     def do_GET(self) -> None:
-        path, _ = self._target()
-        with self.emu.store.lock:
-            found, name = self._lookup(path)
+        path, query = self._target()
+        if match := LOG_STREAM_PATH.match(path):
+            return self._log_stream(match["owner"], match["slug"], query)
+        found, name = self._lookup(path)
         if found is None:
             return self._error(404, f"Not found: {path}")
         self._file(found[0], found[1], "application/zip" if name.endswith(".zip") else "application/octet-stream")
 
+    def _log_stream(self, owner: str, slug: str, query: str) -> None:
+        """kernels_logs_stream: SSE `data:` lines while the session lives, then END_OF_LOG; the
+        persisted JSON log (not SSE) once it has ended."""
+        self.server.count("GetKernelSessionLogsStream")
+        fault = self.rpcs.faults.api_fault()
+        if fault:
+            return self._error(fault, "Injected fault", {"Retry-After": "1"} if fault == 429 else None)
+        user = self._user()
+        if user is None:
+            return self._error(401, "Unauthenticated: missing or invalid Kaggle credentials")
+        if not self.rpcs.switches.log_stream:
+            return self._error(404, "No such endpoint: the live log stream is not served")
+        label = parse_qs(query).get("versionLabel", [""])[0]
+        try:
+            session_id, live = self.rpcs.live_log(user, owner, slug, label)
+        except ApiError as e:
+            return self._error(e.code, e.message)
+        sdir = self.rpcs.store.session_dir(session_id)
+        if not live:
+            log = sdir / "log.json"
+            return self._send(200, log.read_bytes() if log.exists() else b"[]")
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Cache-Control", "no-cache")
+        self.send_header("Transfer-Encoding", "chunked")  # each event reaches the client as it happens
+        self.end_headers()
+        sent = 0
+        try:
+            while not self.rpcs.runner.stopping:
+                done = not self.rpcs.session_live(session_id)
+                lines = _complete_lines(sdir / "log.jsonl")
+                for line in lines[sent:]:
+                    self._chunk(f"data: {line}\n\n".encode())
+                sent = len(lines)
+                if done:
+                    break
+                time.sleep(0.1)
+            self._chunk(f"data: {END_OF_LOG}\n\n".encode())
+            self._chunk(b"")
+        except (BrokenPipeError, ConnectionResetError):
+            self.close_connection = True
+
+    def _chunk(self, data: bytes) -> None:
+        self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
+        self.wfile.flush()
+
     def _lookup(self, path: str) -> tuple[tuple[Path, float] | None, str]:
-        rpcs = self.emu.rpcs
+        rpcs = self.rpcs
         found: tuple[Path, float] | None = None
         name = "file"
         if m := re.fullmatch(r"/out/([\w-]+)/(.+)", path):
@@ -248,6 +299,24 @@ class Handler(BaseHTTPRequestHandler):
                     break
                 self.wfile.write(chunk)
                 left -= len(chunk)
+
+
+def _complete_lines(path: Path) -> list[str]:
+    """The whole lines of a log the session is still writing (a torn last line waits)."""
+    try:
+        text = path.read_text(encoding="utf-8", errors="replace")
+    except FileNotFoundError:
+        return []
+    lines = text.split("\n")[:-1]
+    out = []
+    for line in lines:
+        try:
+            entry = json.loads(line)
+        except ValueError:
+            continue
+        out.append(json.dumps({"stream_name": entry.get("stream_name", "stdout"), "time": entry.get("time", 0.0),
+                               "data": entry.get("data", "")}))
+    return out
 
 
 def serve_forever_in(server: EmulatorHTTPServer) -> None:

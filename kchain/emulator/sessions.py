@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import stat
@@ -31,6 +32,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 KAGGLE_SECRETS_PY = '''"""Kaggle user secrets, as the Kaggle images provide them (emulator copy)."""
 import json
 import os
+import re
 import urllib.request
 
 
@@ -139,9 +141,11 @@ class SessionRunner:
         self.proxy_url = proxy_url
         self.closed_proxy_url = closed_proxy_url
         self.python = python
-        self.secret_tokens: dict[str, str] = {}  # per-session secrets token -> user
+        self.secret_tokens: dict[str, tuple[str, str]] = {}  # per-session secrets token -> (user, kernel ref)
         self._threads: dict[str, threading.Thread] = {}
         self._procs: dict[str, subprocess.Popen[bytes]] = {}
+        self._cancels: dict[str, str] = {}  # session id -> who cancelled it
+        self._expired: set[str] = set()  # sessions whose time limit a test declared reached
         self._stopping = threading.Event()
         # Test switch: extra environment for every session, standing for another kernel image (the doctor's
         # probe reads KCHAIN_TEST_IMAGE_TORCH / KCHAIN_TEST_IMAGE_NUMPY as the image's versions).
@@ -153,6 +157,18 @@ class SessionRunner:
         thread = threading.Thread(target=self._run, args=(session_id,), name=f"session-{session_id}", daemon=True)
         self._threads[session_id] = thread
         thread.start()
+
+    @property
+    def stopping(self) -> bool:
+        return self._stopping.is_set()
+
+    def cancel(self, session_id: str, by: str) -> None:
+        """Ask a live session to end as CANCEL_ACKNOWLEDGED; its watcher kills it within 50 ms."""
+        self._cancels.setdefault(session_id, by)
+
+    def expire(self, session_id: str) -> None:
+        """Reach the session's time limit now (a clock control: tests need not wait for the limit)."""
+        self._expired.add(session_id)
 
     def stop(self) -> None:
         """Kill every live session without recording an end: after a restart they read as lost."""
@@ -196,7 +212,7 @@ class SessionRunner:
         if kernel.get("enable_internet", True):
             proxy = self.proxy_url()
             token = new_secret()
-            self.secret_tokens[token] = session["owner"]
+            self.secret_tokens[token] = (session["owner"], session["kernel"])
             env.update({"HTTP_PROXY": proxy, "http_proxy": proxy, "NO_PROXY": "", "no_proxy": "",
                         "KAGGLE_API_ENVIRONMENT": "LOCALHOST", "KAGGLE_USER_SECRETS_TOKEN": token,
                         "KAGGLE_URL_BASE": "http://localhost"})
@@ -217,8 +233,8 @@ class SessionRunner:
             dataset = self.store.datasets.get(ref)
             if dataset is None:
                 continue
-            ready = [v for v in dataset["versions"] if self.store.version_ready(v)]
-            if len(parts) == 3:
+            ready = self.store.ready_versions(dataset)
+            if len(parts) == 3 and not session.get("ignore_version_pin"):
                 ready = [v for v in ready if v["number"] == int(parts[2])]
             if not ready:
                 continue
@@ -244,71 +260,138 @@ class SessionRunner:
         finally:
             self._procs.pop(session_id, None)
 
+    def _wait(self, session_id: str, until: float) -> bool:
+        """Sleep until `until`; False as soon as the emulator stops or the session is cancelled."""
+        while time.time() < until:
+            if self._stopping.is_set() or session_id in self._cancels:
+                return False
+            time.sleep(0.05)
+        return not self._stopping.is_set() and session_id not in self._cancels
+
     def _run_session(self, session_id: str) -> None:
         session = self.store.session(session_id)
-        kernel = self.store.kernels[session["kernel"]]
         sdir = self.store.session_dir(session_id)
         root = sdir / "root"
         (root / "input").mkdir(parents=True, exist_ok=True)
         (root / "working").mkdir(parents=True, exist_ok=True)
+        if not self._wait(session_id, session["queued"] + session.get("queue_s", 0.0)):
+            return self._end_early(session_id, sdir, root)
+        # The session's clock starts now: the container boots on the session's time.
+        started = time.time()
+        self._update(session_id, status="RUNNING", started=started, mounted=self._mount_inputs(session, root))
+        limit, kill_at = session["limit_s"], session["kill_at"]
+        limit_reason = f"Session exceeded its time limit of {limit:g} seconds and was stopped"
+        deadline, reason = started + limit, limit_reason
+        if kill_at is not None and kill_at < limit:
+            deadline, reason = started + kill_at, f"Session was killed (fault injection after {kill_at:.1f} s)"
+        if not self._wait(session_id, min(started + session.get("boot_s", 0.0), deadline)):
+            return self._end_early(session_id, sdir, root)
+        proc = self._launch(session_id, session, sdir, root) if time.time() < deadline else None
+        killed_by = reason if proc is None else self._watch(session_id, proc, deadline, reason, limit_reason)
+        if proc is not None:
+            kill_tree(proc.pid)  # stray grandchildren of a finished notebook die with the session
+        if self._stopping.is_set():
+            return  # stop() killed the tree; the record stays RUNNING and reads as lost on restart
+        if session_id in self._cancels:
+            return self._end_early(session_id, sdir, root)
+        lose = killed_by is not None and (
+            session["lose_output"] or (killed_by == limit_reason and session.get("output_at_limit") == "lost"))
+        self._capture(sdir, root, lose)
+        if killed_by is not None:
+            status, message = "ERROR", killed_by
+        elif proc is not None and proc.returncode == 0:
+            status, message = "COMPLETE", ""
+        else:
+            lines = [ln for ln in (sdir / "stderr.txt").read_text(errors="replace").splitlines() if ln.strip()]
+            status, message = "ERROR", (lines[-1].strip() if lines else f"exit code {proc and proc.returncode}")
+        self._update(session_id, status=status, failure_message=message, ended=time.time(),
+                     returncode=proc.returncode if proc else None, output_lost=lose, **_resumed(sdir))
+
+    def _launch(self, session_id: str, session: dict[str, Any], sdir: Path, root: Path) -> subprocess.Popen[bytes]:
+        """Start the notebook's process tree in its own process group (its first cell runs now)."""
         notebook = sdir / "kernel.ipynb"
         notebook.write_text(as_notebook((sdir / "source").read_text(encoding="utf-8"), session["kernel_type"]))
-        log_jsonl = sdir / "log.jsonl"
-        mounted = self._mount_inputs(session, root)
-        env = self._env(session, kernel, sdir, root)
-        kill_at, lose_output = session["kill_at"], session["lose_output"]
-        if self._stopping.is_set():
-            return
+        env = self._env(session, self.store.kernels[session["kernel"]], sdir, root)
         with open(sdir / "stdout.txt", "wb") as out, open(sdir / "stderr.txt", "wb") as err:
             proc = subprocess.Popen(
                 [self.python, "-m", "kchain.local", "run", str(notebook), "--root", str(root),
-                 "--log-jsonl", str(log_jsonl)],
+                 "--log-jsonl", str(sdir / "log.jsonl")],
                 cwd=root / "working", env=env, stdout=out, stderr=err, stdin=subprocess.DEVNULL,
                 start_new_session=True)
         self._procs[session_id] = proc
-        started = time.time()
         try:
             created = psutil.Process(proc.pid).create_time()
         except psutil.NoSuchProcess:
             created = None
-        self._update(session_id, status="RUNNING", started=started, pid=proc.pid, pid_created=created,
-                     mounted=mounted)
+        self._update(session_id, pid=proc.pid, pid_created=created, first_cell=time.time())
+        return proc
 
-        limit = session["limit_s"]
-        deadline, reason = started + limit, f"Session exceeded its time limit of {limit:g} seconds and was stopped"
-        if kill_at is not None and kill_at < limit:
-            deadline, reason = started + kill_at, f"Session was killed (fault injection after {kill_at:.1f} s)"
-        killed = False
+    def _watch(self, session_id: str, proc: subprocess.Popen[bytes], deadline: float, reason: str,
+               limit_reason: str) -> str | None:
+        """Wait for the process; kill its tree at the deadline, on a marker fault, an expiry or a cancel.
+        Returns why it was killed, or None if it ended by itself (or the emulator is stopping)."""
+        marker = self.store.session(session_id).get("kill_on_output")
+        log_jsonl = self.store.session_dir(session_id) / "log.jsonl"
         while proc.poll() is None:
             if self._stopping.is_set():
-                return  # stop() kills the tree; the record stays RUNNING and reads as lost on restart
-            if time.time() >= deadline:
+                return None
+            if marker and log_jsonl.exists() and marker in log_jsonl.read_text(errors="replace"):
+                deadline, reason = time.time(), f"Session was killed (fault injection on output {marker!r})"
+            if session_id in self._expired:
+                deadline, reason = time.time(), limit_reason
+            if time.time() >= deadline or session_id in self._cancels:
                 kill_tree(proc.pid)
                 proc.wait()
-                killed = True
-                break
+                return reason
             time.sleep(0.05)
-        kill_tree(proc.pid)  # stray grandchildren of a finished notebook die with the session
-        if self._stopping.is_set():
-            return
-        ended = time.time()
+        return None
 
+    def _capture(self, sdir: Path, root: Path, lose: bool) -> None:
+        """Keep ROOT/working as the version's output (or nothing), and the log in Kaggle's format."""
         output = sdir / "output"
-        working = root / "working"
-        if killed and lose_output:
+        if lose:
             output.mkdir(exist_ok=True)
         else:
-            os.replace(working, output)
-        log = kaggle_log(log_jsonl)
-        (sdir / "log.json").write_text(log, encoding="utf-8")
+            os.replace(root / "working", output)
+        (sdir / "log.json").write_text(kaggle_log(sdir / "log.jsonl"), encoding="utf-8")
         remove_tree(root)
 
-        if killed:
-            status, message = "ERROR", reason
-        elif proc.returncode == 0:
-            status, message = "COMPLETE", ""
-        else:
-            lines = [ln for ln in (sdir / "stderr.txt").read_text(errors="replace").splitlines() if ln.strip()]
-            status, message = "ERROR", (lines[-1].strip() if lines else f"exit code {proc.returncode}")
-        self._update(session_id, status=status, failure_message=message, ended=ended,
-                     returncode=proc.returncode, output_lost=killed and lose_output)
+    def _end_early(self, session_id: str, sdir: Path, root: Path) -> None:
+        """A session cancelled while queued, booting or running (or the emulator stopping)."""
+        if self._stopping.is_set() and session_id not in self._cancels:
+            return
+        session = self.store.session(session_id)
+        lose = session.get("output_at_limit") == "lost" or session["lose_output"]
+        self._capture(sdir, root, lose)
+        now = time.time()
+        with self.store.lock:
+            was = session["status"]
+            session.update(status="CANCEL_ACKNOWLEDGED", failure_message="", ended=now, output_lost=lose,
+                           **_resumed(sdir))
+            self.store.cancellations.append({"session": session_id, "kernel": session["kernel"],
+                                             "version": session["version"], "by": self._cancels[session_id],
+                                             "status_before": was, "at": now})
+            self.store.save()
+
+
+_RESUMED = re.compile(r"resumed from step (\d+)")
+
+
+def _resumed(sdir: Path) -> dict[str, Any]:
+    """What a session says it resumed from: its summary.json if the output kept one, else its log."""
+    fields: dict[str, Any] = {"resumed_from": None, "summary": None}
+    found = sorted((sdir / "output").rglob("summary.json")) if (sdir / "output").exists() else []
+    for path in found:
+        try:
+            summary = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(summary, dict):
+            fields["summary"] = {k: summary.get(k) for k in ("status", "step", "total", "resumed_from")}
+            fields["resumed_from"] = summary.get("resumed_from")
+            return fields
+    log = sdir / "log.jsonl"
+    match = _RESUMED.search(log.read_text(errors="replace")) if log.exists() else None
+    if match:
+        fields["resumed_from"] = int(match[1])
+    return fields

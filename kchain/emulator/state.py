@@ -57,7 +57,8 @@ class Store:
             (self.root / sub).mkdir(exist_ok=True)
         self.path = self.root / "state.json"
         self.lock = threading.RLock()
-        self.data: dict[str, Any] = {"next_id": 1, "kernels": {}, "datasets": {}, "sessions": {}, "blobs": {}}
+        self.data: dict[str, Any] = {"next_id": 1, "kernels": {}, "datasets": {}, "sessions": {}, "blobs": {},
+                                     "cancellations": [], "secrets_attached": []}
         if self.path.exists():
             self.data.update(json.loads(self.path.read_text()))
 
@@ -103,8 +104,28 @@ class Store:
     def session(self, session_id: int | str) -> dict[str, Any]:
         return self.sessions[str(session_id)]
 
+    @property
+    def cancellations(self) -> list[dict[str, Any]]:
+        return self.data["cancellations"]
+
+    @property
+    def secrets_attached(self) -> list[str]:
+        return self.data["secrets_attached"]
+
+    def version_visible(self, version: dict[str, Any], now: float | None = None) -> bool:
+        """A new version is invisible (its dataset reads as missing, its number lags) for a while."""
+        return (now or time.time()) >= version.get("visible_at", version["created"])
+
     def version_ready(self, version: dict[str, Any], now: float | None = None) -> bool:
         return (now or time.time()) >= version["ready_at"]
+
+    def visible_versions(self, dataset: dict[str, Any]) -> list[dict[str, Any]]:
+        now = time.time()
+        return [v for v in dataset["versions"] if self.version_visible(v, now)]
+
+    def ready_versions(self, dataset: dict[str, Any]) -> list[dict[str, Any]]:
+        now = time.time()
+        return [v for v in dataset["versions"] if self.version_visible(v, now) and self.version_ready(v, now)]
 
     def recover_after_restart(self) -> list[dict[str, Any]]:
         """Mark sessions that were live when the emulator went away as lost; return them."""

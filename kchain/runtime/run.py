@@ -23,7 +23,18 @@ import numpy as np
 import torch
 from torch.utils.data import BatchSampler, DataLoader, Dataset, RandomSampler, SequentialSampler
 
-from . import data, distributed, heartbeat, ladder, layout, precision, preflight
+from . import (
+    data,
+    distributed,
+    heartbeat,
+    ladder,
+    layout,
+    precision,
+    preflight,
+    publishplan,
+    resumecheck,
+    watchdog,
+)
 from .checkpoint import (
     WRITE_SLACK,
     CheckpointsDamaged,
@@ -127,6 +138,15 @@ class Run:
 
         # kchain ddp: the group this process is one rank of (a no-op group of 1 without torchrun).
         self.ranks = distributed.Ranks(env)
+        # The in-kernel publish after the final save (None: the laptop relays the state). When it needs
+        # more than train.margin, the deadline moves earlier (_reserve_s); the first heartbeat says so.
+        self.limit_s, self.margin_s = st.limit_s, st.margin_s
+        self.end = self.started + st.limit_s  # the session's hard limit
+        self.publish_plan = None if self.smoke else publishplan.figures(config)
+        self._state_bytes = 0  # the checkpoint's size: estimated at the first heartbeat, then measured
+        self._sized_path: Path | None = None
+        self._planned = False
+        self._dog: watchdog.Watchdog | None = None  # the hung-step watchdog, while a loop runs
         self.device, why = precision.choose_device()
         self.device = self.ranks.device(self.device)
         say(f"device: {self.device} ({why}); {self.ranks.describe()}")
@@ -170,13 +190,19 @@ class Run:
         if self.is_main:  # kchain ddp: rank 0 alone owns the files
             clean_tmp(self.checkpoints)
         self._resume: tuple[Path, dict] | None = None  # found when the loop starts (run.restore)
+        self._found: tuple[list[tuple[Path, dict]], list[str]] | None = None  # find_checkpoints, once
         self.micro_auto = (config.get("train") or {}).get("micro_batch") == "auto"
         if self.micro_auto and self.is_main:  # the ladder starts from the size that fitted last session
-            found, _ = find_checkpoints(self.checkpoints, self.input_root, self.dir / ".scratch", self.job)
+            found, _ = self._find()
             halvings = max([halvings] + [int(m.get(ladder.MANIFEST_KEY, 0)) for _, m in found[:1]])
         self._plan: dict | None = None  # the checkpoint's size and write mode, set at the first save
         if self.is_main:
             self.metrics_path.write_bytes(b"")  # this session's lines; a resume puts the history before them
+        if not self.smoke and self.is_main and resumecheck.expected(config):
+            # The chain said which step this session resumes: check it now, in the session's first
+            # minute, not after the data is staged (resumecheck.WrongState ends the run).
+            found, _ = self._find()
+            resumecheck.check(config, int(found[0][1]["step"]) if found else None, str(found[0][0]) if found else None)
         self._metrics_file = None  # opened by the first run.log
         self._metrics_bytes = 0
         self.micro_halvings = halvings if self.micro_auto else 0
@@ -458,6 +484,8 @@ class Run:
         self._old_handlers = self._install_signals()
         self._loop_start = time.perf_counter()
         self._last_save = time.time()
+        if not self.smoke:  # a hung step ends the run instead of the session's remaining hours
+            self._dog = watchdog.Watchdog(watchdog.floor_s(self.config, os.environ), self._hung).start()
 
     def _start_step(self, step: int) -> float:
         self._current = step
@@ -473,6 +501,8 @@ class Run:
             time.sleep(stall)
         if step == int(self.faults.get("kill_at_step", -1)):
             self.ranks.kill_all()  # a real death (of every rank): nothing below runs
+        if step == int(self.faults.get("hang_at_step", -1)):
+            time.sleep(10**9)  # a step that never returns: the watchdog ends the run
         self.step = step
         self._loop_steps += 1
         took = time.perf_counter() - t0
@@ -480,6 +510,8 @@ class Run:
         if self._eval_step == step:  # a step that ran run.every's evaluation: remembered apart
             self._eval_s = max(self._eval_s, took)
         self._heartbeat()
+        if self._dog is not None:
+            self._dog.beat(took)
         # kchain ddp: with several ranks the save is agreed at the start of the next step (_should_stop)
         if save and not self.ranks.active and self._save_due():
             self.save()
@@ -487,6 +519,8 @@ class Run:
     def _finish_loop(self, stopped: bool = False) -> None:
         if self._retired:  # an attempt the out-of-memory ladder replaced: nothing of it is kept
             return
+        if self._dog is not None:
+            self._dog.stop()  # the final save and what follows the loop are not steps
         if stopped:
             self._stop_reason = self._stop_reason or "stopped"
         if self._saved_step != self.step:
@@ -514,6 +548,9 @@ class Run:
             warn(f"not exact on resume: {line}")
 
     def _end_loop(self) -> None:
+        if self._dog is not None:
+            self._dog.stop()
+            self._dog = None
         self._restore_signals(self._old_handlers)
         self._old_handlers = None
 
@@ -602,6 +639,18 @@ class Run:
             self.save()
         return bool(stop)
 
+    def _hung(self, waited: float, limit: float) -> None:
+        """The watchdog's verdict: a step hangs. The summary says `hung`; no checkpoint is written."""
+        def write() -> None:
+            self.status = "hung"
+            summary = self.summary(error={"type": "Hung", "message": f"no step completed for {waited:.0f}s",
+                                          "stage": self.phase})
+            tmp = self.summary_path.with_name(f"{layout.TMP_PREFIX}{self.summary_path.name}")
+            tmp.write_text(json.dumps(summary, indent=2, default=str) + "\n")
+            os.replace(tmp, self.summary_path)
+
+        watchdog.end_hung(say, write, waited, limit)
+
     def _should_stop(self) -> bool:
         """Whether the loop must end before the next step (checked at the start of every step)."""
         if not self.ranks.active:
@@ -620,6 +669,12 @@ class Run:
             self._stop_reason = "deadline"
             say(f"deadline (fault: this rank's clock) at step {self.step}: stopping and saving")
             return True
+        after = int(self.faults.get("deadline_after_steps", 0) or 0)
+        if after and self._loop_steps >= after:
+            # A test's clock: the deadline falls after N steps of this session, whatever the machine.
+            self._stop_reason = "deadline"
+            say(f"deadline (fault deadline_after_steps={after}): stopping at step {self.step} and saving")
+            return True
         step_s = max(self._step_times, default=0.0)
         nxt = self.step + 1
         if self._every_n and (nxt % self._every_n == 0 or nxt == self.total):
@@ -627,6 +682,7 @@ class Run:
             # which may have left the window of recent steps long ago.
             step_s = max(step_s, self._eval_s)
         save_s = max(self.stalls, default=0.0) + self.writer.last_write_s
+        self.deadline = self.end - self._reserve_s()
         left = self.deadline - time.time()
         if left < step_s + save_s:
             self._stop_reason = "deadline"
@@ -636,6 +692,40 @@ class Run:
             )
             return True
         return False
+
+    def _publish_s(self) -> float:
+        """Seconds the in-kernel publish needs, 0 when there is none or it cannot fit the session."""
+        if self.publish_plan is None:
+            return 0.0
+        path = self.writer.last_path
+        if path is not None and path != self._sized_path:
+            self._sized_path, self._state_bytes = path, publishplan.tree_bytes(path)
+        need = publishplan.seconds(self.publish_plan, self._state_bytes)
+        return need if need <= (self.limit_s - self.margin_s) / 2 else 0.0
+
+    def _reserve_s(self) -> float:
+        """Kept back after the last step besides the final save: train.margin, or the publish if longer."""
+        return max(self.margin_s, self._publish_s())
+
+    def _plan_publish(self) -> None:
+        """Once, with the first heartbeat: when the session stops and what the time after it is for."""
+        self._planned = True
+        if self.publish_plan is None:
+            return
+        if not self._state_bytes:
+            self._state_bytes = publishplan.state_bytes(
+                {name: _state_of(obj) for name, obj in self._tracked.items()})
+        size = publishplan.size_text(self._state_bytes)
+        need = publishplan.seconds(self.publish_plan, self._state_bytes)
+        source = "measured" if self.publish_plan.get("measured") else "assumed"
+        if not self._publish_s():
+            say(f"plan: the publish of {size} needs about {heartbeat.duration(need)} ({source}), more than half "
+                f"this session: stopping at {heartbeat.duration(self.end - self.margin_s - self.started)}; "
+                "`kchain continue` relays the state from the laptop")
+            return
+        self.deadline = self.end - self._reserve_s()
+        say(f"plan: stopping at {heartbeat.duration(self.deadline - self.started)}: "
+            f"{heartbeat.duration(self._reserve_s())} for save + publish of {size} ({source} figures)")
 
     def _save_due(self) -> bool:
         if "steps" in self.every_cfg:
@@ -649,6 +739,8 @@ class Run:
         return heartbeat.duration(float(self.every_cfg["seconds"]) - (time.time() - self._last_save))
 
     def _heartbeat(self) -> None:
+        if not self._planned:
+            self._plan_publish()
         now = time.perf_counter()
         if not self.is_main or (self.heartbeat_s and now - self._last_heartbeat < self.heartbeat_s):
             return
@@ -677,13 +769,19 @@ class Run:
         self._loop_used = True
         return self.step
 
+    def _find(self) -> tuple[list[tuple[Path, dict]], list[str]]:
+        """Every checkpoint that verifies (newest first) and the damaged ones: looked for once."""
+        if self._found is None:
+            self._found = find_checkpoints(self.checkpoints, self.input_root, self.dir / ".scratch", self.job)
+        return self._found
+
     def _restore(self) -> None:
         if self._restored:
             return
         self._restored = True
         self.phase = "resume"
         # kchain ddp: rank 0 finds (and sets aside damaged ones); the others learn what it found.
-        mine = find_checkpoints(self.checkpoints, self.input_root, self.dir / ".scratch", self.job) if self.is_main else None
+        mine = self._find() if self.is_main else None
         found, damaged = self.ranks.all_gather(mine)[0]
         if self._metrics_file is not None:
             self._metrics_file.flush()
@@ -709,6 +807,7 @@ class Run:
             return
         path, manifest = self._resume
         distributed.check_world_size(path, manifest, self.world_size)
+        self._state_bytes = publishplan.tree_bytes(path)
         if self.ranks.active:  # kchain ddp: this rank's own RNGs and loader positions
             mine = saved["ranks"][self.rank]
             saved["rng"] = mine["rng"]
@@ -792,6 +891,8 @@ class Run:
                 self._snapshots.release()  # the writer holds the only reference: freed when written
             self.writer.submit(state=state, **job)
         self.stalls.append(time.perf_counter() - t0)
+        if self._dog is not None:
+            self._dog.pause()  # a save is not a step: the hang clock restarts after it
         self._saved_step = self.step
         self._last_save = time.time()
         self.phase = before

@@ -1,0 +1,69 @@
+"""How strict the emulator is: Kaggle's known (or feared) behaviour, one switch each.
+
+One `Switches` object hangs off a running emulator (`emu.switches`); like `emu.faults`, a test may
+change it while the emulator runs. The defaults are the strict case: what Kaggle is documented or
+reported to do, or, where that is unknown, the worse case for a client. `Switches.lenient()` is the
+kind set (the emulator as it was before these switches). docs/emulator.md gives each switch's source.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+KEPT, LOST = "kept", "lost"
+
+
+@dataclass
+class Limits:
+    """The account's limits: a session's time limit, the weekly GPU quota, the GPU concurrency cap."""
+    session_limit_s: float = 12 * 3600
+    gpu_quota_s: float = 30 * 3600
+    max_gpu_sessions: int = 2
+
+
+@dataclass
+class Switches:
+    # HTTP status for a kernel or dataset that does not exist or that the caller may not see
+    # (Kaggle answers 403 so the namespace cannot be probed); 404 is the kind alternative.
+    missing_status: int = 403
+    # A new dataset version stays invisible this long after it was created: the dataset's status
+    # call answers `lag_status` and GetDataset still names the previous version number.
+    version_lag_s: float = 2.0
+    lag_status: int = 404
+    # The version pin in `dataset_sources: [owner/slug/N]` is ignored: the latest ready version is
+    # mounted. (The pin is still checked at SaveKernel: a pin to a missing version is invalid.)
+    ignore_version_pin: bool = True
+    # `GET /api/v1/kernels/logs/stream/<owner>/<slug>` (kernels_logs_stream) streams live lines.
+    # Off: it answers 404, and the log exists only once the session has ended.
+    log_stream: bool = True
+    # A kernel sees the user's Secrets only after `emu.attach_secrets(ref)` ("attached in the web UI").
+    secrets_need_attaching: bool = True
+    # What a session killed at its time limit (or cancelled) leaves behind: "kept" or "lost".
+    output_at_limit: str = LOST
+    # A session waits QUEUED this long; then its clock starts (RUNNING), and the notebook's first
+    # cell runs `boot_s` later (the container starts on the session's time).
+    queue_s: float = 1.0
+    boot_s: float = 1.0
+    # TPU sessions (enableTpu, or a machineShape starting with "Tpu") end after this many seconds.
+    tpu_session_limit_s: float = 9 * 3600
+    # GetAcceleratorQuotaStatistics answers with a `gpuQuota` (False: no GPU figures at all).
+    quota_has_gpu: bool = False
+
+    def __post_init__(self) -> None:
+        if self.missing_status not in (403, 404) or self.lag_status not in (403, 404):
+            raise ValueError("missing_status and lag_status are 403 or 404")
+        if self.output_at_limit not in (KEPT, LOST):
+            raise ValueError(f"output_at_limit is {KEPT!r} or {LOST!r}, not {self.output_at_limit!r}")
+
+    @classmethod
+    def lenient(cls, **overrides: Any) -> Switches:
+        """The kind emulator: 404s, instant versions, pins honoured, no queue, output kept, secrets
+        attached, a GPU quota in every answer."""
+        kind = {"missing_status": 404, "version_lag_s": 0.0, "ignore_version_pin": False,
+                "secrets_need_attaching": False, "output_at_limit": KEPT, "queue_s": 0.0, "boot_s": 0.0,
+                "quota_has_gpu": True}
+        return cls(**{**kind, **overrides})
+
+    def describe(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}

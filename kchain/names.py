@@ -1,0 +1,31 @@
+"""Names kchain derives from a job's name, and whether Kaggle can hold them.
+
+A chain uses three Kaggle names: the kernel `<owner>/<name>` and the datasets `<owner>/<name>-state`
+and `<owner>/<name>-cache`. Kaggle's dataset slugs are 6 to 50 characters, so a name longer than
+50 - len("-state") = 44 characters cannot carry its state. spec.py may call `name_problem` to
+refuse such a name when the job is loaded; push and continue call it before creating anything.
+"""
+
+from __future__ import annotations
+
+DATASET_SLUG_MIN, DATASET_SLUG_MAX = 6, 50  # Kaggle's dataset slug limits
+SUFFIXES = ("-state", "-cache")
+MAX_NAME = DATASET_SLUG_MAX - max(len(s) for s in SUFFIXES)
+
+
+def state_slug(name: str) -> str:
+    return f"{name}-state"
+
+
+def cache_slug(name: str) -> str:
+    return f"{name}-cache"
+
+
+def name_problem(name: str) -> str | None:
+    """Why Kaggle cannot hold this job's datasets (one clause naming the limit), or None."""
+    longest = max((name + s for s in SUFFIXES), key=len)
+    if len(longest) > DATASET_SLUG_MAX:
+        return (f"{name!r} is {len(name)} characters, so its dataset {longest!r} would be {len(longest)}; Kaggle's "
+                f"dataset slugs are {DATASET_SLUG_MIN}-{DATASET_SLUG_MAX} characters: shorten name to at most "
+                f"{MAX_NAME} characters")
+    return None

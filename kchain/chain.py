@@ -66,11 +66,15 @@ def chain_lock(ledger: Ledger, job: str) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
+# Session ends that another identical session would repeat: each needs --retry (or a code change).
+NEEDS_A_PERSON = ("crashed", "hung", "no-accelerator")
+
+
 def _crash(record: dict[str, Any]) -> dict[str, Any] | None:
-    """The traceback error of a crashed session (not a kill, not a timeout), if any."""
+    """The error of a session that crashed, hung or got no accelerator (not a kill, not a timeout), if any."""
     summary = record.get("summary") or {}
-    if summary.get("status") == "crashed":
-        return record.get("error") or summary.get("error")
+    if summary.get("status") in NEEDS_A_PERSON:
+        return record.get("error") or summary.get("error") or {"type": summary["status"], "message": ""}
     if record["status"] == "ERROR" and record.get("error") and record["error"].get("type") not in (
         "SessionError", "TrainingFailed",
     ):
@@ -306,6 +310,14 @@ def decide_and_continue(job: Job, ledger: Ledger, client: KaggleClient, retry: b
                 ledger.save_session(job.name, {**last, "logged": True})
             return Decision("finished", f"training is complete: {summary.get('step')}/{summary.get('total')} steps"
                             + (f", best {best_text}" if best_text else "") + f"; final weights in {where}", last)
+        if summary.get("status") == "stopped":
+            # The code left its loop on purpose (early stopping): another session would be the user's
+            # decision, not the chain's.
+            return Decision("finished", f"training stopped early on purpose at step {summary.get('step')}/"
+                            f"{summary.get('total')} (the loop left run.steps); no further session is pushed", last)
+        if summary.get("status") == "no_checkpoint":
+            raise ChainStop(f"session {last['session']} wrote no checkpoint: the loop did not use run.steps, "
+                            f"run.epochs or run.save, so there is nothing to resume; see `kchain smoke {job_file}`")
         if summary.get("status") == "deadline" and summary.get("step") == last.get("resumes_at", 0):
             # Another session would burn its quota the same way: start-up filled the whole session.
             raise ChainStop(
@@ -317,7 +329,13 @@ def decide_and_continue(job: Job, ledger: Ledger, client: KaggleClient, retry: b
         rendered = render_job(job, owner=owner)
         if crash is not None:
             earlier = [s for s in chain[:-1] if _crash(s) and _same_error(_crash(s), crash)]
-            if earlier:
+            no_gpu = summary.get("status") == "no-accelerator"
+            if no_gpu and not retry:
+                raise ChainStop(
+                    f"session {last['session']} got no accelerator: {crash.get('message')}; check the GPU quota "
+                    "(`kchain budget`) and kaggle.accelerator, then pass --retry to push again"
+                )
+            if earlier and not no_gpu:
                 raise ChainStop(
                     f"the same error as session {earlier[-1]['session']}: {crash.get('type')}: {crash.get('message')}; "
                     f"fix the code, run `kchain smoke {job_file}`"

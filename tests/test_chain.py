@@ -266,3 +266,29 @@ def test_stop_names_the_page_waits_for_the_stop_and_continue_resumes(tmp_path, e
     third = invoke("continue", path, "--skip-smoke")
     assert third.exit_code == 0, third.output
     assert "resuming at step 10" in third.output
+
+
+def test_an_early_stop_ends_the_chain_and_a_session_without_a_gpu_needs_retry(tmp_path, emulator):
+    """A loop left on purpose is the user's decision: continue pushes nothing more. A session that got
+    no GPU would get none again: continue waits for --retry."""
+    emulator.session_limit_s = GENEROUS_S
+    path = copy_job("tinygpt", tmp_path / "stop", params={"steps": 60, "eval_every": 30, "batch": 8, "accumulate": 1})
+    code = path.parent / "train.py"
+    code.write_text(code.read_text().replace(
+        "        trainer.step()\n", "        trainer.step()\n        if step == 25:\n            break\n"))
+    ref = "alice/tinygpt-notes"
+    assert invoke("push", path, "--skip-smoke").exit_code == 0
+    emulator.wait_session(ref, 1, timeout=300)
+    done = invoke("continue", path, "--skip-smoke")
+    assert done.exit_code == 0, done.output
+    assert "training stopped early on purpose at step 25/60" in done.output
+    assert len([s for s in emulator.sessions() if s["kernel"] == ref]) == 1
+
+    other = copy_job("classifier", tmp_path / "gpu", params={"steps": 6, "rows": 2000, "eval_every": 3})
+    emulator.faults.no_gpu = True
+    assert invoke("push", other, "--skip-smoke").exit_code == 0
+    emulator.wait_session("alice/blobs-classifier", 1, timeout=300)
+    refused = invoke("continue", other, "--skip-smoke")
+    assert refused.exit_code == 8, refused.output
+    assert error_line(refused).startswith("Error: session 1 got no accelerator: asked for GPU T4 x2")
+    assert error_line(refused).endswith("then pass --retry to push again")

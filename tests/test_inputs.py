@@ -4,7 +4,7 @@
 import os
 from pathlib import Path
 
-from emulator_helpers import emulator, kaggle_api, write_dataset  # noqa: F401  (fixtures)
+from emulator_helpers import emulator, kaggle_api, wait_dataset_ready, write_dataset  # noqa: F401  (fixtures)
 from helpers import copy_job, error_line, invoke
 
 from kchain.rehearse import rehearse
@@ -39,6 +39,7 @@ def test_the_smoke_mounts_the_local_copy_like_kaggle(tmp_path):
 def test_without_a_local_copy_the_smoke_says_how_to_get_one_and_downloads_it_once(tmp_path, emulator, kaggle_api):
     folder = write_dataset(tmp_path / "ds", "alice/delivery-notes", {"notes.txt": "DN-20001 3 x drums of oil\n"})
     kaggle_api.dataset_create_new(str(folder), quiet=True)
+    wait_dataset_ready(kaggle_api, "alice/delivery-notes")  # a new dataset is hidden a while, as on Kaggle
     path = job_reading_an_input(tmp_path, "alice/delivery-notes", None)
 
     refused = invoke("smoke", path)

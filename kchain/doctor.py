@@ -172,7 +172,7 @@ def _account(client: KaggleClient, check: _Checklist, report: Report) -> str | N
         check("FAIL", "credentials", str(exc))
         report.exit_code = CredentialsError.exit_code
         return None
-    except AttributeError:  # an answer without GPU figures (Kaggle may send none)
+    if quota is None:  # an answer without GPU figures (Kaggle may send none)
         quota = {"used_s": 0.0, "total_s": 0.0, "refresh": 0.0}
     report.facts["user"] = user
     left_h = (quota["total_s"] - quota["used_s"]) / 3600

@@ -15,11 +15,12 @@ import re
 from pathlib import Path
 
 import pytest
-from emulator_helpers import USER, emulator, fake_key, kaggle_api, write_dataset  # noqa: F401
+from emulator_helpers import USER, emulator, fake_key, kaggle_api, wait_dataset_ready, write_dataset  # noqa: F401
 from helpers import copy_job, error_line, invoke
 
 from kchain.doctor import PROBE_FORMAT, parse_probe
 from kchain.errors import ProbeFormatError
+from kchain.runtime import layout
 
 NAME = "tinygpt-notes"
 DOCTOR_REF = f"{USER}/{NAME}-doctor"
@@ -53,13 +54,18 @@ def test_doctor_all_ok_probes_a_cpu_session_and_writes_no_credential(emulator, k
     from kchain.runtime.checkpoint import write_checkpoint
 
     key = emulator.users[USER]
-    emulator.secrets = {USER: {"KAGGLE_USERNAME": USER, "KAGGLE_KEY": key}}  # attached to the notebook
+    emulator.secrets.update({USER: {"KAGGLE_USERNAME": USER, "KAGGLE_KEY": key}})
+    emulator.attach_secrets(DOCTOR_REF)  # the user attached them to the notebook in the web UI
+    emulator.switches.quota_has_gpu = True  # this account's quota answer carries the GPU figures
     kaggle_api.dataset_create_new(str(write_dataset(tmp_path / "data", DATA, {"notes.txt": "a note\n"})), quiet=True)
     # The state dataset as a chain leaves it: a real checkpoint written by the runtime, flat.
     ckpt = write_checkpoint(tmp_path / "ckpts", 12, {"w": torch.zeros(2)}, tmp_path / "none", 0,
                             {"job": NAME, "session": 1}, keep=1)
     files = {p.name: p.read_bytes() for p in ckpt.iterdir()}
+    files[layout.STATE_MARKER] = json.dumps({"dataset": STATE, "session": 1, "step": 12})  # kchain's own state
     kaggle_api.dataset_create_new(str(write_dataset(tmp_path / "state", STATE, files)), quiet=True)
+    for ref in (DATA, STATE):  # a new dataset is hidden a while, as on Kaggle; the user's are older
+        wait_dataset_ready(kaggle_api, ref)
     job = job_file(tmp_path, datasets=[DATA])
 
     result = invoke("doctor", job)

@@ -248,14 +248,13 @@ def test_a_name_too_long_for_its_state_dataset_and_a_tpu_are_refused_before_any_
     result = invoke("push", job, "--skip-smoke")
     assert result.exit_code == 2
     assert error_line(result) == (
-        f"Error: {job}: name: '{long_name}' is 47 characters, so its dataset '{long_name}-state' would be 53; "
-        "Kaggle's dataset slugs are 6-50 characters: shorten name to at most 44 characters")
+        f"Error: {job}: name: '{long_name}' is 47 characters; use 5-44, so that <name>-state and <name>-cache "
+        "fit Kaggle's 6-50 character dataset slugs")
     tpu = small_job(tmp_path / "tpu", kaggle={"accelerator": "tpu"})
     result = invoke("push", tpu, "--skip-smoke")
     assert result.exit_code == 2
     assert error_line(result) == (
-        f"Error: {tpu}: kaggle.accelerator: tpu is not supported yet (the runtime would train on the TPU "
-        "machine's CPU); use gpu")
+        f"Error: {tpu}: kaggle.accelerator: the runtime does not support TPUs yet; use gpu or none")
     assert sum(emulator.calls.values()) == 0
 
 
@@ -291,7 +290,7 @@ def test_status_shows_a_push_whose_outcome_is_unknown(emulator, tmp_path):
 def test_logs_follow_streams_live_lines_or_says_the_log_comes_at_the_end(emulator, tmp_path):
     job = small_job(tmp_path, steps=20)
     assert invoke("push", job, "--skip-smoke").exit_code == 0
-    live = invoke("logs", job, "--follow", "--poll", "0.5")
+    live = invoke("logs", job, "--follow", "--poll", "1")
     assert live.exit_code == 0, live.output
     assert "no live log from Kaggle" not in live.output
     assert "[kchain] step 20/20 " in live.output and live.output.splitlines()[-1] == "[kchain] session 1 is COMPLETE"
@@ -299,7 +298,7 @@ def test_logs_follow_streams_live_lines_or_says_the_log_comes_at_the_end(emulato
     emulator.switches.log_stream = False
     assert invoke("push", job, "--skip-smoke").exit_code == 8  # a chain exists: continue, not push
     record = ledger().sessions(NAME)[0]
-    ended = invoke("logs", job, "--follow", "--poll", "0.5")
+    ended = invoke("logs", job, "--follow", "--poll", "1")
     assert ended.exit_code == 0, ended.output
     assert ended.output.splitlines()[0] == (
         f"[kchain] no live log from Kaggle for session {record['session']}: Kaggle keeps the log only once the "

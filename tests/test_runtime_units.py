@@ -313,7 +313,8 @@ def test_a_long_evaluation_in_run_every_stays_in_the_deadline_plan(tmp_path):
     assert evaluation >= 0.3 and max(run._step_times) < evaluation  # it left the recent-steps window
     # Steps 17..: plan with it before an evaluation step only (time left: between the two).
     run._stop_reason, run.total = None, 30
-    run.deadline = time.time() + (evaluation + max(run._step_times)) / 2  # between a step and an evaluation
+    # The deadline is the session's end less what is kept back: put it between a step and an evaluation.
+    run.end = time.time() + run._reserve_s() + (evaluation + max(run._step_times)) / 2
     run.writer.last_write_s, run.stalls = 0.0, [0.0]
     run.step = 17  # step 18: no evaluation, enough time
     assert not run._should_stop()

@@ -287,29 +287,11 @@ def render_job(job: Job, owner: str | None = None, extra_sources: list[str] | No
     same for every session of a chain. session_facts (what this session must resume, the measured
     publish figures) go into config["kaggle"], which the fingerprint leaves out."""
     owner = job.kaggle.owner or owner
-    config = runtime_config(job)
-    config["kaggle"] = {
-        "owner": owner,
-        "state_dataset": f"{owner}/{job.name}-state" if owner else None,
-        "cache_dataset": f"{owner}/{job.name}-cache" if owner else None,
-        "internet": job.kaggle.internet,
-        "accelerator": job.kaggle.accelerator,
-        **(session_facts or {}),
-    }
-    config["kchain_version"] = kchain.__version__
+    config = _session_config(job, owner, session_facts)
     code, left_out = _code_files(job)
-    files = {**_runtime_files(), **code}
-    payload = _zip(files)
-    # What the code does: the code, params, settings and runtime. Not who runs it or where its state
-    # goes (config["kaggle"]), so a smoke pass made before the credentials were set still counts.
-    digest = hashlib.sha256()
-    digest.update(json.dumps({k: v for k, v in config.items() if k != "kaggle"}, sort_keys=True).encode())
-    digest.update(payload)
-    fingerprint = digest.hexdigest()
-    config["fingerprint"] = fingerprint
-
+    payload = _zip({**_runtime_files(), **code})
+    config["fingerprint"] = fingerprint = _fingerprint(config, payload)
     env = _environment()
-    gpu = job.kaggle.accelerator == "gpu"
     notebook = env.get_template("notebook.ipynb.j2").render(
         job=job.name,
         job_file=job.path.name,
@@ -322,35 +304,60 @@ def render_job(job: Job, owner: str | None = None, extra_sources: list[str] | No
         payload=base64.b64encode(payload).decode(),
         kaggle_accelerator={"gpu": "nvidiaTeslaT4", "tpu": "tpuV5E8", "none": "none"}[job.kaggle.accelerator],
         internet=job.kaggle.internet,
-        gpu=gpu,
-    )
-    sources = list(job.kaggle.datasets) + list(extra_sources or [])
-    metadata = env.get_template("kernel-metadata.json.j2").render(
-        kernel_id=f"{owner}/{job.name}" if owner else job.name,
-        title=job.name,
-        code_file=f"{job.name}.ipynb",
-        private=job.kaggle.private,
-        gpu=gpu,
-        tpu=job.kaggle.accelerator == "tpu",
-        internet=job.kaggle.internet,
-        machine_shape=MACHINE_SHAPES[job.kaggle.accelerator],
-        dataset_sources=sources,
-        competition_sources=[job.kaggle.competition] if job.kaggle.competition else [],
+        gpu=job.kaggle.accelerator == "gpu",
     )
     rendered = Rendered(
         name=job.name,
         notebook=_canonical(notebook),
-        metadata=_canonical(metadata),
+        metadata=_canonical(_metadata(env, job, owner, extra_sources)),
         fingerprint=fingerprint,
         config=config,
         embedded=tuple((name, len(data)) for name, data in sorted(code.items())),
         left_out=tuple(left_out),
     )
-    text = json.dumps(config) + rendered.metadata
-    if any(secret in text for secret in credential_strings()):
+    if any(secret in json.dumps(config) + rendered.metadata for secret in credential_strings()):
         raise RenderError(f"{job.path}: params: a value holds your Kaggle key; remove it (attach it to the "
                           "notebook as a Kaggle Secret instead)")
     return rendered
+
+
+def _session_config(job: Job, owner: str | None, session_facts: dict | None) -> dict:
+    """The runtime's config plus who runs it and where its state goes (config["kaggle"])."""
+    config = runtime_config(job)
+    config["kaggle"] = {
+        "owner": owner,
+        "state_dataset": f"{owner}/{job.name}-state" if owner else None,
+        "cache_dataset": f"{owner}/{job.name}-cache" if owner else None,
+        "internet": job.kaggle.internet,
+        "accelerator": job.kaggle.accelerator,
+        **(session_facts or {}),
+    }
+    config["kchain_version"] = kchain.__version__
+    return config
+
+
+def _fingerprint(config: dict, payload: bytes) -> str:
+    """What the code does: the code, params, settings and runtime. Not who runs it or where its state
+    goes (config["kaggle"]), so a smoke pass made before the credentials were set still counts."""
+    digest = hashlib.sha256()
+    digest.update(json.dumps({k: v for k, v in config.items() if k != "kaggle"}, sort_keys=True).encode())
+    digest.update(payload)
+    return digest.hexdigest()
+
+
+def _metadata(env, job: Job, owner: str | None, extra_sources: list[str] | None) -> str:  # noqa: ANN001
+    return env.get_template("kernel-metadata.json.j2").render(
+        kernel_id=f"{owner}/{job.name}" if owner else job.name,
+        title=job.name,
+        code_file=f"{job.name}.ipynb",
+        private=job.kaggle.private,
+        gpu=job.kaggle.accelerator == "gpu",
+        tpu=job.kaggle.accelerator == "tpu",
+        internet=job.kaggle.internet,
+        machine_shape=MACHINE_SHAPES[job.kaggle.accelerator],
+        dataset_sources=list(job.kaggle.datasets) + list(extra_sources or []),
+        competition_sources=[job.kaggle.competition] if job.kaggle.competition else [],
+    )
 
 
 def write_rendered(rendered: Rendered, out_dir: Path) -> list[Path]:

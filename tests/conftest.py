@@ -7,7 +7,9 @@ emulator's routing (LOCALHOST + an HTTP proxy) is set here, before any test can 
 from __future__ import annotations
 
 import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -21,17 +23,17 @@ sys.path.insert(0, str(REPO / "tests"))
 
 
 @pytest.fixture(autouse=True)
-def isolated_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+def isolated_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     home = tmp_path / "home"
     (home / ".kaggle").mkdir(parents=True)
-    tmp = tmp_path / "tmp"
-    tmp.mkdir()
+    # Short, as Kaggle's /tmp is: DataLoader workers make Unix sockets under TMPDIR, and a path past
+    # 107 bytes (easy under pytest-of-<user>/pytest-N/popen-gwN/<test name>) loses their batches.
+    tmp = Path(tempfile.mkdtemp(prefix="kc-", dir="/tmp"))
     monkeypatch.setenv("HOME", str(home))
     monkeypatch.setenv("KCHAIN_HOME", str(tmp_path / "kchain-home"))
     monkeypatch.setenv("KAGGLE_CONFIG_DIR", str(home / ".kaggle"))
     monkeypatch.setenv("TMPDIR", str(tmp))
     monkeypatch.setenv("XDG_CONFIG_HOME", str(home / ".config"))
-    import tempfile
-
     monkeypatch.setattr(tempfile, "tempdir", None)
-    return home
+    yield home
+    shutil.rmtree(tmp, ignore_errors=True)

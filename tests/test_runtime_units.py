@@ -340,3 +340,26 @@ def test_foreign_archives_and_manifests_under_input_are_never_opened(tmp_path, c
     assert "skipping archive" not in capsys.readouterr().out
     scratch = run.dir / ".scratch"
     assert not scratch.exists() or not any(scratch.iterdir())
+
+
+def test_loader_workers_under_a_temp_dir_too_long_for_their_sockets_are_refused(tmp_path, monkeypatch):
+    """Past 107 bytes a worker's socket cannot bind: its batch is lost and the loader would wait forever."""
+    import tempfile
+
+    deep = tmp_path / ("d" * 60) / ("e" * 60)
+    deep.mkdir(parents=True)
+    monkeypatch.setattr(tempfile, "tempdir", str(deep))
+    run = make_run(tmp_path / "root")
+    data = TensorDataset(torch.randn(32, 4))
+    with pytest.raises(PreflightError, match=r"set TMPDIR to a shorter directory"):
+        run.loader(data, batch_size=8, num_workers=2)
+    lo = run.loader(data, batch_size=8, num_workers=0)  # no workers, no sockets: allowed
+    assert next(lo)[0].shape == (8, 4)
+    monkeypatch.setattr(tempfile, "tempdir", None)  # the fixture's short TMPDIR: workers deliver
+    lo = run.loader(data, batch_size=8, num_workers=2, name="with_workers")
+    assert next(lo)[0].shape == (8, 4)
+    run.close()
+    del run, lo  # the persistent workers end with their loader, before the fixture removes TMPDIR
+    import gc
+
+    gc.collect()

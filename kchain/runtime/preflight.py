@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import tempfile
 
 import numpy as np
 import torch
@@ -17,6 +18,25 @@ SAMPLE_ROWS = 512  # rows hashed per split for the overlap check: cheap, and cat
 
 class PreflightError(Exception):
     """A preflight check failed; the message says what was expected and what was found."""
+
+
+# A DataLoader worker hands each batch's tensors to the training process over a Unix socket made in
+# <tmp>/pymp-XXXXXXXX/listener-XXXXXXXX; Linux caps that path at 107 bytes. Past it the worker's send
+# fails in a background thread, the batch is lost and the loader waits for it forever.
+SOCKET_PATH_MAX = 107
+SOCKET_SUFFIX = len("/pymp-xxxxxxxx/listener-xxxxxxxx")
+
+
+def check_worker_tmpdir(num_workers: int) -> None:
+    """Refuse DataLoader workers under a temp dir too long for their sockets (they would hang)."""
+    tmp = tempfile.gettempdir()
+    if num_workers > 0 and len(tmp.encode()) + SOCKET_SUFFIX > SOCKET_PATH_MAX:
+        raise PreflightError(
+            f"the temp dir {tmp} is {len(tmp.encode())} bytes long: DataLoader workers pass batches over a "
+            f"Unix socket under it, whose path may hold at most {SOCKET_PATH_MAX} bytes, so the first batch "
+            f"would never arrive; set TMPDIR to a shorter directory (at most "
+            f"{SOCKET_PATH_MAX - SOCKET_SUFFIX} bytes, e.g. /tmp) or use num_workers=0"
+        )
 
 
 def _ok(msg: str) -> None:

@@ -320,6 +320,7 @@ class Run:
                 batch_sampler = dl.batch_sampler
             else:
                 sampler = dl.sampler
+        preflight.check_worker_tmpdir(num_workers)
         if batch_sampler is None and batch_size is None:
             raise TypeError(f"run.loader({type(dataset).__name__}): give batch_size= (or a batch_sampler=)")
         if self.micro_auto and batch_size:  # the out-of-memory ladder's current rung

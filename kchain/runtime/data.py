@@ -183,15 +183,17 @@ class Loader:
         # Its own generator: DataLoader draws a base seed per iterator, which must not come from
         # (and shift) the global torch RNG that dropout uses. Reseeded per epoch (see _fetch).
         self._gen = torch.Generator().manual_seed(seed)
+        self._dl = self._dataloader(collate_fn or default_collate, num_workers, pin_memory)
+
+    def _dataloader(self, collate_fn: Callable, num_workers: int, pin_memory: bool) -> DataLoader:
+        """The torch DataLoader underneath: fed batch descriptors by _Descriptors, or the stream itself."""
         if self.iterable:
-            self._dl = DataLoader(
-                dataset, batch_size=batch_size, num_workers=num_workers, drop_last=drop_last,
-                collate_fn=collate_fn or default_collate, pin_memory=pin_memory,
-                persistent_workers=False, generator=self._gen,
+            return DataLoader(
+                self.dataset, batch_size=self.batch_size, num_workers=num_workers, drop_last=self.drop_last,
+                collate_fn=collate_fn, pin_memory=pin_memory, persistent_workers=False, generator=self._gen,
             )
-            return
-        self._dl = DataLoader(
-            _Batches(dataset, collate_fn or default_collate, seed, in_main_process=num_workers == 0),
+        return DataLoader(
+            _Batches(self.dataset, collate_fn, self.seed, in_main_process=num_workers == 0),
             batch_size=None,
             sampler=_Descriptors(self),
             num_workers=num_workers,

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from kchain.runtime import data, layout
+from kchain.runtime import data, layout, precision
 from kchain.runtime.checkpoint import restore_rng, rng_state
 from kchain.runtime.preflight import PreflightError
 from kchain.runtime.run import Run
@@ -35,6 +35,7 @@ def test_accumulate_4_micro_batches_of_64_equals_one_batch_of_256(tmp_path):
     big.load_state_dict(model.state_dict())
 
     trainer = run.optimize(torch.optim.SGD(model.parameters(), lr=0.1), accumulate=4)
+    assert isinstance(trainer, precision.Stepper) and precision.Trainer is precision.Stepper  # the old name stays
     for i in range(trainer.accumulate):
         trainer.backward(F.cross_entropy(model(x[i * 64 : (i + 1) * 64]), y[i * 64 : (i + 1) * 64]))
     F.cross_entropy(big(x), y).backward()

@@ -344,12 +344,20 @@ class Run:
     def loader(self, dataset, batch_size: int | None = None, shuffle: bool = True, num_workers: int = 0,
                drop_last: bool = False, collate_fn: Callable | None = None, sampler=None,
                batch_sampler=None, name: str | None = None):
-        """A DataLoader whose position is checkpointed (registered automatically).
+        """A DataLoader whose position is checkpointed, tracked as `name` (else loader, loader2, ...).
 
+        `next(loader)` gives the next batch and moves into the next epoch by itself (for run.steps);
+        `for batch in loader` reads the rest of this epoch (for run.epochs). Each epoch's order is
+        drawn from (params.seed, epoch), so a resume goes on at the next batch of the same shuffle.
         `dataset` may also be a DataLoader you built (rebuilt here with its dataset, batch size,
         sampler and collate_fn), or any loader with state_dict/load_state_dict (e.g. torchdata's
-        StatefulDataLoader), which is tracked as it is. Example:
-        `loader = run.loader(train, batch_size=64, sampler=WeightedRandomSampler(w, len(w)))`.
+        StatefulDataLoader), which is tracked as it is.
+
+        Example::
+
+            loader = run.loader(train, batch_size=64, num_workers=2, drop_last=True)
+            weighted = run.loader(train, batch_size=64, sampler=WeightedRandomSampler(w, len(w)))
+            x, y = next(loader)
         """
         name = name or self._free_name("loader")
         if not isinstance(dataset, (Dataset, DataLoader)) and hasattr(dataset, "state_dict") \
@@ -389,11 +397,20 @@ class Run:
 
     def optimize(self, optimizer, accumulate: int = 1, clip: float | None = None, track: bool = True,
                  name: str | None = None):
-        """A Trainer: .backward(loss) accumulate times, then .step().
+        """The optimizer step as a `Stepper`: .backward(loss) `accumulate` times, then .step().
 
-        The optimizer (and the GradScaler fp16 needs) is tracked as `name`, by default `optimizer`,
-        then `optimizer2`, ... for a second one (a GAN's discriminator). Example:
-        `g = run.optimize(opt_g, name="gen"); d = run.optimize(opt_d, name="disc")`.
+        backward() divides the loss by `accumulate` (and scales it for fp16); step() unscales, clips
+        the gradient norm to `clip`, steps, updates the scaler and zeroes the gradients. The optimizer
+        (and the GradScaler fp16 needs) is tracked as `name`, by default `optimizer`, then
+        `optimizer2`, ... for a second one; `track=False` leaves it out of the checkpoint.
+
+        Example::
+
+            stepper = run.optimize(torch.optim.AdamW(model.parameters(), lr=3e-4), accumulate=4, clip=1.0)
+            for _ in range(stepper.accumulate):
+                stepper.backward(F.cross_entropy(model(x), y))
+            stepper.step()
+            g, d = run.optimize(opt_g, name="gen"), run.optimize(opt_d, name="disc")   # a GAN
         """
         scaler = None
         if self.dtype == torch.float16:
@@ -406,10 +423,19 @@ class Run:
         self._scaled = self._scaled or scaler is not None
         if self.micro_auto:  # the ladder halved the micro-batch this many times: the same effective batch
             accumulate *= ladder.factor(self.micro_halvings)
-        return precision.Trainer(optimizer, accumulate=accumulate, clip=clip, scaler=scaler)
+        return precision.Stepper(optimizer, accumulate=accumulate, clip=clip, scaler=scaler)
 
     def autocast(self):
-        """Mixed precision for the forward pass (a no-op on CPU and with precision fp32)."""
+        """Mixed precision for the forward pass: `run.dtype` on CUDA, a no-op on CPU and with fp32.
+
+        Wrap the forward pass and the loss, not the backward pass.
+
+        Example::
+
+            with run.autocast():
+                loss = F.cross_entropy(model(x), y)
+            stepper.backward(loss)
+        """
         if self.dtype == torch.float16 and not self._scaled and not self._warned_fp16:
             self._warned_fp16 = True
             warn(precision.FP16_WITHOUT_SCALER)
@@ -418,6 +444,15 @@ class Run:
     # --- data -----------------------------------------------------------------------------------
 
     def input(self, name: str) -> Path:
+        """The folder where an attached input (a dataset or the competition) is mounted.
+
+        `name` is 'slug' or 'owner/slug'; /kaggle/input/<slug> and /kaggle/input/datasets/<owner>/<slug>
+        both work. An input that is not attached is a FileNotFoundError that lists what is.
+
+        Example::
+
+            text = (run.input("me/shakespeare") / "input.txt").read_text()
+        """
         return data.find_input(name, self.input_root)
 
     def stage(self, name: str, params, build: Callable):
@@ -453,9 +488,30 @@ class Run:
         return obj
 
     def subset(self, items):
+        """In a smoke run, an evenly spread `smoke.fraction` of `items`; `items` itself otherwise.
+
+        A Dataset, list, tuple, numpy array or tensor; spread over all of it, not its first rows,
+        so sorted data keeps every class.
+
+        Example::
+
+            train = run.subset(TensorDataset(x, y))   # 2% of the rows under `kchain smoke`
+        """
         return data.subset(items, self.fraction) if self.smoke else items
 
     def check(self, batch=None, x_shape=None, x_dtype=None, num_classes=None, label_dtype=None, splits=None):
+        """Check a sample batch and the splits before the loop; a failure is a PreflightError saying what to fix.
+
+        Args:
+            batch: `(x, y)`; x is checked against x_shape (None for any size) and x_dtype, y against
+                label_dtype (an integer class index) and num_classes (labels in [0, num_classes)).
+            splits: {"train": ..., "val": ...}: none empty, and no sampled row in two of them.
+
+        Example::
+
+            run.check(batch=next(iter(DataLoader(train, batch_size=8))), x_shape=(None, 20),
+                      x_dtype=torch.float32, num_classes=10, splits={"train": train, "val": val})
+        """
         before, self.phase = self.phase, "preflight"
         if splits:
             preflight.check_splits(splits)
@@ -469,7 +525,15 @@ class Run:
         """Yield step numbers restored_step+1 .. total; save on cadence, at the deadline and at the end.
 
         `break` (or `return`) out of the loop is an early stop: the step reached is counted and
-        saved, and the session ends with status `stopped`.
+        saved, and the session ends with status `stopped`. Build and track everything first: the
+        checkpoint is restored when the loop starts.
+
+        Example::
+
+            for step in run.steps(run.params.steps):
+                x, y = next(loader)
+                ...
+                run.log(loss=loss)
         """
         self.total = self._capped(total)
         self._restore()
@@ -624,7 +688,15 @@ class Run:
         self._old_handlers = None
 
     def every(self, n: int) -> bool:
-        """True every n steps and on the last step; that step's crash stage is 'validation'."""
+        """True every n steps and on the last step: where an evaluation goes inside the loop.
+
+        That step's crash stage is `validation`, and the deadline guard plans with how long it took.
+
+        Example::
+
+            if run.every(500):
+                run.log(val_loss=evaluate(model, val))
+        """
         self._every_n = n
         hit = self._current % n == 0 or self._current == self.total
         if hit:

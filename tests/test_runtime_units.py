@@ -94,6 +94,8 @@ def test_every_staged_kind_comes_back_memory_mapped_and_equal_and_a_miss_builds_
     mixed = {"w": torch.randn(64, 1024, generator=g), "ids": np.arange(70_000, dtype=np.int64),
              "pair": (torch.ones(3), np.zeros(4, np.float32)), "vocab": ["a", "b"], "n": 7}
     single = np.linspace(0, 1, 50_000, dtype=np.float32)
+    mixed["read_only"] = single[:10].copy()
+    mixed["read_only"].flags.writeable = False  # e.g. a memmap another run.stage handed back
 
     def build(p):
         builds.append(p["kind"])
@@ -109,7 +111,7 @@ def test_every_staged_kind_comes_back_memory_mapped_and_equal_and_a_miss_builds_
         assert torch.equal(got["w"], mixed["w"]) and np.array_equal(got["ids"], mixed["ids"])
         assert isinstance(got["pair"], tuple) and torch.equal(got["pair"][0], torch.ones(3))
         assert np.array_equal(got["pair"][1], np.zeros(4, np.float32)) and got["pair"][1].dtype == np.float32
-        assert got["vocab"] == ["a", "b"] and got["n"] == 7
+        assert got["vocab"] == ["a", "b"] and got["n"] == 7 and np.array_equal(got["read_only"], single[:10])
         arr = run.stage("obj", {"kind": "single"}, build)
         assert isinstance(arr, np.memmap) and np.array_equal(arr, single), attempt
     assert builds == ["mixed", "single"]  # each built exactly once: the miss hands back the saved entry

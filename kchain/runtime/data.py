@@ -18,6 +18,7 @@ import random
 import shutil
 import sys
 import time
+import warnings
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
@@ -358,7 +359,9 @@ def _carry(obj, found: list):
         return type(obj)(_carry(v, found) for v in obj)
     if _is_array(obj):
         try:
-            tensor = torch.from_numpy(np.ascontiguousarray(obj))
+            with warnings.catch_warnings():  # a read-only array (a staged memmap): only read, by torch.save
+                warnings.simplefilter("ignore", UserWarning)
+                tensor = torch.from_numpy(np.ascontiguousarray(obj))
         except TypeError:  # a dtype torch has no tensor for (strings, structured): pickled as it is
             return obj
         found.append(obj.nbytes)

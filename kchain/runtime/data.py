@@ -34,6 +34,7 @@ INPUT_PATTERNS = ("{slug}", "*/{slug}", "*/*/{slug}")
 KIND_DIRS = {"datasets", "competitions", "notebooks", "models"}
 ARRAYS_EXT = "npy"  # one array, or a folder of <key>.npy files (a dict of arrays): loaded memory-mapped
 PICKLE_EXT = "pt"  # anything else torch.save can pickle: loaded with torch.load(mmap=True)
+PICKLE_PROTOCOL = 4  # see _save
 CACHE_SUFFIX = "-cache"  # the job's cache dataset is <owner>/<job>-cache (kchain/names.py)
 
 
@@ -416,7 +417,8 @@ def _save(obj, final: Path) -> None:
     else:
         found: list[int] = []
         carried = _carry(obj, found)
-        torch.save(_Carried(carried) if found else obj, tmp)
+        # Protocol 4 (frames, short strings) unpickles a list of strings about twice as fast as torch's 2.
+        torch.save(_Carried(carried) if found else obj, tmp, pickle_protocol=PICKLE_PROTOCOL)
     if not tmp.is_dir():
         _fsync(tmp)
     os.replace(tmp, final)  # atomic: a killed build never leaves a half entry that looks complete

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from kchain.runtime import layout
+from kchain.runtime import data, layout, precision
 from kchain.runtime.checkpoint import restore_rng, rng_state
 from kchain.runtime.preflight import PreflightError
 from kchain.runtime.run import Run
@@ -35,6 +35,7 @@ def test_accumulate_4_micro_batches_of_64_equals_one_batch_of_256(tmp_path):
     big.load_state_dict(model.state_dict())
 
     trainer = run.optimize(torch.optim.SGD(model.parameters(), lr=0.1), accumulate=4)
+    assert isinstance(trainer, precision.Stepper) and precision.Trainer is precision.Stepper  # the old name stays
     for i in range(trainer.accumulate):
         trainer.backward(F.cross_entropy(model(x[i * 64 : (i + 1) * 64]), y[i * 64 : (i + 1) * 64]))
     F.cross_entropy(big(x), y).backward()
@@ -69,11 +70,81 @@ def test_stage_hits_on_same_params_and_renames_on_a_changed_one(tmp_path, capsys
 
     # The cache attached as a dataset in a later session (fresh working dir) is a hit too.
     other = tmp_path / "other"
-    shutil.copytree(run.cache_dir, other / "input/datasets/me/tok-cache/cache")
+    shutil.copytree(run.cache_dir, other / "input/datasets/me/unit-cache/cache")
     later = make_run(other)
     later.stage("tokens", {"n": 10}, build)
     assert len(builds) == 2
     later.close()
+
+
+def _mapped_file(address: int) -> str | None:
+    """The file a memory address is mapped from (/proc/self/maps), None for anonymous memory."""
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        span, *rest = line.split()
+        lo, hi = (int(x, 16) for x in span.split("-"))
+        if lo <= address < hi:
+            return rest[4] if len(rest) > 4 else None
+    return None
+
+
+def test_every_staged_kind_comes_back_memory_mapped_and_equal_and_a_miss_builds_once(tmp_path):
+    run = make_run(tmp_path)
+    builds = []
+    g = torch.Generator().manual_seed(0)
+    mixed = {"w": torch.randn(64, 1024, generator=g), "ids": np.arange(70_000, dtype=np.int64),
+             "pair": (torch.ones(3), np.zeros(4, np.float32)), "vocab": ["a", "b"], "n": 7}
+    single = np.linspace(0, 1, 50_000, dtype=np.float32)
+    mixed["read_only"] = single[:10].copy()
+    mixed["read_only"].flags.writeable = False  # e.g. a memmap another run.stage handed back
+
+    def build(p):
+        builds.append(p["kind"])
+        return mixed if p["kind"] == "mixed" else single
+
+    for attempt in ("miss", "hit"):
+        got = run.stage("obj", {"kind": "mixed"}, build)
+        entry = str(run.cache_dir / f"obj-{data.fingerprint('obj', {'kind': 'mixed'})}.pt")
+        # Tensors and the numpy arrays inside the dict are views of the cache file, not copies in RAM.
+        assert _mapped_file(got["w"].data_ptr()) == entry, attempt
+        assert _mapped_file(got["ids"].ctypes.data) == entry, attempt
+        assert _mapped_file(got["pair"][1].ctypes.data) == entry, attempt
+        assert torch.equal(got["w"], mixed["w"]) and np.array_equal(got["ids"], mixed["ids"])
+        assert isinstance(got["pair"], tuple) and torch.equal(got["pair"][0], torch.ones(3))
+        assert np.array_equal(got["pair"][1], np.zeros(4, np.float32)) and got["pair"][1].dtype == np.float32
+        assert got["vocab"] == ["a", "b"] and got["n"] == 7 and np.array_equal(got["read_only"], single[:10])
+        arr = run.stage("obj", {"kind": "single"}, build)
+        assert isinstance(arr, np.memmap) and np.array_equal(arr, single), attempt
+    assert builds == ["mixed", "single"]  # each built exactly once: the miss hands back the saved entry
+    run.close()
+
+
+def test_stage_looks_only_in_its_own_cache_dataset_never_in_other_attached_data(tmp_path, capsys):
+    params = {"n": 5}
+    entry = f"tokens-{data.fingerprint('tokens', params)}.pt"
+    inputs = tmp_path / "input"
+    # Decoys under the exact entry name, in datasets that are not this job's cache: never used.
+    for foreign in ("datasets/someone/big-corpus", "datasets/someone/big-corpus/cache/deep", "other-data",
+                    "competitions/unit-cache", "datasets/stranger/unit-cache"):
+        (inputs / foreign).mkdir(parents=True)
+        torch.save({"decoy": foreign}, inputs / foreign / entry)
+    builds = []
+
+    def build(p):
+        builds.append(p)
+        return {"built": p["n"]}
+
+    config = {"job": "unit", "params": {}, "train": {"heartbeat_s": 0}, "kaggle": {"cache_dataset": "me/unit-cache"}}
+    run = Run(config, {layout.ROOT_ENV: str(tmp_path)})
+    assert run.stage("tokens", params, build) == {"built": 5} and len(builds) == 1
+    run.close()
+    shutil.rmtree(run.cache_dir)  # a later session: a fresh working dir, the job's cache dataset attached
+    own = inputs / "datasets/me/unit-cache"
+    own.mkdir(parents=True)
+    torch.save({"from": "own cache dataset"}, own / entry)
+    run = Run(config, {layout.ROOT_ENV: str(tmp_path)})
+    assert run.stage("tokens", params, build) == {"from": "own cache dataset"} and len(builds) == 1
+    assert f"cache hit {own / entry}" in capsys.readouterr().out
+    run.close()
 
 
 def test_check_catches_float_labels(tmp_path):

@@ -13,6 +13,7 @@ import sys
 import time
 import traceback
 from pathlib import Path
+from types import SimpleNamespace
 
 # The session clock's fallback: as close to process start as Python lets us get.
 PROCESS_START = time.time()
@@ -67,12 +68,12 @@ def _first_line(e: BaseException) -> str:
 
 
 def main(argv: list[str]) -> int:
+    """Plan the ranks, run the entry (retrying down the out-of-memory ladder), write the summary."""
     if len(argv) != 2:
         print("usage: python -m kchain.runtime.launch CONFIG_JSON", file=sys.stderr)
         return 2
     config = json.loads(Path(argv[1]).read_text())
-    from . import distributed, ladder  # torch is imported here, after the clock started
-    from .run import Run
+    from . import distributed  # torch is imported here, after the clock started
 
     if not distributed.in_ranks(os.environ):  # kchain ddp: how many ranks, and is the GPU there?
         try:
@@ -81,65 +82,93 @@ def main(argv: list[str]) -> int:
             return _no_accelerator(config, str(e))
         if n > 1:
             return _run_ranks(n, why, argv[1], config)
-
-    run = None
+    current = SimpleNamespace(run=None)  # the Run in use: the ladder replaces it, a crash names its stage
     error = None
     try:
-        run = Run(config, os.environ, started=PROCESS_START)
-        _reserve(run.summary_path)
-        module_name, _, func_name = config["entry"].partition(":")
-        run.phase = "build"
-        entry = getattr(importlib.import_module(module_name), func_name or "main")
-        while True:  # train.micro_batch: auto retries main with a halved micro-batch (runtime/ladder.py)
-            rung = None
-            try:
-                entry(run)
-            except ladder.OutOfMemory:
-                rung = run.next_rung()
-                if rung is None:
-                    raise
-            if rung is None:
-                break
-            print(f"[kchain] {rung}", flush=True)
-            halvings = run.micro_halvings + 1
-            run.close()
-            run = None
-            ladder.free()
-            run = Run(config, os.environ, started=PROCESS_START, halvings=halvings)
-            run.phase = "build"
-        if run.status == "running":
-            run.end_without_loop()
+        _train(config, current)
     except KeyboardInterrupt:
-        if run is not None:
-            run.status = "interrupted"
+        if current.run is not None:
+            current.run.status = "interrupted"
         print("[kchain] interrupted", flush=True)
     except BaseException as e:
-        traceback.print_exc()
-        stage = run.phase if run is not None else "build"
-        error = {"type": type(e).__name__, "message": _first_line(e), "stage": stage}
-        if run is not None:
-            run.status = "crashed"
-        print(f"[kchain] crashed in {stage}: {type(e).__name__}: {_first_line(e)}", flush=True)
-        if distributed.in_ranks(os.environ) and os.environ.get("WORLD_SIZE") != "1":
-            # kchain ddp: the others may wait in a collective this rank never joins: leave now, and
-            # let torchrun end them; the launcher's parent names this error in the summary.
-            rank = int(os.environ["RANK"])
-            if run is not None:
-                try:
-                    run.writer.wait()  # never leave rank 0's checkpoint write half done
-                except BaseException:
-                    pass
-            distributed.record_error(layout.kchain_dir(os.environ), rank, error)
-            os._exit(1)
+        error = _crashed(current.run, e)
     finally:
+        error = _close(current.run, error)
+    return _report(config, current.run, error)
+
+
+def _train(config: dict, current: SimpleNamespace) -> None:
+    """Build the Run, import the entry and call it; after an out-of-memory error, again one rung down."""
+    from . import ladder
+    from .run import Run
+
+    current.run = Run(config, os.environ, started=PROCESS_START)
+    _reserve(current.run.summary_path)
+    module_name, _, func_name = config["entry"].partition(":")
+    current.run.phase = "build"
+    entry = getattr(importlib.import_module(module_name), func_name or "main")
+    while True:  # train.micro_batch: auto retries main with a halved micro-batch (runtime/ladder.py)
+        rung = None
+        try:
+            entry(current.run)
+        except ladder.OutOfMemory:
+            rung = current.run.next_rung()
+            if rung is None:
+                raise
+        if rung is None:
+            break
+        print(f"[kchain] {rung}", flush=True)
+        halvings = current.run.micro_halvings + 1
+        current.run.close()
+        current.run = None
+        ladder.free()
+        current.run = Run(config, os.environ, started=PROCESS_START, halvings=halvings)
+        current.run.phase = "build"
+    if current.run.status == "running":
+        current.run.end_without_loop()
+
+
+def _crashed(run, e: BaseException) -> dict:
+    """A crash: the traceback, one line naming it, and the error for the summary."""
+    from . import distributed
+
+    traceback.print_exc()
+    stage = run.phase if run is not None else "build"
+    error = {"type": type(e).__name__, "message": _first_line(e), "stage": stage}
+    if run is not None:
+        run.status = "crashed"
+    print(f"[kchain] crashed in {stage}: {type(e).__name__}: {_first_line(e)}", flush=True)
+    if distributed.in_ranks(os.environ) and os.environ.get("WORLD_SIZE") != "1":
+        # kchain ddp: the others may wait in a collective this rank never joins: leave now, and
+        # let torchrun end them; the launcher's parent names this error in the summary.
+        rank = int(os.environ["RANK"])
         if run is not None:
             try:
-                run.close()  # never exit with a checkpoint write in flight
-            except BaseException as e:
-                traceback.print_exc()
-                if error is None:
-                    error = {"type": type(e).__name__, "message": _first_line(e), "stage": "checkpoint"}
-                    run.status = "crashed"
+                run.writer.wait()  # never leave rank 0's checkpoint write half done
+            except BaseException:
+                pass
+        distributed.record_error(layout.kchain_dir(os.environ), rank, error)
+        os._exit(1)
+    return error
+
+
+def _close(run, error: dict | None) -> dict | None:
+    """Close the run (never exit with a checkpoint write in flight); a failed close is the crash."""
+    if run is None:
+        return error
+    try:
+        run.close()
+    except BaseException as e:
+        traceback.print_exc()
+        if error is None:
+            error = {"type": type(e).__name__, "message": _first_line(e), "stage": "checkpoint"}
+            run.status = "crashed"
+    return error
+
+
+def _report(config: dict, run, error: dict | None) -> int:
+    """Write summary.json (rank 0), say its gist in one line, and return the exit code."""
+    from . import distributed
 
     if run is not None and not run.is_main:
         return 1 if run.status == "crashed" else 0  # kchain ddp: rank 0 writes the summary

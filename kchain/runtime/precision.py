@@ -52,12 +52,22 @@ def autocast(device: torch.device, dtype: torch.dtype):
     return torch.autocast(device_type="cuda", dtype=dtype)
 
 
-class Trainer:
-    """One optimizer step made of `accumulate` backward passes.
+class Stepper:
+    """One optimizer step made of `accumulate` backward passes: what `run.optimize` returns.
 
     backward() divides the loss by `accumulate` (the most common accumulation bug is forgetting it:
     the summed gradient is then `accumulate` times too large) and scales it when fp16 needs a
     GradScaler. step() unscales, clips, steps, updates the scaler and zeroes the gradients.
+
+    Named for what it does: it owns the optimizer step, not the loop (a "Trainer" in Lightning or
+    HF owns the loop). It was called Trainer before; that name stays an alias.
+
+    Example::
+
+        stepper = run.optimize(opt, accumulate=4, clip=1.0)
+        for _ in range(stepper.accumulate):
+            stepper.backward(loss_of(next(loader)))
+        norm = stepper.step()
     """
 
     def __init__(self, optimizer, accumulate: int = 1, clip: float | None = None, scaler=None):
@@ -69,6 +79,10 @@ class Trainer:
         self.scaler = scaler
 
     def backward(self, loss: torch.Tensor) -> None:
+        """loss.backward() for one of `accumulate` micro-batches: divided by `accumulate`, scaled for fp16.
+
+        Example: `stepper.backward(F.cross_entropy(model(x), y))`.
+        """
         loss = loss / self.accumulate
         if self.scaler is not None:
             self.scaler.scale(loss).backward()
@@ -76,8 +90,14 @@ class Trainer:
             loss.backward()
 
     def step(self) -> torch.Tensor | None:
-        """Returns the gradient norm before clipping when clip is set (a tensor: reading it as a
-        float would make the CPU wait for the GPU every step)."""
+        """Unscale, clip, step, update the scaler, zero the gradients (set_to_none).
+
+        Returns the gradient norm before clipping when clip is set (a tensor: reading it as a
+        float would make the CPU wait for the GPU every step). Example::
+
+            norm = stepper.step()
+            run.log(grad_norm=norm)   # run.log reads it as a number
+        """
         norm = None
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)  # clip the true gradients, not the scaled ones
@@ -91,3 +111,6 @@ class Trainer:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return norm
+
+
+Trainer = Stepper  # its earlier name: user code that imports it keeps working

@@ -9,6 +9,7 @@ deadline, on SIGTERM/SIGINT and at the end.
 
 from __future__ import annotations
 
+import functools
 import gc
 import json
 import os
@@ -116,43 +117,83 @@ def _plain(v):
 
 
 class Run:
+    """The one object `main(run)` talks to: data, registration, the loop, metrics and checkpoints.
+
+    The launcher builds it from the rendered job's config (`python -m kchain.runtime.launch`); a test
+    or a benchmark can build one in-process from a config dict and an environment mapping.
+
+    Example::
+
+        def main(run):
+            model = Net().to(run.device)
+            stepper = run.optimize(torch.optim.AdamW(model.parameters(), lr=run.params.lr))
+            run.track(model=model)
+            loader = run.loader(run.subset(train_set), batch_size=64)
+            for step in run.steps(run.params.steps):   # resumes after the last checkpoint
+                x, y = next(loader)
+                with run.autocast():
+                    loss = F.cross_entropy(model(x.to(run.device)), y.to(run.device))
+                stepper.backward(loss)
+                stepper.step()
+                run.log(loss=loss)
+    """
+
     def __init__(self, config: dict, env: Mapping[str, str] | None = None, started: float | None = None,
                  halvings: int = 0):
         env = os.environ if env is None else env
         self.config = config
         self.job = config.get("job", "job")
         self.params = Params(config.get("params") or {})
-        self.settings = st = Settings.parse(config, env, started)
+        self.settings = st = Settings.parse(config, env, started)  # config + environment, parsed once
         self.smoke, self.fraction, self.started, self.deadline = st.smoke, st.fraction, st.started, st.deadline
         self.every_cfg, self.keep, self.heartbeat_s, self.faults = st.every, st.keep, st.heartbeat_s, st.faults
         self.seed = int(self.params.get("seed", 0))
+        self._init_paths(env)
+        self._init_session_clock()
+        self._init_device(env)
+        self._init_progress()
+        self._init_loop_clocks()
+        self._init_checkpoints(halvings)
 
+    def _init_paths(self, env: Mapping[str, str]) -> None:
+        """Where everything lives: the inputs, the working dir and kchain's corner of it."""
         self.input_root = layout.input_root(env)
         self.working = layout.working_root(env)
         self.dir = layout.kchain_dir(env)
         self.checkpoints = self.dir / layout.CHECKPOINTS_DIR
         self.cache_dir = self.dir / layout.CACHE_DIR
+        # The job's own cache dataset (render.py names it); without an owner, mounted under any owner.
+        self.cache_dataset = (self.config.get("kaggle") or {}).get("cache_dataset") or f"{self.job}{data.CACHE_SUFFIX}"
         self.metrics_path = self.dir / layout.METRICS
         self.summary_path = self.dir / layout.SUMMARY
         self.dir.mkdir(parents=True, exist_ok=True)
 
-        # kchain ddp: the group this process is one rank of (a no-op group of 1 without torchrun).
-        self.ranks = distributed.Ranks(env)
-        # The in-kernel publish after the final save (None: the laptop relays the state). When it needs
-        # more than train.margin, the deadline moves earlier (_reserve_s); the first heartbeat says so.
+    def _init_session_clock(self) -> None:
+        """The session's limit and margin, and the in-kernel publish after the final save.
+
+        The publish plan is None when the laptop relays the state. When the publish needs more than
+        train.margin, the deadline moves earlier (_reserve_s); the first heartbeat says so.
+        """
+        st = self.settings
         self.limit_s, self.margin_s = st.limit_s, st.margin_s
         self.end = self.started + st.limit_s  # the session's hard limit
-        self.publish_plan = None if self.smoke else publishplan.figures(config)
+        self.publish_plan = None if self.smoke else publishplan.figures(self.config)
         self._state_bytes = 0  # the checkpoint's size: estimated at the first heartbeat, then measured
         self._sized_path: Path | None = None
         self._planned = False
-        self._dog: watchdog.Watchdog | None = None  # the hung-step watchdog, while a loop runs
+
+    def _init_device(self, env: Mapping[str, str]) -> None:
+        """The ranks, the device and the autocast dtype, each said with its reason."""
+        # kchain ddp: the group this process is one rank of (a no-op group of 1 without torchrun).
+        self.ranks = distributed.Ranks(env)
         self.device, why = precision.choose_device()
         self.device = self.ranks.device(self.device)
         say(f"device: {self.device} ({why}); {self.ranks.describe()}")
-        self.dtype, why = precision.choose_dtype(self.device, st.precision)
+        self.dtype, why = precision.choose_dtype(self.device, self.settings.precision)
         say(f"precision: {str(self.dtype).removeprefix('torch.')} ({why})")
 
+    def _init_progress(self) -> None:
+        """Where the run stands (what the summary reports) and what is registered for checkpoints."""
         self.step = 0  # steps completed (restored ones included)
         self.total: int | None = None
         self.session = 1
@@ -167,6 +208,14 @@ class Run:
         self._loaders: list[data.Loader] = []
         self._scaled = False  # run.optimize made a GradScaler
         self._warned_fp16 = False
+        self._metrics_file = None  # opened by the first run.log
+        self._metrics_bytes = 0
+        self._asked_batches: list[int] = []  # run.loader's batch sizes as the code asks for them
+        self._retired = False
+
+    def _init_loop_clocks(self) -> None:
+        """What the loop measures: step times for the deadline guard, data waits, save stalls."""
+        self._dog: watchdog.Watchdog | None = None  # the hung-step watchdog, while a loop runs
         self._current = 0  # the step whose body is running
         self._restored = False
         self._stop_reason: str | None = None
@@ -183,31 +232,30 @@ class Run:
         self._last_save = time.time()
         self._last_heartbeat = 0.0
         self.stalls: list[float] = []  # seconds the training thread spent blocked in each save
+
+    def _init_checkpoints(self, halvings: int) -> None:
+        """The writer, this session's trace, the out-of-memory ladder's rung and the resume check."""
         self._snapshots = Snapshotter()
         self.writer = Writer(self.faults.get("kill_in_save"), self.faults.get("kill_after_checkpoint") == "1")
         self.writer.die = self.ranks.kill_all  # kchain ddp: a kill fault ends every rank at once
-
         if self.is_main:  # kchain ddp: rank 0 alone owns the files
             clean_tmp(self.checkpoints)
         self._resume: tuple[Path, dict] | None = None  # found when the loop starts (run.restore)
         self._found: tuple[list[tuple[Path, dict]], list[str]] | None = None  # find_checkpoints, once
-        self.micro_auto = (config.get("train") or {}).get("micro_batch") == "auto"
+        self._plan: dict | None = None  # the checkpoint's size and write mode, set at the first save
+        self.micro_auto = (self.config.get("train") or {}).get("micro_batch") == "auto"
         if self.micro_auto and self.is_main:  # the ladder starts from the size that fitted last session
             found, _ = self._find()
             halvings = max([halvings] + [int(m.get(ladder.MANIFEST_KEY, 0)) for _, m in found[:1]])
-        self._plan: dict | None = None  # the checkpoint's size and write mode, set at the first save
+        self.micro_halvings = halvings if self.micro_auto else 0
         if self.is_main:
             self.metrics_path.write_bytes(b"")  # this session's lines; a resume puts the history before them
-        if not self.smoke and self.is_main and resumecheck.expected(config):
+        if not self.smoke and self.is_main and resumecheck.expected(self.config):
             # The chain said which step this session resumes: check it now, in the session's first
             # minute, not after the data is staged (resumecheck.WrongState ends the run).
             found, _ = self._find()
-            resumecheck.check(config, int(found[0][1]["step"]) if found else None, str(found[0][0]) if found else None)
-        self._metrics_file = None  # opened by the first run.log
-        self._metrics_bytes = 0
-        self.micro_halvings = halvings if self.micro_auto else 0
-        self._asked_batches: list[int] = []  # run.loader's batch sizes as the code asks for them
-        self._retired = False
+            resumecheck.check(self.config, int(found[0][1]["step"]) if found else None,
+                              str(found[0][0]) if found else None)
 
     def next_rung(self) -> str | None:
         """After an out-of-memory error: the ladder's next rung, or None (see ladder.next_rung).
@@ -296,12 +344,20 @@ class Run:
     def loader(self, dataset, batch_size: int | None = None, shuffle: bool = True, num_workers: int = 0,
                drop_last: bool = False, collate_fn: Callable | None = None, sampler=None,
                batch_sampler=None, name: str | None = None):
-        """A DataLoader whose position is checkpointed (registered automatically).
+        """A DataLoader whose position is checkpointed, tracked as `name` (else loader, loader2, ...).
 
+        `next(loader)` gives the next batch and moves into the next epoch by itself (for run.steps);
+        `for batch in loader` reads the rest of this epoch (for run.epochs). Each epoch's order is
+        drawn from (params.seed, epoch), so a resume goes on at the next batch of the same shuffle.
         `dataset` may also be a DataLoader you built (rebuilt here with its dataset, batch size,
         sampler and collate_fn), or any loader with state_dict/load_state_dict (e.g. torchdata's
-        StatefulDataLoader), which is tracked as it is. Example:
-        `loader = run.loader(train, batch_size=64, sampler=WeightedRandomSampler(w, len(w)))`.
+        StatefulDataLoader), which is tracked as it is.
+
+        Example::
+
+            loader = run.loader(train, batch_size=64, num_workers=2, drop_last=True)
+            weighted = run.loader(train, batch_size=64, sampler=WeightedRandomSampler(w, len(w)))
+            x, y = next(loader)
         """
         name = name or self._free_name("loader")
         if not isinstance(dataset, (Dataset, DataLoader)) and hasattr(dataset, "state_dict") \
@@ -342,11 +398,20 @@ class Run:
 
     def optimize(self, optimizer, accumulate: int = 1, clip: float | None = None, track: bool = True,
                  name: str | None = None):
-        """A Trainer: .backward(loss) accumulate times, then .step().
+        """The optimizer step as a `Stepper`: .backward(loss) `accumulate` times, then .step().
 
-        The optimizer (and the GradScaler fp16 needs) is tracked as `name`, by default `optimizer`,
-        then `optimizer2`, ... for a second one (a GAN's discriminator). Example:
-        `g = run.optimize(opt_g, name="gen"); d = run.optimize(opt_d, name="disc")`.
+        backward() divides the loss by `accumulate` (and scales it for fp16); step() unscales, clips
+        the gradient norm to `clip`, steps, updates the scaler and zeroes the gradients. The optimizer
+        (and the GradScaler fp16 needs) is tracked as `name`, by default `optimizer`, then
+        `optimizer2`, ... for a second one; `track=False` leaves it out of the checkpoint.
+
+        Example::
+
+            stepper = run.optimize(torch.optim.AdamW(model.parameters(), lr=3e-4), accumulate=4, clip=1.0)
+            for _ in range(stepper.accumulate):
+                stepper.backward(F.cross_entropy(model(x), y))
+            stepper.step()
+            g, d = run.optimize(opt_g, name="gen"), run.optimize(opt_d, name="disc")   # a GAN
         """
         scaler = None
         if self.dtype == torch.float16:
@@ -359,10 +424,19 @@ class Run:
         self._scaled = self._scaled or scaler is not None
         if self.micro_auto:  # the ladder halved the micro-batch this many times: the same effective batch
             accumulate *= ladder.factor(self.micro_halvings)
-        return precision.Trainer(optimizer, accumulate=accumulate, clip=clip, scaler=scaler)
+        return precision.Stepper(optimizer, accumulate=accumulate, clip=clip, scaler=scaler)
 
     def autocast(self):
-        """Mixed precision for the forward pass (a no-op on CPU and with precision fp32)."""
+        """Mixed precision for the forward pass: `run.dtype` on CUDA, a no-op on CPU and with fp32.
+
+        Wrap the forward pass and the loss, not the backward pass.
+
+        Example::
+
+            with run.autocast():
+                loss = F.cross_entropy(model(x), y)
+            stepper.backward(loss)
+        """
         if self.dtype == torch.float16 and not self._scaled and not self._warned_fp16:
             self._warned_fp16 = True
             warn(precision.FP16_WITHOUT_SCALER)
@@ -371,23 +445,74 @@ class Run:
     # --- data -----------------------------------------------------------------------------------
 
     def input(self, name: str) -> Path:
+        """The folder where an attached input (a dataset or the competition) is mounted.
+
+        `name` is 'slug' or 'owner/slug'; /kaggle/input/<slug> and /kaggle/input/datasets/<owner>/<slug>
+        both work. An input that is not attached is a FileNotFoundError that lists what is.
+
+        Example::
+
+            text = (run.input("me/shakespeare") / "input.txt").read_text()
+        """
         return data.find_input(name, self.input_root)
 
     def stage(self, name: str, params, build: Callable):
+        """`build(params)` once per distinct (name, params); every later call loads the saved result.
+
+        The result is saved in kchain's cache (`<working>/kchain/cache`, published as the job's
+        `<job>-cache` dataset and attached to later sessions) under a name that holds a hash of
+        `params`: change a parameter and it is built again. It comes back memory-mapped, on a miss as
+        on a hit: a dict of numpy arrays as read-only `np.memmap`s, one array as one memmap, anything
+        else through `torch.load(mmap=True)` (tensors, and numpy arrays inside dicts, lists and tuples,
+        map the file; other values are unpickled). Only this session's cache and the folders where
+        the job's cache dataset is mounted are looked at, never anything else attached.
+
+        Example::
+
+            def tokenize(p):
+                ids = encode(open(run.input("shakespeare") / "input.txt").read(), p["vocab"])
+                return {"train": ids[:-p["val"]], "val": ids[-p["val"]:]}
+
+            arrays = run.stage("tokens", {"vocab": 256, "val": 10_000}, tokenize)
+            train = torch.from_numpy(np.array(arrays["train"]))   # np.array copies out of the map
+        """
+        stage = functools.partial(data.stage, name, params, build, self.cache_dir, self.input_root,
+                                  self.cache_dataset)
         if not self.ranks.active:
-            return data.stage(name, params, build, self.cache_dir, self.input_root)
+            return stage()
         # kchain ddp: rank 0 builds (or finds) the entry first; the others then load it from the cache.
         if not self.is_main:
             self.ranks.barrier()
-        obj = data.stage(name, params, build, self.cache_dir, self.input_root)
+        obj = stage()
         if self.is_main:
             self.ranks.barrier()
         return obj
 
     def subset(self, items):
+        """In a smoke run, an evenly spread `smoke.fraction` of `items`; `items` itself otherwise.
+
+        A Dataset, list, tuple, numpy array or tensor; spread over all of it, not its first rows,
+        so sorted data keeps every class.
+
+        Example::
+
+            train = run.subset(TensorDataset(x, y))   # 2% of the rows under `kchain smoke`
+        """
         return data.subset(items, self.fraction) if self.smoke else items
 
     def check(self, batch=None, x_shape=None, x_dtype=None, num_classes=None, label_dtype=None, splits=None):
+        """Check a sample batch and the splits before the loop; a failure is a PreflightError saying what to fix.
+
+        Args:
+            batch: `(x, y)`; x is checked against x_shape (None for any size) and x_dtype, y against
+                label_dtype (an integer class index) and num_classes (labels in [0, num_classes)).
+            splits: {"train": ..., "val": ...}: none empty, and no sampled row in two of them.
+
+        Example::
+
+            run.check(batch=next(iter(DataLoader(train, batch_size=8))), x_shape=(None, 20),
+                      x_dtype=torch.float32, num_classes=10, splits={"train": train, "val": val})
+        """
         before, self.phase = self.phase, "preflight"
         if splits:
             preflight.check_splits(splits)
@@ -401,7 +526,15 @@ class Run:
         """Yield step numbers restored_step+1 .. total; save on cadence, at the deadline and at the end.
 
         `break` (or `return`) out of the loop is an early stop: the step reached is counted and
-        saved, and the session ends with status `stopped`.
+        saved, and the session ends with status `stopped`. Build and track everything first: the
+        checkpoint is restored when the loop starts.
+
+        Example::
+
+            for step in run.steps(run.params.steps):
+                x, y = next(loader)
+                ...
+                run.log(loss=loss)
         """
         self.total = self._capped(total)
         self._restore()
@@ -556,7 +689,15 @@ class Run:
         self._old_handlers = None
 
     def every(self, n: int) -> bool:
-        """True every n steps and on the last step; that step's crash stage is 'validation'."""
+        """True every n steps and on the last step: where an evaluation goes inside the loop.
+
+        That step's crash stage is `validation`, and the deadline guard plans with how long it took.
+
+        Example::
+
+            if run.every(500):
+                run.log(val_loss=evaluate(model, val))
+        """
         self._every_n = n
         hit = self._current % n == 0 or self._current == self.total
         if hit:

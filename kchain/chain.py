@@ -1,12 +1,9 @@
-"""`kchain continue`: decide what the next session is, make its state ready, and start it.
+"""`kchain continue`: look at the chain, decide what the next session is, and act on it.
 
-The decision reads the last session's Kaggle status, its summary and its log:
-  queued or running               -> say so, with the last heartbeat
-  finished                        -> training is complete; push nothing
-  deadline / killed / timed out   -> newest checkpoint into a READY state-dataset version
-                                     (publish it from the laptop if the kernel could not),
-                                     then push the next session attached to that version
-  crashed with a traceback        -> a first crash needs --retry; the same crash twice is refused
+`look` gathers the records (Kaggle's status, each ended session's summary and log), `decide`
+(kchain/decide.py, pure; its docstring is the decision table) picks the step, and `act` performs it:
+for a push, the newest checkpoint becomes a READY version of the state dataset (published from the
+laptop if the kernel could not), then the next session is pushed attached to that version.
 One chain never has two sessions at once: a lock on the laptop and a status check on Kaggle.
 """
 
@@ -14,42 +11,37 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import random
 import shutil
 import tempfile
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from kchain import sessions as sess
-from kchain.errors import ChainStop, CredentialsError, KaggleError, NotSmoked
-from kchain.kaggle_api import KaggleClient, OutcomeUnknown, missing
-from kchain.ledger import Ledger, iso, new_run_id, now_utc, state_dir
-from kchain.push import (
-    check_budget,
+from kchain.budget import check_budget, plan_for
+from kchain.datasets import (
+    current_version,
     ensure_dataset,
     ensure_state_dataset,
-    plan_for,
-    push_session,
-    reconcile,
-    refuse_unpushable,
+    new_version,
+    wait_ready,
     write_dataset_metadata,
 )
+from kchain.decide import Decision, Situation, decide, final_weights
+from kchain.errors import ChainStop, CredentialsError, KaggleError
+from kchain.kaggle_api import KaggleClient
+from kchain.ledger import Ledger, iso, new_run_id, now_utc, state_dir
+from kchain.names import cache_dataset, state_dataset
+from kchain.push import push_session, reconcile, refuse_unpushable
 from kchain.render import render_job
 from kchain.runtime import layout
 from kchain.runtime.statefolder import build_cache_folder, build_state_folder, cache_entries
 from kchain.spec import Job, load_job
 
 Echo = Callable[[str], None]
-
-
-@dataclass
-class Decision:
-    action: str  # running | finished | pushed (a stop is a ChainStop, raised)
-    message: str
-    record: dict[str, Any] | None = None
 
 
 @contextlib.contextmanager
@@ -64,82 +56,6 @@ def chain_lock(ledger: Ledger, job: str) -> Iterator[None]:
             yield
         finally:
             fcntl.flock(handle, fcntl.LOCK_UN)
-
-
-# Session ends that another identical session would repeat: each needs --retry (or a code change).
-NEEDS_A_PERSON = ("crashed", "hung", "no-accelerator")
-
-
-def _crash(record: dict[str, Any]) -> dict[str, Any] | None:
-    """The error of a session that crashed, hung or got no accelerator (not a kill, not a timeout), if any."""
-    summary = record.get("summary") or {}
-    if summary.get("status") in NEEDS_A_PERSON:
-        return record.get("error") or summary.get("error") or {"type": summary["status"], "message": ""}
-    if record["status"] == "ERROR" and record.get("error") and record["error"].get("type") not in (
-        "SessionError", "TrainingFailed",
-    ):
-        return record["error"]
-    return None
-
-
-def _same_error(a: dict[str, Any], b: dict[str, Any]) -> bool:
-    return a.get("type") == b.get("type") and a.get("message") == b.get("message")
-
-
-def wait_ready(client: KaggleClient, ref: str, echo: Echo, timeout_s: float = 1800, poll_s: float = 0.5,
-               hidden_s: float = 600) -> None:
-    """Poll the dataset until its newest version is ready. A version that is still processing can
-    answer 403 or 404 for a while (Kaggle hides it until it is ready): that is waited out for
-    hidden_s, then taken as "missing"."""
-    started = time.time()
-    delay = poll_s
-    last = None
-    while True:
-        try:
-            status = client.dataset_status(ref)
-        except KaggleError as exc:
-            if not missing(exc) or time.time() - started > hidden_s:
-                raise
-            status = "not visible yet"
-        if status == "ready":
-            return
-        if status in ("failed", "deleted"):
-            raise KaggleError(f"dataset {ref} is {status}; look at it on Kaggle, then run `kchain continue` again")
-        if status != last:
-            echo(f"  waiting for {ref}: {status}")
-            last = status
-        if time.time() - started > timeout_s:
-            raise KaggleError(f"dataset {ref} is still {status} after {timeout_s:.0f}s; run `kchain continue` later")
-        time.sleep(delay * (0.8 + 0.4 * random.random()))
-        delay = min(delay * 1.5, 30.0)
-
-
-def current_version(client: KaggleClient, ref: str, echo: Echo) -> int:
-    """The dataset's newest version number, read once it is ready (a processing version's number lags)."""
-    wait_ready(client, ref, echo)
-    return client.dataset_version_number(ref)
-
-
-def new_version(client: KaggleClient, folder: Path, ref: str, notes: str, dir_mode: str, echo: Echo,
-                before: int | None = None, attempts: int = 4) -> int:
-    """Upload folder as a new version of ref exactly once and return its number. A lost answer is
-    settled by looking at the dataset's versions: a new one means it landed, else it is sent again."""
-    if before is None:
-        before = current_version(client, ref, echo)
-    for attempt in range(attempts):
-        try:
-            client.version_dataset(folder, notes, dir_mode=dir_mode)
-            break
-        except OutcomeUnknown as exc:
-            now = current_version(client, ref, echo)
-            if now != before:
-                echo(f"  the answer to the upload was lost, but {ref} has version {now}: using it")
-                return now
-            echo(f"  the answer to the upload was lost and {ref} has no new version: sending it again")
-            if attempt == attempts - 1:
-                raise KaggleError(f"{ref}: {attempts} uploads in a row lost their answer and none landed ({exc}); "
-                                  "run `kchain continue` again later") from exc
-    return current_version(client, ref, echo)
 
 
 def relay_state(client: KaggleClient, job: Job, owner: str, record: dict[str, Any], echo: Echo,
@@ -157,7 +73,7 @@ def relay_state(client: KaggleClient, job: Job, owner: str, record: dict[str, An
         marker = build_state_folder(kchain_dir, work / "state", published="relay", job=job.name)
         if marker is None:
             return None
-        state_ref = f"{owner}/{job.name}-state"
+        state_ref = state_dataset(owner, job.name)
         uploaded = sum(p.stat().st_size for p in (work / "state").iterdir() if p.is_file())
         notes = f"kchain session {record['session']} step {marker['step']}"
         pending = dict((record.get("publish") or {}).get("pending") or {})
@@ -180,7 +96,7 @@ def relay_state(client: KaggleClient, job: Job, owner: str, record: dict[str, An
         entries = cache_entries(kchain_dir)
         cache_bytes = 0
         if entries and entries != record.get("cache_attached") and not pending.get("cache_version"):
-            cache_ref = f"{owner}/{job.name}-cache"
+            cache_ref = cache_dataset(owner, job.name)
             cache_bytes = build_cache_folder(kchain_dir, work / "cache")
             echo(f"  staged-data cache changed: publishing {cache_ref} ({cache_bytes / 1e6:.2f} MB)")
             ensure_dataset(client, cache_ref, f"{job.name} cache", echo)
@@ -197,7 +113,7 @@ def ready_state(client: KaggleClient, job: Job, owner: str, chain: list[dict[str
                 save: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
     """Make sure the newest checkpoint is a ready version of the state dataset; return its facts."""
     last = chain[-1]
-    state_ref = f"{owner}/{job.name}-state"
+    state_ref = state_dataset(owner, job.name)
     if (last.get("publish") or {}).get("version"):
         # An earlier `continue` already published this session's state (then stopped, e.g. on the
         # budget): publishing again would only upload the same checkpoint twice.
@@ -255,7 +171,7 @@ def fetch_or_stop(client: KaggleClient, ledger: Ledger, job: Job, owner: str, ch
         except Exception as exc:  # noqa: BLE001 - any failure to fetch is reported below
             error = f"{type(exc).__name__}: {exc}"
             time.sleep(min(30.0, 2.0 * 2 ** attempt) if attempt < attempts - 1 else 0)
-    state_ref = f"{owner}/{job.name}-state"
+    state_ref = state_dataset(owner, job.name)
     version = current_version(client, state_ref, echo)
     earlier = [s["publish"]["step"] for s in chain[:-1] if (s.get("publish") or {}).get("step") is not None]
     step = max(earlier, default=0)
@@ -278,109 +194,90 @@ def fetch_or_stop(client: KaggleClient, ledger: Ledger, job: Job, owner: str, ch
 def decide_and_continue(job: Job, ledger: Ledger, client: KaggleClient, retry: bool = False,
                         force: bool = False, skip_smoke: bool = False, echo: Echo = print,
                         from_state: int | None = None) -> Decision:
-    job_file = job.path
+    """One step of the chain: look at it, decide (kchain/decide.py), act."""
     refuse_unpushable(job)
     owner = job.kaggle.owner or client.username
     with chain_lock(ledger, job.name):
         reconcile(client, ledger, job)
-        chain = [s for s in sess.refresh(client, ledger, job.name) if s["status"] != "FAILED_TO_PUSH"]
-        if not chain:
-            raise ChainStop(f"{job.name} has no session yet: start it with `kchain push {job_file}`")
-        last = chain[-1]
-        # Kaggle's own word on the kernel too: a session started outside kchain also counts.
-        latest, _ = client.status(f"{owner}/{job.name}", None)
-        if latest in sess.LIVE and last["status"] not in sess.LIVE:
-            raise ChainStop(f"{owner}/{job.name} has a session {latest.lower()} on Kaggle that kchain did not "
-                            "start; wait for it to end, then run `kchain continue` again")
-        if last["status"] in sess.LIVE:
-            beat = last.get("heartbeat") or "no heartbeat yet"  # refresh() just read the log
-            return Decision("running", f"session {last['session']} is {last['status'].lower()}: {beat}", last)
-        summary = last.get("summary") or {}
-        if summary.get("status") == "finished":
-            best = summary.get("best") or {}
-            best_text = f"{best['name']} {best['value']:.6g} at step {best['step']}" if best.get("name") else ""
-            where = Path(last.get("output") or "") / layout.KCHAIN_DIR / (summary.get("checkpoint") or "")
-            if not last.get("logged"):
-                # One line for the whole chain's result, so `kchain runs` can name the best weights.
-                ledger.append_run(
-                    run_id=new_run_id("kaggle"), channel="kaggle", job=job.name, config=str(last.get("fingerprint"))[:12],
-                    steps=summary.get("step") or "", val=_val(last), checkpoint=str(where),
-                    note=f"finished after {len(chain)} session(s)",
-                )
-                ledger.save_session(job.name, {**last, "logged": True})
-            return Decision("finished", f"training is complete: {summary.get('step')}/{summary.get('total')} steps"
-                            + (f", best {best_text}" if best_text else "") + f"; final weights in {where}", last)
-        if summary.get("status") == "stopped":
-            # The code left its loop on purpose (early stopping): another session would be the user's
-            # decision, not the chain's.
-            return Decision("finished", f"training stopped early on purpose at step {summary.get('step')}/"
-                            f"{summary.get('total')} (the loop left run.steps); no further session is pushed", last)
-        if summary.get("status") == "no_checkpoint":
-            raise ChainStop(f"session {last['session']} wrote no checkpoint: the loop did not use run.steps, "
-                            f"run.epochs or run.save, so there is nothing to resume; see `kchain smoke {job_file}`")
-        if summary.get("status") == "deadline" and summary.get("step") == last.get("resumes_at", 0):
-            # Another session would burn its quota the same way: start-up filled the whole session.
-            raise ChainStop(
-                f"session {last['session']} reached its deadline without training a step (it resumed at "
-                f"step {summary.get('step')}): loading and start-up take the whole session; stage the data "
-                "with run.stage so later sessions load a cache, or raise train.session_limit"
-            )
-        crash = _crash(last)
-        rendered = render_job(job, owner=owner)
-        if crash is not None:
-            earlier = [s for s in chain[:-1] if _crash(s) and _same_error(_crash(s), crash)]
-            no_gpu = summary.get("status") == "no-accelerator"
-            if no_gpu and not retry:
-                raise ChainStop(
-                    f"session {last['session']} got no accelerator: {crash.get('message')}; check the GPU quota "
-                    "(`kchain budget`) and kaggle.accelerator, then pass --retry to push again"
-                )
-            if earlier and not no_gpu:
-                raise ChainStop(
-                    f"the same error as session {earlier[-1]['session']}: {crash.get('type')}: {crash.get('message')}; "
-                    f"fix the code, run `kchain smoke {job_file}`"
-                )
-            if rendered.fingerprint == last.get("fingerprint") and not retry:
-                raise ChainStop(
-                    f"session {last['session']} crashed: {crash.get('type')}: {crash.get('message')}; "
-                    f"fix the code and run `kchain smoke {job_file}`, or pass --retry to run it again as it is"
-                )
-        if last["status"] in sess.TERMINAL and not last.get("output") and last.get("output_error"):
-            fetch_or_stop(client, ledger, job, owner, chain, from_state, echo)
-        if ledger.smoke_passed(rendered.fingerprint) is None and not skip_smoke:
-            raise NotSmoked(
-                f"this code has never passed a smoke run: run `kchain smoke {job_file}` first "
-                "(or --skip-smoke, recorded in the run log)"
-            )
-        def save_publish(progress: dict[str, Any]) -> None:
-            last.update(publish=progress)
-            ledger.save_session(job.name, last)
+        now = look(client, ledger, job, owner)
+        decision = decide(now, job.path, retry=retry, skip_smoke=skip_smoke)
+        if decision.action == "refetch":
+            fetch_or_stop(client, ledger, job, owner, now.chain, from_state, echo)
+            # A fetch that worked filled in the last record: decide again on its summary.
+            decision = decide(now, job.path, retry=retry, skip_smoke=skip_smoke, output_settled=True)
+        return act(decision, job, ledger, client, owner, now.chain, force, echo)
 
-        facts = ready_state(client, job, owner, chain, echo, save_publish)
-        last.update(publish=facts)
+
+def look(client: KaggleClient, ledger: Ledger, job: Job, owner: str) -> Situation:
+    """What `decide` reads: the chain's records as Kaggle has them now, and Kaggle's own word on the
+    kernel (a session started outside kchain also counts). The code is rendered only when asked."""
+    chain = [s for s in sess.refresh(client, ledger, job.name) if s["status"] != "FAILED_TO_PUSH"]
+    kernel = f"{owner}/{job.name}"
+    on_kaggle = client.status(kernel, None)[0] if chain else None
+    fingerprint = functools.cache(lambda: render_job(job, owner=owner).fingerprint)
+    return Situation(chain, kernel, on_kaggle, fingerprint=fingerprint,
+                     smoked=lambda fingerprint: ledger.smoke_passed(fingerprint) is not None)
+
+
+def act(decision: Decision, job: Job, ledger: Ledger, client: KaggleClient, owner: str,
+        chain: list[dict[str, Any]], force: bool, echo: Echo) -> Decision:
+    """Perform a decision: raise its stop, record a finished chain, or push the next session."""
+    if decision.stop is not None:
+        raise decision.stop
+    if decision.action == "finished":
+        record_finished(ledger, job, chain)
+    if decision.action == "push":
+        return push_next(job, ledger, client, owner, chain, force, echo)
+    return decision
+
+
+def record_finished(ledger: Ledger, job: Job, chain: list[dict[str, Any]]) -> None:
+    """One line for the whole chain's result, so `kchain runs` can name the best weights."""
+    last = chain[-1]
+    summary = last.get("summary") or {}
+    if summary.get("status") != "finished" or last.get("logged"):
+        return
+    ledger.append_run(
+        run_id=new_run_id("kaggle"), channel="kaggle", job=job.name, config=str(last.get("fingerprint"))[:12],
+        steps=summary.get("step") or "", val=_val(last), checkpoint=str(final_weights(last)),
+        note=f"finished after {len(chain)} session(s)",
+    )
+    ledger.save_session(job.name, {**last, "logged": True})
+
+
+def push_next(job: Job, ledger: Ledger, client: KaggleClient, owner: str, chain: list[dict[str, Any]],
+              force: bool, echo: Echo) -> Decision:
+    """The newest checkpoint as a ready state version, the budget, then the next session pinned to it."""
+    last = chain[-1]
+
+    def save_publish(progress: dict[str, Any]) -> None:
+        last.update(publish=progress)
         ledger.save_session(job.name, last)
-        plan = plan_for(job, ledger, client)
-        check_budget(job, plan, force, job_file)
-        ensure_state_dataset(client, f"{owner}/{job.name}-state", job, echo)
-        sources = [f"{owner}/{job.name}-state/{facts['version']}"]
-        cache_ref = f"{owner}/{job.name}-cache"
-        if client.dataset_exists(cache_ref):
-            wait_ready(client, cache_ref, echo)
-            sources.append(cache_ref)
-        rendered = render_job(job, owner=owner, extra_sources=sources, session=last["session"] + 1,
-                              session_facts=session_facts(ledger, job, facts))
-        record = push_session(
-            client, job, rendered, ledger, last["session"] + 1, echo,
-            extra={"state_version": facts["version"], "resumes_at": facts["resumes_at"],
-                   "cache_attached": facts.get("cache") or last.get("cache_attached")},
-        )
-        ledger.append_run(
-            run_id=new_run_id("kaggle"), channel="kaggle", job=job.name, config=rendered.fingerprint[:12],
-            steps=last.get("step") or "", val=_val(last), checkpoint=f"{owner}/{job.name}-state/{facts['version']}",
-            note=f"session {record['session']} pushed, resuming at step {facts['resumes_at']}",
-        )
-        return Decision("pushed", f"session {record['session']} pushed (kernel version {record['version']}), "
-                        f"resuming at step {facts['resumes_at']} from state version {facts['version']}", record)
+
+    facts = ready_state(client, job, owner, chain, echo, save_publish)
+    save_publish(facts)
+    check_budget(job, plan_for(job, ledger, client), force, job.path)
+    ensure_state_dataset(client, owner, job.name, echo)
+    state = f"{state_dataset(owner, job.name)}/{facts['version']}"
+    sources = [state]
+    cache_ref = cache_dataset(owner, job.name)
+    if client.dataset_exists(cache_ref):
+        wait_ready(client, cache_ref, echo)
+        sources.append(cache_ref)
+    rendered = render_job(job, owner=owner, extra_sources=sources, session=last["session"] + 1,
+                          session_facts=session_facts(ledger, job, facts))
+    record = push_session(
+        client, job, rendered, ledger, last["session"] + 1, echo,
+        extra={"state_version": facts["version"], "resumes_at": facts["resumes_at"],
+               "cache_attached": facts.get("cache") or last.get("cache_attached")},
+    )
+    ledger.append_run(
+        run_id=new_run_id("kaggle"), channel="kaggle", job=job.name, config=rendered.fingerprint[:12],
+        steps=last.get("step") or "", val=_val(last), checkpoint=state,
+        note=f"session {record['session']} pushed, resuming at step {facts['resumes_at']}",
+    )
+    return Decision("pushed", f"session {record['session']} pushed (kernel version {record['version']}), "
+                    f"resuming at step {facts['resumes_at']} from state version {facts['version']}", record)
 
 
 def session_facts(ledger: Ledger, job: Job, facts: dict[str, Any] | None = None) -> dict[str, Any]:

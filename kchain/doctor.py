@@ -38,6 +38,7 @@ from kchain.errors import CredentialsError, DoctorFailed, KaggleError, ProbeForm
 from kchain.fsutil import atomic_write_json, read_json
 from kchain.kaggle_api import MISSING_CREDENTIALS, KaggleClient, configured_username
 from kchain.ledger import Ledger, iso, now_utc, state_dir
+from kchain.names import state_dataset
 from kchain.render import METADATA_FILE, Rendered, render_job, render_probe
 from kchain.spec import Job, load_job
 
@@ -223,7 +224,7 @@ def _sources(client: KaggleClient, job: Job, owner: str, check: _Checklist, repo
     if job.kaggle.competition:
         check("ok", "sources", f"competition {job.kaggle.competition}: no lookup can tell whether its rules were "
                                "accepted; the save below names it if Kaggle refuses it")
-    state = f"{owner}/{job.name}-state"
+    state = state_dataset(owner, job.name)
     state_there = client.lookup_code("dataset", state) == 200
     report.facts["state_dataset"] = {"ref": state, "exists": state_there}
     if state_there:
@@ -417,7 +418,7 @@ def _image(probe: dict[str, Any], report: Report, check: _Checklist) -> None:
 
 
 def _publishing(job: Job, probe: dict[str, Any] | None, owner: str, report: Report, check: _Checklist) -> None:
-    state = f"{owner}/{job.name}-state"
+    state = state_dataset(owner, job.name)
     relay = (f"laptop relay: `kchain continue` downloads each session's output and versions {state} from "
              "this machine")
     if probe is None:

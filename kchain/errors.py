@@ -37,6 +37,11 @@ class NotSmoked(KchainError):
 
     exit_code = 4
 
+    @classmethod
+    def for_job(cls, job_file: object) -> NotSmoked:
+        return cls(f"this code has never passed a smoke run: run `kchain smoke {job_file}` first "
+                   "(or --skip-smoke, recorded in the run log)")
+
 
 class BudgetExceeded(KchainError):
     """push/continue refused: the week's GPU quota cannot cover the session."""

@@ -35,7 +35,7 @@ class ExecResult:
 
 def prepare_root(root: Path) -> tuple[Path, Path]:
     """Create ROOT/input and ROOT/working (the /kaggle layout) and return them."""
-    inputs, working = root / "input", root / "working"
+    inputs, working = root / layout.INPUT_DIR, root / layout.WORKING_DIR
     inputs.mkdir(parents=True, exist_ok=True)
     working.mkdir(parents=True, exist_ok=True)
     return inputs, working
@@ -52,9 +52,11 @@ def read_summary(working: Path, search: bool = False) -> dict[str, Any] | None:
         candidates += sorted(working.rglob(layout.SUMMARY))
     for path in candidates:
         try:
-            return json.loads(path.read_text())
-        except (OSError, ValueError):
+            summary = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError, RecursionError):
             continue
+        if isinstance(summary, dict):  # anything else is not a summary kchain wrote
+            return summary
     return None
 
 

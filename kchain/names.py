@@ -9,16 +9,19 @@ refuse such a name when the job is loaded; push and continue call it before crea
 from __future__ import annotations
 
 DATASET_SLUG_MIN, DATASET_SLUG_MAX = 6, 50  # Kaggle's dataset slug limits
-SUFFIXES = ("-state", "-cache")
+STATE_SUFFIX, CACHE_SUFFIX = "-state", "-cache"
+SUFFIXES = (STATE_SUFFIX, CACHE_SUFFIX)
 MAX_NAME = DATASET_SLUG_MAX - max(len(s) for s in SUFFIXES)
 
 
-def state_slug(name: str) -> str:
-    return f"{name}-state"
+def state_dataset(owner: str, name: str) -> str:
+    """`<owner>/<name>-state`: the dataset each session's end state is versioned into."""
+    return f"{owner}/{name}{STATE_SUFFIX}"
 
 
-def cache_slug(name: str) -> str:
-    return f"{name}-cache"
+def cache_dataset(owner: str, name: str) -> str:
+    """`<owner>/<name>-cache`: the data staged by run.stage, versioned when it changes."""
+    return f"{owner}/{name}{CACHE_SUFFIX}"
 
 
 def name_problem(name: str) -> str | None:

@@ -11,78 +11,21 @@ import shutil
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kchain.budget import check_budget, plan_for
+from kchain.datasets import ensure_state_dataset
 from kchain.doctor import suggest_doctor
-from kchain.errors import BudgetExceeded, ChainStop, KaggleError, NotSmoked, SpecError
+from kchain.errors import ChainStop, KaggleError, NotSmoked, SpecError
 from kchain.kaggle_api import InvalidSources, KaggleClient, OutcomeUnknown, missing
 from kchain.ledger import Ledger, iso, new_run_id, now_utc, state_dir
 from kchain.names import name_problem
 from kchain.render import Rendered, render_job, write_rendered
-from kchain.runtime.layout import STATE_MARKER
 from kchain.sessions import LIVE
 from kchain.spec import Job, load_job, parse_duration
 
 Echo = Callable[[str], None]
-
-
-@dataclass
-class Plan:
-    accelerator: str
-    session_limit_h: float
-    expected_gpu_h: float
-    used_h: float
-    weekly_h: float
-
-    @property
-    def left_h(self) -> float:
-        return max(0.0, self.weekly_h - self.used_h)
-
-    def lines(self) -> list[str]:
-        return [
-            f"  accelerator    {self.accelerator}",
-            f"  session limit  {self.session_limit_h:.2f} h",
-            f"  expected       {self.expected_gpu_h:.2f} GPU-h this session",
-            f"  this week      {self.used_h:.2f} GPU-h used, {self.left_h:.2f} of {self.weekly_h:g} left",
-        ]
-
-
-def plan_for(job: Job, ledger: Ledger, client: KaggleClient | None = None) -> Plan:
-    """The session's cost against the week: kchain's ledger, or Kaggle's own count when it is higher
-    (GPU time spent outside kchain counts against the same quota)."""
-    limit_h = parse_duration(job.train.session_limit) / 3600
-    used_h = ledger.gpu_hours_this_week()
-    if client is not None:
-        try:
-            quota = client.quota()
-        except KaggleError:
-            quota = None  # the quota view is a second opinion; the ledger still counts
-        if quota is not None:
-            used_h = max(used_h, quota["used_s"] / 3600)
-    return Plan(
-        accelerator={"gpu": f"GPU T4 x2, {_ranks(job)} (NvidiaTeslaT4)", "tpu": "TPU v5e-8",
-                     "none": "CPU"}[job.kaggle.accelerator],
-        session_limit_h=limit_h,
-        expected_gpu_h=limit_h if job.gpu else 0.0,
-        used_h=used_h,
-        weekly_h=job.budget.weekly_gpu_hours,
-    )
-
-
-def _ranks(job: Job) -> str:
-    """train.gpus on a T4 x2 session: auto uses both GPUs (one rank each)."""
-    return "1 rank" if job.train.gpus == 1 else "2 ranks"
-
-
-def check_budget(job: Job, plan: Plan, force: bool, job_file: Path) -> None:
-    if job.gpu and plan.expected_gpu_h > plan.left_h and not force:
-        raise BudgetExceeded(
-            f"{job_file}: this session may use {plan.expected_gpu_h:.2f} GPU-h but only {plan.left_h:.2f} "
-            f"are left this week (budget.weekly_gpu_hours {plan.weekly_h:g}); wait for Saturday 00:00 UTC, "
-            "lower train.session_limit, or pass --force"
-        )
 
 
 def refuse_unpushable(job: Job) -> None:
@@ -93,58 +36,6 @@ def refuse_unpushable(job: Job) -> None:
     if job.kaggle.accelerator == "tpu":
         raise SpecError(f"{job.path}: kaggle.accelerator: tpu is not supported yet (the runtime would train on the "
                         "TPU machine's CPU); use gpu")
-
-
-def write_dataset_metadata(folder: Path, ref: str, title: str) -> None:
-    """dataset-metadata.json as the client reads it (slug and title 6-50 characters, one license)."""
-    meta = {"id": ref, "title": title[:50].ljust(6, "-"), "licenses": [{"name": "CC0-1.0"}]}
-    (folder / "dataset-metadata.json").write_text(json.dumps(meta, indent=1) + "\n")
-
-
-def ensure_dataset(client: KaggleClient, ref: str, title: str, echo: Echo, attempts: int = 4,
-                   settle_s: float = 30.0) -> bool:
-    """Create a private dataset holding only a marker if it does not exist; True if it was made.
-    A lost answer is settled by looking for the dataset (a new one can stay hidden for a while)."""
-    if client.dataset_exists(ref):
-        return False
-    folder = Path(tempfile.mkdtemp(prefix="kchain-dataset-"))
-    try:
-        (folder / STATE_MARKER).write_text(json.dumps({"dataset": ref, "session": 0, "step": None}) + "\n")
-        write_dataset_metadata(folder, ref, title)
-        for attempt in range(attempts):
-            try:
-                client.create_dataset(folder, public=False, dir_mode="skip")
-                break
-            except OutcomeUnknown as exc:
-                # Sent again at once: if the lost one landed, Kaggle refuses the slug as taken.
-                if attempt == attempts - 1:
-                    if _appears(client, ref, settle_s):
-                        break
-                    raise KaggleError(f"{ref}: {attempts} creations in a row lost their answer and none landed "
-                                      f"({exc}); run the command again later") from exc
-            except KaggleError as exc:
-                if "already in use" in str(exc) or (attempt and _appears(client, ref, settle_s)):
-                    break  # an earlier attempt whose answer was lost created it
-                raise
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
-    echo(f"  created dataset {ref}")
-    return True
-
-
-def _appears(client: KaggleClient, ref: str, within_s: float, poll_s: float = 1.0) -> bool:
-    deadline = time.monotonic() + within_s
-    while True:
-        if client.dataset_exists(ref):
-            return True
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(poll_s)
-
-
-def ensure_state_dataset(client: KaggleClient, ref: str, job: Job, echo: Echo) -> None:
-    """<owner>/<name>-state, which the chain versions with each session's end state."""
-    ensure_dataset(client, ref, f"{job.name} state", echo)
 
 
 def kernel_ref(client: KaggleClient, job: Job) -> str:
@@ -289,16 +180,13 @@ def push_job(job: Job, ledger: Ledger, client: KaggleClient, skip_smoke: bool = 
     rendered = render_job(job, owner=owner, session_facts={"publish": figures} if figures else None)
     smoked = ledger.smoke_passed(rendered.fingerprint)
     if smoked is None and not skip_smoke:
-        raise NotSmoked(
-            f"this code has never passed a smoke run: run `kchain smoke {job_file}` first "
-            "(or --skip-smoke, recorded in the run log)"
-        )
+        raise NotSmoked.for_job(job_file)
     plan = plan_for(job, ledger, client)
     echo(f"kchain push {job_file}: session 1 of {owner}/{job.name}")
     for line in plan.lines():
         echo(line)
     check_budget(job, plan, force, job_file)
-    ensure_state_dataset(client, f"{owner}/{job.name}-state", job, echo)
+    ensure_state_dataset(client, owner, job.name, echo)
     record = push_session(client, job, rendered, ledger, 1, echo,
                           extra={"smoke": smoked["run_id"] if smoked else "skipped"})
     note = "session 1 pushed" + ("" if smoked else " (--skip-smoke: never smoke-tested)")

@@ -22,15 +22,17 @@ from pathlib import Path
 from typing import Any
 
 from kchain import sessions as sess
-from kchain.chain import wait_ready, watch
+from kchain.chain import watch
+from kchain.datasets import wait_ready, write_dataset_metadata
 from kchain.emulator import Emulator, Faults
 from kchain.emulator.switches import Switches
 from kchain.errors import KaggleError, KchainError
 from kchain.inputs import local_inputs, mount_inputs
 from kchain.kaggle_api import KaggleClient
 from kchain.ledger import Ledger, new_run_id, state_dir
+from kchain.names import state_dataset
 from kchain.plot import newest_trace
-from kchain.push import push_job, write_dataset_metadata
+from kchain.push import push_job
 from kchain.render import render_job, write_rendered
 from kchain.runtime import layout
 from kchain.spec import Job, load_job
@@ -164,18 +166,47 @@ def rehearse(job_file: Path, session_limit_s: float = 20.0, kills: int = 1, seed
              params: dict[str, Any] | None = None, faults: Faults | None = None, internet: bool | None = None,
              echo: Echo = print, poll_s: float = 0.5, key: str | None = None,
              switches: Switches | None = None) -> Rehearsal:
+    """Named stages: the short-session job -> a local Kaggle with the inputs on it -> the reference
+    run beside the chain -> the chain with its kills -> the traces compared."""
     base = load_job(job_file)
-    job = short_session_job(base, session_limit_s, params or {})
-    if internet is not None:
-        job = job.model_copy(update={"kaggle": job.kaggle.model_copy(update={"internet": internet})})
+    job = rehearsal_job(base, job_file, session_limit_s, params or {}, internet)
     work = state_dir(base.path) / "rehearse" / new_run_id("rehearse")
     ledger = Ledger(work / "ledger")
-    key = key or secrets.token_hex(16)  # a throwaway user of the throwaway Kaggle
     faults = faults or Faults(seed=seed)
-    if job.kaggle.competition:
+    sources = local_inputs(job, state_dir(base.path) / "inputs", echo=echo)
+    emu = start_local_kaggle(job, work, sources, session_limit_s, faults, switches, key, echo)
+    reference = ReferenceRun(job, work / "reference", sources)
+    kill = Killer(emu, f"{USER}/{job.name}", kills)
+    echo(f"kchain rehearse {job_file}: sessions of {session_limit_s:g}s against a local Kaggle at {emu.url}")
+    try:
+        reference.start()
+        job = run_chain(emu, job, ledger, kill, session_limit_s, poll_s, echo)
+        trace = reference.result()
+    finally:
+        emu.stop()
+    chain = ledger.sessions(job.name)
+    identical, verdict, chained = judge(trace, chain, kill.killed, echo)
+    return Rehearsal(identical, verdict, chain, trace, chained, emu.sessions(),
+                     emu.dataset_versions(state_dataset(USER, job.name)), work, sorted(kill.killed))
+
+
+def rehearsal_job(base: Job, job_file: Path, session_limit_s: float, params: dict[str, Any],
+                  internet: bool | None) -> Job:
+    """The job with the rehearsal's short sessions, params and internet setting; a competition is refused."""
+    if base.kaggle.competition:
         raise KchainError(f"{job_file}: kaggle.competition: competitions are not emulated; to rehearse, "
                           "attach a small copy of the data as a dataset")
-    sources = local_inputs(job, state_dir(base.path) / "inputs", echo=echo)
+    job = short_session_job(base, session_limit_s, params)
+    if internet is not None:
+        job = job.model_copy(update={"kaggle": job.kaggle.model_copy(update={"internet": internet})})
+    return job
+
+
+def start_local_kaggle(job: Job, work: Path, sources: dict[tuple[str, str, str], Path], session_limit_s: float,
+                       faults: Faults, switches: Switches | None, key: str | None, echo: Echo) -> Emulator:
+    """A private emulator holding the rehearsal's user (key: a throwaway key of the throwaway Kaggle),
+    the owner of each attached dataset, and the datasets themselves."""
+    key = key or secrets.token_hex(16)
     owners = {owner: secrets.token_hex(16) for (_, owner, _) in sources if owner != USER}
     emu = Emulator(work / "kaggle", users={USER: key, **owners}, session_limit_s=session_limit_s * 1.05,
                    secrets={USER: {"KAGGLE_USERNAME": USER, "KAGGLE_KEY": key}}, faults=faults,
@@ -186,57 +217,79 @@ def rehearse(job_file: Path, session_limit_s: float = 20.0, kills: int = 1, seed
     except BaseException:
         emu.stop()
         raise
-    reference: list[dict[str, Any]] = []
-    ref_error: list[BaseException] = []
+    return emu
 
-    def reference_thread() -> None:
+
+class ReferenceRun:
+    """The uninterrupted run, in a thread beside the chain; its error is raised by result()."""
+
+    def __init__(self, job: Job, root: Path, sources: dict[tuple[str, str, str], Path]) -> None:
+        self.trace: list[dict[str, Any]] = []
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, args=(job, root, sources), daemon=True)
+
+    def _run(self, job: Job, root: Path, sources: dict[tuple[str, str, str], Path]) -> None:
         try:
-            reference.extend(run_reference(job, work / "reference", sources))
+            self.trace = run_reference(job, root, sources)
         except BaseException as exc:  # noqa: BLE001 - reported after the chain
-            ref_error.append(exc)
+            self.error = exc
 
-    ref = threading.Thread(target=reference_thread, daemon=True)
-    ref.start()
-    kernel = f"{USER}/{job.name}"
-    killed: set[int] = set()
+    def start(self) -> None:
+        self.thread.start()
 
-    def before_each(_session: int) -> None:
-        # Session 1 runs clean; then exactly `kills` sessions die: each is killed (a real SIGKILL of
-        # its process tree) as soon as its log shows its first training step, so a kill never misses
-        # a session however fast or slow the machine is at the moment.
-        ours = [s for s in emu.sessions() if s["kernel"] == kernel]
+    def result(self) -> list[dict[str, Any]]:
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
+        return self.trace
+
+
+class Killer:
+    """Called before each `continue`: session 1 runs clean; then exactly `kills` sessions die. Each is
+    killed (a real SIGKILL of its process tree) as soon as its log shows its first training step, so
+    a kill never misses a session however fast or slow the machine is at the moment."""
+
+    def __init__(self, emu: Emulator, kernel: str, kills: int) -> None:
+        self.emu, self.kernel, self.kills = emu, kernel, kills
+        self.killed: set[int] = set()  # kernel versions (sessions) killed so far
+
+    def __call__(self, _session: int) -> None:
+        ours = [s for s in self.emu.sessions() if s["kernel"] == self.kernel]
         with_kill = [s for s in ours if s.get("kill_on_output")]
-        killed.update(s["version"] for s in with_kill if "killed" in (s.get("failure_message") or "").lower())
+        self.killed.update(s["version"] for s in with_kill if "killed" in (s.get("failure_message") or "").lower())
         pending = [s for s in with_kill if s["status"] not in sess.TERMINAL]
-        if not ours or pending or len(killed) >= kills:
-            emu.faults.kill_on_output = None
+        if not ours or pending or len(self.killed) >= self.kills:
+            self.emu.faults.kill_on_output = None
             return
-        emu.faults.kill_on_output = KILL_MARKER
+        self.emu.faults.kill_on_output = KILL_MARKER
 
-    echo(f"kchain rehearse {job_file}: sessions of {session_limit_s:g}s against a local Kaggle at {emu.url}")
-    try:
-        with _env({**emu.env(USER), "KCHAIN_HOME": str(work / "ledger")}):
-            client = KaggleClient(backoff_s=0.2, max_backoff_s=2.0)
-            if job.kaggle.internet:
-                # The user attached their Kaggle key to the kernel in the web UI once (no API can).
-                emu.attach_secrets(f"{USER}/{job.name}")
-                ledger.save_publish_figures(job.name, measure_publish(emu, faults, echo))
-            before_each(1)
-            push_job(job, ledger, client, skip_smoke=True, force=True, echo=echo)
-            first = wait_first(client, ledger, job, poll_s)
-            longer = sized_limit(first, session_limit_s, echo)
-            if longer is not None:
-                job = resized(job, longer)
-                emu.session_limit_s = longer * 1.05
-            watch(job, ledger, client, force=True, skip_smoke=True, echo=echo, poll_s=poll_s,
-                  max_poll_s=max(poll_s, 2.0), before_each=before_each)
-            before_each(0)  # settle the last kill
-        ref.join()
-    finally:
-        emu.stop()
-    if ref_error:
-        raise ref_error[0]
-    chain = ledger.sessions(job.name)
+
+def run_chain(emu: Emulator, job: Job, ledger: Ledger, kill: Killer, session_limit_s: float, poll_s: float,
+              echo: Echo) -> Job:
+    """Push session 1, size the sessions from its speed, then `continue --watch` until done; returns
+    the job as the chain ran it (its session limit may have grown)."""
+    with _env({**emu.env(USER), "KCHAIN_HOME": str(ledger.root)}):
+        client = KaggleClient(backoff_s=0.2, max_backoff_s=2.0)
+        if job.kaggle.internet:
+            # The user attached their Kaggle key to the kernel in the web UI once (no API can).
+            emu.attach_secrets(f"{USER}/{job.name}")
+            ledger.save_publish_figures(job.name, measure_publish(emu, emu.faults, echo))
+        kill(1)
+        push_job(job, ledger, client, skip_smoke=True, force=True, echo=echo)
+        first = wait_first(client, ledger, job, poll_s)
+        longer = sized_limit(first, session_limit_s, echo)
+        if longer is not None:
+            job = resized(job, longer)
+            emu.session_limit_s = longer * 1.05
+        watch(job, ledger, client, force=True, skip_smoke=True, echo=echo, poll_s=poll_s,
+              max_poll_s=max(poll_s, 2.0), before_each=kill)
+        kill(0)  # settle the last kill
+    return job
+
+
+def judge(reference: list[dict[str, Any]], chain: list[dict[str, Any]], killed: set[int],
+          echo: Echo) -> tuple[bool, str, list[dict[str, Any]]]:
+    """The chained trace against the reference, step by step: (identical, the verdict, the chained trace)."""
     trace_path = newest_trace(chain)
     chained = read_trace(trace_path) if trace_path else []
     rows, first = compare_traces(reference, chained)
@@ -250,8 +303,7 @@ def rehearse(job_file: Path, session_limit_s: float = 20.0, kills: int = 1, seed
         verdict = f"differs first at step {first[0]} ({first[1]})"
     _print(echo, chain, rows, killed)
     echo(f"verdict: {verdict}")
-    return Rehearsal(identical, verdict, chain, reference, chained, emu.sessions(),
-                     emu.dataset_versions(f"{USER}/{job.name}-state"), work, sorted(killed))
+    return identical, verdict, chained
 
 
 def measure_publish(emu: Emulator, faults: Faults, echo: Echo) -> dict[str, float]:

@@ -23,6 +23,7 @@ import pathspec
 
 import kchain
 from kchain.errors import RenderError
+from kchain.names import cache_dataset, state_dataset
 from kchain.spec import Job, runtime_config
 
 METADATA_FILE = "kernel-metadata.json"
@@ -276,10 +277,6 @@ def _canonical(text: str) -> str:
     return json.dumps(json.loads(text), indent=1, sort_keys=True, ensure_ascii=False) + "\n"
 
 
-def state_dataset(owner: str | None, name: str) -> str:
-    return f"{owner or '<you>'}/{name}-state"
-
-
 def render_job(job: Job, owner: str | None = None, extra_sources: list[str] | None = None,
                session: int = 1, session_facts: dict | None = None) -> Rendered:
     """Pure: job (+ the Kaggle owner, the session number, pinned state sources) -> notebook and
@@ -326,8 +323,8 @@ def _session_config(job: Job, owner: str | None, session_facts: dict | None) -> 
     config = runtime_config(job)
     config["kaggle"] = {
         "owner": owner,
-        "state_dataset": f"{owner}/{job.name}-state" if owner else None,
-        "cache_dataset": f"{owner}/{job.name}-cache" if owner else None,
+        "state_dataset": state_dataset(owner, job.name) if owner else None,
+        "cache_dataset": cache_dataset(owner, job.name) if owner else None,
         "internet": job.kaggle.internet,
         "accelerator": job.kaggle.accelerator,
         **(session_facts or {}),

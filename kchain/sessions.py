@@ -16,7 +16,7 @@ from typing import Any
 from kchain import diagnose
 from kchain.kaggle_api import KaggleClient
 from kchain.ledger import Ledger, iso, now_utc, parse_iso
-from kchain.runtime import layout
+from kchain.local import read_summary
 
 Echo = Callable[[str], None]
 TERMINAL = ("COMPLETE", "ERROR", "CANCEL_ACKNOWLEDGED")
@@ -50,17 +50,6 @@ def last_heartbeat(text: str) -> str | None:
     return lines[-1] if lines else None
 
 
-def read_output_summary(folder: Path) -> dict[str, Any] | None:
-    for candidate in (folder / layout.KCHAIN_DIR / layout.SUMMARY, *folder.rglob(layout.SUMMARY)):
-        try:
-            summary = json.loads(candidate.read_text(encoding="utf-8"))
-        except (OSError, ValueError, RecursionError):
-            continue
-        if isinstance(summary, dict):  # anything else is not a summary kchain wrote
-            return summary
-    return None
-
-
 def fetch_output(client: KaggleClient, ledger: Ledger, job: str, record: dict[str, Any]) -> dict[str, Any]:
     """Download a finished session's output and log; fold its summary into the record."""
     dest = output_dir(ledger, job, record["session"])
@@ -68,7 +57,7 @@ def fetch_output(client: KaggleClient, ledger: Ledger, job: str, record: dict[st
     files, text = client.output(record["kernel"], record["version"], dest)
     entries = parse_log(text)
     (dest / "log.json").write_text(json.dumps(entries))
-    summary = read_output_summary(dest)
+    summary = read_summary(dest, search=True)  # an output may come with an extra folder level
     body = log_text(entries)
     failure = diagnose.from_summary(summary) or (diagnose.from_log(body) if record["status"] == "ERROR" else None)
     record.update(

@@ -20,6 +20,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from kchain.errors import SpecError
+from kchain.names import MAX_NAME
 from kchain.runtime import settings
 from kchain.runtime.settings import parse_cadence, parse_duration
 
@@ -31,7 +32,7 @@ SLUG_RE = re.compile(r"[a-z0-9]+(?:-[a-z0-9]+)*")
 OWNER_RE = re.compile(r"[a-z0-9]+(?:[_-][a-z0-9]+)*")
 # Kernel slugs are at least 5 characters (validate_kernel_string); dataset slugs 6-50 on creation,
 # and kchain creates <name>-state and <name>-cache, so a name can be at most 50 - 6 characters.
-NAME_MIN, NAME_MAX = 5, 50 - len("-state")
+NAME_MIN, NAME_MAX = 5, MAX_NAME
 DATASET_SLUG_MIN, DATASET_SLUG_MAX = 3, 50  # Kaggle's documented range for an existing dataset
 OWNER_MAX = 50
 COMPETITION_MAX = 100

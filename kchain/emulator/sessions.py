@@ -25,6 +25,7 @@ from typing import Any
 import psutil
 
 from kchain.emulator.state import Store, new_secret
+from kchain.runtime import layout
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -239,7 +240,7 @@ class SessionRunner:
             if not ready:
                 continue
             version = ready[-1]
-            dest = root / "input" / "datasets" / ref
+            dest = root / layout.INPUT_DIR / "datasets" / ref
             shutil.copytree(self.store.version_files_dir(ref, version["number"]), dest)
             _make_read_only(dest)
             mounted.append(f"{ref}/{version['number']}")
@@ -272,8 +273,8 @@ class SessionRunner:
         session = self.store.session(session_id)
         sdir = self.store.session_dir(session_id)
         root = sdir / "root"
-        (root / "input").mkdir(parents=True, exist_ok=True)
-        (root / "working").mkdir(parents=True, exist_ok=True)
+        (root / layout.INPUT_DIR).mkdir(parents=True, exist_ok=True)
+        (root / layout.WORKING_DIR).mkdir(parents=True, exist_ok=True)
         if not self._wait(session_id, session["queued"] + session.get("queue_s", 0.0)):
             return self._end_early(session_id, sdir, root)
         # The session's clock starts now: the container boots on the session's time.
@@ -316,7 +317,7 @@ class SessionRunner:
             proc = subprocess.Popen(
                 [self.python, "-m", "kchain.local", "run", str(notebook), "--root", str(root),
                  "--log-jsonl", str(sdir / "log.jsonl")],
-                cwd=root / "working", env=env, stdout=out, stderr=err, stdin=subprocess.DEVNULL,
+                cwd=root / layout.WORKING_DIR, env=env, stdout=out, stderr=err, stdin=subprocess.DEVNULL,
                 start_new_session=True)
         self._procs[session_id] = proc
         try:
@@ -352,7 +353,7 @@ class SessionRunner:
         if lose:
             output.mkdir(exist_ok=True)
         else:
-            os.replace(root / "working", output)
+            os.replace(root / layout.WORKING_DIR, output)
         (sdir / "log.json").write_text(kaggle_log(sdir / "log.jsonl"), encoding="utf-8")
         remove_tree(root)
 

@@ -1,0 +1,111 @@
+"""`kchain continue`'s decision table (kchain/decide.py's docstring), one row a case, on constructed
+records: no emulator, no Kaggle, no render. The chains under test run in test_chain.py."""
+
+from pathlib import Path
+
+import pytest
+
+from kchain.decide import Situation, decide
+from kchain.errors import ChainStop, NotSmoked
+
+JOB = Path("jobs/x/job.yaml")
+CODE = "f" * 64  # the fingerprint of the code as it is now
+OTHER = "e" * 64  # an earlier version of the code
+BOOM = {"type": "ValueError", "message": "boom at step 25", "stage": "train"}
+
+
+def session(n: int = 1, status: str = "ERROR", end: str | None = "deadline", **extra) -> dict:
+    """A session record as `sessions.refresh` leaves it once the session ended (output fetched)."""
+    record = {"session": n, "status": status, "kernel": "alice/x", "version": n, "fingerprint": CODE,
+              "output": f"/out/{n}", "resumes_at": 0}
+    if end is not None:
+        record["summary"] = {"status": end, "step": 40 * n, "total": 100, "checkpoint": f"checkpoints/step-{40 * n}"}
+    return {**record, **extra}
+
+
+def summary(end: str, **extra) -> dict:
+    return {"status": end, "step": 40, "total": 100, **extra}
+
+
+FINISHED = session(1, "COMPLETE", summary=summary("finished", step=100, checkpoint="checkpoints/step-00000100",
+                                                  best={"name": "val_loss", "value": 1.25, "step": 80}))
+CRASHED = session(1, "ERROR", "crashed", error=BOOM)
+NO_GPU = session(1, "ERROR", "no-accelerator", error={"type": "NoAccelerator", "message": "asked for GPU T4 x2"})
+LOST = session(1, "COMPLETE", None, output=None, output_error="KaggleError: 500")
+
+ROWS = [
+    # name, chain, on Kaggle, options, action, what its message says (or the stop's class and message)
+    ("no session yet", [], None, {}, "stop", (ChainStop, "x has no session yet: start it with `kchain push")),
+    ("a session kchain did not start", [session()], "RUNNING", {}, "stop",
+     (ChainStop, "alice/x has a session running on Kaggle that kchain did not start")),
+    ("queued", [session(1, "QUEUED", None)], "QUEUED", {}, "running", "session 1 is queued: no heartbeat yet"),
+    ("running", [session(1, "RUNNING", None, heartbeat="[kchain] step 12/100")], "RUNNING", {}, "running",
+     "session 1 is running: [kchain] step 12/100"),
+    ("outcome unknown (a push still unsettled)", [session(1, "PUSHING", None, version=None)], None, {}, "running",
+     "session 1 is pushing"),
+    ("finished", [FINISHED], "COMPLETE", {}, "finished",
+     "training is complete: 100/100 steps, best val_loss 1.25 at step 80; final weights in "
+     "/out/1/kchain/checkpoints/step-00000100"),
+    ("stopped on purpose", [session(1, "COMPLETE", "stopped")], "COMPLETE", {}, "finished",
+     "training stopped early on purpose at step 40/100"),
+    ("no checkpoint", [session(1, "COMPLETE", "no_checkpoint")], "COMPLETE", {}, "stop",
+     (ChainStop, "session 1 wrote no checkpoint: the loop did not use run.steps")),
+    ("deadline without a step", [session(1), session(2, summary=summary("deadline"), resumes_at=40)], "ERROR", {},
+     "stop", (ChainStop, "session 2 reached its deadline without training a step (it resumed at step 40)")),
+    ("deadline", [session(1)], "ERROR", {}, "push", "push session 2"),
+    ("killed (no summary, no traceback)", [session(1, "ERROR", None, failure_message="Killed")], "ERROR", {}, "push",
+     "push session 2"),
+    ("timed out", [session(1, "ERROR", None, error={"type": "SessionError", "message": "timeout"})], "ERROR", {},
+     "push", "push session 2"),
+    ("interrupted (stopped by the user)", [session(1, "ERROR", "interrupted", stopped_by_user=True)], "ERROR", {},
+     "push", "push session 2"),
+    ("crash, same code", [CRASHED], "ERROR", {}, "stop",
+     (ChainStop, "session 1 crashed: ValueError: boom at step 25; fix the code and run `kchain smoke")),
+    ("crash, same code, --retry", [CRASHED], "ERROR", {"retry": True}, "push", "push session 2"),
+    ("crash, code changed since", [{**CRASHED, "fingerprint": OTHER}], "ERROR", {}, "push", "push session 2"),
+    ("a traceback without a summary", [session(1, "ERROR", None, error=BOOM)], "ERROR", {}, "stop",
+     (ChainStop, "session 1 crashed: ValueError: boom at step 25")),
+    ("the same crash twice", [{**CRASHED, "fingerprint": OTHER}, session(2, "ERROR", "crashed", error=BOOM)], "ERROR",
+     {"retry": True}, "stop", (ChainStop, "the same error as session 1: ValueError: boom at step 25; fix the code")),
+    ("another crash after a crash", [CRASHED, session(2, "ERROR", "crashed", error={**BOOM, "message": "other"})],
+     "ERROR", {"retry": True}, "push", "push session 3"),
+    ("hung", [session(1, "ERROR", "hung")], "ERROR", {}, "stop", (ChainStop, "session 1 crashed: hung: ;")),
+    ("hung, --retry", [session(1, "ERROR", "hung")], "ERROR", {"retry": True}, "push", "push session 2"),
+    ("no accelerator", [NO_GPU], "ERROR", {}, "stop",
+     (ChainStop, "session 1 got no accelerator: asked for GPU T4 x2; check the GPU quota")),
+    ("no accelerator, --retry", [NO_GPU], "ERROR", {"retry": True}, "push", "push session 2"),
+    ("no accelerator twice, --retry", [NO_GPU, {**NO_GPU, "session": 2}], "ERROR", {"retry": True}, "push",
+     "push session 3"),
+    ("output lost", [LOST], "COMPLETE", {}, "refetch", "the output of session 1 could not be fetched"),
+    ("output lost, then fetched or given up", [LOST], "COMPLETE", {"output_settled": True}, "push", "push session 2"),
+    ("never smoked", [session()], "ERROR", {"smoked": False}, "stop",
+     (NotSmoked, "this code has never passed a smoke run: run `kchain smoke jobs/x/job.yaml` first")),
+    ("never smoked, --skip-smoke", [session()], "ERROR", {"smoked": False, "skip_smoke": True}, "push",
+     "push session 2"),
+]
+
+
+@pytest.mark.parametrize(("chain", "on_kaggle", "options", "action", "says"),
+                         [row[1:] for row in ROWS], ids=[row[0] for row in ROWS])
+def test_continue_decides_row_by_row(chain, on_kaggle, options, action, says):
+    options = dict(options)
+    smoked = options.pop("smoked", True)
+    rendered: list[str] = []
+
+    def fingerprint() -> str:
+        rendered.append(CODE)
+        return CODE
+
+    now = Situation(chain, "alice/x", on_kaggle, fingerprint=fingerprint, smoked=lambda fp: fp == CODE and smoked)
+    decision = decide(now, JOB, **options)
+    assert decision.action == action
+    if action == "stop":
+        kind, text = says
+        assert type(decision.stop) is kind and str(decision.stop).startswith(text) and decision.message == str(
+            decision.stop)
+    else:
+        assert decision.stop is None and decision.message.startswith(says)
+    # The code is rendered only past the ends that need no code: a crash is judged against it.
+    early = action in ("running", "finished") or decision.message.startswith(
+        ("x has no session", "alice/x has a session", "session 1 wrote no", "session 2 reached its deadline"))
+    assert rendered == ([] if early else [CODE])

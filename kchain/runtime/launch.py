@@ -18,6 +18,13 @@ from types import SimpleNamespace
 # The session clock's fallback: as close to process start as Python lets us get.
 PROCESS_START = time.time()
 
+# A fixed thread count for MKL and OpenMP: when they may shrink it at run time (their DYNAMIC default),
+# a sum can run in another order and differ in its last bit, and an exact resume needs the same
+# arithmetic in every process (oneMKL's reproducibility conditions). Read when torch loads MKL, so set
+# before anything imports torch; a value the user set is kept.
+for _knob in ("MKL_DYNAMIC", "OMP_DYNAMIC"):
+    os.environ.setdefault(_knob, "FALSE")
+
 from . import layout  # noqa: E402  (after the clock on purpose)
 
 SUMMARY_RESERVE = 64 * 1024  # bytes held for summary.json from the start, for a disk that fills up

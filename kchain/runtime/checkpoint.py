@@ -641,7 +641,7 @@ def _in_state_dataset(top: Path, scratch: Path) -> list[Path]:
     """The checkpoints in one of kchain's state datasets, searched whole (it is small and ours)."""
     found: list[Path] = []
     for d, files in _walk(top):
-        if not _ours(d, files):
+        if d != top and not _ours(d, files):
             continue
         if layout.MANIFEST in files:
             found.append(d)  # verification names whatever is wrong with it

@@ -36,7 +36,7 @@ HASH_CHUNK = 1 << 20  # 1 MiB reads: checkpoints can be gigabytes
 # Blocks torch.save writes from this size up are hashed in a second thread while they go to the
 # file; smaller ones (zip headers, the pickle) cost less to hash than to hand over.
 OVERLAP_BYTES = 64 << 10
-SYNC_EVERY = 4 << 20  # bytes of state.pt between background syncs while it is written
+SYNC_EVERY = 8 << 20  # bytes of state.pt between background syncs while it is written
 # How deep to look inside one of kchain's own state datasets: <mount>/kchain/checkpoints/step-N/
 # is 3 levels. Other people's datasets are never walked (see _in_mount).
 SEARCH_DEPTH = 5
@@ -206,7 +206,8 @@ def restore_rng(state: dict) -> None:
 # --- writing ----------------------------------------------------------------------------------
 
 
-def _fsync_dir(path: Path) -> None:
+def _fsync(path: Path) -> None:
+    """fsync a file, or a directory (its entries), by name."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -237,7 +238,7 @@ class HashingFile:
 
     def __init__(self, f, pool: ThreadPoolExecutor):
         self._f = f
-        self._pool = pool  # two workers: one hashes, one syncs
+        self._pool = pool  # at most two tasks at a time: one hashes, one syncs
         self._sync = None  # the background fdatasync in flight, if any
         self._synced_at = 0
         self.sha256 = hashlib.sha256()
@@ -263,12 +264,11 @@ class HashingFile:
     def flush(self) -> None:
         self._f.flush()
 
-    def fsync(self) -> None:
-        """Everything written is on disk; re-raises a failed background sync (an OSError)."""
+    def finish(self) -> None:
+        """Wait for the background sync (re-raising its OSError) and hand the last bytes to the OS."""
         if self._sync is not None:
             self._sync.result()
         self._f.flush()
-        os.fsync(self._f.fileno())
 
 
 def _die_if(point: str, fault_point: str | None) -> None:
@@ -319,20 +319,8 @@ def write_failure(e: OSError, where: Path, need: int) -> str:
 
 
 def _write_into(tmp, final, checkpoints, step, state, metrics_src, metrics_bytes, manifest, keep, fault_point) -> Path:
-    files = {layout.STATE_FILE: _write_state(tmp / layout.STATE_FILE, state)}
-    _die_if("after_state", fault_point)
-
-    # The trace up to this step only: the live file may already hold lines of the next step.
-    with open(metrics_src, "rb") if metrics_src.exists() else open(os.devnull, "rb") as src:
-        data = src.read(metrics_bytes)
-    _write_durably(tmp / layout.METRICS, data)
-    files[layout.METRICS] = {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data)}
-    _die_if("after_metrics", fault_point)
-
-    _die_if("before_manifest", fault_point)
-    body = {layout.MARKER: layout.FORMAT_VERSION, **manifest, "step": step, "files": files}
-    _write_durably(tmp / layout.MANIFEST, (json.dumps(body, indent=2, default=str) + "\n").encode())
-    _fsync_dir(tmp)
+    with ThreadPoolExecutor(4, thread_name_prefix="kchain-write") as pool:  # helper threads for one write
+        _write_files(tmp, step, state, metrics_src, metrics_bytes, manifest, fault_point, pool)
     _die_if("before_rename", fault_point)
 
     if final.exists():
@@ -342,35 +330,49 @@ def _write_into(tmp, final, checkpoints, step, state, metrics_src, metrics_bytes
         os.replace(final, stale)
         shutil.rmtree(stale, ignore_errors=True)
     os.replace(tmp, final)
-    _fsync_dir(checkpoints)
+    _fsync(checkpoints)
     _die_if("after_rename", fault_point)
 
     prune(checkpoints, keep, fault_point)
     return final
 
 
-def _write_state(path: Path, state) -> dict:
-    """torch.save into path, hashed on the way, fsynced; returns its manifest entry (sha256, size).
+def _write_files(tmp, step, state, metrics_src, metrics_bytes, manifest, fault_point, pool) -> None:
+    """state.pt, the trace and manifest.json (last) into tmp, then every file and tmp itself fsynced."""
+    files = {layout.STATE_FILE: _write_state(tmp / layout.STATE_FILE, state, pool)}
+    _die_if("after_state", fault_point)
+
+    # The trace up to this step only: the live file may already hold lines of the next step.
+    with open(metrics_src, "rb") if metrics_src.exists() else open(os.devnull, "rb") as src:
+        data = src.read(metrics_bytes)
+    (tmp / layout.METRICS).write_bytes(data)
+    files[layout.METRICS] = {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data)}
+    _die_if("after_metrics", fault_point)
+
+    _die_if("before_manifest", fault_point)
+    body = {layout.MARKER: layout.FORMAT_VERSION, **manifest, "step": step, "files": files}
+    (tmp / layout.MANIFEST).write_text(json.dumps(body, indent=2, default=str) + "\n")
+    # Every fsync at once: the file system commits them together, one wait for the disk, not four.
+    synced = [pool.submit(_fsync, path) for path in (*(tmp / name for name in files), tmp / layout.MANIFEST, tmp)]
+    for done in synced:
+        done.result()
+
+
+def _write_state(path: Path, state, pool: ThreadPoolExecutor) -> dict:
+    """torch.save into path, hashed on the way; returns its manifest entry (sha256, size).
 
     A state of live tensors (streaming) goes out one tensor at a time: torch.save copies each CUDA
-    storage to the host on its own, and writes CPU storages straight from their memory.
+    storage to the host on its own, and writes CPU storages straight from their memory. The file's
+    last blocks are made durable by the caller's fsync.
     """
-    # A Python file: a failed write is an OSError. The helper threads live for one checkpoint.
-    with open(path, "wb") as f, ThreadPoolExecutor(2, thread_name_prefix="kchain-write") as pool:
+    with open(path, "wb") as f:  # a Python file: a failed write is an OSError
         out = HashingFile(f, pool)
         torch.save(state, out)
-        out.fsync()
+        out.finish()
         size = os.fstat(f.fileno()).st_size
     if size != out.size:  # the file is not the bytes hashed: never record a wrong checksum
         raise RuntimeError(f"{path}: {size} bytes on disk but {out.size} written through the hash")
     return {"sha256": out.sha256.hexdigest(), "size": size}
-
-
-def _write_durably(path: Path, data: bytes) -> None:
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
 
 
 def complete(checkpoints: Path) -> list[Path]:
@@ -384,7 +386,7 @@ def remove(ckpt: Path, fault_point: str | None = None) -> None:
     """Atomic for a reader: renamed aside (a .tmp- name nobody loads) first, then deleted."""
     aside = ckpt.with_name(f"{layout.TMP_PREFIX}prune-{ckpt.name}-{os.getpid()}")
     os.replace(ckpt, aside)
-    _fsync_dir(ckpt.parent)
+    _fsync(ckpt.parent)
     _die_if("in_prune", fault_point)
     shutil.rmtree(aside, ignore_errors=True)
 

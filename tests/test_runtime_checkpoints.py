@@ -1,10 +1,12 @@
-"""Checkpoints sized for a Kaggle box: failed writes, pruning, verification, fallbacks, tied weights.
+"""Checkpoints sized for a Kaggle box: failed writes, pruning, verification, fallbacks, tied weights,
+the one-pass hashing of state.pt and the search for attached state.
 
 Session deaths are real SIGKILLs and the file-size limit is a real RLIMIT_FSIZE in the child.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import resource
@@ -22,8 +24,12 @@ from kchain.runtime.checkpoint import (
     CheckpointInvalid,
     CheckpointsDamaged,
     CheckpointTooLarge,
+    candidates,
+    find_latest,
     load_state,
+    load_verified,
     make_room,
+    read_manifest,
     sha256_of,
     verify,
 )
@@ -220,3 +226,122 @@ def test_a_state_two_copies_of_which_cannot_fit_is_refused_at_the_first_save(tmp
     run.save(1)
     run.close()
     assert "checkpoint plan: 48 KB per checkpoint, keep 2 + 1 being written = 0.1 MB" in capsys.readouterr().out
+
+
+# --- one pass over state.pt: hashed as written, hashed as read ---------------------------------
+
+
+@pytest.mark.parametrize("stream", ["0", "1"])
+def test_the_checksum_hashed_while_writing_is_the_files(tmp_path, stream):
+    run = train(tmp_path, 2, nn.Linear(300, 300), KCHAIN_CHECKPOINT_STREAM=stream)  # ~360 KB: hashed in blocks
+    ckpt = run.checkpoints / layout.checkpoint_name(2)
+    manifest = verify(ckpt)
+    data = (ckpt / layout.STATE_FILE).read_bytes()
+    assert manifest["files"][layout.STATE_FILE] == {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data)}
+
+
+def flip_a_weight_byte(ckpt: Path, weight: torch.Tensor) -> None:
+    """Corrupt one byte inside a tensor's data: the zip and the pickle stay intact, so it still loads."""
+    path = ckpt / layout.STATE_FILE
+    data = bytearray(path.read_bytes())
+    at = data.find(weight.detach().numpy().tobytes()) + 7
+    assert at > 7
+    data[at] ^= 0x10
+    path.write_bytes(bytes(data))
+
+
+def test_a_byte_flipped_in_state_pt_is_caught_as_it_is_read_and_the_previous_checkpoint_is_used(tmp_path, capsys):
+    model = nn.Linear(64, 64)
+    first = train(tmp_path, 4, model)
+    newest = first.checkpoints / layout.checkpoint_name(4)
+    flip_a_weight_byte(newest, model.weight)
+    loaded = torch.load(newest / layout.STATE_FILE, weights_only=False)  # torch alone would not notice
+    assert not torch.equal(loaded["tracked"]["model"]["weight"], model.weight)
+    with pytest.raises(CheckpointInvalid, match="sha256 does not match the manifest"):
+        load_verified(newest, read_manifest(newest))
+    capsys.readouterr()
+    resumed = train(tmp_path, 6, nn.Linear(64, 64))
+    out = capsys.readouterr().out
+    assert f"skipping checkpoint {newest}: {newest / layout.STATE_FILE}: sha256 does not match the manifest" in out
+    assert resumed.resumed_from == 2 and resumed.finished
+    assert any(p.name.startswith(f"{layout.CORRUPT_PREFIX}{newest.name}") for p in first.checkpoints.iterdir())
+
+
+def test_an_intact_checkpoint_loads_verified_as_torch_loads_it(tmp_path):
+    run = train(tmp_path, 2, nn.Linear(64, 64))
+    ckpt = run.checkpoints / layout.checkpoint_name(2)
+    got = load_verified(ckpt, read_manifest(ckpt))["tracked"]["model"]
+    want = torch.load(ckpt / layout.STATE_FILE, weights_only=False)["tracked"]["model"]
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+
+
+# --- the search: kchain's own inputs at their mount points, nothing else -----------------------
+
+
+def state_version(ckpt: Path, dest: Path, marker: bool = True) -> Path:
+    """A flat state dataset version, as kchain publishes one (statefolder.py)."""
+    shutil.copytree(ckpt, dest)
+    if marker:
+        (dest / layout.STATE_MARKER).write_text("{}\n")
+    return dest
+
+
+@pytest.mark.parametrize("where", ["legacy", "datasets", "notebook output", "slug without marker"])
+def test_the_search_finds_a_state_dataset_in_each_mount_layout(tmp_path, where):
+    ckpt = train(tmp_path / "s1", 2).checkpoints / layout.checkpoint_name(2)
+    inp = tmp_path / "s2" / layout.INPUT_DIR
+    slug = None
+    if where == "legacy":
+        want = state_version(ckpt, inp / "unit-state")
+    elif where == "datasets":
+        want = state_version(ckpt, inp / "datasets/me/unit-state")
+    elif where == "notebook output":  # a kernel's /kaggle/working attached as its output
+        want = inp / "notebooks/me/unit" / layout.KCHAIN_DIR / layout.CHECKPOINTS_DIR / ckpt.name
+        shutil.copytree(ckpt, want)
+    else:  # no marker: known by the slug the job's config names
+        want = state_version(ckpt, inp / "datasets/me/unit-state", marker=False)
+        slug = "unit-state"
+    state_version(ckpt, inp / "datasets/me/unit-state-copy", marker=False)  # not ours: no marker, another slug
+    found = candidates(tmp_path / "none", inp, tmp_path / "scratch", state_slug=slug)
+    assert found == [want]
+    assert find_latest(tmp_path / "none", inp, tmp_path / "scratch", "unit", state_slug=slug)[0] == want
+
+
+def test_a_run_finds_its_state_dataset_by_the_slug_in_its_config(tmp_path):
+    ckpt = train(tmp_path / "s1", 2).checkpoints / layout.checkpoint_name(2)
+    state_version(ckpt, tmp_path / "s2/input/datasets/me/unit-state", marker=False)
+    config = {"job": "unit", "params": {}, "train": {"heartbeat_s": 0, "checkpoint_every": {"steps": 2}},
+              "kaggle": {"state_dataset": "me/unit-state"}}
+    run = Run(config, {layout.ROOT_ENV: str(tmp_path / "s2"), layout.SMOKE_ENV: "1"})
+    run.track(model=nn.Linear(4, 4))
+    assert run.restore() == 2
+
+
+def test_a_foreign_input_is_never_listed_and_its_checkpoints_never_used(tmp_path, monkeypatch):
+    ckpt = train(tmp_path / "s1", 4).checkpoints / layout.checkpoint_name(4)
+    s2 = tmp_path / "s2"
+    state = state_version(train(tmp_path / "s0", 2).checkpoints / layout.checkpoint_name(2),
+                          s2 / "input/datasets/me/unit-state")
+    # Someone's dataset: wide and deep, holding a real (newer) kchain checkpoint three levels down.
+    foreign = s2 / "input/datasets/someone/images"
+    deep = foreign.joinpath(*[f"level{i}" for i in range(12)])
+    deep.mkdir(parents=True)
+    for i in range(2000):
+        (foreign / f"{i}.png").write_bytes(b"")
+    shutil.copytree(ckpt, foreign / "level0/level1" / ckpt.name)
+    (s2 / "input/competitions/titanic").mkdir(parents=True)
+    listed: list[str] = []
+    real_scandir = os.scandir
+
+    def scandir(path="."):  # records what is listed, lists it for real
+        listed.append(os.fspath(path))
+        return real_scandir(path)
+
+    monkeypatch.setattr(os, "scandir", scandir)
+    run = make_run(s2)
+    run.track(model=nn.Linear(4, 4))
+    assert run.restore() == 2  # the state dataset's step, not the newer one inside someone's data
+    monkeypatch.undo()
+    assert not [p for p in listed if Path(p).is_relative_to(foreign)], listed
+    assert not [p for p in listed if Path(p).is_relative_to(s2 / "input/competitions")], listed
+    assert state.as_posix() in listed  # ours is searched

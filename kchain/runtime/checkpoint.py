@@ -24,6 +24,7 @@ import threading
 import time
 import zipfile
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -32,9 +33,13 @@ import torch
 from . import layout
 
 HASH_CHUNK = 1 << 20  # 1 MiB reads: checkpoints can be gigabytes
-# How deep to look for state under the input root: /kaggle/input/datasets/<owner>/<slug>/kchain/
-# checkpoints/step-N/manifest.json is 7 levels; deeper trees are other people's data.
-SEARCH_DEPTH = 8
+# Blocks torch.save writes from this size up are hashed in a second thread while they go to the
+# file; smaller ones (zip headers, the pickle) cost less to hash than to hand over.
+OVERLAP_BYTES = 64 << 10
+SYNC_EVERY = 8 << 20  # bytes of state.pt between background syncs while it is written
+# How deep to look inside one of kchain's own state datasets: <mount>/kchain/checkpoints/step-N/
+# is 3 levels. Other people's datasets are never walked (see _in_mount).
+SEARCH_DEPTH = 5
 WRITE_SLACK = 1.05  # a checkpoint file is its tensors plus a little pickle and zip overhead
 
 
@@ -201,12 +206,8 @@ def restore_rng(state: dict) -> None:
 # --- writing ----------------------------------------------------------------------------------
 
 
-def _fsync_file(path: Path) -> None:
-    with open(path, "rb") as f:
-        os.fsync(f.fileno())
-
-
-def _fsync_dir(path: Path) -> None:
+def _fsync(path: Path) -> None:
+    """fsync a file, or a directory (its entries), by name."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -216,10 +217,58 @@ def _fsync_dir(path: Path) -> None:
 
 def sha256_of(path: Path) -> str:
     h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(HASH_CHUNK):
-            h.update(chunk)
+    buf = bytearray(HASH_CHUNK)  # one buffer, refilled: no allocation per chunk
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buf):
+            h.update(view[:n])
     return h.hexdigest()
+
+
+class HashingFile:
+    """The file torch.save writes state.pt to: every byte hashed once, as it is written.
+
+    A large block is hashed in a second thread while the same block goes to the file (both release
+    the GIL), so the checkpoint costs one pass over its bytes, not a write and then a read-back.
+    Each block is hashed before write() returns, because torch may free or reuse it afterwards.
+    torch.save never seeks a stream it writes (it has no seek() here to call), so the bytes hashed
+    are the file's bytes, in order. Every SYNC_EVERY bytes the disk write starts in the background
+    (fdatasync), so the final fsync waits for the last few blocks instead of the whole file.
+    """
+
+    def __init__(self, f, pool: ThreadPoolExecutor):
+        self._f = f
+        self._pool = pool  # at most two tasks at a time: one hashes, one syncs
+        self._sync = None  # the background fdatasync in flight, if any
+        self._synced_at = 0
+        self.sha256 = hashlib.sha256()
+        self.size = 0
+
+    def write(self, block) -> int:
+        view = memoryview(block)
+        if view.nbytes < OVERLAP_BYTES:
+            self.sha256.update(view)
+            self._f.write(view)
+        else:
+            hashed = self._pool.submit(self.sha256.update, view)
+            try:
+                self._f.write(view)
+            finally:
+                hashed.result()
+        self.size += view.nbytes
+        if self.size - self._synced_at >= SYNC_EVERY and (self._sync is None or self._sync.done()):
+            self._synced_at = self.size
+            self._sync = self._pool.submit(os.fdatasync, self._f.fileno())
+        return view.nbytes
+
+    def flush(self) -> None:
+        self._f.flush()
+
+    def finish(self) -> None:
+        """Wait for the background sync (re-raising its OSError) and hand the last bytes to the OS."""
+        if self._sync is not None:
+            self._sync.result()
+        self._f.flush()
 
 
 def _die_if(point: str, fault_point: str | None) -> None:
@@ -270,28 +319,8 @@ def write_failure(e: OSError, where: Path, need: int) -> str:
 
 
 def _write_into(tmp, final, checkpoints, step, state, metrics_src, metrics_bytes, manifest, keep, fault_point) -> Path:
-    # A state of live tensors (streaming) goes out one tensor at a time: torch.save copies each CUDA
-    # storage to the host on its own, and writes CPU storages straight from their memory.
-    with open(tmp / layout.STATE_FILE, "wb") as f:  # a Python file: a failed write is an OSError
-        torch.save(state, f)
-    _fsync_file(tmp / layout.STATE_FILE)
-    _die_if("after_state", fault_point)
-
-    # The trace up to this step only: the live file may already hold lines of the next step.
-    with open(metrics_src, "rb") if metrics_src.exists() else open(os.devnull, "rb") as src:
-        data = src.read(metrics_bytes)
-    (tmp / layout.METRICS).write_bytes(data)
-    _fsync_file(tmp / layout.METRICS)
-    _die_if("after_metrics", fault_point)
-
-    files = {}
-    for name in (layout.STATE_FILE, layout.METRICS):
-        files[name] = {"sha256": sha256_of(tmp / name), "size": (tmp / name).stat().st_size}
-    _die_if("before_manifest", fault_point)
-    body = {layout.MARKER: layout.FORMAT_VERSION, **manifest, "step": step, "files": files}
-    (tmp / layout.MANIFEST).write_text(json.dumps(body, indent=2, default=str) + "\n")
-    _fsync_file(tmp / layout.MANIFEST)
-    _fsync_dir(tmp)
+    with ThreadPoolExecutor(4, thread_name_prefix="kchain-write") as pool:  # helper threads for one write
+        _write_files(tmp, step, state, metrics_src, metrics_bytes, manifest, fault_point, pool)
     _die_if("before_rename", fault_point)
 
     if final.exists():
@@ -301,11 +330,49 @@ def _write_into(tmp, final, checkpoints, step, state, metrics_src, metrics_bytes
         os.replace(final, stale)
         shutil.rmtree(stale, ignore_errors=True)
     os.replace(tmp, final)
-    _fsync_dir(checkpoints)
+    _fsync(checkpoints)
     _die_if("after_rename", fault_point)
 
     prune(checkpoints, keep, fault_point)
     return final
+
+
+def _write_files(tmp, step, state, metrics_src, metrics_bytes, manifest, fault_point, pool) -> None:
+    """state.pt, the trace and manifest.json (last) into tmp, then every file and tmp itself fsynced."""
+    files = {layout.STATE_FILE: _write_state(tmp / layout.STATE_FILE, state, pool)}
+    _die_if("after_state", fault_point)
+
+    # The trace up to this step only: the live file may already hold lines of the next step.
+    with open(metrics_src, "rb") if metrics_src.exists() else open(os.devnull, "rb") as src:
+        data = src.read(metrics_bytes)
+    (tmp / layout.METRICS).write_bytes(data)
+    files[layout.METRICS] = {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data)}
+    _die_if("after_metrics", fault_point)
+
+    _die_if("before_manifest", fault_point)
+    body = {layout.MARKER: layout.FORMAT_VERSION, **manifest, "step": step, "files": files}
+    (tmp / layout.MANIFEST).write_text(json.dumps(body, indent=2, default=str) + "\n")
+    # Every fsync at once: the file system commits them together, one wait for the disk, not four.
+    synced = [pool.submit(_fsync, path) for path in (*(tmp / name for name in files), tmp / layout.MANIFEST, tmp)]
+    for done in synced:
+        done.result()
+
+
+def _write_state(path: Path, state, pool: ThreadPoolExecutor) -> dict:
+    """torch.save into path, hashed on the way; returns its manifest entry (sha256, size).
+
+    A state of live tensors (streaming) goes out one tensor at a time: torch.save copies each CUDA
+    storage to the host on its own, and writes CPU storages straight from their memory. The file's
+    last blocks are made durable by the caller's fsync.
+    """
+    with open(path, "wb") as f:  # a Python file: a failed write is an OSError
+        out = HashingFile(f, pool)
+        torch.save(state, out)
+        out.finish()
+        size = os.fstat(f.fileno()).st_size
+    if size != out.size:  # the file is not the bytes hashed: never record a wrong checksum
+        raise RuntimeError(f"{path}: {size} bytes on disk but {out.size} written through the hash")
+    return {"sha256": out.sha256.hexdigest(), "size": size}
 
 
 def complete(checkpoints: Path) -> list[Path]:
@@ -319,7 +386,7 @@ def remove(ckpt: Path, fault_point: str | None = None) -> None:
     """Atomic for a reader: renamed aside (a .tmp- name nobody loads) first, then deleted."""
     aside = ckpt.with_name(f"{layout.TMP_PREFIX}prune-{ckpt.name}-{os.getpid()}")
     os.replace(ckpt, aside)
-    _fsync_dir(ckpt.parent)
+    _fsync(ckpt.parent)
     _die_if("in_prune", fault_point)
     shutil.rmtree(aside, ignore_errors=True)
 
@@ -433,11 +500,15 @@ class Writer:
         return not self._idle.is_set()
 
 
-# --- verifying and finding --------------------------------------------------------------------
+# --- verifying and loading --------------------------------------------------------------------
 
 
-def verify(ckpt: Path) -> dict:
-    """The manifest of ckpt if every file it lists has the recorded size and sha256."""
+def read_manifest(ckpt: Path) -> dict:
+    """ckpt's manifest, if it is kchain's and every file it lists is there with its recorded size.
+
+    The cheap half of a verification: the checksums are compared by verify(), or, for state.pt,
+    while it is loaded (load_verified).
+    """
     mpath = ckpt / layout.MANIFEST
     try:
         manifest = json.loads(mpath.read_text())
@@ -457,9 +528,78 @@ def verify(ckpt: Path) -> dict:
         size = path.stat().st_size
         if size != want["size"]:
             raise CheckpointInvalid(f"{path}: {size} bytes, manifest says {want['size']} (truncated?)")
-        if sha256_of(path) != want["sha256"]:
-            raise CheckpointInvalid(f"{path}: sha256 does not match the manifest (corrupted)")
     return manifest
+
+
+def _check_sha256(path: Path, want: dict, got: str | None = None) -> None:
+    if (got or sha256_of(path)) != want["sha256"]:
+        raise CheckpointInvalid(f"{path}: sha256 does not match the manifest (corrupted)")
+
+
+def verify(ckpt: Path) -> dict:
+    """The manifest of ckpt if every file it lists has the recorded size and sha256."""
+    manifest = read_manifest(ckpt)
+    for name, want in manifest["files"].items():
+        _check_sha256(ckpt / name, want)
+    return manifest
+
+
+def load_state(ckpt: Path) -> dict:
+    # weights_only=False: the file is our own (RNG states hold numpy arrays and Python tuples).
+    # mmap: the tensors stay in the page cache and are copied once, into the live objects.
+    return torch.load(ckpt / layout.STATE_FILE, map_location="cpu", weights_only=False, mmap=True)
+
+
+def load_verified(ckpt: Path, manifest: dict) -> dict:
+    """ckpt's state, its bytes hashed as they are read; CheckpointInvalid if any sha256 differs.
+
+    state.pt is read from the disk once: a second thread hashes it while torch.load maps the same
+    file (its tensors are pages of the page cache, copied once, into the live objects later).
+    Nothing is returned before every file matched the manifest; a state.pt that matches but does not
+    load raises what torch.load raised.
+    """
+    files = manifest["files"]
+    for name, want in files.items():
+        if name != layout.STATE_FILE:
+            _check_sha256(ckpt / name, want)
+    path = ckpt / layout.STATE_FILE
+    with ThreadPoolExecutor(1, thread_name_prefix="kchain-verify") as pool:
+        digest = pool.submit(sha256_of, path)
+        try:
+            state = load_state(ckpt)
+        except Exception:
+            _check_sha256(path, files[layout.STATE_FILE], digest.result())  # damaged, rather than unloadable
+            raise
+        _check_sha256(path, files[layout.STATE_FILE], digest.result())
+    return state
+
+
+# --- finding ----------------------------------------------------------------------------------
+
+
+def _subdirs(path: Path) -> list[Path]:
+    """The folders in path (through links: mounts may be links), from one listing; [] if none."""
+    try:
+        with os.scandir(path) as entries:
+            return sorted(Path(e.path) for e in entries if not e.name.startswith(layout.TMP_PREFIX) and e.is_dir())
+    except OSError:
+        return []
+
+
+def mounts(input_root: Path) -> list[Path]:
+    """The folder of every attached dataset and notebook output, in either mount layout.
+
+    /kaggle/input/<slug> or /kaggle/input/<kind>/<owner>/<slug>: only the input root and its kind and
+    owner folders are listed, never anything inside an attached input.
+    """
+    found: list[Path] = []
+    for top in _subdirs(input_root):
+        if top.name in layout.STATE_KINDS:
+            for owner in _subdirs(top):
+                found += _subdirs(owner)
+        elif top.name not in layout.INPUT_KINDS:
+            found.append(top)  # the legacy layout
+    return found
 
 
 def _walk(top: Path, depth: int = SEARCH_DEPTH):
@@ -478,6 +618,7 @@ def _unpack(archive: Path, scratch: Path) -> list[Path]:
     Only called for archives next to the state marker: other people's archives are never opened.
     A .tar.gz is extracted in one pass, never decompressed once more just to list it.
     """
+    scratch.mkdir(parents=True, exist_ok=True)
     dest = Path(tempfile.mkdtemp(prefix="ckpt-", dir=scratch))
     try:
         if archive.name.endswith(".zip"):
@@ -498,23 +639,42 @@ def _ours(d: Path, files: list[str]) -> bool:
     return layout.STATE_MARKER in files or (d.name.startswith(layout.CHECKPOINT_PREFIX) and layout.MANIFEST in files)
 
 
-def candidates(checkpoints: Path, input_root: Path, scratch: Path) -> list[Path]:
+def _in_state_dataset(top: Path, scratch: Path) -> list[Path]:
+    """The checkpoints in one of kchain's state datasets, searched whole (it is small and ours)."""
+    found: list[Path] = []
+    for d, files in _walk(top):
+        if d != top and not _ours(d, files):
+            continue
+        if layout.MANIFEST in files:
+            found.append(d)  # verification names whatever is wrong with it
+        found += [p for f in files if f.endswith(layout.ARCHIVE_SUFFIXES) for p in _unpack(d / f, scratch)]
+    return found
+
+
+def _in_mount(mount: Path, state_slug: str | None, scratch: Path) -> list[Path]:
+    """The checkpoints in one attached input, if it is kchain's; any other costs two stat calls.
+
+    Ours: a state dataset version (its marker file, or the slug the job's config names), or a
+    notebook's output holding a kchain working dir. Someone's data is never listed, so a manifest or
+    archive in it is never opened, however many files it has.
+    """
+    if mount.name == state_slug or (mount / layout.STATE_MARKER).is_file():
+        return _in_state_dataset(mount, scratch)
+    kept = mount / layout.KCHAIN_DIR / layout.CHECKPOINTS_DIR
+    if kept.is_dir():
+        return [d for d in complete(kept) if (d / layout.MANIFEST).is_file()]
+    return []
+
+
+def candidates(checkpoints: Path, input_root: Path, scratch: Path, state_slug: str | None = None) -> list[Path]:
     """Every directory that might be a checkpoint: ours in the working dir, then attached state.
 
-    Under the input root only kchain's own folders are opened (see _ours); any other manifest.json
-    or archive belongs to someone's data and is left alone.
+    The working dir first, then each attached input at its mount point (mounts), opened only if
+    it is kchain's (_in_mount): the search costs the same whatever else is attached.
     """
     found: list[Path] = list(complete(checkpoints))
-    if input_root.is_dir():
-        for d, files in _walk(input_root):
-            if not _ours(d, files):
-                continue
-            if layout.MANIFEST in files:
-                found.append(d)  # verify() names whatever is wrong with it
-            for f in files:
-                if f.endswith(layout.ARCHIVE_SUFFIXES):
-                    scratch.mkdir(parents=True, exist_ok=True)
-                    found += _unpack(d / f, scratch)
+    for mount in mounts(input_root):
+        found += _in_mount(mount, state_slug, scratch)
     return found
 
 
@@ -530,37 +690,70 @@ def _step_of(path: Path) -> int:
         return -1
 
 
-def find_checkpoints(checkpoints: Path, input_root: Path, scratch: Path,
-                     job: str | None) -> tuple[list[tuple[Path, dict]], list[str]]:
-    """(every checkpoint that verifies, newest first; one line per damaged one).
+def _newest_first(checkpoints: Path, input_root: Path, scratch: Path, state_slug: str | None) -> list[Path]:
+    found = candidates(checkpoints, input_root, scratch, state_slug)
+    # At equal steps prefer the working dir (it is the one we are writing to).
+    return sorted(found, key=lambda p: (_step_of(p), p.parent == checkpoints), reverse=True)
 
-    Broken ones in our own working dir are renamed `.corrupt-...` so they are neither loaded nor
-    counted when old checkpoints are pruned (the next start removes them).
-    """
-    found = candidates(checkpoints, input_root, scratch)
-    # Newest first; at equal steps prefer the working dir (it is the one we are writing to).
-    found.sort(key=lambda p: (_step_of(p), p.parent == checkpoints), reverse=True)
+
+def _set_aside(path: Path, checkpoints: Path, e: CheckpointInvalid, damaged: list[str]) -> None:
+    """Say a checkpoint is damaged; in our own working dir, rename it `.corrupt-...` so it is neither
+    loaded nor counted when old checkpoints are pruned (the next start removes it)."""
+    warn(f"skipping checkpoint {path}: {e}; trying the previous one")
+    damaged.append(str(e))
+    if path.parent == checkpoints:
+        os.replace(path, checkpoints / f"{layout.CORRUPT_PREFIX}{path.name}-{int(time.time())}")
+
+
+def _other_job(path: Path, manifest: dict, job: str | None) -> bool:
+    if job and manifest.get("job") and manifest["job"] != job:
+        say(f"ignoring checkpoint {path}: it belongs to job {manifest['job']!r}, not {job!r}")
+        return True
+    return False
+
+
+def find_checkpoints(checkpoints: Path, input_root: Path, scratch: Path, job: str | None,
+                     state_slug: str | None = None) -> tuple[list[tuple[Path, dict]], list[str]]:
+    """(every checkpoint that verifies, newest first; one line per damaged one)."""
     good, damaged = [], []
-    for path in found:
+    for path in _newest_first(checkpoints, input_root, scratch, state_slug):
         try:
             manifest = verify(path)
         except CheckpointInvalid as e:
-            warn(f"skipping checkpoint {path}: {e}; trying the previous one")
-            damaged.append(str(e))
-            if path.parent == checkpoints:
-                os.replace(path, checkpoints / f"{layout.CORRUPT_PREFIX}{path.name}-{int(time.time())}")
+            _set_aside(path, checkpoints, e, damaged)
             continue
-        if job and manifest.get("job") and manifest["job"] != job:
-            say(f"ignoring checkpoint {path}: it belongs to job {manifest['job']!r}, not {job!r}")
-            continue
-        good.append((path, manifest))
+        if not _other_job(path, manifest, job):
+            good.append((path, manifest))
     return good, damaged
 
 
-def find_latest(checkpoints: Path, input_root: Path, scratch: Path, job: str | None) -> tuple[Path, dict] | None:
+def find_latest(checkpoints: Path, input_root: Path, scratch: Path, job: str | None,
+                state_slug: str | None = None) -> tuple[Path, dict] | None:
     """The newest checkpoint that verifies; each one skipped is named in a warning."""
-    good, _ = find_checkpoints(checkpoints, input_root, scratch, job)
+    good, _ = find_checkpoints(checkpoints, input_root, scratch, job, state_slug)
     return good[0] if good else None
+
+
+def find_and_load(checkpoints: Path, input_root: Path, scratch: Path, job: str | None,
+                  state_slug: str | None = None) -> tuple[tuple[Path, dict, dict] | None, list[str]]:
+    """((path, manifest, state) of the newest checkpoint that verifies and loads, or None; one line
+    per damaged one). Each state.pt is read once (load_verified); older checkpoints are not read
+    at all once one loads. One that verifies but does not load (e.g. written by another torch) is
+    skipped like a damaged one.
+    """
+    damaged: list[str] = []
+    for path in _newest_first(checkpoints, input_root, scratch, state_slug):
+        try:
+            manifest = read_manifest(path)
+            if _other_job(path, manifest, job):
+                continue
+            return (path, manifest, load_verified(path, manifest)), damaged
+        except CheckpointInvalid as e:
+            _set_aside(path, checkpoints, e, damaged)
+        except Exception as e:  # verified but unloadable: the previous one
+            warn(f"checkpoint {path} verifies but does not load ({type(e).__name__}: {e}); trying the previous one")
+            damaged.append(f"{path / layout.STATE_FILE}: does not load ({type(e).__name__})")
+    return None, damaged
 
 
 def clean_tmp(checkpoints: Path) -> None:
@@ -569,12 +762,6 @@ def clean_tmp(checkpoints: Path) -> None:
         for p in checkpoints.iterdir():
             if p.name.startswith((layout.TMP_PREFIX, layout.CORRUPT_PREFIX)):
                 shutil.rmtree(p, ignore_errors=True)
-
-
-def load_state(ckpt: Path) -> dict:
-    # weights_only=False: the file is our own (RNG states hold numpy arrays and Python tuples).
-    # mmap: the tensors stay in the page cache and are copied once, into the live objects.
-    return torch.load(ckpt / layout.STATE_FILE, map_location="cpu", weights_only=False, mmap=True)
 
 
 # --- resuming into live objects ---------------------------------------------------------------

@@ -40,6 +40,11 @@ STATE_MARKER = "kchain-state.json"
 MARKER = "kchain_checkpoint"
 FORMAT_VERSION = 1
 
+# Where Kaggle mounts an attached input: /kaggle/input/<slug> (legacy) or /kaggle/input/<kind>/...:
+# datasets/<owner>/<slug>, notebooks/<owner>/<slug>, competitions/<slug>, models/<owner>/<model>/...
+INPUT_KINDS = ("datasets", "competitions", "notebooks", "models")
+STATE_KINDS = ("datasets", "notebooks")  # the kinds that can hold kchain's state (a dataset, a kernel's output)
+
 # Archived checkpoints found under the input root (a state dataset uploaded without unpacking).
 ARCHIVE_SUFFIXES = (".zip", ".tar", ".tar.gz", ".tgz")
 

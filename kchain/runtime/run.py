@@ -47,7 +47,7 @@ from .checkpoint import (
     clean_tmp,
     complete,
     dir_bytes,
-    find_checkpoints,
+    find_and_load,
     gb,
     load_state,
     make_room,
@@ -911,10 +911,20 @@ class Run:
         self._loop_used = True
         return self.step
 
+    _loaded: dict | None = None  # rank 0: the state _find loaded with the checkpoint it found, until _restore
+
     def _find(self) -> tuple[list[tuple[Path, dict]], list[str]]:
-        """Every checkpoint that verifies (newest first) and the damaged ones: looked for once."""
+        """The checkpoint to resume from (a list of one, or none) and the damaged ones: looked for once.
+
+        The one found is verified and loaded in the same pass over its state.pt (find_and_load); its
+        state waits in self._loaded for _restore.
+        """
         if self._found is None:
-            self._found = find_checkpoints(self.checkpoints, self.input_root, self.dir / ".scratch", self.job)
+            ref = (self.config.get("kaggle") or {}).get("state_dataset") or ""
+            hit, damaged = find_and_load(self.checkpoints, self.input_root, self.dir / ".scratch", self.job,
+                                         state_slug=ref.rsplit("/", 1)[-1] or None)
+            self._loaded = hit[2] if hit else None
+            self._found = ([(hit[0], hit[1])] if hit else [], damaged)
         return self._found
 
     def _restore(self) -> None:
@@ -922,28 +932,8 @@ class Run:
             return
         self._restored = True
         self.phase = "resume"
-        # kchain ddp: rank 0 finds (and sets aside damaged ones); the others learn what it found.
-        mine = self._find() if self.is_main else None
-        found, damaged = self.ranks.all_gather(mine)[0]
-        if self._metrics_file is not None:
-            self._metrics_file.flush()
-        logged = self.metrics_path.read_bytes() if self.is_main else b""
-        saved = None
-        for path, manifest in found:
-            self._adopt(path, manifest, logged)
-            try:
-                saved = load_state(path)
-                break
-            except Exception as e:  # verified but unloadable (e.g. written by another torch): the previous one
-                warn(f"checkpoint {path} verifies but does not load ({type(e).__name__}: {e}); trying the previous one")
-                damaged.append(f"{path / layout.STATE_FILE}: does not load ({type(e).__name__})")
+        saved = self._load_found()
         if saved is None:
-            if damaged:
-                # Starting over would silently redo (and overwrite) the chain's work: stop and say why.
-                raise CheckpointsDamaged(
-                    f"every checkpoint found is damaged: {'; '.join(damaged)}. Attach an earlier "
-                    "state version, or detach the state dataset to start fresh on purpose"
-                )
             say(f"session 1 of {self.job}: no checkpoint found, starting fresh")
             self.phase = "build"
             return
@@ -954,26 +944,54 @@ class Run:
             mine = saved["ranks"][self.rank]
             saved["rng"] = mine["rng"]
             saved["tracked"] = {**saved["tracked"], **mine["tracked"]}
-        for name, obj in self._tracked.items():
-            live = distributed.unwrap(obj)  # DDP: checkpoints hold the inner module's keys
-            if isinstance(live, torch.nn.Module) and isinstance(saved["tracked"].get(name), dict):
-                saved["tracked"][name] = match_module_prefix(saved["tracked"][name], live.state_dict())
-        current = {name: _state_of(obj) for name, obj in self._tracked.items()}
-        check_compatible(path, manifest, saved["tracked"], current, dict(self.params))
-        for name, obj in self._tracked.items():
-            if name in saved["tracked"]:
-                _load_into(obj, saved["tracked"][name])
-            else:
-                warn(f"{name!r} is tracked now but not in the checkpoint: it starts fresh, the run is not exact")
-        for name in saved["tracked"]:
-            if name not in self._tracked:
-                warn(f"the checkpoint holds {name!r} but nothing is tracked under that name now: ignored")
+        self._apply(path, manifest, saved["tracked"])
         restore_rng(saved["rng"])
         self.step = self._saved_step = self.resumed_from = int(saved["step"])
         self.metrics = dict(saved.get("metrics") or {})
         self.best = saved.get("best")
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(manifest.get("time", 0))))
         say(f"resumed from step {self.step} ({path}, saved at {when})")
+
+    def _load_found(self) -> dict | None:
+        """The state to resume from, adopted (_adopt); None to start fresh.
+
+        kchain ddp: rank 0 finds, verifies and loads (and sets damaged ones aside); the other ranks
+        learn what it found and load that file.
+        """
+        mine = self._find() if self.is_main else None
+        found, damaged = self.ranks.all_gather(mine)[0]
+        if not found:
+            if damaged:
+                # Starting over would silently redo (and overwrite) the chain's work: stop and say why.
+                raise CheckpointsDamaged(
+                    f"every checkpoint found is damaged: {'; '.join(damaged)}. Attach an earlier "
+                    "state version, or detach the state dataset to start fresh on purpose"
+                )
+            return None
+        path, manifest = found[0]
+        saved = self._loaded if self.is_main else load_state(path)
+        self._loaded = None  # the live objects hold it from here on
+        if self._metrics_file is not None:
+            self._metrics_file.flush()
+        self._adopt(path, manifest, self.metrics_path.read_bytes() if self.is_main else b"")
+        return saved
+
+    def _apply(self, path: Path, manifest: dict, saved: dict) -> None:
+        """Load the saved tracked states into the live objects, after checking that they fit."""
+        for name, obj in self._tracked.items():
+            live = distributed.unwrap(obj)  # DDP: checkpoints hold the inner module's keys
+            if isinstance(live, torch.nn.Module) and isinstance(saved.get(name), dict):
+                saved[name] = match_module_prefix(saved[name], live.state_dict())
+        current = {name: _state_of(obj) for name, obj in self._tracked.items()}
+        check_compatible(path, manifest, saved, current, dict(self.params))
+        for name, obj in self._tracked.items():
+            if name in saved:
+                _load_into(obj, saved[name])
+            else:
+                warn(f"{name!r} is tracked now but not in the checkpoint: it starts fresh, the run is not exact")
+        for name in saved:
+            if name not in self._tracked:
+                warn(f"the checkpoint holds {name!r} but nothing is tracked under that name now: ignored")
 
     def save(self, step: int | None = None) -> None:
         """Checkpoint everything tracked as `step` (default: the step reached), as run.steps does.
@@ -991,11 +1009,17 @@ class Run:
         self.writer.wait()  # one write in flight at most: bounds memory to one extra copy
         # kchain ddp: every rank's own RNGs and loader positions go to rank 0, which writes alone.
         per_rank = self.ranks.gather(self._rank_state()) if self.ranks.active else None
-        if not self.is_main:
-            self._saved_step = self.step
-            self._last_save = time.time()
-            self.phase = before
-            return
+        if self.is_main:
+            self._write(per_rank)
+            self.stalls.append(time.perf_counter() - t0)
+            if self._dog is not None:
+                self._dog.pause()  # a save is not a step: the hang clock restarts after it
+        self._saved_step = self.step
+        self._last_save = time.time()
+        self.phase = before
+
+    def _write(self, per_rank: list | None) -> None:
+        """Rank 0's part of a save: room on the disk, then the state to the writer (see save)."""
         live = {
             "step": self.step,
             "tracked": {name: _state_of(obj) for name, obj in self._tracked.items()},
@@ -1011,7 +1035,20 @@ class Run:
             say(pruned)
         if self._metrics_file is not None:
             self._metrics_file.flush()
-        manifest = {
+        job = dict(checkpoints=self.checkpoints, step=self.step, metrics_src=self.metrics_path,
+                   metrics_bytes=self._metrics_bytes, manifest=self._manifest(), keep=self.keep)
+        if self._plan["stream"]:
+            self.writer.write_now(state=live, **job)  # blocks; no host copy of the state
+            return
+        state = self._snapshots.take(live)
+        del live
+        if not self._plan["reuse"]:
+            self._snapshots.release()  # the writer holds the only reference: freed when written
+        self.writer.submit(state=state, **job)
+
+    def _manifest(self) -> dict:
+        """What a checkpoint says about itself, next to its file list (see checkpoint.write_checkpoint)."""
+        return {
             "job": self.job,
             "step": self.step,
             "time": time.time(),
@@ -1022,22 +1059,6 @@ class Run:
             "world_size": self.world_size,
             ladder.MANIFEST_KEY: self.micro_halvings,
         }
-        job = dict(checkpoints=self.checkpoints, step=self.step, metrics_src=self.metrics_path,
-                   metrics_bytes=self._metrics_bytes, manifest=manifest, keep=self.keep)
-        if self._plan["stream"]:
-            self.writer.write_now(state=live, **job)  # blocks; no host copy of the state
-        else:
-            state = self._snapshots.take(live)
-            del live
-            if not self._plan["reuse"]:
-                self._snapshots.release()  # the writer holds the only reference: freed when written
-            self.writer.submit(state=state, **job)
-        self.stalls.append(time.perf_counter() - t0)
-        if self._dog is not None:
-            self._dog.pause()  # a save is not a step: the hang clock restarts after it
-        self._saved_step = self.step
-        self._last_save = time.time()
-        self.phase = before
 
     def _rank_state(self) -> dict:
         """What differs between ranks (kchain ddp): the global RNGs and the per-rank tracked objects."""

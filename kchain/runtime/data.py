@@ -31,7 +31,6 @@ from . import distributed, layout
 # Attached data on Kaggle: /kaggle/input/<slug>, or one or two folders deeper
 # (datasets/<owner>/<slug>, competitions/<slug>, notebooks/<owner>/<slug>, models/...).
 INPUT_PATTERNS = ("{slug}", "*/{slug}", "*/*/{slug}")
-KIND_DIRS = {"datasets", "competitions", "notebooks", "models"}
 ARRAYS_EXT = "npy"  # one array, or a folder of <key>.npy files (a dict of arrays): loaded memory-mapped
 PICKLE_EXT = "pt"  # anything else torch.save can pickle: loaded with torch.load(mmap=True)
 PICKLE_PROTOCOL = 4  # see _save
@@ -498,7 +497,7 @@ def attached(input_root: Path) -> list[str]:
     if not input_root.is_dir():
         return out
     for p in sorted(input_root.iterdir()):
-        if p.name in KIND_DIRS and p.is_dir():
+        if p.name in layout.INPUT_KINDS and p.is_dir():
             for q in sorted(p.iterdir()):
                 subs = sorted(q.iterdir()) if p.name != "competitions" and q.is_dir() else []
                 out += [f"{q.name}/{s.name}" for s in subs if s.is_dir()] or [q.name]

@@ -204,15 +204,6 @@ def unwrap(obj):
     return obj.module if isinstance(obj, torch.nn.parallel.DistributedDataParallel) else obj
 
 
-def per_rank(obj) -> bool:
-    """Tracked state that differs between ranks: loaders (their shard) and generators."""
-    import numpy as np
-
-    from .data import Loader
-
-    return isinstance(obj, (Loader, torch.Generator, np.random.Generator))
-
-
 def check_world_size(ckpt: Path, manifest: dict, world_size: int) -> None:
     """Refuse a checkpoint saved by a different number of ranks: the data order would change."""
     saved = int(manifest.get("world_size", 1))

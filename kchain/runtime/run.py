@@ -1062,7 +1062,8 @@ class Run:
 
     def _rank_state(self) -> dict:
         """What differs between ranks (kchain ddp): the global RNGs and the per-rank tracked objects."""
-        private = {n: _state_of(o) for n, o in self._tracked.items() if distributed.per_rank(o)}
+        per_rank = (data.Loader, torch.Generator, np.random.Generator)  # a rank's shard and its own RNGs
+        private = {n: _state_of(o) for n, o in self._tracked.items() if isinstance(o, per_rank)}
         return {"rank": self.rank, "rng": rng_state(), "tracked": private}
 
     def _plan_checkpoints(self, live: dict) -> dict:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -41,6 +42,9 @@ from kchain.runtime import layout
 from kchain.spec import Job, load_job
 
 Echo = Callable[[str], None]
+# What the notebook prints once it has reaped a training process that died of SIGKILL
+# (kernel_templates/notebook.ipynb.j2): from then on nothing of that run writes to the working dir.
+KILLED_LINE = f"TrainingFailed: training exited with code {-signal.SIGKILL};"
 
 
 @dataclass
@@ -56,6 +60,7 @@ class Child:
     _held: list[str] | None = None  # output kept back while held at the gate
     _echo: Echo | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock)
+    _killed: threading.Event = field(default_factory=threading.Event)  # KILLED_LINE was printed
     _proc: subprocess.Popen | None = None
     _pump: threading.Thread | None = None
     _t0: float = 0.0
@@ -86,6 +91,8 @@ class Child:
                 for line in proc.stdout:
                     self.lines.append((time.time() - t0, line.rstrip("\n")))
                     f.write(line)
+                    if line.startswith(KILLED_LINE):
+                        self._killed.set()
                     # The notebook's own failure line repeats what the runtime already said.
                     if echo is not None and not line.startswith("TrainingFailed:"):
                         with self._lock:
@@ -117,11 +124,22 @@ class Child:
         if self._proc is not None and self.gate is not None and not self.gate.exists():
             self.release(go=False).wait()
 
+    def until_killed(self) -> Child:
+        """Until the notebook reports its training process SIGKILLed, or the notebook ends: the
+        resume need not wait for the killed run's kernel to shut down."""
+        assert self._proc is not None
+        while not self._killed.wait(0.02):
+            if self._proc.poll() is not None:
+                return self.wait()
+        self.wall_s = time.time() - self._t0
+        return self
+
     def wait(self) -> Child:
         assert self._proc is not None and self._pump is not None
         self.returncode = self._proc.wait()
         self._pump.join()
-        self.wall_s = time.time() - (self._released or self._t0)
+        if not self._killed.is_set():  # a killed run's time ends at its kill (until_killed)
+            self.wall_s = time.time() - (self._released or self._t0)
         return self
 
 
@@ -163,11 +181,11 @@ def smoke(job_path: Path, echo: Echo = print, quiet_training: bool = False, down
     show = None if quiet_training else echo
     reference, killed, held = train(prep, echo, show)
     try:
-        failure = stopped_right(prep, killed.wait())
+        failure = stopped_right(prep, killed.until_killed())
         resumed = resume(prep, killed, held, echo) if failure is None else None
     finally:
         held.cancel()  # nothing to resume (or an error here): the held notebook leaves untouched
-    report = judge(prep, reference.wait(), killed, resumed, failure, echo)
+    report = judge(prep, reference.wait(), killed.wait(), resumed, failure, echo)
     return record(prep, report, killed, resumed, echo)
 
 

@@ -125,3 +125,39 @@ def test_the_quick_exit_still_finalizes_the_codes_garbage_cycles(tmp_path):
         out, _ = child.communicate(timeout=CHILD_TIMEOUT_S)
     assert child.returncode == 0, out
     assert (tmp_path / "root" / layout.WORKING_DIR / "report.txt").read_text() == "finalized at exit\n"
+
+
+ONE_BATCH_LOADER_JOB = '''
+import gc
+
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+
+def main(run):
+    gc.disable()  # no automatic collection: the garbage below waits for the loop's start
+    data = TensorDataset(torch.arange(32.0).reshape(16, 2))
+    peek = DataLoader(data, batch_size=4, shuffle=True)  # one batch for a check, then dropped
+    holder = {"loader": peek}
+    holder["self"] = holder  # in a cycle: only the garbage collector frees it
+    run.check(batch=next(iter(peek))[0])
+    del peek, holder
+    w = torch.zeros(2, requires_grad=True)
+    opt = run.optimize(torch.optim.SGD([w], lr=0.1))
+    for step in run.steps(2):
+        opt.backward((w - step).pow(2).sum())
+        opt.step()
+        run.log(loss=float(w.sum()))
+'''
+
+
+def test_a_dropped_one_batch_loader_is_not_named_as_a_plain_loader(tmp_path):
+    """The loop's start collects garbage before it names hand-built DataLoaders."""
+    (tmp_path / "code").mkdir()
+    (tmp_path / "code" / "peek.py").write_text(ONE_BATCH_LOADER_JOB)
+    with start(tmp_path / "root", code_dir=tmp_path / "code", entry="peek:main") as child:
+        out, _ = child.communicate(timeout=CHILD_TIMEOUT_S)
+    assert child.returncode == 0, out
+    summary = json.loads((tmp_path / "root" / layout.WORKING_DIR / layout.KCHAIN_DIR / layout.SUMMARY).read_text())
+    assert summary["status"] == "finished" and not summary.get("not_exact"), summary
+    assert "not exact" not in out

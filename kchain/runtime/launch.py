@@ -92,8 +92,9 @@ def released(env) -> bool:
     `kchain smoke` starts the resume's notebook while the run to be killed is still training, with
     KCHAIN_GATE=PID:PATH; this process then holds here, before it reads anything of the working
     dir, until PATH says `go` (the kill has happened) or `stop` (nothing to resume), or process
-    PID (the smoke) is gone. While it waits it imports torch._dynamo, which the code's first
-    optimizer would import anyway (torch/_compile.py): about 2 s that would otherwise follow the kill.
+    PID (the smoke) is gone. While it waits it imports what main() imports (torch, the runtime) and
+    torch._dynamo, which the code's first optimizer would import anyway (torch/_compile.py): about
+    4 s that would otherwise follow the kill.
     """
     spec = env.pop(layout.GATE_ENV, None)  # the code's own processes (torchrun's ranks) never wait
     if not spec:
@@ -103,6 +104,8 @@ def released(env) -> bool:
     print(f"[kchain] {GATE_NOTE}", flush=True)
     if not gate.exists():
         import torch._dynamo  # noqa: F401
+
+        from . import run  # noqa: F401
     while not gate.exists():
         try:
             os.kill(int(pid), 0)
@@ -120,8 +123,6 @@ def main(argv: list[str]) -> int:
     from . import distributed, ladder  # torch is imported here, after the clock started
     from .run import Run
 
-    if not released(os.environ):
-        return 0
     if not distributed.in_ranks(os.environ):  # kchain ddp: how many ranks, and is the GPU there?
         try:
             n, why = distributed.plan_ranks(config, os.environ)
@@ -254,4 +255,4 @@ def _run_ranks(n: int, why: str, config_path: str, config: dict) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv))
+    sys.exit(main(sys.argv) if released(os.environ) else 0)

@@ -11,7 +11,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -21,6 +23,7 @@ from typing import Any
 from kchain.runtime import layout
 
 OutputFn = Callable[[str, str], None]
+SOCKET_PATH_MAX = 100  # a unix socket's path is at most 104 bytes on macOS, 108 on Linux
 
 
 @dataclass
@@ -101,6 +104,20 @@ def _live_client_class():  # noqa: ANN202  (nbclient is imported only when a not
     return LiveClient
 
 
+def _kernel_channels(sockets: Path) -> dict[str, Any]:
+    """The kernel's channels as unix sockets in a folder of their own, where the path is short enough.
+
+    Over TCP each executor picks 5 free ports and the kernel binds them a moment later; executors
+    starting together (the smoke starts three) can pick the same port, and the kernel that loses
+    dies with 'Address already in use' while its executor waits 60 s for it. A socket file in a
+    fresh folder cannot be taken by another kernel.
+    """
+    prefix = sockets / "k"  # the kernel's channels are k-1 .. k-5
+    if len(str(prefix)) + 3 > SOCKET_PATH_MAX:
+        return {}
+    return {"KernelManager": {"transport": "ipc", "ip": str(prefix)}}
+
+
 def _execute(client: Any, env: dict[str, str], working: Path, stderr_path: Path) -> str | None:
     """Run every cell; the error as `Class: first line`, or None."""
     from nbclient.exceptions import CellExecutionError, CellTimeoutError, DeadKernelError
@@ -129,11 +146,13 @@ def execute_notebook(
 ) -> ExecResult:
     """Execute the notebook with a fresh ipykernel whose working dir is ROOT/working."""
     import nbformat
+    from traitlets.config import Config
 
     root = Path(root).resolve()
     _, working = prepare_root(root)
     kernel_env = {**os.environ, **(env or {}), layout.ROOT_ENV: str(root)}
     kernel_env.setdefault("PYTHONUNBUFFERED", "1")
+    sockets = Path(tempfile.mkdtemp(prefix="kchain-k-"))
     client = _live_client_class()(
         nbformat.read(str(notebook_path), as_version=4),
         timeout=timeout,
@@ -141,9 +160,13 @@ def execute_notebook(
         resources={"metadata": {"path": str(working)}},
         allow_errors=False,
         record_timing=False,
+        config=Config(_kernel_channels(sockets)),
     )
     client.t0, client.messages, client.on_output = time.time(), [], on_output
-    error = _execute(client, kernel_env, working, root / "kernel-stderr.log")
+    try:
+        error = _execute(client, kernel_env, working, root / "kernel-stderr.log")
+    finally:
+        shutil.rmtree(sockets, ignore_errors=True)
     return ExecResult(
         ok=error is None,
         error=error,

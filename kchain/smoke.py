@@ -6,15 +6,22 @@ after that checkpoint and a resume in a fresh process give the same losses, bit 
 uninterrupted reference run of `2 x smoke.steps` steps.
 
 `smoke()` is a straight run of stages: prepare (render, lay out the sandboxes) -> train (the reference
-and the run to be killed, side by side: this machine has two cores) -> resume (a fresh process, started
-as soon as the killed run is dead, while the reference may still be running) -> judge (traces.judge)
--> record (the run log, and the smoke pass for push).
+and the run to be killed, side by side, and the resume's notebook beside them, held at its gate) ->
+resume (released once the killed run is dead: a fresh process that reads the checkpoint only then,
+while the reference may still be running) -> judge (traces.judge) -> record (the run log, and the
+smoke pass for push).
+
+The resume starts early because its kernel, its Python and torch imports and the torch._dynamo import
+of its first optimizer take seconds that would otherwise follow the kill. Its training process waits
+at the gate (runtime/launch.py `released`) before it builds the Run, so nothing of the killed run's
+working dir is read before the kill; what it has done by then is start up, as on Kaggle.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -35,6 +42,9 @@ from kchain.runtime import layout
 from kchain.spec import Job, load_job
 
 Echo = Callable[[str], None]
+# What the notebook prints once it has reaped a training process that died of SIGKILL
+# (kernel_templates/notebook.ipynb.j2): from then on nothing of that run writes to the working dir.
+KILLED_LINE = f"TrainingFailed: training exited with code {-signal.SIGKILL};"
 
 
 @dataclass
@@ -45,10 +55,16 @@ class Child:
     root: Path
     lines: list[tuple[float, str]] = field(default_factory=list)
     returncode: int | None = None
-    wall_s: float = 0.0
+    wall_s: float = 0.0  # from the start, or from the release for a child started at a gate
+    gate: Path | None = None  # started early, held at this gate until release()
+    _held: list[str] | None = None  # output kept back while held at the gate
+    _echo: Echo | None = None
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+    _killed: threading.Event = field(default_factory=threading.Event)  # KILLED_LINE was printed
     _proc: subprocess.Popen | None = None
     _pump: threading.Thread | None = None
     _t0: float = 0.0
+    _released: float | None = None
 
     @property
     def summary(self) -> dict[str, Any] | None:
@@ -59,6 +75,10 @@ class Child:
 
     def start(self, notebook: Path, env: dict[str, str], echo: Echo | None) -> Child:
         log = self.root.parent / f"{self.name}.log"
+        self._echo = echo
+        if self.gate is not None:
+            self._held = []
+            env = {**env, layout.GATE_ENV: f"{os.getpid()}:{self.gate}"}
         self._proc = proc = subprocess.Popen(
             [sys.executable, "-m", "kchain.local", "run", str(notebook), "--root", str(self.root)],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
@@ -71,19 +91,55 @@ class Child:
                 for line in proc.stdout:
                     self.lines.append((time.time() - t0, line.rstrip("\n")))
                     f.write(line)
+                    if line.startswith(KILLED_LINE):
+                        self._killed.set()
                     # The notebook's own failure line repeats what the runtime already said.
                     if echo is not None and not line.startswith("TrainingFailed:"):
-                        echo(f"    {line.rstrip()}")
+                        with self._lock:
+                            if self._held is not None:
+                                self._held.append(line)
+                            else:
+                                echo(f"    {line.rstrip()}")
 
         self._pump = threading.Thread(target=pump, daemon=True)
         self._pump.start()
+        return self
+
+    def release(self, go: bool = True) -> Child:
+        """Open the gate (`go`: the kill has happened) or tell the held child to leave (`stop`)."""
+        assert self.gate is not None
+        tmp = self.gate.with_name(f".{self.gate.name}.tmp")
+        tmp.write_text("go" if go else "stop")
+        os.replace(tmp, self.gate)  # the child reads the whole word or nothing
+        self._released = time.time()
+        with self._lock:
+            held, self._held = self._held or [], None
+            if go and self._echo is not None:
+                for line in held:
+                    self._echo(f"    {line.rstrip()}")
+        return self
+
+    def cancel(self) -> None:
+        """A child still held at its gate leaves without reading anything; wait for it to end."""
+        if self._proc is not None and self.gate is not None and not self.gate.exists():
+            self.release(go=False).wait()
+
+    def until_killed(self) -> Child:
+        """Until the notebook reports its training process SIGKILLed, or the notebook ends: the
+        resume need not wait for the killed run's kernel to shut down."""
+        assert self._proc is not None
+        while not self._killed.wait(0.02):
+            if self._proc.poll() is not None:
+                return self.wait()
+        self.wall_s = time.time() - self._t0
         return self
 
     def wait(self) -> Child:
         assert self._proc is not None and self._pump is not None
         self.returncode = self._proc.wait()
         self._pump.join()
-        self.wall_s = time.time() - self._t0
+        if not self._killed.is_set():  # a killed run's time ends at its kill (until_killed)
+            self.wall_s = time.time() - (self._released or self._t0)
         return self
 
 
@@ -123,10 +179,13 @@ def smoke(job_path: Path, echo: Echo = print, quiet_training: bool = False, down
     """Run the smoke; raise SmokeFailed (after logging the run) unless it passes."""
     prep = prepare(job_path, echo, download)
     show = None if quiet_training else echo
-    reference, killed = train(prep, echo, show)
-    failure = stopped_right(prep, killed.wait())
-    resumed = resume(prep, killed, echo, show) if failure is None else None
-    report = judge(prep, reference.wait(), killed, resumed, failure, echo)
+    reference, killed, held = train(prep, echo, show)
+    try:
+        failure = stopped_right(prep, killed.until_killed())
+        resumed = resume(prep, killed, held, echo) if failure is None else None
+    finally:
+        held.cancel()  # nothing to resume (or an error here): the held notebook leaves untouched
+    report = judge(prep, reference.wait(), killed.wait(), resumed, failure, echo)
     return record(prep, report, killed, resumed, echo)
 
 
@@ -157,26 +216,44 @@ def prepare(job_path: Path, echo: Echo, download: bool) -> Prepared:
         layout.CHECKPOINT_EVERY_ENV: f"{job.smoke.steps} steps",
         "PYTHONUNBUFFERED": "1",
     })
+    env.setdefault("OMP_NUM_THREADS", str(threads_each(job)))
     for var in (layout.SESSION_LIMIT_ENV, layout.FAULT_ENV, layout.SESSION_START_ENV):
         env.pop(var, None)
     return Prepared(job, ledger, run_id, work, rendered, notebook, env, render_s, t_start)
 
 
-def train(prep: Prepared, echo: Echo, show: Echo | None) -> tuple[Child, Child]:
-    """Start the uninterrupted reference and the run that is SIGKILLed right after its checkpoint."""
+def train(prep: Prepared, echo: Echo, show: Echo | None) -> tuple[Child, Child, Child]:
+    """Start the uninterrupted reference, the run that is SIGKILLed right after its checkpoint, and the
+    resume's notebook, held at its gate until the kill."""
     steps = prep.steps
     echo(f"  train      {steps} steps, checkpoint, SIGKILL; reference run of {2 * steps} steps beside it; "
-         f"{ranks_label(prep.job)}")
+         f"{ranks_label(prep.job)}, {prep.env['OMP_NUM_THREADS']} CPU thread(s) each")
     reference = Child("reference", prep.work / "reference").start(prep.notebook, prep.env, None)
     kill_env = {**prep.env, layout.FAULT_ENV: "kill_after_checkpoint=1"}
     killed = Child("run", prep.work / "run").start(prep.notebook, kill_env, show)
-    return reference, killed
+    held = Child("resume", killed.root, gate=prep.work / "resume.gate").start(prep.notebook, prep.env, show)
+    return reference, killed, held
+
+
+def ranks(job: Job) -> int:
+    """Ranks per smoke run: train.gpus: 2 runs 2 gloo ranks on this CPU (auto sees no GPU)."""
+    return 2 if job.train.gpus == 2 else 1
 
 
 def ranks_label(job: Job) -> str:
-    """How many ranks each smoke run has: train.gpus: 2 runs 2 gloo ranks on this CPU (auto sees no GPU)."""
-    n = job.train.gpus if job.train.gpus != "auto" else 1
-    return "2 ranks (gloo, CPU), the whole group SIGKILLed" if n == 2 else "1 rank (CPU)"
+    return "2 ranks (gloo, CPU), the whole group SIGKILLed" if ranks(job) == 2 else "1 rank (CPU)"
+
+
+def threads_each(job: Job) -> int:
+    """CPU threads per training process: the cores shared by the two runs that train at once.
+
+    torch's default (a thread per core in every process) oversubscribes the cores, and its OpenMP
+    threads spin while they wait: each smoke step took ~3 s instead of ~0.15 s on 2 cores. The three
+    runs get the same count, so their float results stay comparable bit for bit. OMP_NUM_THREADS set
+    by the user wins (torchrun makes the same choice for its ranks).
+    """
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, cores // (2 * ranks(job)))
 
 
 def stopped_right(prep: Prepared, killed: Child) -> diagnose.Failure | None:
@@ -201,12 +278,13 @@ def stopped_right(prep: Prepared, killed: Child) -> diagnose.Failure | None:
     return None
 
 
-def resume(prep: Prepared, killed: Child, echo: Echo, show: Echo | None) -> Child:
-    """Resume the killed run in a fresh process from its checkpoint (the reference may still be running)."""
+def resume(prep: Prepared, killed: Child, held: Child, echo: Echo) -> Child:
+    """Release the resume now that the killed run is dead: a fresh process, started beside the others
+    and held before it read anything, resumes from the checkpoint (the reference may still be running)."""
     echo(f"  kill       {time.time() - prep.t_start:5.2f}s  SIGKILL after the checkpoint at step {prep.steps}; "
          f"the training took {killed.wall_s:.1f}s")
-    echo("  resume     fresh process from the checkpoint")
-    resumed = Child("resume", killed.root).start(prep.notebook, prep.env, show).wait()
+    echo("  resume     fresh process from the checkpoint (started beside the runs, released at the kill)")
+    resumed = held.release().wait()
     echo(f"  resumed    {time.time() - prep.t_start:5.2f}s  in {resumed.wall_s:.1f}s")
     return resumed
 

@@ -7,6 +7,8 @@ import pytest
 from helpers import JOBS, copy_job, error_line, invoke
 
 from kchain.ledger import Ledger
+from kchain.runtime.launch import GATE_NOTE
+from kchain.smoke import KILLED_LINE
 
 
 def runs(home: Path) -> list[dict]:
@@ -25,10 +27,21 @@ def test_every_example_job_smokes_to_a_pass(job, tmp_path, monkeypatch):
     row = runs(home)[-1]
     assert row["channel"] == "smoke" and row["note"] == "smoke pass" and row["job"]
     assert row["checkpoint"]
+    assert_resume_was_held_until_the_kill(home / "smoke" / row["run_id"])
     passes = Ledger(home)
     fingerprint = next(line.split()[-1] for line in invoke("render", path, "-o", tmp_path / "r").output.splitlines()
                        if line.startswith("fingerprint"))
     assert passes.smoke_passed(fingerprint) is not None
+
+
+def assert_resume_was_held_until_the_kill(work: Path) -> None:
+    """The resume started beside the runs, waited at its gate, and built its Run only after the kill."""
+    killed = (work / "run.log").read_text().splitlines()
+    assert any(line.startswith(KILLED_LINE) for line in killed)  # the line that releases the resume
+    resumed = (work / "resume.log").read_text().splitlines()
+    held = next(i for i, line in enumerate(resumed) if GATE_NOTE in line)
+    session = next(i for i, line in enumerate(resumed) if "resuming from" in line)
+    assert held < session and (work / "resume.gate").read_text() == "go"
 
 
 def monkeypatch_env(name: str) -> str:

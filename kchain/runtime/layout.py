@@ -16,6 +16,7 @@ SESSION_LIMIT_ENV = "KCHAIN_SESSION_LIMIT"
 CHECKPOINT_EVERY_ENV = "KCHAIN_CHECKPOINT_EVERY"
 TOTAL_STEPS_ENV = "KCHAIN_TOTAL_STEPS"
 FAULT_ENV = "KCHAIN_FAULT"
+GATE_ENV = "KCHAIN_GATE"  # PID:PATH, the smoke's early-started resume waits here until the kill (launch.py)
 CHECKPOINT_STREAM_ENV = "KCHAIN_CHECKPOINT_STREAM"  # 1: stream saves from live tensors, 0: copy to RAM
 
 DEFAULT_ROOT = "/kaggle"

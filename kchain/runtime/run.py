@@ -670,12 +670,20 @@ class Run:
         """Name any torch DataLoader the user built (not via run.loader): it restarts on resume."""
         ours = {id(lo._dl) for lo in self._loaders}
         tracked = {id(o) for o in self._tracked.values()}
-        gc.collect()  # a DataLoader made for one batch (a preflight check) is garbage, not a loader in use
-        # type(o), not isinstance: isinstance reads __class__, which some torch objects warn on.
-        # A sequential one (a validation loader) restarting from its start is what it should do.
-        plain = [o for o in gc.get_objects()
-                 if issubclass(type(o), DataLoader) and id(o) not in ours and id(o) not in tracked
-                 and not isinstance(o.sampler, SequentialSampler)]
+
+        def plain_loaders() -> list:
+            # type(o), not isinstance: isinstance reads __class__, which some torch objects warn on.
+            # A sequential one (a validation loader) restarting from its start is what it should do.
+            return [o for o in gc.get_objects()
+                    if issubclass(type(o), DataLoader) and id(o) not in ours and id(o) not in tracked
+                    and not isinstance(o.sampler, SequentialSampler)]
+
+        # A DataLoader made for one batch (a preflight check) is garbage, not a loader in use: when
+        # there is a candidate, collect (a full pass over torch's objects, ~0.2 s) and look again.
+        plain = bool(plain_loaders())
+        if plain:
+            gc.collect()
+            plain = bool(plain_loaders())
         if plain and not any(line.startswith(PLAIN_LOADER_NOTE) for line in self.not_exact):
             self.not_exact.append(f"{PLAIN_LOADER_NOTE} (pass it to run.loader(...) to keep its place)")
         for line in self.not_exact:

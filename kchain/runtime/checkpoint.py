@@ -206,13 +206,14 @@ def restore_rng(state: dict) -> None:
 # --- writing ----------------------------------------------------------------------------------
 
 
-def _fsync(path: Path) -> None:
+def fsync_path(path: Path) -> None:
     """fsync a file, or a directory (its entries), by name."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
+
 
 
 def sha256_of(path: Path) -> str:
@@ -330,7 +331,7 @@ def _write_into(tmp, final, checkpoints, step, state, metrics_src, metrics_bytes
         os.replace(final, stale)
         shutil.rmtree(stale, ignore_errors=True)
     os.replace(tmp, final)
-    _fsync(checkpoints)
+    fsync_path(checkpoints)
     _die_if("after_rename", fault_point)
 
     prune(checkpoints, keep, fault_point)
@@ -353,7 +354,7 @@ def _write_files(tmp, step, state, metrics_src, metrics_bytes, manifest, fault_p
     body = {layout.MARKER: layout.FORMAT_VERSION, **manifest, "step": step, "files": files}
     (tmp / layout.MANIFEST).write_text(json.dumps(body, indent=2, default=str) + "\n")
     # Every fsync at once: the file system commits them together, one wait for the disk, not four.
-    synced = [pool.submit(_fsync, path) for path in (*(tmp / name for name in files), tmp / layout.MANIFEST, tmp)]
+    synced = [pool.submit(fsync_path, path) for path in (*(tmp / name for name in files), tmp / layout.MANIFEST, tmp)]
     for done in synced:
         done.result()
 
@@ -386,7 +387,7 @@ def remove(ckpt: Path, fault_point: str | None = None) -> None:
     """Atomic for a reader: renamed aside (a .tmp- name nobody loads) first, then deleted."""
     aside = ckpt.with_name(f"{layout.TMP_PREFIX}prune-{ckpt.name}-{os.getpid()}")
     os.replace(ckpt, aside)
-    _fsync(ckpt.parent)
+    fsync_path(ckpt.parent)
     _die_if("in_prune", fault_point)
     shutil.rmtree(aside, ignore_errors=True)
 

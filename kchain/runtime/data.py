@@ -27,6 +27,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, Subset, default_collate
 
 from . import distributed, layout
+from .checkpoint import fsync_path
 
 # Attached data on Kaggle: /kaggle/input/<slug>, or one or two folders deeper
 # (datasets/<owner>/<slug>, competitions/<slug>, notebooks/<owner>/<slug>, models/...).
@@ -391,14 +392,6 @@ def _load(path: Path):
     return _uncarry(obj.obj) if isinstance(obj, _Carried) else obj
 
 
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _save(obj, final: Path) -> None:
     """Write an entry under a temporary name, fsync it, then rename it into place."""
     tmp = final.with_name(f"{layout.TMP_PREFIX}{final.name}-{os.getpid()}")
@@ -408,8 +401,8 @@ def _save(obj, final: Path) -> None:
         tmp.mkdir(parents=True)
         for key, arr in obj.items():
             np.save(tmp / f"{key}.npy", arr)
-            _fsync(tmp / f"{key}.npy")
-        _fsync(tmp)
+            fsync_path(tmp / f"{key}.npy")
+        fsync_path(tmp)
     elif _is_array(obj):
         with open(tmp, "wb") as f:
             np.save(f, obj)
@@ -419,9 +412,9 @@ def _save(obj, final: Path) -> None:
         # Protocol 4 (frames, short strings) unpickles a list of strings about twice as fast as torch's 2.
         torch.save(_Carried(carried) if found else obj, tmp, pickle_protocol=PICKLE_PROTOCOL)
     if not tmp.is_dir():
-        _fsync(tmp)
+        fsync_path(tmp)
     os.replace(tmp, final)  # atomic: a killed build never leaves a half entry that looks complete
-    _fsync(final.parent)
+    fsync_path(final.parent)
 
 
 def cache_mounts(input_root: Path, dataset: str) -> list[Path]:

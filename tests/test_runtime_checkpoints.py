@@ -19,7 +19,7 @@ import pytest
 import torch
 from torch import nn
 
-from kchain.runtime import layout
+from kchain.runtime import checkpoint, layout
 from kchain.runtime.checkpoint import (
     CheckpointInvalid,
     CheckpointsDamaged,
@@ -265,6 +265,33 @@ def test_a_byte_flipped_in_state_pt_is_caught_as_it_is_read_and_the_previous_che
     assert f"skipping checkpoint {newest}: {newest / layout.STATE_FILE}: sha256 does not match the manifest" in out
     assert resumed.resumed_from == 2 and resumed.finished
     assert any(p.name.startswith(f"{layout.CORRUPT_PREFIX}{newest.name}") for p in first.checkpoints.iterdir())
+
+
+def test_the_hash_started_at_run_start_is_used_only_for_the_file_it_hashed(tmp_path, capsys):
+    """Run() starts hashing the newest state.pt (overlapping the user's set-up); a file changed after
+    that is hashed again as it is read, so a byte flipped late is still caught."""
+    model = nn.Linear(64, 64)
+    first = train(tmp_path, 4, model)
+    newest = first.checkpoints / layout.checkpoint_name(4)
+    run = make_run(tmp_path)  # the early hash of the intact file starts here
+    flip_a_weight_byte(newest, model.weight)  # ... and the file changes while the user builds a model
+    live = nn.Linear(64, 64)
+    run.track(model=live)
+    capsys.readouterr()
+    assert run.restore() == 2
+    assert f"skipping checkpoint {newest}: {newest / layout.STATE_FILE}: sha256 does not match" in capsys.readouterr().out
+    run.close()
+    # Unchanged since Run(): the early digest is the one used, and the state is the checkpoint's.
+    again = train(tmp_path / "again", 4, nn.Linear(64, 64))
+    newest = again.checkpoints / layout.checkpoint_name(4)
+    run = make_run(tmp_path / "again")
+    assert str(newest / layout.STATE_FILE) in checkpoint._early
+    live = nn.Linear(64, 64)
+    run.track(model=live)
+    assert run.restore() == 4
+    assert str(newest / layout.STATE_FILE) not in checkpoint._early  # taken by load_verified
+    assert torch.equal(live.weight, torch.load(newest / layout.STATE_FILE, weights_only=False)["tracked"]["model"]["weight"])
+    run.close()
 
 
 def test_an_intact_checkpoint_loads_verified_as_torch_loads_it(tmp_path):

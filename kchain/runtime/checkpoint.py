@@ -24,7 +24,7 @@ import threading
 import time
 import zipfile
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -565,7 +565,7 @@ def load_verified(ckpt: Path, manifest: dict) -> dict:
             _check_sha256(ckpt / name, want)
     path = ckpt / layout.STATE_FILE
     with ThreadPoolExecutor(1, thread_name_prefix="kchain-verify") as pool:
-        digest = pool.submit(sha256_of, path)
+        digest = _early_digest(path) or pool.submit(sha256_of, path)
         try:
             state = load_state(ckpt)
         except Exception:
@@ -573,6 +573,48 @@ def load_verified(ckpt: Path, manifest: dict) -> dict:
             raise
         _check_sha256(path, files[layout.STATE_FILE], digest.result())
     return state
+
+
+# The digest of the newest checkpoint's state.pt, started when the Run is built (hash_early), so
+# the hashing overlaps the user's own set-up (model, data) and run.restore mostly just loads.
+_early: dict[str, tuple[tuple[int, int], Future]] = {}
+
+
+def _stamp(path: Path) -> tuple[int, int]:
+    st = os.stat(path)
+    return st.st_size, st.st_mtime_ns
+
+
+def hash_early(checkpoints: Path, input_root: Path, state_slug: str | None) -> Path | None:
+    """Start hashing the newest checkpoint's state.pt in a daemon thread; returns the file, or None.
+
+    Only a look: nothing is unpacked or renamed here; find_and_load still decides what is loaded,
+    and load_verified takes this digest only for that same file, unchanged since (size, mtime).
+    """
+    newest = next(iter(_newest_first(checkpoints, input_root, None, state_slug)), None)
+    path = newest / layout.STATE_FILE if newest else None
+    if path is None or not path.is_file():
+        return None
+    digest: Future = Future()
+
+    def work() -> None:
+        try:
+            digest.set_result(sha256_of(path))
+        except BaseException as e:  # read by load_verified, which then hashes again itself
+            digest.set_exception(e)
+
+    _early[str(path)] = (_stamp(path), digest)
+    threading.Thread(target=work, name="kchain-verify-early", daemon=True).start()
+    return path
+
+
+def _early_digest(path: Path) -> Future | None:
+    """The early digest of path if it was started and the file has not changed since."""
+    hit = _early.pop(str(path), None)
+    try:
+        return hit[1] if hit and hit[0] == _stamp(path) else None
+    except OSError:
+        return None
 
 
 # --- finding ----------------------------------------------------------------------------------
@@ -640,19 +682,21 @@ def _ours(d: Path, files: list[str]) -> bool:
     return layout.STATE_MARKER in files or (d.name.startswith(layout.CHECKPOINT_PREFIX) and layout.MANIFEST in files)
 
 
-def _in_state_dataset(top: Path, scratch: Path) -> list[Path]:
-    """The checkpoints in one of kchain's state datasets, searched whole (it is small and ours)."""
+def _in_state_dataset(top: Path, scratch: Path | None) -> list[Path]:
+    """The checkpoints in one of kchain's state datasets, searched whole (it is small and ours);
+    archives are unpacked into scratch, or left out when scratch is None (a look that writes nothing)."""
     found: list[Path] = []
     for d, files in _walk(top):
         if d != top and not _ours(d, files):
             continue
         if layout.MANIFEST in files:
             found.append(d)  # verification names whatever is wrong with it
-        found += [p for f in files if f.endswith(layout.ARCHIVE_SUFFIXES) for p in _unpack(d / f, scratch)]
+        if scratch is not None:
+            found += [p for f in files if f.endswith(layout.ARCHIVE_SUFFIXES) for p in _unpack(d / f, scratch)]
     return found
 
 
-def _in_mount(mount: Path, state_slug: str | None, scratch: Path) -> list[Path]:
+def _in_mount(mount: Path, state_slug: str | None, scratch: Path | None) -> list[Path]:
     """The checkpoints in one attached input, if it is kchain's; any other costs two stat calls.
 
     Ours: a state dataset version (its marker file, or the slug the job's config names), or a
@@ -667,7 +711,7 @@ def _in_mount(mount: Path, state_slug: str | None, scratch: Path) -> list[Path]:
     return []
 
 
-def candidates(checkpoints: Path, input_root: Path, scratch: Path, state_slug: str | None = None) -> list[Path]:
+def candidates(checkpoints: Path, input_root: Path, scratch: Path | None, state_slug: str | None = None) -> list[Path]:
     """Every directory that might be a checkpoint: ours in the working dir, then attached state.
 
     The working dir first, then each attached input at its mount point (mounts), opened only if
@@ -691,7 +735,7 @@ def _step_of(path: Path) -> int:
         return -1
 
 
-def _newest_first(checkpoints: Path, input_root: Path, scratch: Path, state_slug: str | None) -> list[Path]:
+def _newest_first(checkpoints: Path, input_root: Path, scratch: Path | None, state_slug: str | None) -> list[Path]:
     found = candidates(checkpoints, input_root, scratch, state_slug)
     # At equal steps prefer the working dir (it is the one we are writing to).
     return sorted(found, key=lambda p: (_step_of(p), p.parent == checkpoints), reverse=True)

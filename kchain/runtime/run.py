@@ -49,6 +49,7 @@ from .checkpoint import (
     dir_bytes,
     find_and_load,
     gb,
+    hash_early,
     load_state,
     make_room,
     restore_rng,
@@ -240,6 +241,7 @@ class Run:
         self.writer.die = self.ranks.kill_all  # kchain ddp: a kill fault ends every rank at once
         if self.is_main:  # kchain ddp: rank 0 alone owns the files
             clean_tmp(self.checkpoints)
+        hash_early(self.checkpoints, self.input_root, self._state_slug())  # overlaps the user's set-up
         self._resume: tuple[Path, dict] | None = None  # found when the loop starts (run.restore)
         self._found: tuple[list[tuple[Path, dict]], list[str]] | None = None  # find_checkpoints, once
         self._plan: dict | None = None  # the checkpoint's size and write mode, set at the first save
@@ -928,12 +930,16 @@ class Run:
         state waits in self._loaded for _restore.
         """
         if self._found is None:
-            ref = (self.config.get("kaggle") or {}).get("state_dataset") or ""
             hit, damaged = find_and_load(self.checkpoints, self.input_root, self.dir / ".scratch", self.job,
-                                         state_slug=ref.rsplit("/", 1)[-1] or None)
+                                         state_slug=self._state_slug())
             self._loaded = hit[2] if hit else None
             self._found = ([(hit[0], hit[1])] if hit else [], damaged)
         return self._found
+
+    def _state_slug(self) -> str | None:
+        """The slug of the job's state dataset, as the rendered config names it (None in a local run)."""
+        ref = (self.config.get("kaggle") or {}).get("state_dataset") or ""
+        return ref.rsplit("/", 1)[-1] or None
 
     def _restore(self) -> None:
         if self._restored:

@@ -117,13 +117,19 @@ def main(run):
 '''
 
 
-def test_the_quick_exit_still_finalizes_the_codes_garbage_cycles(tmp_path):
-    """The teardown skips the interpreter's repeated collections, not the one that runs __del__."""
+def run_source(tmp_path: Path, module: str, source: str) -> str:
+    """Run `source` as the job's module to its end (not gated); its output, after it exited 0."""
     (tmp_path / "code").mkdir()
-    (tmp_path / "code" / "cyclic.py").write_text(CYCLIC_JOB)
-    with start(tmp_path / "root", code_dir=tmp_path / "code", entry="cyclic:main") as child:
+    (tmp_path / "code" / f"{module}.py").write_text(source)
+    with start(tmp_path / "root", code_dir=tmp_path / "code", entry=f"{module}:main") as child:
         out, _ = child.communicate(timeout=CHILD_TIMEOUT_S)
     assert child.returncode == 0, out
+    return out
+
+
+def test_the_quick_exit_still_finalizes_the_codes_garbage_cycles(tmp_path):
+    """The teardown skips the interpreter's repeated collections, not the one that runs __del__."""
+    run_source(tmp_path, "cyclic", CYCLIC_JOB)
     assert (tmp_path / "root" / layout.WORKING_DIR / "report.txt").read_text() == "finalized at exit\n"
 
 
@@ -153,11 +159,7 @@ def main(run):
 
 def test_a_dropped_one_batch_loader_is_not_named_as_a_plain_loader(tmp_path):
     """The loop's start collects garbage before it names hand-built DataLoaders."""
-    (tmp_path / "code").mkdir()
-    (tmp_path / "code" / "peek.py").write_text(ONE_BATCH_LOADER_JOB)
-    with start(tmp_path / "root", code_dir=tmp_path / "code", entry="peek:main") as child:
-        out, _ = child.communicate(timeout=CHILD_TIMEOUT_S)
-    assert child.returncode == 0, out
+    out = run_source(tmp_path, "peek", ONE_BATCH_LOADER_JOB)
     summary = json.loads((tmp_path / "root" / layout.WORKING_DIR / layout.KCHAIN_DIR / layout.SUMMARY).read_text())
     assert summary["status"] == "finished" and not summary.get("not_exact"), summary
     assert "not exact" not in out

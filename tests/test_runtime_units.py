@@ -147,6 +147,21 @@ def test_stage_looks_only_in_its_own_cache_dataset_never_in_other_attached_data(
     run.close()
 
 
+@pytest.mark.parametrize("named, mounted, found", [
+    ("me/unit-cache", "datasets/me/unit-cache", True),
+    ("me/unit-cache", "unit-cache", True),  # the legacy layout: <input>/<slug>
+    ("me/unit-cache", "datasets/stranger/unit-cache", False),  # the same slug, someone else's
+    ("unit-cache", "datasets/anyone/unit-cache", True),  # no owner named: any owner's
+    ("unit-cache", "competitions/unit-cache", False),  # not a dataset
+])
+def test_the_cache_dataset_is_found_where_kaggle_mounts_it_and_nowhere_else(tmp_path, named, mounted, found):
+    inputs = tmp_path / "input"
+    (inputs / mounted).mkdir(parents=True)
+    (inputs / "datasets/someone/big-corpus/deep").mkdir(parents=True)  # other data, never listed into
+    expected = [inputs / mounted] if found else []
+    assert data.cache_mounts(inputs, named) == expected
+
+
 def test_check_catches_float_labels(tmp_path):
     run = make_run(tmp_path)
     x, y = torch.randn(8, 20), torch.rand(8)

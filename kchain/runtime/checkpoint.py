@@ -620,31 +620,6 @@ def _early_digest(path: Path) -> Future | None:
 # --- finding ----------------------------------------------------------------------------------
 
 
-def _subdirs(path: Path) -> list[Path]:
-    """The folders in path (through links: mounts may be links), from one listing; [] if none."""
-    try:
-        with os.scandir(path) as entries:
-            return sorted(Path(e.path) for e in entries if not e.name.startswith(layout.TMP_PREFIX) and e.is_dir())
-    except OSError:
-        return []
-
-
-def mounts(input_root: Path) -> list[Path]:
-    """The folder of every attached dataset and notebook output, in either mount layout.
-
-    /kaggle/input/<slug> or /kaggle/input/<kind>/<owner>/<slug>: only the input root and its kind and
-    owner folders are listed, never anything inside an attached input.
-    """
-    found: list[Path] = []
-    for top in _subdirs(input_root):
-        if top.name in layout.STATE_KINDS:
-            for owner in _subdirs(top):
-                found += _subdirs(owner)
-        elif top.name not in layout.INPUT_KINDS:
-            found.append(top)  # the legacy layout
-    return found
-
-
 def _walk(top: Path, depth: int = SEARCH_DEPTH):
     """(dirpath, filenames) under top, at most `depth` levels down, following dataset symlinks."""
     top_depth = len(top.parts)
@@ -718,7 +693,7 @@ def candidates(checkpoints: Path, input_root: Path, scratch: Path | None, state_
     it is kchain's (_in_mount): the search costs the same whatever else is attached.
     """
     found: list[Path] = list(complete(checkpoints))
-    for mount in mounts(input_root):
+    for mount in layout.mounts(input_root, layout.STATE_KINDS):
         found += _in_mount(mount, state_slug, scratch)
     return found
 

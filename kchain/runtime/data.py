@@ -418,18 +418,11 @@ def _save(obj, final: Path) -> None:
 
 
 def cache_mounts(input_root: Path, dataset: str) -> list[Path]:
-    """Where the job's own cache dataset (`[owner/]<job>-cache`) is mounted, without walking the inputs.
-
-    Kaggle mounts it at <input>/<slug> or <input>/datasets/<owner>/<slug>. With no owner known (a
-    local run) only the names under <input>/datasets are listed (the owners), never their contents.
-    """
+    """Where the job's own cache dataset (`[owner/]<job>-cache`) is mounted (layout.mounts: only
+    the input root and its dataset and owner folders are listed, never what an input holds)."""
     owner, _, slug = dataset.rpartition("/")
-    places = [input_root / slug]
-    if owner:
-        places.append(input_root / "datasets" / owner / slug)
-    elif (input_root / "datasets").is_dir():
-        places += sorted(p / slug for p in (input_root / "datasets").iterdir())
-    return [p for p in places if p.is_dir()]
+    return [m for m in layout.mounts(input_root, ("datasets",))
+            if m.name == slug and (not owner or m.parent == input_root or m.parent.name == owner)]
 
 
 def _find_entry(names: list[str], cache_dir: Path, input_root: Path, dataset: str | None) -> Path | None:

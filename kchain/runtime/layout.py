@@ -6,6 +6,7 @@ renamed in one place.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 # Environment the notebook (or the local executor) sets for the training child; see docs/design.md.
@@ -69,3 +70,30 @@ def working_root(env) -> Path:
 
 def kchain_dir(env) -> Path:
     return working_root(env) / KCHAIN_DIR
+
+
+def _subdirs(path: Path) -> list[Path]:
+    """The folders in path (through links: mounts may be links), from one listing; [] if none."""
+    try:
+        with os.scandir(path) as entries:
+            return sorted(Path(e.path) for e in entries if not e.name.startswith(TMP_PREFIX) and e.is_dir())
+    except OSError:
+        return []
+
+
+def mounts(input_root: Path, kinds: tuple[str, ...]) -> list[Path]:
+    """The folder of every attached input of these kinds (each <kind>/<owner>/<slug>), and of every
+    input in the legacy layout (<input>/<slug>).
+
+    Only the input root and the kind and owner folders are listed, never anything inside an attached
+    input: the cost is the number of inputs attached, not their files. The checkpoint search and the
+    staging cache both find their datasets here, so the two layouts are spelled once.
+    """
+    found: list[Path] = []
+    for top in _subdirs(input_root):
+        if top.name in kinds:
+            for owner in _subdirs(top):
+                found += _subdirs(owner)
+        elif top.name not in INPUT_KINDS:
+            found.append(top)  # the legacy layout
+    return found

@@ -8,7 +8,8 @@ rotates every round, because a shared machine drifts more than the effects measu
   rename, dir fsyncs) against `torch.save` into a file + `fsync`; deleting the file afterwards is
   untimed for both, and what pruning one old checkpoint costs is printed apart;
 - blocked: how long run.save holds the training thread (the write itself runs in the background),
-  against the same torch.save + fsync;
+  against the same torch.save + fsync, and against its floor: a bare copy_ of the same tensors into
+  host buffers kept from the last round (what any synchronous snapshot must do);
 - restore: run.restore() (find + verify + load + apply) against `torch.load` alone and against
   `torch.load` + load_state_dict (the same apply);
 - search: the checkpoint search (checkpoint.candidates) with --attached files under a foreign dataset
@@ -91,6 +92,9 @@ class Bench:
                             / layout.checkpoint_name(1) / layout.STATE_FILE)
         self.size = self.anchor_file.stat().st_size
         self.search_roots = self._inputs(attached)
+        live = [*self.model.state_dict().values(),
+                *(t for s in self.opt.state_dict()["state"].values() for t in s.values() if torch.is_tensor(t))]
+        self.floor_pairs = [(t.clone(), t) for t in live]
 
     def _inputs(self, attached: int) -> dict[str, Path]:
         """Two input roots holding the state dataset; one also holds `attached` files of someone's data."""
@@ -134,6 +138,12 @@ class Bench:
         stall = self.saver.stalls[-1]
         self.saver.writer.wait()
         return stall
+
+    def copy_floor(self) -> float:
+        t0 = time.perf_counter()
+        for buf, t in self.floor_pairs:
+            buf.copy_(t)
+        return time.perf_counter() - t0
 
     def restore(self) -> float:
         run = make_run(self.restore_root)
@@ -179,6 +189,7 @@ def main() -> None:
             "torch.save + fsync": b.anchor_write,
             "kchain durable write": b.kchain_write,
             "run.save blocked": b.blocked,
+            "bare copy of the state": b.copy_floor,
             "torch.load": b.torch_load,
             "torch.load + apply": b.torch_load_apply,
             "run.restore": b.restore,
@@ -198,7 +209,10 @@ def main() -> None:
           f"{ms['kchain durable write'] / save:.2f}x torch.save + fsync (target <= 1.10x)")
     print(f"  (pruning one old checkpoint, best {min(b.prunes) * 1e3:.1f} ms, is not in the write above)")
     print(f"  run.save blocked           {ms['run.save blocked']:7.1f} ms  "
-          f"{ms['run.save blocked'] / save:.2f}x torch.save + fsync (target <= 0.25x)")
+          f"{ms['run.save blocked'] / save:.2f}x torch.save + fsync (target <= 0.25x), "
+          f"{ms['run.save blocked'] / ms['bare copy of the state']:.2f}x its floor:")
+    print(f"  bare copy of the state     {ms['bare copy of the state']:7.1f} ms  "
+          f"{ms['bare copy of the state'] / save:.2f}x torch.save + fsync (copy_ into buffers kept from the last round)")
     print(f"  torch.load                 {load:7.1f} ms")
     print(f"  torch.load + apply         {ms['torch.load + apply']:7.1f} ms")
     print(f"  run.restore (find + verify + load + apply) {ms['run.restore']:7.1f} ms  "

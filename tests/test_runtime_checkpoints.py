@@ -372,3 +372,33 @@ def test_a_foreign_input_is_never_listed_and_its_checkpoints_never_used(tmp_path
     assert not [p for p in listed if Path(p).is_relative_to(foreign)], listed
     assert not [p for p in listed if Path(p).is_relative_to(s2 / "input/competitions")], listed
     assert state.as_posix() in listed  # ours is searched
+
+
+def test_a_snapshot_is_a_private_copy_into_host_buffers_kept_for_the_next_save():
+    model = nn.Linear(4, 3)
+    model.weight.data[:] = 1.0
+    head = nn.Linear(4, 3, bias=False)
+    head.weight = model.weight  # tied
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.ones(2, 4)).sum().backward()
+    opt.step()
+    live = {"step": 1, "tracked": {"model": model.state_dict(), "head": head.state_dict(), "optimizer": opt.state_dict()}}
+    snaps = checkpoint.Snapshotter()
+
+    first = snaps.take(live)
+    w = first["tracked"]["model"]["weight"]
+    assert w.data_ptr() != model.weight.data_ptr() and torch.equal(w, model.weight)
+    assert first["tracked"]["head"]["weight"] is w  # tied weights: one copy, one storage in the file
+    frozen = w.clone()
+    opt.step()  # the optimizer updates its tensors in place while the writer would still run
+    assert torch.equal(w, frozen) and not torch.equal(w, model.weight)
+
+    second = snaps.take(live)  # the next save: the same host memory, refilled
+    assert second["tracked"]["model"]["weight"].data_ptr() == w.data_ptr()
+    assert torch.equal(second["tracked"]["model"]["weight"], model.weight)
+    moments = second["tracked"]["optimizer"]["state"][0]["exp_avg"]
+    assert torch.equal(moments, opt.state[model.weight]["exp_avg"])
+    assert moments.data_ptr() != opt.state[model.weight]["exp_avg"].data_ptr()
+
+    snaps.release()  # a large state: the host copy goes with its write
+    assert snaps.take(live)["tracked"]["model"]["weight"].data_ptr() != w.data_ptr()

@@ -118,11 +118,11 @@ class Snapshotter:
             if t.numel() and view in self._seen:
                 return self._seen[view]  # tied weights: one copy, one storage in the file
             buf = self._buffers.get(path)
-            if buf is None or buf.shape != t.shape or buf.dtype != t.dtype or t.device.type != "cpu":
+            if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
                 # clone even on CPU: the optimizer updates its tensors in place while the writer runs.
                 buf = self._buffers[path] = t.to("cpu", copy=True)
             else:
-                buf.copy_(t)
+                buf.copy_(t)  # from any device: a CUDA tensor comes back to the same host buffer
             self._seen[view] = buf
             return buf
         if type(obj) in _ATOMS:

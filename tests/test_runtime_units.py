@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import random
 import shutil
 import zipfile
@@ -92,7 +94,7 @@ def test_every_staged_kind_comes_back_memory_mapped_and_equal_and_a_miss_builds_
     builds = []
     g = torch.Generator().manual_seed(0)
     mixed = {"w": torch.randn(64, 1024, generator=g), "ids": np.arange(70_000, dtype=np.int64),
-             "pair": (torch.ones(3), np.zeros(4, np.float32)), "vocab": ["a", "b"], "n": 7}
+             "pair": (torch.ones(3), np.zeros(20_000, np.float32)), "vocab": ["a", "b"], "n": 7}
     single = np.linspace(0, 1, 50_000, dtype=np.float32)
     mixed["read_only"] = single[:10].copy()
     mixed["read_only"].flags.writeable = False  # e.g. a memmap another run.stage handed back
@@ -110,11 +112,57 @@ def test_every_staged_kind_comes_back_memory_mapped_and_equal_and_a_miss_builds_
         assert _mapped_file(got["pair"][1].ctypes.data) == entry, attempt
         assert torch.equal(got["w"], mixed["w"]) and np.array_equal(got["ids"], mixed["ids"])
         assert isinstance(got["pair"], tuple) and torch.equal(got["pair"][0], torch.ones(3))
-        assert np.array_equal(got["pair"][1], np.zeros(4, np.float32)) and got["pair"][1].dtype == np.float32
+        assert np.array_equal(got["pair"][1], np.zeros(20_000, np.float32)) and got["pair"][1].dtype == np.float32
         assert got["vocab"] == ["a", "b"] and got["n"] == 7 and np.array_equal(got["read_only"], single[:10])
         arr = run.stage("obj", {"kind": "single"}, build)
         assert isinstance(arr, np.memmap) and np.array_equal(arr, single), attempt
     assert builds == ["mixed", "single"]  # each built exactly once: the miss hands back the saved entry
+    run.close()
+
+
+@dataclasses.dataclass
+class Corpus:  # a user's own object holding arrays (module level, so pickle finds it)
+    ids: np.ndarray
+    offsets: list
+
+
+def test_a_staged_object_comes_back_exactly_and_its_large_arrays_mapped_wherever_they_sit(tmp_path):
+    big = np.arange(40_000, dtype=np.int32)
+    fortran = np.asfortranarray(np.arange(60_000, dtype=np.float32).reshape(200, 300))
+    read_only = np.arange(20_000, dtype=np.float64)
+    read_only.flags.writeable = False
+    masked = np.ma.masked_array(np.arange(30_000.0), mask=np.arange(30_000) % 3 == 0)
+    objects = {
+        "custom": Corpus(ids=big, offsets=[0, 10]),
+        "fortran": {"m": fortran},
+        "read_only": [read_only],
+        "big_endian": (big.astype(">i4"),),  # no tensor dtype: pickled as numpy pickles it
+        "small": {"a": np.ones(3)},
+        "masked": masked,
+        "int_keys": {1: big, 0: big[:5]},  # a folder of <key>.npy would give back "0", "1"
+        "unsorted": {"b": big, "a": big[:5]},  # nor this order
+        "ordered": collections.OrderedDict(x=big),
+        "empty": np.zeros((3, 0)),
+    }
+    run = make_run(tmp_path)
+    for attempt in ("miss", "hit"):
+        for name, obj in objects.items():
+            got = run.stage(name, {}, lambda p, obj=obj: obj)
+            assert type(got) is type(obj) or type(obj) is np.ndarray and type(got) is np.memmap, (name, attempt)
+            if isinstance(obj, dict):
+                assert list(got) == list(obj), (name, attempt)
+        got = {name: run.stage(name, {}, lambda p: 1 / 0) for name in objects}  # hits: nothing rebuilt
+        entry = str(run.cache_dir / f"custom-{data.fingerprint('custom', {})}.pt")
+        assert _mapped_file(got["custom"].ids.ctypes.data) == entry and got["custom"].offsets == [0, 10]
+        assert np.array_equal(got["custom"].ids, big)
+        assert got["fortran"]["m"].flags.f_contiguous and np.array_equal(got["fortran"]["m"], fortran)
+        assert _mapped_file(got["fortran"]["m"].ctypes.data) is not None
+        assert np.array_equal(got["read_only"][0], read_only) and _mapped_file(got["read_only"][0].ctypes.data)
+        assert np.array_equal(got["big_endian"][0], big)  # (numpy's own pickle gives back the native order)
+        assert np.array_equal(got["small"]["a"], np.ones(3))
+        assert np.array_equal(got["masked"].mask, masked.mask) and np.ma.allequal(got["masked"], masked)
+        assert np.array_equal(got["int_keys"][1], big) and np.array_equal(got["unsorted"]["a"], big[:5])
+        assert got["empty"].shape == (3, 0)
     run.close()
 
 

@@ -14,12 +14,15 @@ import dis
 import hashlib
 import json
 import os
+import pickle
 import random
+import re
 import shutil
 import sys
 import time
+import types
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -35,6 +38,8 @@ INPUT_PATTERNS = ("{slug}", "*/{slug}", "*/*/{slug}")
 ARRAYS_EXT = "npy"  # one array, or a folder of <key>.npy files (a dict of arrays): loaded memory-mapped
 PICKLE_EXT = "pt"  # anything else torch.save can pickle: loaded with torch.load(mmap=True)
 PICKLE_PROTOCOL = 4  # see _save
+_SAFE_KEY = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,199}")  # a dict key that is also a file name
+MAPPED_MIN_BYTES = 64 * 1024  # a staged numpy array this large comes back memory-mapped (_MappingPickler)
 CACHE_SUFFIX = "-cache"  # the job's cache dataset is <owner>/<job>-cache (kchain/names.py)
 
 
@@ -330,66 +335,62 @@ def fingerprint(name: str, params) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
 
-def _is_arrays(obj) -> bool:
-    return isinstance(obj, Mapping) and obj and all(isinstance(v, np.ndarray) for v in obj.values())
-
-
 def _is_array(obj) -> bool:
-    return isinstance(obj, np.ndarray) and not obj.dtype.hasobject
+    """One plain numpy array that a .npy file holds exactly (a masked array would lose its mask)."""
+    return type(obj) in (np.ndarray, np.memmap) and not obj.dtype.hasobject
 
 
-class _Array:
-    """A numpy array inside a pickled entry, carried as a tensor so torch.load(mmap=True) maps it too."""
-
-    def __init__(self, tensor: torch.Tensor):
-        self.tensor = tensor
-
-
-class _Carried:
-    """A pickled entry that holds _Array's (only these are walked again when loaded)."""
-
-    def __init__(self, obj):
-        self.obj = obj
+def _is_arrays(obj) -> bool:
+    """A dict of arrays that a folder of <key>.npy gives back exactly: a plain dict whose keys are file
+    names, in the sorted order the folder is read back in. Any other mapping goes to the pickle."""
+    keys = list(obj) if type(obj) is dict else []
+    return (bool(keys) and keys == sorted(keys, key=str) and all(type(k) is str and _SAFE_KEY.fullmatch(k) for k in keys)
+            and all(_is_array(v) for v in obj.values()))
 
 
-def _carry(obj, found: list):
-    """obj with every numpy array in its dicts, lists and tuples wrapped as an _Array (counted in found)."""
-    if type(obj) is dict:
-        return {k: _carry(v, found) for k, v in obj.items()}
-    if type(obj) in (list, tuple):
-        return type(obj)(_carry(v, found) for v in obj)
-    if _is_array(obj):
+def _mapped_array(tensor: torch.Tensor, fortran: bool) -> np.ndarray:
+    """How _MappingPickler's arrays are rebuilt: a view of the tensor's storage, which torch.load(mmap=True)
+    maps from the entry's file, so the array is read only where it is touched."""
+    arr = tensor.numpy()
+    return arr.T if fortran else arr
+
+
+class _MappingPickler(pickle.Pickler):
+    """The pickler torch.save uses for a staged entry: every numpy array of MAPPED_MIN_BYTES or more,
+    wherever it sits (a dict, a list, a dataclass, a DataFrame's blocks), is written as a tensor, so
+    its bytes become a storage of their own in the file and come back memory-mapped (_mapped_array).
+
+    Smaller arrays, object and string arrays, subclasses that carry more than their data (masked
+    arrays, matrices) and dtypes torch has no tensor for are pickled as numpy pickles them.
+    """
+
+    def reducer_override(self, obj):
+        if (type(obj) not in (np.ndarray, np.memmap) or obj.nbytes < MAPPED_MIN_BYTES or obj.dtype.hasobject
+                or not obj.dtype.isnative):  # torch would hand back the native byte order
+            return NotImplemented
+        fortran = obj.ndim > 1 and obj.flags.f_contiguous and not obj.flags.c_contiguous
         try:
-            with warnings.catch_warnings():  # a read-only array (a staged memmap): only read, by torch.save
+            with warnings.catch_warnings():  # a read-only array (a staged memmap): torch.save only reads it
                 warnings.simplefilter("ignore", UserWarning)
-                tensor = torch.from_numpy(np.ascontiguousarray(obj))
-        except TypeError:  # a dtype torch has no tensor for (strings, structured): pickled as it is
-            return obj
-        found.append(obj.nbytes)
-        return _Array(tensor)
-    return obj
+                tensor = torch.from_numpy(np.ascontiguousarray(obj.T if fortran else obj))
+        except (TypeError, ValueError):  # no tensor dtype for it (strings, structured)
+            return NotImplemented
+        return _mapped_array, (tensor, fortran)
 
 
-def _uncarry(obj):
-    if type(obj) is dict:
-        return {k: _uncarry(v) for k, v in obj.items()}
-    if type(obj) in (list, tuple):
-        return type(obj)(_uncarry(v) for v in obj)
-    if isinstance(obj, _Array):
-        return obj.tensor.numpy()  # a view of the mapped storage: still not read
-    return obj
+_MAPPING_PICKLE = types.ModuleType("kchain_mapping_pickle")  # what torch.save takes as its pickle_module
+_MAPPING_PICKLE.Pickler = _MappingPickler
 
 
 def _load(path: Path):
     """An entry memory-mapped: a hit costs opening the files, not reading them."""
     if path.is_dir():  # a dict of arrays
-        return {p.stem: np.load(p, mmap_mode="r") for p in sorted(path.glob("*.npy"))}
+        return {p.stem: np.load(p, mmap_mode="r") for p in sorted(path.glob("*.npy"), key=lambda p: p.stem)}
     if path.suffix == f".{ARRAYS_EXT}":  # one array
         return np.load(path, mmap_mode="r")
     # weights_only=False: an entry may be any picklable object, and it is this job's own cache
     # (kchain's working dir, or the job's own <job>-cache dataset), never a foreign file.
-    obj = torch.load(path, map_location="cpu", mmap=True, weights_only=False)
-    return _uncarry(obj.obj) if isinstance(obj, _Carried) else obj
+    return torch.load(path, map_location="cpu", mmap=True, weights_only=False)
 
 
 def _save(obj, final: Path) -> None:
@@ -407,10 +408,8 @@ def _save(obj, final: Path) -> None:
         with open(tmp, "wb") as f:
             np.save(f, obj)
     else:
-        found: list[int] = []
-        carried = _carry(obj, found)
         # Protocol 4 (frames, short strings) unpickles a list of strings about twice as fast as torch's 2.
-        torch.save(_Carried(carried) if found else obj, tmp, pickle_protocol=PICKLE_PROTOCOL)
+        torch.save(obj, tmp, pickle_module=_MAPPING_PICKLE, pickle_protocol=PICKLE_PROTOCOL)
     if not tmp.is_dir():
         fsync_path(tmp)
     os.replace(tmp, final)  # atomic: a killed build never leaves a half entry that looks complete

@@ -32,17 +32,24 @@ CHILD_TIMEOUT_S = 120  # a hung child fails the test instead of hanging CI
 
 def launch(root: Path, params: dict | None = None, every: int = EVERY, **env: str) -> subprocess.CompletedProcess:
     """Run the tiny job once as a child process under KCHAIN_ROOT=root."""
+    return subprocess.run(
+        [sys.executable, "-m", "kchain.runtime.launch", str(prepared(root, params, every))],
+        env=child_env(root, **env), cwd=root, capture_output=True, text=True, timeout=CHILD_TIMEOUT_S,
+    )
+
+
+def prepared(root: Path, params: dict | None = None, every: int = EVERY) -> Path:
+    """root made, with the tiny job's cfg.json in it; returns that file."""
     root.mkdir(parents=True, exist_ok=True)
     cfg = root / "cfg.json"
     cfg.write_text(json.dumps(config(params, every)))
-    child_env = {k: v for k, v in os.environ.items() if not k.startswith("KCHAIN_")}
-    child_env.update(
-        KCHAIN_ROOT=str(root), PYTHONPATH=os.pathsep.join([str(REPO), str(JOBS)]), PYTHONUNBUFFERED="1", **env
-    )
-    return subprocess.run(
-        [sys.executable, "-m", "kchain.runtime.launch", str(cfg)],
-        env=child_env, cwd=root, capture_output=True, text=True, timeout=CHILD_TIMEOUT_S,
-    )
+    return cfg
+
+
+def child_env(root: Path, **env: str) -> dict[str, str]:
+    out = {k: v for k, v in os.environ.items() if not k.startswith("KCHAIN_")}
+    out.update(KCHAIN_ROOT=str(root), PYTHONPATH=os.pathsep.join([str(REPO), str(JOBS)]), PYTHONUNBUFFERED="1", **env)
+    return out
 
 
 def config(params: dict | None = None, every: int = EVERY) -> dict:
@@ -108,6 +115,34 @@ def test_two_sigkills_resume_bit_exact(tmp_path, reference):
     assert "[kchain] resumed from step" in done.stdout
     assert summary(tmp_path)["status"] == "finished"
     assert max_diff(trace(tmp_path), reference) == 0.0
+
+
+# Run as a child: it becomes the reaper of orphans, so it sees how each of the launch's processes died.
+REAPER = """
+import ctypes, json, os, subprocess, sys
+ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
+launch = subprocess.Popen(sys.argv[1:], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+deaths = {}
+while True:
+    try:
+        pid, status = os.waitpid(-1, 0)
+    except ChildProcessError:
+        break
+    deaths[pid] = os.waitstatus_to_exitcode(status)
+print(json.dumps({"launch": deaths.pop(launch.pid), "others": list(deaths.values())}))
+"""
+
+
+def test_a_kill_fault_takes_the_loader_workers_with_it_as_the_end_of_a_session_does(tmp_path):
+    # Left alive, the workers would notice their parent gone only at their next check (up to 5 s),
+    # then exit on their own, holding the notebook's output pipe open until then.
+    cfg = prepared(tmp_path, {"workers": 2})
+    out = subprocess.run([sys.executable, "-c", REAPER, sys.executable, "-m", "kchain.runtime.launch", str(cfg)],
+                         env=child_env(tmp_path, KCHAIN_FAULT="kill_at_step=4"), cwd=tmp_path,
+                         capture_output=True, text=True, timeout=CHILD_TIMEOUT_S, check=True)
+    deaths = json.loads(out.stdout)
+    assert deaths["launch"] == KILLED
+    assert len(deaths["others"]) == 2 and set(deaths["others"]) == {KILLED}, deaths  # both workers, by SIGKILL
 
 
 def test_untracked_optimizer_diverges_after_resume(tmp_path, reference):

@@ -17,7 +17,6 @@ import os
 import queue
 import random
 import shutil
-import signal
 import tarfile
 import tempfile
 import threading
@@ -30,7 +29,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from . import layout
+from . import death, layout
 
 HASH_CHUNK = 1 << 20  # 1 MiB reads: checkpoints can be gigabytes
 # Blocks torch.save writes from this size up are hashed in a second thread while they go to the
@@ -275,7 +274,7 @@ class HashingFile:
 def _die_if(point: str, fault_point: str | None) -> None:
     """KCHAIN_FAULT=kill_in_save=<point>: a real process death inside the writer, for tests."""
     if fault_point == point:
-        os.kill(os.getpid(), signal.SIGKILL)
+        death.die()
 
 
 def write_checkpoint(
@@ -468,7 +467,7 @@ class Writer:
                 self.last_path = write_checkpoint(fault_point=self.fault_point, **kwargs)
                 self.last_write_s = time.perf_counter() - t0
                 if self.kill_after_first:
-                    (self.die or (lambda: os.kill(os.getpid(), signal.SIGKILL)))()
+                    (self.die or death.die)()
             except BaseException as e:  # re-raised in the training thread by wait()
                 if isinstance(e, CheckpointWriteFailed):
                     warn(str(e))  # at once, not at the next save
@@ -488,7 +487,7 @@ class Writer:
             raise
         self.last_write_s = time.perf_counter() - t0
         if self.kill_after_first:
-            (self.die or (lambda: os.kill(os.getpid(), signal.SIGKILL)))()
+            (self.die or death.die)()
 
     def wait(self) -> None:
         self._idle.wait()

@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from . import layout
+from . import death, layout
 
 # Stop reasons in the agreed flag, ordered: the largest one any rank raises wins.
 STOP_CODES = {None: 0, "stopped": 1, "deadline": 2, "interrupted": 3}
@@ -176,14 +176,8 @@ class Ranks:
             dist.barrier()
 
     def kill_all(self) -> None:
-        """The whole session dies at once (a fault for tests): torchrun, then every rank, then this one."""
-        if self.active:
-            for pid in [os.getppid(), *(p for p in self.pids if p != os.getpid())]:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-        os.kill(os.getpid(), signal.SIGKILL)
+        """The whole session dies at once (a fault for tests): torchrun, every rank with its workers, this one."""
+        death.die([os.getppid(), *(p for p in self.pids if p != os.getpid())] if self.active else [])
 
     def close(self) -> None:
         if self.active and dist.is_initialized():

@@ -27,7 +27,7 @@ PROCESS_START = time.time()
 for _knob in ("MKL_DYNAMIC", "OMP_DYNAMIC"):
     os.environ.setdefault(_knob, "FALSE")
 
-from . import layout  # noqa: E402  (after the clock on purpose)
+from . import death, layout  # noqa: E402  (after the clock on purpose)
 
 SUMMARY_RESERVE = 64 * 1024  # bytes held for summary.json from the start, for a disk that fills up
 GATE_POLL_S = 0.01  # how often a gated start looks for its release (a stat call; no measurable CPU)
@@ -129,6 +129,8 @@ def main(argv: list[str]) -> int:
         print("usage: python -m kchain.runtime.launch CONFIG_JSON", file=sys.stderr)
         return 2
     config = json.loads(Path(argv[1]).read_text())
+    if death.wanted(os.environ.get(layout.FAULT_ENV, "")):
+        death.lead()  # a kill fault takes this process's workers with it, as a session's end does
     from . import distributed  # torch is imported here, after the clock started
 
     if not distributed.in_ranks(os.environ):  # kchain ddp: how many ranks, and is the GPU there?
@@ -265,7 +267,7 @@ def _run_ranks(n: int, why: str, config_path: str, config: dict) -> int:
     env = {**os.environ, layout.SESSION_START_ENV: os.environ.get(layout.SESSION_START_ENV) or repr(PROCESS_START)}
     code = distributed.launch_ranks(n, config_path, env)
     if code == -signal.SIGKILL:
-        os.kill(os.getpid(), signal.SIGKILL)  # the session died (a kill fault): die the same way
+        death.die()  # the session died (a kill fault): die the same way
     path = kdir / layout.SUMMARY
     try:
         summary = json.loads(path.read_text())

@@ -160,6 +160,7 @@ def execute_notebook(
         resources={"metadata": {"path": str(working)}},
         allow_errors=False,
         record_timing=False,
+        shutdown_kernel="immediate",
         config=Config(_kernel_channels(sockets)),
     )
     client.t0, client.messages, client.on_output = time.time(), [], on_output

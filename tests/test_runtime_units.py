@@ -263,8 +263,18 @@ def test_input_finds_both_mount_layouts_and_names_what_is_attached(tmp_path):
     with pytest.raises(FileNotFoundError) as e:
         run.input("cifar10")
     msg = str(e.value)
-    assert "'cifar10' is not attached" in msg and str(tmp_path / "input/*/*/cifar10") in msg
+    assert "'cifar10' is not attached" in msg and str(tmp_path / "input/datasets/*/cifar10") in msg
     assert "attached: titanic, alice/shakespeare, mnist" in msg
+    # A folder of the same name inside someone's data is not a mount: never listed, never returned.
+    (tmp_path / "input/datasets/bob/images/cifar10").mkdir(parents=True)
+    (tmp_path / "input/photos/cifar10").mkdir(parents=True)
+    with pytest.raises(FileNotFoundError):
+        run.input("cifar10")
+    (tmp_path / "input/datasets/carol/shakespeare").mkdir(parents=True)
+    assert run.input("carol/shakespeare") == tmp_path / "input/datasets/carol/shakespeare"
+    assert run.input("nobody/shakespeare") == tmp_path / "input/datasets/alice/shakespeare"  # any owner's
+    (tmp_path / "input/models/dave/bert").mkdir(parents=True)
+    assert run.input("bert") == tmp_path / "input/models/dave/bert"
     run.close()
 
 

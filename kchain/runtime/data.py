@@ -34,7 +34,7 @@ from .checkpoint import fsync_path
 
 # Attached data on Kaggle: /kaggle/input/<slug>, or one or two folders deeper
 # (datasets/<owner>/<slug>, competitions/<slug>, notebooks/<owner>/<slug>, models/...).
-INPUT_PATTERNS = ("{slug}", "*/{slug}", "*/*/{slug}")
+OWNED_KINDS = ("datasets", "notebooks", "models")  # mounted as <input>/<kind>/<owner>/<slug>
 ARRAYS_EXT = "npy"  # one array, or a folder of <key>.npy files (a dict of arrays): loaded memory-mapped
 PICKLE_EXT = "pt"  # anything else torch.save can pickle: loaded with torch.load(mmap=True)
 PICKLE_PROTOCOL = 4  # see _save
@@ -492,18 +492,24 @@ def attached(input_root: Path) -> list[str]:
 
 
 def find_input(slug: str, input_root: Path) -> Path:
-    """The mounted folder of an attached dataset; `slug` may be 'name' or 'owner/name'."""
-    name = slug.rstrip("/").split("/")[-1]
-    tried = []
-    for pattern in INPUT_PATTERNS:
-        glob = pattern.format(slug=name)
-        tried.append(str(input_root / glob))
-        hits = sorted(p for p in input_root.glob(glob) if p.is_dir()) if input_root.is_dir() else []
-        if "/" in slug:  # owner given: prefer the mount under that owner
-            hits = [p for p in hits if p.parent.name == slug.split("/")[0]] or hits
+    """The mounted folder of an attached input; `slug` may be 'name' or 'owner/name'.
+
+    Only mount points are looked at: <input>/<name>, <input>/competitions/<name>, then
+    <input>/<kind>/<owner>/<name> (datasets, notebooks, models; that owner's first when one is
+    given). Nothing inside an attached input is listed, so the call costs the same whatever else
+    is attached.
+    """
+    parts = slug.rstrip("/").split("/")
+    name, owner = parts[-1], parts[0] if len(parts) > 1 else None
+    for tier in ([input_root / name], [input_root / "competitions" / name],
+                 [d / name for kind in OWNED_KINDS for d in layout._subdirs(input_root / kind)]):
+        hits = [p for p in tier if p.is_dir()]
+        if owner:  # owner given: prefer the mount under that owner
+            hits = [p for p in hits if p.parent.name == owner] or hits
         if hits:
             return hits[0]
+    tried = [input_root / name, input_root / "competitions" / name, *(input_root / k / "*" / name for k in OWNED_KINDS)]
     raise FileNotFoundError(
-        f"input {slug!r} is not attached: looked in {', '.join(tried)}; attached: "
+        f"input {slug!r} is not attached: looked in {', '.join(map(str, tried))}; attached: "
         f"{', '.join(attached(input_root)) or 'nothing'}. Add it to the job's inputs"
     )

@@ -372,3 +372,15 @@ def test_sessions_record_the_step_they_resumed_from(emulator, kaggle_api, tmp_pa
                                                               "resumed_from": 42}
     killed = emulator.wait_session("alice/with-log-only")
     assert killed["output_lost"] and killed["summary"] is None and killed["resumed_from"] == 7
+
+
+def test_a_client_that_hangs_up_prints_nothing_but_a_server_bug_still_does(emulator, capsys):
+    # A client that drops a keep-alive connection (the log stream's, once it read END_OF_LOG) reset
+    # the server's next read; socketserver printed that traceback into the CLI's own output.
+    for exc, printed in ((ConnectionResetError(104, "Connection reset by peer"), False), (BrokenPipeError(32, "Broken pipe"), False),
+                         (ValueError("a bug in a handler"), True)):
+        try:
+            raise exc
+        except Exception:
+            emulator._server.handle_error(None, ("127.0.0.1", 1))
+        assert ("Traceback" in capsys.readouterr().err) is printed, exc

@@ -19,6 +19,7 @@ import binascii
 import json
 import re
 import socket
+import sys
 import time
 from collections.abc import Callable
 from email.utils import formatdate
@@ -46,6 +47,13 @@ class EmulatorHTTPServer(ThreadingHTTPServer):
         self.tokens = tokens  # token -> name
         self.count = count  # one call of a kind (an RPC name, or upload_put/_drop/_probe/_resume)
         super().__init__(address, Handler)
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A client that hung up (a reset, a closed pipe) is the client's business, as on Kaggle: nothing
+        is printed. Anything else is printed as socketserver does."""
+        if isinstance(sys.exc_info()[1], ConnectionError):
+            return
+        super().handle_error(request, client_address)
 
 
 class Handler(BaseHTTPRequestHandler):

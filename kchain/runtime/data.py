@@ -357,7 +357,7 @@ def _mapped_array(tensor: torch.Tensor, fortran: bool) -> np.ndarray:
 
 class _MappingPickler(pickle.Pickler):
     """The pickler torch.save uses for a staged entry: every numpy array of MAPPED_MIN_BYTES or more,
-    wherever it sits (a dict, a list, a dataclass, a DataFrame's blocks), is written as a tensor, so
+    wherever it sits (a dict, a list, a dataclass, a user's class), is written as a tensor, so
     its bytes become a storage of their own in the file and come back memory-mapped (_mapped_array).
 
     Smaller arrays, object and string arrays, subclasses that carry more than their data (masked

@@ -214,7 +214,6 @@ def fsync_path(path: Path) -> None:
         os.close(fd)
 
 
-
 def sha256_of(path: Path) -> str:
     h = hashlib.sha256()
     buf = bytearray(HASH_CHUNK)  # one buffer, refilled: no allocation per chunk

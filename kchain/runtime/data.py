@@ -32,9 +32,6 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, Subset, defau
 from . import distributed, layout
 from .checkpoint import fsync_path
 
-# Attached data on Kaggle: /kaggle/input/<slug>, or one or two folders deeper
-# (datasets/<owner>/<slug>, competitions/<slug>, notebooks/<owner>/<slug>, models/...).
-OWNED_KINDS = ("datasets", "notebooks", "models")  # mounted as <input>/<kind>/<owner>/<slug>
 ARRAYS_EXT = "npy"  # one array, or a folder of <key>.npy files (a dict of arrays): loaded memory-mapped
 PICKLE_EXT = "pt"  # anything else torch.save can pickle: loaded with torch.load(mmap=True)
 PICKLE_PROTOCOL = 4  # see _save
@@ -365,8 +362,7 @@ class _MappingPickler(pickle.Pickler):
     """
 
     def reducer_override(self, obj):
-        if (type(obj) not in (np.ndarray, np.memmap) or obj.nbytes < MAPPED_MIN_BYTES or obj.dtype.hasobject
-                or not obj.dtype.isnative):  # torch would hand back the native byte order
+        if not _is_array(obj) or obj.nbytes < MAPPED_MIN_BYTES or not obj.dtype.isnative:  # (torch: native order)
             return NotImplemented
         fortran = obj.ndim > 1 and obj.flags.f_contiguous and not obj.flags.c_contiguous
         try:
@@ -501,14 +497,15 @@ def find_input(slug: str, input_root: Path) -> Path:
     """
     parts = slug.rstrip("/").split("/")
     name, owner = parts[-1], parts[0] if len(parts) > 1 else None
-    for tier in ([input_root / name], [input_root / "competitions" / name],
-                 [d / name for kind in OWNED_KINDS for d in layout._subdirs(input_root / kind)]):
-        hits = [p for p in tier if p.is_dir()]
+    mounted = [m for m in layout.mounts(input_root, layout.OWNED_KINDS) if m.name == name]
+    competition = input_root / "competitions" / name
+    for tier in ([m for m in mounted if m.parent == input_root], [competition] if competition.is_dir() else [],
+                 [m for m in mounted if m.parent != input_root]):
         if owner:  # owner given: prefer the mount under that owner
-            hits = [p for p in hits if p.parent.name == owner] or hits
-        if hits:
-            return hits[0]
-    tried = [input_root / name, input_root / "competitions" / name, *(input_root / k / "*" / name for k in OWNED_KINDS)]
+            tier = [p for p in tier if p.parent.name == owner] or tier
+        if tier:
+            return tier[0]
+    tried = [input_root / name, competition, *(input_root / k / "*" / name for k in layout.OWNED_KINDS)]
     raise FileNotFoundError(
         f"input {slug!r} is not attached: looked in {', '.join(map(str, tried))}; attached: "
         f"{', '.join(attached(input_root)) or 'nothing'}. Add it to the job's inputs"

@@ -46,6 +46,7 @@ FORMAT_VERSION = 1
 # datasets/<owner>/<slug>, notebooks/<owner>/<slug>, competitions/<slug>, models/<owner>/<model>/...
 INPUT_KINDS = ("datasets", "competitions", "notebooks", "models")
 STATE_KINDS = ("datasets", "notebooks")  # the kinds that can hold kchain's state (a dataset, a kernel's output)
+OWNED_KINDS = ("datasets", "notebooks", "models")  # mounted as <input>/<kind>/<owner>/<slug>
 
 # Archived checkpoints found under the input root (a state dataset uploaded without unpacking).
 ARCHIVE_SUFFIXES = (".zip", ".tar", ".tar.gz", ".tgz")
@@ -86,8 +87,8 @@ def mounts(input_root: Path, kinds: tuple[str, ...]) -> list[Path]:
     input in the legacy layout (<input>/<slug>).
 
     Only the input root and the kind and owner folders are listed, never anything inside an attached
-    input: the cost is the number of inputs attached, not their files. The checkpoint search and the
-    staging cache both find their datasets here, so the two layouts are spelled once.
+    input: the cost is the number of inputs attached, not their files. The checkpoint search, the
+    staging cache and run.input all find their inputs here, so the two layouts are spelled once.
     """
     found: list[Path] = []
     for top in _subdirs(input_root):

@@ -243,7 +243,8 @@ class Run:
             clean_tmp(self.checkpoints)
         hash_early(self.checkpoints, self.input_root, self._state_slug())  # overlaps the user's set-up
         self._resume: tuple[Path, dict] | None = None  # found when the loop starts (run.restore)
-        self._found: tuple[list[tuple[Path, dict]], list[str]] | None = None  # find_checkpoints, once
+        self._found: tuple[list[tuple[Path, dict]], list[str]] | None = None  # _find, once
+        self._loaded: dict | None = None  # rank 0: the state _find loaded with it, until _restore
         self._plan: dict | None = None  # the checkpoint's size and write mode, set at the first save
         self.micro_auto = (self.config.get("train") or {}).get("micro_batch") == "auto"
         if self.micro_auto and self.is_main:  # the ladder starts from the size that fitted last session
@@ -465,8 +466,8 @@ class Run:
         `<job>-cache` dataset and attached to later sessions) under a name that holds a hash of
         `params`: change a parameter and it is built again. It comes back memory-mapped, on a miss as
         on a hit: a dict of numpy arrays as read-only `np.memmap`s, one array as one memmap, anything
-        else through `torch.load(mmap=True)` (tensors, and numpy arrays inside dicts, lists and tuples,
-        map the file; other values are unpickled). Only this session's cache and the folders where
+        else through `torch.load(mmap=True)` (tensors, and numpy arrays of 64 KiB or more wherever they
+        sit in it, map the file; other values are unpickled). Only this session's cache and the folders where
         the job's cache dataset is mounted are looked at, never anything else attached.
 
         Example::
@@ -920,8 +921,6 @@ class Run:
         self._restore()
         self._loop_used = True
         return self.step
-
-    _loaded: dict | None = None  # rank 0: the state _find loaded with the checkpoint it found, until _restore
 
     def _find(self) -> tuple[list[tuple[Path, dict]], list[str]]:
         """The checkpoint to resume from (a list of one, or none) and the damaged ones: looked for once.

@@ -98,17 +98,24 @@ def render(job: Path, out: Path | None) -> None:
 @JOB
 @click.option("--quiet", is_flag=True, help="Hide the training output; show stages and the verdict.")
 @click.option("--download", is_flag=True, help="Fetch attached datasets that have no kaggle.local copy (cached).")
-def smoke(job: Path, quiet: bool, download: bool) -> None:
-    """Run the rendered notebook on this CPU: checks, steps, checkpoint, kill, exact resume.
+@click.option("--set", "sets", multiple=True, metavar="NAME=VALUE",
+              help="A param for this smoke, over params and smoke.params (repeatable).")
+@click.option("--ranks", type=click.IntRange(1, 2), default=None,
+              help="Ranks to run (default: as many as the job gets on Kaggle, as gloo ranks on the CPU).")
+def smoke(job: Path, quiet: bool, download: bool, sets: tuple[str, ...], ranks: int | None) -> None:
+    """Run the rendered notebook on this CPU: checks, steps, a stop, checkpoint, kill, exact resume.
 
     \b
     Example:
       kchain smoke jobs/tinygpt/job.yaml
+      kchain smoke jobs/nanogpt/job.yaml --set n_layer=2 --set eval_iters=2
     """
     from kchain.smoke import smoke as run_smoke
+    from kchain.spec import parse_overrides
 
     click.echo(f"kchain smoke {job}")
-    report = run_smoke(job, echo=click.echo, quiet_training=quiet, download=download)
+    report = run_smoke(job, echo=click.echo, quiet_training=quiet, download=download,
+                       sets=parse_overrides(sets), ranks_asked=ranks)
     click.echo(f"smoke passed: {report.run_id} (fingerprint {report.fingerprint[:12]}) recorded in the run log")
 
 

@@ -12,6 +12,10 @@ from dataclasses import dataclass
 
 _HINTS: list[tuple[re.Pattern[str], str]] = [
     (
+        re.compile(r"UnsyncedReplicas"),
+        "two ranks (Kaggle's T4 x2) would train two models: use model = run.wrap(model) and call the wrapped model",
+    ),
+    (
         re.compile(r"PreflightError"),
         "a preflight check failed before training: fix the data or the model so the check holds",
     ),

@@ -19,6 +19,7 @@ working dir is read before the kill; what it has done by then is start up, as on
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -39,6 +40,7 @@ from kchain.ledger import Ledger, new_run_id, state_dir
 from kchain.local import read_summary
 from kchain.render import Rendered, render_job, write_rendered
 from kchain.runtime import layout
+from kchain.runtime.statefolder import build_state_folder
 from kchain.spec import Job, load_job
 
 Echo = Callable[[str], None]
@@ -169,15 +171,20 @@ class Prepared:
     env: dict[str, str]
     render_s: float
     t_start: float
+    ranks: int = 1
 
     @property
     def steps(self) -> int:
         return self.job.smoke.steps
 
 
-def smoke(job_path: Path, echo: Echo = print, quiet_training: bool = False, download: bool = False) -> SmokeReport:
-    """Run the smoke; raise SmokeFailed (after logging the run) unless it passes."""
-    prep = prepare(job_path, echo, download)
+def smoke(job_path: Path, echo: Echo = print, quiet_training: bool = False, download: bool = False,
+          sets: dict[str, Any] | None = None, ranks_asked: int | None = None) -> SmokeReport:
+    """Run the smoke; raise SmokeFailed (after logging the run) unless it passes.
+
+    `sets` are params over the job's and its smoke.params (--set), `ranks_asked` the rank count
+    instead of the one the job gets on Kaggle (--ranks)."""
+    prep = prepare(job_path, echo, download, sets or {}, ranks_asked)
     show = None if quiet_training else echo
     reference, killed, held = train(prep, echo, show)
     try:
@@ -189,8 +196,10 @@ def smoke(job_path: Path, echo: Echo = print, quiet_training: bool = False, down
     return record(prep, report, killed, resumed, echo)
 
 
-def prepare(job_path: Path, echo: Echo, download: bool) -> Prepared:
-    """Load and render the job, lay out two /kaggle-like sandboxes with the inputs mounted."""
+def prepare(job_path: Path, echo: Echo, download: bool, sets: dict[str, Any] | None = None,
+            ranks_asked: int | None = None) -> Prepared:
+    """Load and render the job, lay out three /kaggle-like sandboxes with the inputs mounted: the
+    reference, the run to stop and kill, and the resume (an empty working dir, as a new session's)."""
     t_start = time.time()
     job = load_job(job_path)
     ledger = Ledger(state_dir(job.path))
@@ -206,45 +215,71 @@ def prepare(job_path: Path, echo: Echo, download: bool) -> Prepared:
     echo(f"  render     {render_s:5.2f}s  fingerprint {rendered.fingerprint[:12]}  ({notebook.stat().st_size // 1024} KB)")
 
     sources = local_inputs(job, ledger.root / "inputs", download=download, echo=echo)
-    for name in ("reference", "run"):
+    for name in ("reference", "run", "resume"):
         (work / name).mkdir()
         mount_inputs(work / name, sources)
+    n = ranks(job, ranks_asked)
     env = dict(os.environ)
     env.update({
         layout.SMOKE_ENV: "1",
         layout.TOTAL_STEPS_ENV: str(2 * job.smoke.steps),
         layout.CHECKPOINT_EVERY_ENV: f"{job.smoke.steps} steps",
         "PYTHONUNBUFFERED": "1",
+        **ranks_env(n),
     })
-    env.setdefault("OMP_NUM_THREADS", str(threads_each(job)))
+    if sets:
+        env[layout.SMOKE_PARAMS_ENV] = json.dumps(sets)
+    env.setdefault("OMP_NUM_THREADS", str(threads_each(n)))
     for var in (layout.SESSION_LIMIT_ENV, layout.FAULT_ENV, layout.SESSION_START_ENV):
         env.pop(var, None)
-    return Prepared(job, ledger, run_id, work, rendered, notebook, env, render_s, t_start)
+    return Prepared(job, ledger, run_id, work, rendered, notebook, env, render_s, t_start, n)
+
+
+# The run to kill reaches its checkpoint through a deadline stop, not the cadence: the stop's save
+# (whatever the code does between the stop and the save, an unfinished epoch's code included) is what
+# the resume must match. No cadence save comes first.
+NO_CADENCE = f"{10**9} steps"
 
 
 def train(prep: Prepared, echo: Echo, show: Echo | None) -> tuple[Child, Child, Child]:
-    """Start the uninterrupted reference, the run that is SIGKILLed right after its checkpoint, and the
-    resume's notebook, held at its gate until the kill."""
+    """Start the uninterrupted reference, the run that stops at a deadline after `smoke.steps` steps
+    and is SIGKILLed right after the stop's checkpoint, and the resume's notebook, held at its gate
+    until the kill."""
     steps = prep.steps
-    echo(f"  train      {steps} steps, checkpoint, SIGKILL; reference run of {2 * steps} steps beside it; "
-         f"{ranks_label(prep.job)}, {prep.env['OMP_NUM_THREADS']} CPU thread(s) each")
+    echo(f"  train      {steps} steps, a deadline stop, its checkpoint, SIGKILL; reference run of {2 * steps} "
+         f"steps beside it; {ranks_label(prep.ranks)}, {prep.env['OMP_NUM_THREADS']} CPU thread(s) each")
     reference = Child("reference", prep.work / "reference").start(prep.notebook, prep.env, None)
-    kill_env = {**prep.env, layout.FAULT_ENV: "kill_after_checkpoint=1"}
+    kill_env = {**prep.env, layout.FAULT_ENV: f"deadline_at_step={steps},kill_after_checkpoint=1",
+                layout.CHECKPOINT_EVERY_ENV: NO_CADENCE}
     killed = Child("run", prep.work / "run").start(prep.notebook, kill_env, show)
-    held = Child("resume", killed.root, gate=prep.work / "resume.gate").start(prep.notebook, prep.env, show)
+    held = Child("resume", prep.work / "resume", gate=prep.work / "resume.gate").start(prep.notebook, prep.env, show)
     return reference, killed, held
 
 
-def ranks(job: Job) -> int:
-    """Ranks per smoke run: train.gpus: 2 runs 2 gloo ranks on this CPU (auto sees no GPU)."""
-    return 2 if job.train.gpus == 2 else 1
+def kaggle_ranks(job: Job) -> int:
+    """The ranks the job gets in a Kaggle session: train.gpus, and for `auto` one per GPU of the
+    accelerator (GPU T4 x2: 2; none: 1)."""
+    if job.train.gpus == "auto":
+        return 2 if job.kaggle.accelerator == "gpu" else 1
+    return int(job.train.gpus)
 
 
-def ranks_label(job: Job) -> str:
-    return "2 ranks (gloo, CPU), the whole group SIGKILLed" if ranks(job) == 2 else "1 rank (CPU)"
+def ranks(job: Job, asked: int | None = None) -> int:
+    """Ranks per local run (smoke, rehearse): as many as on Kaggle, as gloo ranks on this CPU, unless
+    `asked` (--ranks) says otherwise."""
+    return asked if asked is not None else kaggle_ranks(job)
 
 
-def threads_each(job: Job) -> int:
+def ranks_env(n: int) -> dict[str, str]:
+    """The environment that makes a local run start `n` ranks whatever this machine's GPUs."""
+    return {layout.RANKS_ENV: str(n)}
+
+
+def ranks_label(n: int) -> str:
+    return f"{n} ranks (gloo, CPU), the whole group SIGKILLed" if n > 1 else "1 rank (CPU)"
+
+
+def threads_each(n_ranks: int) -> int:
     """CPU threads per training process: the cores shared by the two runs that train at once.
 
     torch's default (a thread per core in every process) oversubscribes the cores, and its OpenMP
@@ -253,7 +288,7 @@ def threads_each(job: Job) -> int:
     by the user wins (torchrun makes the same choice for its ranks).
     """
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return max(1, cores // (2 * ranks(job)))
+    return max(1, cores // (2 * n_ranks))
 
 
 def stopped_right(prep: Prepared, killed: Child) -> diagnose.Failure | None:
@@ -280,13 +315,40 @@ def stopped_right(prep: Prepared, killed: Child) -> diagnose.Failure | None:
 
 def resume(prep: Prepared, killed: Child, held: Child, echo: Echo) -> Child:
     """Release the resume now that the killed run is dead: a fresh process, started beside the others
-    and held before it read anything, resumes from the checkpoint (the reference may still be running)."""
-    echo(f"  kill       {time.time() - prep.t_start:5.2f}s  SIGKILL after the checkpoint at step {prep.steps}; "
+    and held before it read anything, resumes from the checkpoint (the reference may still be running).
+
+    It starts as a Kaggle session does: an empty working dir, the killed run's checkpoint attached as
+    the state dataset and its staged data as the cache dataset. Nothing else the killed run wrote
+    reaches it, so state a job keeps only in its own files fails here, not on Kaggle."""
+    echo(f"  kill       {time.time() - prep.t_start:5.2f}s  SIGKILL after the stop's checkpoint at step {prep.steps}; "
          f"the training took {killed.wall_s:.1f}s")
-    echo("  resume     fresh process from the checkpoint (started beside the runs, released at the kill)")
+    attach_state(killed.root, held.root, prep.rendered.config)
+    echo("  resume     fresh process, empty working dir, the checkpoint attached as the state dataset "
+         "(started beside the runs, released at the kill)")
     resumed = held.release().wait()
     echo(f"  resumed    {time.time() - prep.t_start:5.2f}s  in {resumed.wall_s:.1f}s")
     return resumed
+
+
+def attach_state(killed_root: Path, resume_root: Path, config: dict[str, Any]) -> None:
+    """Mount what a chain carries to the next session in the resume's sandbox: the newest complete
+    checkpoint as the state dataset version (statefolder's flat layout) and the staged-data cache
+    as the cache dataset. Not verified here: the resuming runtime verifies what it loads."""
+    kchain_dir = killed_root / layout.WORKING_DIR / layout.KCHAIN_DIR
+    kaggle = config.get("kaggle") or {}
+    job = config.get("job", "job")
+    owner, _, state_slug = (kaggle.get("state_dataset") or f"smoke/{job}-state").rpartition("/")
+    ckpts = sorted(p for p in (kchain_dir / layout.CHECKPOINTS_DIR).glob(f"{layout.CHECKPOINT_PREFIX}*")
+                   if (p / layout.MANIFEST).is_file())
+    inputs = resume_root / layout.INPUT_DIR / "datasets" / owner
+    inputs.mkdir(parents=True, exist_ok=True)
+    if ckpts:
+        manifest = json.loads((ckpts[-1] / layout.MANIFEST).read_text())
+        build_state_folder(kchain_dir, inputs / state_slug, "smoke", found=(ckpts[-1], manifest))
+    cache = kchain_dir / layout.CACHE_DIR
+    if cache.is_dir():
+        cache_slug = (kaggle.get("cache_dataset") or f"{owner}/{job}-cache").rpartition("/")[2]
+        (inputs / cache_slug).symlink_to(cache, target_is_directory=True)
 
 
 def judge(prep: Prepared, reference: Child, killed: Child, resumed: Child | None,
@@ -300,7 +362,7 @@ def judge(prep: Prepared, reference: Child, killed: Child, resumed: Child | None
         passed=False, run_id=prep.run_id, fingerprint=prep.rendered.fingerprint,
         timings=_timings(prep.render_s, killed, resumed) if resumed else {"render": prep.render_s},
         reference=traces.read_trace(traces.sandbox_trace(reference.root)),
-        resumed=traces.read_trace(traces.sandbox_trace(killed.root)) if resumed else [],
+        resumed=traces.read_trace(traces.sandbox_trace(resumed.root)) if resumed else [],
         failure=failure,
     )
     not_exact = list((reference.summary or {}).get("not_exact") or [])

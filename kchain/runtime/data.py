@@ -257,6 +257,11 @@ class Loader:
         self.position += 1
         return batch
 
+    def _epoch_done(self) -> bool:
+        """Every batch of this epoch was handed out (unknown for a stream without a length: False)."""
+        n = self._length()
+        return n is not None and self.position >= n
+
     def _next_epoch(self):
         self.epoch += 1
         self.position = 0
@@ -273,7 +278,14 @@ class Loader:
         run = self.run
         while True:
             if run is not None and not run._may_start_step():
-                return  # deadline, signal or step cap: the epoch loop ends here, saved
+                if not run._stop_reason:
+                    return  # the step cap: the epoch loop ends here and saves
+                if not self._epoch_done():
+                    run._stop_here()  # a stop mid-epoch: saved here; the rest of the epoch's code never runs
+                # A stop after the epoch's last batch: the epoch is complete, so its own code (a
+                # scheduler step, an evaluation) runs; run.epochs then saves and stops.
+                self._next_epoch()
+                return
             try:
                 batch = self._fetch()
             except StopIteration:

@@ -68,6 +68,12 @@ def plan_ranks(config: dict, env, cuda_count: int | None = None) -> tuple[int, s
                 "the weekly GPU quota may be spent or the kernel's accelerator setting was lost; "
                 "stopping instead of training on the CPU"
             )
+    local = env.get(layout.RANKS_ENV)
+    if local and not on_kaggle:  # smoke / rehearse: the ranks Kaggle would give, on this machine
+        n = int(local)
+        if cuda_count >= n:
+            return n, f"{n} ranks, as on Kaggle ({layout.RANKS_ENV})"
+        return n, f"{n} ranks, as on Kaggle: {n} CPU ranks with gloo ({layout.RANKS_ENV})"
     if asked == "auto":
         n = max(1, cuda_count)
         return n, f"train.gpus: auto, {cuda_count} CUDA device(s) visible"

@@ -158,7 +158,7 @@ def main(argv: list[str]) -> int:
 def _train(config: dict, current: SimpleNamespace) -> None:
     """Build the Run, import the entry and call it; after an out-of-memory error, again one rung down."""
     from . import ladder
-    from .run import Run
+    from .run import Run, SessionStopped
 
     current.run = Run(config, os.environ, started=PROCESS_START)
     _reserve(current.run.summary_path)
@@ -169,6 +169,8 @@ def _train(config: dict, current: SimpleNamespace) -> None:
         rung = None
         try:
             entry(current.run)
+        except SessionStopped:
+            break  # a deadline or signal stop, saved: the session's part of the run ends here
         except ladder.OutOfMemory:
             rung = current.run.next_rung()
             if rung is None:

@@ -19,6 +19,9 @@ TOTAL_STEPS_ENV = "KCHAIN_TOTAL_STEPS"
 FAULT_ENV = "KCHAIN_FAULT"
 GATE_ENV = "KCHAIN_GATE"  # PID:PATH, the smoke's early-started resume waits here until the kill (launch.py)
 CHECKPOINT_STREAM_ENV = "KCHAIN_CHECKPOINT_STREAM"  # 1: stream saves from live tensors, 0: copy to RAM
+# local only (smoke, rehearse): the rank count the job gets on Kaggle, run here as gloo ranks on the CPU
+RANKS_ENV = "KCHAIN_RANKS"
+SMOKE_PARAMS_ENV = "KCHAIN_SMOKE_PARAMS"  # local only: JSON params over the job's, from `kchain smoke --set`
 
 DEFAULT_ROOT = "/kaggle"
 INPUT_DIR = "input"  # attached datasets, read-only on Kaggle

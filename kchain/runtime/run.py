@@ -15,6 +15,7 @@ import json
 import os
 import shutil
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -33,6 +34,7 @@ from . import (
     precision,
     preflight,
     publishplan,
+    replicas,
     resumecheck,
     watchdog,
 )
@@ -65,6 +67,16 @@ SNAPSHOT_RAM_FRACTION = 0.25  # a state above this share of free RAM is streamed
 REUSE_MAX_BYTES = 256 * 2**20  # host copies up to this size are kept for the next save (no page faults)
 PLAIN_LOADER_NOTE = "data order: a DataLoader not made by run.loader restarts its order on resume"
 NO_LOOP_NOTE = "no checkpoint was written: the loop did not use run.steps"  # the deadline guard plans with the slowest of the last few steps
+
+
+class SessionStopped(BaseException):  # noqa: N818  (a stop, not an error: a BaseException as SystemExit is)
+    """A deadline or signal stop: the state at the stop is saved, and `main(run)` ends here.
+
+    Raised out of the training loop (run.steps, run.epochs and the batches of a run.loader), so no
+    code after the stop runs in this session: not the rest of an unfinished epoch (a per-epoch
+    scheduler step, an evaluation), not the code after the loop. The next session resumes from the
+    stop exactly. The launcher catches it; the status is `deadline` or `interrupted`.
+    """
 
 
 class Params(dict):
@@ -108,6 +120,19 @@ def match_module_prefix(saved: dict, live: dict) -> dict:
     return saved
 
 
+def _loader_name(loader) -> str:
+    """A DataLoader as the user knows it: the variable that holds it in the code's frames, and what it reads."""
+    what = f"a DataLoader over {type(loader.dataset).__name__}, batch_size {loader.batch_size}"
+    frame = sys._getframe(1)
+    while frame is not None:
+        if not frame.f_code.co_filename.startswith(os.path.dirname(__file__)):
+            name = next((k for k, v in frame.f_locals.items() if v is loader), None)
+            if name is not None:
+                return f"`{name}` ({what})"
+        frame = frame.f_back
+    return what
+
+
 def _plain(v):
     """A JSON-able number from a tensor / numpy scalar (loss.item() is easy to forget)."""
     if isinstance(v, torch.Tensor):
@@ -144,8 +169,10 @@ class Run:
         env = os.environ if env is None else env
         self.config = config
         self.job = config.get("job", "job")
-        self.params = Params(config.get("params") or {})
         self.settings = st = Settings.parse(config, env, started)  # config + environment, parsed once
+        self.params = Params({**(config.get("params") or {}), **st.smoke_params})
+        if st.smoke_params:
+            say("smoke params: " + ", ".join(f"{k}={v!r}" for k, v in st.smoke_params.items()))
         self.smoke, self.fraction, self.started, self.deadline = st.smoke, st.fraction, st.started, st.deadline
         self.every_cfg, self.keep, self.heartbeat_s, self.faults = st.every, st.keep, st.heartbeat_s, st.faults
         self.seed = int(self.params.get("seed", 0))
@@ -207,6 +234,7 @@ class Run:
         self._tracked: dict[str, object] = {}
         self.not_exact: list[str] = []  # what a resume cannot restore exactly, one line each
         self._loaders: list[data.Loader] = []
+        self._optimizers: list = []  # every optimizer run.optimize was given (tracked or not)
         self._scaled = False  # run.optimize made a GradScaler
         self._warned_fp16 = False
         self._metrics_file = None  # opened by the first run.log
@@ -220,6 +248,7 @@ class Run:
         self._current = 0  # the step whose body is running
         self._restored = False
         self._stop_reason: str | None = None
+        self._stopped = False  # a deadline or signal stop was saved and SessionStopped raised
         self._saved_step: int | None = None
         self._step_times: list[float] = []
         self._every_n: int | None = None  # the n of run.every(n), for the deadline plan
@@ -416,6 +445,7 @@ class Run:
             stepper.step()
             g, d = run.optimize(opt_g, name="gen"), run.optimize(opt_d, name="disc")   # a GAN
         """
+        self._optimizers.append(optimizer)
         scaler = None
         if self.dtype == torch.float16:
             scaler = torch.amp.GradScaler(self.device.type)
@@ -546,7 +576,7 @@ class Run:
         try:
             while step < self.total:
                 if self._should_stop():
-                    break
+                    self._stop_here()
                 step += 1
                 t0 = self._start_step(step)
                 try:
@@ -585,12 +615,16 @@ class Run:
         self._begin_loop()
         lo.run = self
         try:
-            while lo.epoch < total and self._may_start_step():
+            while lo.epoch < total:
+                if not self._may_start_step():
+                    if self._stop_reason:
+                        self._stop_here()
+                    break
                 epoch = lo.epoch
                 try:
                     yield epoch
                 except GeneratorExit:
-                    if data.left_on_purpose():
+                    if not self._stopped and data.left_on_purpose():
                         nxt = epoch + 1 if lo.epoch == epoch else lo.epoch
                         if self.ranks.active and nxt < total and self.step < self.total:
                             self._stop_reason = self._stop_reason or "stopped"  # kchain ddp: agreed
@@ -608,6 +642,19 @@ class Run:
         """False once the loop must end: the step cap reached, or a deadline or signal stop."""
         return self.step < self.total and not self._should_stop()
 
+    def _stop_here(self) -> None:
+        """A deadline or signal stop before the next step: save the state as it is now, end main(run).
+
+        Nothing of the user's code runs after this in the session (see SessionStopped), so the
+        checkpoint is the state at the stop, and code written for a finished epoch or a finished
+        run never sees an unfinished one."""
+        self._finish_loop()
+        self._end_loop()
+        self._stopped = True
+        say(f"the session ends here: the code after the loop runs when the run is finished "
+            f"(step {self.total}), in a later session")
+        raise SessionStopped(self._stop_reason)
+
     def _capped(self, total: int) -> int:
         if self.settings.total_cap is not None:
             return min(total, self.settings.total_cap)
@@ -618,6 +665,10 @@ class Run:
     def _begin_loop(self) -> None:
         self._loop_used = True
         self._note_plain_loaders()
+        if self.ranks.active:  # kchain ddp: one model over the ranks, or stop before the first step
+            line = replicas.unsynced(self._known_optimizers(), self._tracked_modules())
+            if line:
+                raise replicas.UnsyncedReplicas(line)
         self._old_handlers = self._install_signals()
         self._loop_start = time.perf_counter()
         self._last_save = time.time()
@@ -630,6 +681,23 @@ class Run:
         if self._loop_steps == 0:
             ladder.injected([lo.batch_size for lo in self._loaders if lo.batch_size], self.faults)
         return time.perf_counter()
+
+    def _known_optimizers(self) -> list:
+        tracked = [o for o in self._tracked.values() if isinstance(o, torch.optim.Optimizer)]
+        return list({id(o): o for o in [*self._optimizers, *tracked]}.values())
+
+    def _tracked_modules(self) -> dict:
+        return {n: o for n, o in self._tracked.items() if isinstance(o, torch.nn.Module)}
+
+    def _check_replicas(self, when: str) -> None:
+        """kchain ddp: every rank holds the same trained parameters, or every rank stops here (one
+        gather of a number per parameter tensor; see replicas.py)."""
+        params = replicas.trained(self._known_optimizers(), self._tracked_modules())
+        line = replicas.differing(self.ranks.all_gather(replicas.fingerprint(params)), params)
+        if line:
+            raise replicas.UnsyncedReplicas(
+                f"{when} the ranks hold different weights, first {line}: the gradients were not averaged "
+                f"over the ranks; {replicas.FIX}")
 
     def _end_step(self, step: int, t0: float, save: bool = True) -> None:
         """The body of `step` ran to its end: count it, and save when the cadence says so."""
@@ -646,6 +714,8 @@ class Run:
         self._step_times = (self._step_times + [took])[-STEP_TIME_WINDOW:]
         if self._eval_step == step:  # a step that ran run.every's evaluation: remembered apart
             self._eval_s = max(self._eval_s, took)
+        if self.ranks.active and self._loop_steps == 1:
+            self._check_replicas(f"after step {step}")
         self._heartbeat()
         if self._dog is not None:
             self._dog.beat(took)
@@ -683,12 +753,16 @@ class Run:
 
         # A DataLoader made for one batch (a preflight check) is garbage, not a loader in use: when
         # there is a candidate, collect (a full pass over torch's objects, ~0.2 s) and look again.
-        plain = bool(plain_loaders())
+        plain = plain_loaders()
         if plain:
+            del plain
             gc.collect()
-            plain = bool(plain_loaders())
+            plain = plain_loaders()
         if plain and not any(line.startswith(PLAIN_LOADER_NOTE) for line in self.not_exact):
-            self.not_exact.append(f"{PLAIN_LOADER_NOTE} (pass it to run.loader(...) to keep its place)")
+            named = ", ".join(_loader_name(o) for o in plain[:3])
+            self.not_exact.append(f"{PLAIN_LOADER_NOTE}: {named} (pass it to run.loader(...) to keep its place; "
+                                  "one used only for evaluation does not change the resume)")
+        del plain
         for line in self.not_exact:
             warn(f"not exact on resume: {line}")
 
@@ -1020,6 +1094,8 @@ class Run:
         before, self.phase = self.phase, "checkpoint"
         t0 = time.perf_counter()
         self.writer.wait()  # one write in flight at most: bounds memory to one extra copy
+        if self.ranks.active:  # kchain ddp: never a checkpoint of one rank's model among several
+            self._check_replicas(f"at the checkpoint of step {self.step}")
         # kchain ddp: every rank's own RNGs and loader positions go to rank 0, which writes alone.
         per_rank = self.ranks.gather(self._rank_state()) if self.ranks.active else None
         if self.is_main:

@@ -6,6 +6,7 @@ a duration means the same thing on the laptop and in the kernel.
 
 from __future__ import annotations
 
+import json
 import re
 import time
 from collections.abc import Mapping
@@ -86,6 +87,7 @@ class Settings:
     heartbeat_s: float
     precision: str
     stream: str | None  # KCHAIN_CHECKPOINT_STREAM: '1', '0' or None (by size)
+    smoke_params: dict = field(default_factory=dict)  # smoke.params, then --set (KCHAIN_SMOKE_PARAMS); smoke only
     faults: dict[str, str] = field(default_factory=dict)
 
     @property
@@ -121,4 +123,6 @@ class Settings:
             precision=train.get("precision", PRECISION),
             stream=env.get(layout.CHECKPOINT_STREAM_ENV),
             faults=parse_faults(env.get(layout.FAULT_ENV, "")),
+            smoke_params={**(smoke_cfg.get("params") or {}), **json.loads(env.get(layout.SMOKE_PARAMS_ENV) or "{}")}
+            if smoke else {},
         )

@@ -18,7 +18,6 @@ import tempfile
 from pathlib import Path
 
 from kchain.runtime import layout
-from kchain.runtime.checkpoint import find_latest
 
 STATE_MARKER = layout.STATE_MARKER
 CACHE_MARKER = "kchain-cache.json"
@@ -32,6 +31,8 @@ def _link_or_copy(src: Path, dst: Path) -> None:
 
 
 def newest_checkpoint(kchain_dir: Path, job: str | None) -> tuple[Path, dict] | None:
+    from kchain.runtime.checkpoint import find_latest  # torch: only where a checkpoint is verified here
+
     scratch = Path(tempfile.mkdtemp(prefix="kchain-scan-"))
     try:
         # No input root: only this session's own checkpoints count here.
@@ -40,9 +41,11 @@ def newest_checkpoint(kchain_dir: Path, job: str | None) -> tuple[Path, dict] | 
         shutil.rmtree(scratch, ignore_errors=True)
 
 
-def build_state_folder(kchain_dir: Path, dest: Path, published: str, job: str | None = None) -> dict | None:
-    """Fill dest with the newest verified checkpoint + summary + marker; None if there is none."""
-    found = newest_checkpoint(kchain_dir, job)
+def build_state_folder(kchain_dir: Path, dest: Path, published: str, job: str | None = None,
+                       found: tuple[Path, dict] | None = None) -> dict | None:
+    """Fill dest with the newest verified checkpoint (or `found`, a checkpoint and its manifest)
+    + summary + marker; None if there is none."""
+    found = found or newest_checkpoint(kchain_dir, job)
     if found is None:
         return None
     ckpt, manifest = found

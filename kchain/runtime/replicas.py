@@ -1,0 +1,90 @@
+"""One model over the ranks, never two (kchain ddp): the checks that stop unsynchronised replicas.
+
+With two ranks each process builds its own copy of the model. Only DistributedDataParallel averages
+the gradients, so a parameter an optimizer steps outside DDP (a model moved with `.to(run.device)`
+instead of `run.wrap`) trains one model per rank, and so does a DDP model whose forward is bypassed
+(`model.module(x)`, a Lightning module's `training_step` called directly): DDP all-reduces only the
+gradients of a backward that followed its own forward. Nothing fails; the checkpoint holds rank 0's
+model and the resumed run is not the run that was smoked. Two checks, both on every rank at once:
+
+- at the loop's start, the parameters the optimizers step against those under DDP (`unsynced`);
+- after the session's first step and at every save, one number per parameter tensor gathered from
+  every rank and compared (`differing`): DDP keeps the parameters bitwise equal on every rank (the
+  same averaged gradients, the same optimizer arithmetic), so any difference is a replica that
+  trains alone. Buffers are left out: DDP broadcasts them before each forward, and BatchNorm's
+  running statistics then move on each rank's own batch.
+"""
+
+from __future__ import annotations
+
+import gc
+
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+FIX = ("wrap the model with `model = run.wrap(model)` before making the optimizer and call the "
+       "wrapped model for the forward pass (or set train.gpus: 1 to train on one GPU)")
+
+
+class UnsyncedReplicas(RuntimeError):
+    """The ranks would train (or trained) different models; the message names a parameter and the fix."""
+
+
+def _param_names(modules: dict[str, torch.nn.Module]) -> dict[int, str]:
+    names: dict[int, str] = {}
+    for tracked, module in modules.items():
+        inner = module.module if isinstance(module, DistributedDataParallel) else module
+        for name, p in inner.named_parameters():
+            names.setdefault(id(p), f"{tracked}.{name}")
+    return names
+
+
+def unsynced(optimizers: list[torch.optim.Optimizer], modules: dict[str, torch.nn.Module]) -> str | None:
+    """One line when an optimizer steps a trainable parameter that no DistributedDataParallel holds.
+
+    `optimizers` are the ones kchain knows (tracked or run.optimize'd); every live optimizer and DDP
+    module is found too (one pass over the collector's objects), so an untracked optimizer or a DDP
+    built by hand counts as well."""
+    found = gc.get_objects()
+    optimizers = list({id(o): o for o in [*optimizers, *(o for o in found if isinstance(o, torch.optim.Optimizer))]}.values())
+    synced = {id(p) for o in found if isinstance(o, DistributedDataParallel) for p in o.module.parameters()}
+    del found
+    for opt in optimizers:
+        for group in opt.param_groups:
+            for p in group["params"]:
+                if p.requires_grad and id(p) not in synced:
+                    name = _param_names(modules).get(id(p), f"a {tuple(p.shape)} parameter")
+                    return (f"{type(opt).__name__} steps {name}, which is not in DistributedDataParallel: "
+                            f"each rank would train its own model; {FIX}")
+    return None
+
+
+def trained(optimizers: list[torch.optim.Optimizer], modules: dict[str, torch.nn.Module]) -> list[tuple[str, torch.Tensor]]:
+    """The parameters the optimizers step, each once, named by the tracked module that holds it."""
+    names = _param_names(modules)
+    seen: dict[int, tuple[str, torch.Tensor]] = {}
+    for opt in optimizers:
+        for group in opt.param_groups:
+            for p in group["params"]:
+                seen.setdefault(id(p), (names.get(id(p), f"parameter {len(seen)} of {type(opt).__name__}"), p))
+    return list(seen.values())
+
+
+def fingerprint(params: list[tuple[str, torch.Tensor]]) -> torch.Tensor:
+    """Each parameter tensor's sum in float64 (summed on its own device), on the CPU, in order."""
+    if not params:
+        return torch.zeros(0, dtype=torch.float64)
+    return torch.cat([p.detach().sum(dtype=torch.float64).reshape(1) for _, p in params]).cpu()
+
+
+def differing(gathered: list[torch.Tensor], params: list[tuple[str, torch.Tensor]]) -> str | None:
+    """The first parameter whose sum differs between ranks, named; None when every rank agrees."""
+    first = gathered[0]
+    for other in gathered[1:]:
+        if other.shape != first.shape:
+            return f"the ranks track different parameters ({first.numel()} vs {other.numel()} tensors)"
+        diff = (other != first).nonzero()
+        if diff.numel():
+            i = int(diff[0])
+            return f"{params[i][0]} (sum {first[i].item():.6g} on rank 0, {other[i].item():.6g} on another rank)"
+    return None

@@ -6,13 +6,14 @@ import re
 from pathlib import Path
 
 from kchain.errors import SpecError
+from kchain.spec import ACCELERATORS, NAME_MAX, NAME_MIN
 
 JOB_YAML = """\
 # {name}: written by `kchain init`. Every key below is optional except name and code.
 #   kchain smoke {folder}/job.yaml    # proves checkpoint + exact resume on this CPU, in seconds
 #   kchain push {folder}/job.yaml     # a GPU session on Kaggle (after a smoke pass)
 #   kchain continue {folder}/job.yaml # the next session, from the last checkpoint
-name: {name}           # the Kaggle kernel's slug: 5-50 lowercase letters, digits, dashes
+name: {name}           # the Kaggle kernel's slug: {name_min}-{name_max} lowercase letters, digits, single dashes
 code: train.py         # a file or a folder (then train.py in it); main(run) is the entry
 params:                # anything: main reads run.params.<key>; change one and the resume says so
   steps: 600           # optimizer steps of the whole run (all sessions together)
@@ -22,7 +23,7 @@ params:                # anything: main reads run.params.<key>; change one and t
   batch: 64
   eval_every: 100
 kaggle:
-  accelerator: gpu     # none | gpu | tpu
+  accelerator: gpu     # {accelerators} (gpu: Kaggle's T4 x2)
   internet: false      # the runtime needs no internet
   private: true
   datasets: []         # attached inputs, owner/slug[/version]; read them with run.input("slug")
@@ -33,6 +34,7 @@ train:
   session_limit: 12h     # Kaggle's cap; the run saves and stops `margin` before it
   margin: 15m
   precision: auto        # auto (bf16 on Ampere+, fp16 on a T4) | fp32 | bf16 | fp16
+  gpus: auto             # one rank per visible GPU (2 on Kaggle); train.py's run.wrap keeps them one model
 smoke:
   fraction: 0.02         # share of the data the smoke run uses (run.subset)
   steps: 2               # steps before the kill; as many again after the resume
@@ -73,7 +75,9 @@ def main(run):
     run.check(batch=train[:8], x_shape=(None, 16), num_classes=4,   # shape/label bugs stop here
               splits={{"train": data["x_train"], "val": data["x_val"]}})
 
-    model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Dropout(0.1), nn.Linear(64, 4)).to(run.device)
+    # run.wrap: on run.device, and in DistributedDataParallel when train.gpus gives 2 ranks (Kaggle's
+    # two T4s), so both ranks train one model; .to(run.device) alone would train two that drift apart.
+    model = run.wrap(nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Dropout(0.1), nn.Linear(64, 4)))
     optimizer = torch.optim.AdamW(model.parameters(), lr=p.lr)
     trainer = run.optimize(optimizer)                    # tracked, with the GradScaler fp16 needs
     run.track(model=model)                               # everything else the checkpoint holds
@@ -96,9 +100,15 @@ def main(run):
 
 
 def slug_for(folder: Path) -> str:
-    """A kernel slug from the folder name (5-50 lowercase letters, digits and dashes)."""
+    """A job name spec accepts, from the folder name: NAME_MIN-NAME_MAX lowercase letters, digits, single dashes."""
     name = re.sub(r"[^a-z0-9]+", "-", folder.resolve().name.lower()).strip("-") or "my-job"
-    return (name if len(name) >= 5 else f"{name}-job")[:50].strip("-")
+    return (name if len(name) >= NAME_MIN else f"{name}-job")[:NAME_MAX].strip("-")
+
+
+def render(template: str, name: str, folder: Path) -> str:
+    """A skeleton file's text; the job.yaml's comments state the limits spec.py enforces."""
+    return template.format(name=name, folder=folder, name_min=NAME_MIN, name_max=NAME_MAX,
+                           accelerators=" | ".join(ACCELERATORS))
 
 
 def init_job(folder: Path) -> list[Path]:
@@ -110,5 +120,5 @@ def init_job(folder: Path) -> list[Path]:
     folder.mkdir(parents=True, exist_ok=True)
     name = slug_for(folder)
     for path, text in files.items():
-        path.write_text(text.format(name=name, folder=folder))
+        path.write_text(render(text, name, folder))
     return list(files)

@@ -36,6 +36,8 @@ NAME_MIN, NAME_MAX = 5, MAX_NAME
 DATASET_SLUG_MIN, DATASET_SLUG_MAX = 3, 50  # Kaggle's documented range for an existing dataset
 OWNER_MAX = 50
 COMPETITION_MAX = 100
+# What kaggle.accelerator may be; KaggleSpec's type also names tpu, so that its refusal can say why.
+ACCELERATORS = ("none", "gpu")
 # A job file is a few hundred bytes; these bound what a hostile or broken one can cost.
 MAX_JOB_BYTES = 256 * 1024
 MAX_DEPTH = 50  # nesting levels, counted after aliases are expanded
@@ -92,7 +94,7 @@ class KaggleSpec(_Strict):
     @field_validator("accelerator")
     @classmethod
     def _accelerator(cls, value: str) -> str:
-        if value == "tpu":
+        if value not in ACCELERATORS:
             raise ValueError("the runtime does not support TPUs yet; use gpu or none")
         return value
 
@@ -184,6 +186,9 @@ class TrainSpec(_Strict):
 class SmokeSpec(_Strict):
     fraction: float = Field(default=settings.SMOKE_FRACTION, gt=0, le=1)
     steps: int = Field(default=settings.SMOKE_STEPS, ge=1, le=50)
+    # Params the smoke runs with instead of the job's (a smaller model, a short evaluation); the
+    # notebook is the same, the runtime applies them only under `kchain smoke`.
+    params: dict[str, Any] = Field(default_factory=dict)
 
 
 class BudgetSpec(_Strict):
@@ -607,5 +612,6 @@ def runtime_config(job: Job) -> dict[str, Any]:
             "gpus": job.train.gpus,
             "micro_batch": job.train.micro_batch,
         },
-        "smoke": {"fraction": job.smoke.fraction, "steps": job.smoke.steps},
+        "smoke": {"fraction": job.smoke.fraction, "steps": job.smoke.steps,
+                  **({"params": job.smoke.params} if job.smoke.params else {})},
     }

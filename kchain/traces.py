@@ -57,6 +57,14 @@ def compare_traces(
     return rows, first
 
 
+# A batch drawn in the step before: the resumed process draws its first one before the checkpoint is
+# restored (run.steps restores it), so that step trains on another batch than the uninterrupted run.
+PREFETCH = (
+    "a batch is fetched in the step before the one that trains on it (a prefetch like nanoGPT's "
+    "`x, y = get_batch()` at the end of the step): fetch each batch at the start of its step instead"
+)
+
+
 def likely_cause(first: tuple[int, str], resume_step: int, not_exact: list[str] | None = None) -> str:
     """The state most likely missing from the checkpoint, from where the traces first part."""
     step, key = first
@@ -68,12 +76,13 @@ def likely_cause(first: tuple[int, str], resume_step: int, not_exact: list[str] 
         return "only validation differs: validation uses randomness that is not seeded or tracked"
     if step == resume_step + 1:
         return (
-            "the first step after the resume differs: the data order is not from run.loader, or a "
-            "generator or RNG the model uses is not in run.track"
+            "the first step after the resume differs: the data order is not from run.loader, a generator "
+            f"or RNG the model uses is not in run.track, or {PREFETCH}"
         )
+    # With accumulation a prefetched batch is the step's first micro-batch, not the one whose loss is logged.
     return (
         "the first resumed step matches but later ones drift: optimizer, LR scheduler or GradScaler "
-        "state is not in run.track (run.optimize tracks the optimizer for you)"
+        f"state is not in run.track (run.optimize tracks the optimizer for you), or {PREFETCH}"
     )
 
 

@@ -1,6 +1,13 @@
 """`kchain init`: the skeleton smoke-passes as written, and nothing is ever overwritten."""
 
+import re
+from typing import get_args
+
+import yaml
 from helpers import error_line, invoke
+
+from kchain.errors import SpecError
+from kchain.spec import KaggleSpec, load_job
 
 
 def test_init_writes_a_job_that_smoke_passes_and_refuses_to_overwrite(tmp_path):
@@ -23,3 +30,31 @@ def test_init_writes_a_job_that_smoke_passes_and_refuses_to_overwrite(tmp_path):
         "choose an empty folder"
     )
     assert (folder / "train.py").read_text() == before
+
+
+def test_the_skeletons_comments_state_the_limits_spec_enforces(tmp_path):
+    folder = tmp_path / ("a-folder-name-" * 5)  # longer than any job name may be
+    assert invoke("init", folder).exit_code == 0
+    text = (folder / "job.yaml").read_text()
+    lines = text.splitlines()
+    name_line = next(line for line in lines if line.startswith("name: "))
+    accelerator_line = next(line for line in lines if line.strip().startswith("accelerator: "))
+    data = yaml.safe_load(text)
+
+    def loads(name: str | None = None, accelerator: str | None = None) -> bool:
+        """Whether spec accepts the skeleton's job.yaml with this name or accelerator instead."""
+        job = {**data, "name": name or data["name"],
+               "kaggle": {**data["kaggle"], "accelerator": accelerator or data["kaggle"]["accelerator"]}}
+        (folder / "probe.yaml").write_text(yaml.safe_dump(job))
+        try:
+            load_job(folder / "probe.yaml")
+        except SpecError:
+            return False
+        return True
+
+    assert loads()  # the name made from the long folder name is one spec accepts
+    low, high = map(int, re.search(r"slug: (\d+)-(\d+) lowercase", name_line).groups())
+    assert [loads(name="a" * n) for n in (low - 1, low, high, high + 1)] == [False, True, True, False]
+    listed = accelerator_line.split("# ")[1].split(" (")[0].split(" | ")
+    for value in get_args(KaggleSpec.model_fields["accelerator"].annotation):
+        assert (value in listed) == loads(accelerator=value), value

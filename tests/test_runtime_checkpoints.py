@@ -7,14 +7,17 @@ Session deaths are real SIGKILLs and the file-size limit is a real RLIMIT_FSIZE 
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
+import random
 import resource
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -216,16 +219,51 @@ def test_make_room_prunes_the_oldest_first_and_refuses_in_one_line(tmp_path, mon
 
 def test_a_state_two_copies_of_which_cannot_fit_is_refused_at_the_first_save(tmp_path, monkeypatch, capsys):
     run = make_run(tmp_path)
-    run.track(model=nn.Linear(100, 100))  # 40 KB of weights + 8 KB of RNG states
+    run.track(model=nn.Linear(100, 100))  # 40 KB of weights + 12 KB of RNG states, pickled ints counted
     monkeypatch.setattr(shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10**9, 0, 50_000))
     with pytest.raises(CheckpointTooLarge) as e:
         run.save(1)
-    assert str(e.value).startswith("checkpoint needs 48 KB, and two must fit while one is written (96 KB), but ")
+    assert str(e.value).startswith("checkpoint needs 52 KB, and two must fit while one is written (0.1 MB), but ")
     assert "has 50 KB for checkpoints: free disk space" in str(e.value)
     monkeypatch.undo()
     run.save(1)
     run.close()
-    assert "checkpoint plan: 48 KB per checkpoint, keep 2 + 1 being written = 0.1 MB" in capsys.readouterr().out
+    assert "checkpoint plan: 52 KB per checkpoint, keep 2 + 1 being written = 0.2 MB" in capsys.readouterr().out
+
+
+class DataOrder:
+    """State that is mostly Python objects and a numpy array: a data order, a vocabulary, counts."""
+
+    def __init__(self):
+        self.order = list(range(300_000))  # ~1.4 MB pickled, no tensor in it
+        self.vocab = {f"word-{i}": i for i in range(20_000)}
+        self.counts = np.arange(50_000, dtype=np.int64)  # 400 KB
+
+    def state_dict(self):
+        return {"order": self.order, "vocab": self.vocab, "counts": self.counts}
+
+    def load_state_dict(self, state):
+        self.order, self.vocab, self.counts = state["order"], state["vocab"], state["counts"]
+
+
+def test_the_size_estimate_counts_what_is_not_tensors():
+    model = nn.Linear(100, 100)
+    state = {"model": model.state_dict(), "tied": model.weight, "data": DataOrder().state_dict(),
+             "rng": (random.getstate(), np.random.get_state(), torch.get_rng_state())}
+    written = io.BytesIO()
+    torch.save(state, written)
+    assert 0.95 < checkpoint.state_bytes(state) / len(written.getvalue()) < 1.05
+
+
+def test_the_checkpoint_plan_states_the_size_of_a_mostly_python_state(tmp_path, capsys):
+    run = make_run(tmp_path)
+    run.track(model=nn.Linear(4, 4), data=DataOrder())
+    run.save(1)
+    run.close()
+    said = next(line for line in capsys.readouterr().out.splitlines() if "checkpoint plan: " in line)
+    planned = float(said.split("checkpoint plan: ")[1].split(" MB per checkpoint")[0]) * 1e6
+    written = (run.checkpoints / layout.checkpoint_name(1) / layout.STATE_FILE).stat().st_size
+    assert 0.9 < planned / written < 1.1, said
 
 
 # --- one pass over state.pt: hashed as written, hashed as read ---------------------------------

@@ -146,7 +146,7 @@ def test_no_run_steps_says_no_checkpoint_was_written(tmp_path):
 def test_plain_dataloader_is_named_and_does_not_resume_exactly(tmp_path):
     ref, got, end, out = kill_and_resume(tmp_path, "plain_loader", {"steps": 16}, kill=11)
     assert max_diff(got, ref) > 0.0  # the control: a hand-built loader restarts its order
-    assert end["not_exact"] == [f"{PLAIN_LOADER_NOTE} (pass it to run.loader(...) to keep its place)"]
+    assert end["not_exact"] == [f"{PLAIN_LOADER_NOTE}: `dl` (a DataLoader over NoisyRows, batch_size 4) (pass it to run.loader(...) to keep its place; one used only for evaluation does not change the resume)"]
     assert f"not exact on resume: {PLAIN_LOADER_NOTE}" in out
 
 

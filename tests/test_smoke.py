@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 from helpers import JOBS, copy_job, error_line, invoke
 
+from kchain import traces
 from kchain.ledger import Ledger
 from kchain.runtime.launch import GATE_NOTE
 from kchain.smoke import KILLED_LINE
@@ -118,6 +119,22 @@ def test_an_untracked_batch_generator_fails_the_resume_check(tmp_path):
     assert result.exit_code == 3, result.output
     assert "ResumeMismatch" in error_line(result)
     assert "the data order is not from run.loader" in result.output
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])  # 2: the first resumed step's logged loss still matches
+def test_a_batch_prefetched_in_the_previous_step_fails_the_resume_check_naming_the_prefetch(tmp_path, accumulate):
+    """nanoGPT's loop: the next batch is fetched at the end of the step (the first one before the loop)."""
+    path = copy_job("tinygpt", tmp_path, params={"accumulate": accumulate})
+    mutate(path, "            x, y = next_batch()\n            with run.autocast():\n"
+                 "                loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())\n",
+           "            with run.autocast():\n"
+           "                loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())\n"
+           "            x, y = next_batch()\n")
+    result = invoke("smoke", path)
+    assert result.exit_code == 3, result.output
+    assert "ResumeMismatch" in error_line(result)
+    first = "the first step after the resume differs" if accumulate == 1 else "later ones drift"
+    assert first in result.output and traces.PREFETCH in result.output
 
 
 def test_a_passing_smoke_is_not_a_pass_for_changed_code(tmp_path):

@@ -44,7 +44,7 @@ def test_a_hand_built_dataloader_fails_the_smoke_naming_it(tmp_path):
     result = invoke("smoke", loop_job(tmp_path, "plain_loader"), "--quiet")
     assert result.exit_code == 3, result.output
     assert "ResumeMismatch" in error_line(result)
-    assert f"  hint: {PLAIN_LOADER_NOTE} (pass it to run.loader(...) to keep its place)" in result.output
+    assert f"  hint: {PLAIN_LOADER_NOTE}: `dl` (a DataLoader over NoisyRows, batch_size 4) (pass it to run.loader(...) to keep its place; one used only for evaluation does not change the resume)" in result.output
 
 
 def test_a_loop_without_run_steps_fails_the_smoke_saying_so(tmp_path):

@@ -88,8 +88,9 @@ def main(run):
     train = torch.from_numpy(np.array(data["train"]).reshape(-1))
     val = torch.from_numpy(np.array(data["val"]).reshape(-1))
 
-    # Batches are random windows of the training stream, drawn from a generator the checkpoint holds.
-    batches = torch.Generator().manual_seed(p.seed)
+    # Batches are random windows of the training stream, drawn from a generator the checkpoint holds
+    # (one per rank: with 2 ranks each draws its own windows, and DDP averages their gradients).
+    batches = torch.Generator().manual_seed(p.seed + run.rank)
     run.track(batches=batches)
 
     def next_batch():
@@ -101,7 +102,8 @@ def main(run):
     run.check(batch=(x, y), x_dtype=torch.int64, num_classes=vocab_size,
               splits={"train": data["train"], "val": data["val"]})
 
-    model = TinyGPT(vocab_size, p.block, p.d_model, p.n_layer, p.n_head, p.dropout).to(run.device)
+    # On run.device; in DistributedDataParallel when train.gpus gives the job several ranks.
+    model = run.wrap(TinyGPT(vocab_size, p.block, p.d_model, p.n_layer, p.n_head, p.dropout))
     optimizer = torch.optim.AdamW(model.parameters(), lr=p.lr, weight_decay=0.01)
     warmup = max(1, p.steps // 20)
     schedule = torch.optim.lr_scheduler.LambdaLR(

@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from . import death, layout
+from .publishplan import state_bytes  # the checkpoint size estimate, one for the runtime and the publish
 
 HASH_CHUNK = 1 << 20  # 1 MiB reads: checkpoints can be gigabytes
 # Blocks torch.save writes from this size up are hashed in a second thread while they go to the
@@ -39,7 +40,7 @@ SYNC_EVERY = 8 << 20  # bytes of state.pt between background syncs while it is w
 # How deep to look inside one of kchain's own state datasets: <mount>/kchain/checkpoints/step-N/
 # is 3 levels. Other people's datasets are never walked (see _in_mount).
 SEARCH_DEPTH = 5
-WRITE_SLACK = 1.05  # a checkpoint file is its tensors plus a little pickle and zip overhead
+WRITE_SLACK = 1.05  # a checkpoint file is state_bytes plus a little zip overhead (64-byte record alignment)
 
 
 class ResumeError(Exception):
@@ -133,31 +134,6 @@ class Snapshotter:
         if type(obj) in (list, tuple):
             return type(obj)(self.take(v, (*path, i)) for i, v in enumerate(obj))
         return copy.deepcopy(obj)
-
-
-def state_bytes(obj) -> int:
-    """Bytes of tensor data in a nested state (each storage once): the checkpoint's size, nearly."""
-    seen: set = set()
-    total = 0
-
-    def walk(o):
-        nonlocal total
-        if isinstance(o, torch.Tensor):
-            key = (o.device, o.untyped_storage().data_ptr())
-            if key not in seen:
-                seen.add(key)
-                total += o.untyped_storage().nbytes()
-        elif isinstance(o, dict):
-            for v in o.values():
-                walk(v)
-        elif isinstance(o, (list, tuple)):
-            for v in o:
-                walk(v)
-        elif isinstance(o, np.ndarray):
-            total += o.nbytes
-
-    walk(obj)
-    return total
 
 
 def available_ram() -> int | None:

@@ -45,10 +45,12 @@ def unsynced(optimizers: list[torch.optim.Optimizer], modules: dict[str, torch.n
     `optimizers` are the ones kchain knows (tracked or run.optimize'd); every live optimizer and DDP
     module is found too (one pass over the collector's objects), so an untracked optimizer or a DDP
     built by hand counts as well."""
+    # type(o), not isinstance: isinstance reads __class__, which some torch objects warn on.
     found = gc.get_objects()
-    optimizers = list({id(o): o for o in [*optimizers, *(o for o in found if isinstance(o, torch.optim.Optimizer))]}.values())
-    synced = {id(p) for o in found if isinstance(o, DistributedDataParallel) for p in o.module.parameters()}
+    live = [o for o in found if issubclass(type(o), torch.optim.Optimizer)]
+    synced = {id(p) for o in found if issubclass(type(o), DistributedDataParallel) for p in o.module.parameters()}
     del found
+    optimizers = list({id(o): o for o in [*optimizers, *live]}.values())
     for opt in optimizers:
         for group in opt.param_groups:
             for p in group["params"]:
@@ -83,7 +85,8 @@ def differing(gathered: list[torch.Tensor], params: list[tuple[str, torch.Tensor
     for other in gathered[1:]:
         if other.shape != first.shape:
             return f"the ranks track different parameters ({first.numel()} vs {other.numel()} tensors)"
-        diff = (other != first).nonzero()
+        both_nan = other.isnan() & first.isnan()  # a nan on every rank is the same model (a nan loss says so)
+        diff = ((other != first) & ~both_nan).nonzero()
         if diff.numel():
             i = int(diff[0])
             return f"{params[i][0]} (sum {first[i].item():.6g} on rank 0, {other[i].item():.6g} on another rank)"

@@ -11,13 +11,15 @@ from torch import nn
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler, WeightedRandomSampler
 
 
-def _model(p):
+def _model(run, p):
+    """The classifier, through run.wrap: on run.device, in DDP under several ranks."""
     torch.manual_seed(p.get("seed", 0))
-    return nn.Sequential(nn.Linear(N_FEATURES, 16), nn.ReLU(), nn.Dropout(0.2), nn.Linear(16, N_CLASSES))
+    return run.wrap(nn.Sequential(nn.Linear(N_FEATURES, 16), nn.ReLU(), nn.Dropout(0.2), nn.Linear(16, N_CLASSES)))
 
 
 def _step(model, trainer, batch) -> float:
-    x, y = batch
+    device = next(model.parameters()).device
+    x, y = (t.to(device) for t in batch)
     loss = F.cross_entropy(model(x), y)
     trainer.backward(loss)
     trainer.step()
@@ -26,7 +28,7 @@ def _step(model, trainer, batch) -> float:
 
 def _basic(run, **loader_kw):
     p = run.params
-    model = _model(p)
+    model = _model(run, p)
     trainer = run.optimize(torch.optim.Adam(model.parameters(), lr=0.01))
     run.track(model=model)
     data = NoisyRows(p.get("rows", 40))
@@ -92,7 +94,7 @@ def iterable(run):
 def gan(run):
     """Two models, two optimizers, two schedulers: names derived (optimizer, optimizer2)."""
     p = run.params
-    a, b = _model(p), _model({"seed": 1})
+    a, b = _model(run, p), _model(run, {"seed": 1})
     ta = run.optimize(torch.optim.Adam(a.parameters(), lr=0.01))
     tb = run.optimize(torch.optim.SGD(b.parameters(), lr=0.05, momentum=0.9))
     sa = torch.optim.lr_scheduler.StepLR(ta.optimizer, 2, 0.7)
@@ -134,7 +136,7 @@ def noloop(run):
 def plain_loader(run):
     """A DataLoader built by hand: its order restarts on resume."""
     p = run.params
-    model = _model(p)
+    model = _model(run, p)
     trainer = run.optimize(torch.optim.Adam(model.parameters(), lr=0.01))
     run.track(model=model)
     dl = DataLoader(NoisyRows(p.get("rows", 40)), batch_size=4, shuffle=True)

@@ -33,9 +33,9 @@ def main(run):
     p = run.params
     torch.manual_seed(p.get("seed", 0))
     data = NoisyRows(p.get("rows", 96))
-    model = nn.Sequential(
+    model = run.wrap(nn.Sequential(  # on run.device; DDP under several ranks
         nn.Linear(N_FEATURES, p.d_model), nn.ReLU(), nn.Dropout(p.get("dropout", 0.2)), nn.Linear(p.d_model, N_CLASSES)
-    )
+    ))
     opt = torch.optim.Adam(model.parameters(), lr=p.get("lr", 1e-2))
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.8)
     trainer = run.optimize(opt, accumulate=p.get("accumulate", 2), clip=1.0, track=p.get("track_optimizer", True))
@@ -46,7 +46,7 @@ def main(run):
         model.train()
         total = 0.0
         for _ in range(trainer.accumulate):
-            x, y = next(loader)
+            x, y = (t.to(run.device) for t in next(loader))
             with run.autocast():
                 loss = F.cross_entropy(model(x), y)
             trainer.backward(loss)
@@ -59,4 +59,4 @@ def main(run):
         if run.every(p.get("val_every", 5)):
             model.eval()
             with torch.no_grad():
-                run.log(val_loss=F.cross_entropy(model(data.x), data.y).item())
+                run.log(val_loss=F.cross_entropy(model(data.x.to(run.device)), data.y.to(run.device)).item())

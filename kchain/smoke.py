@@ -25,6 +25,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -172,6 +173,13 @@ class Prepared:
     render_s: float
     t_start: float
     ranks: int = 1
+    tmp_dirs: list[Path] = field(default_factory=list)  # each session's own temp dir, removed at the end
+
+    def session_tmp(self) -> dict[str, str]:
+        """A temp dir of its own, as every Kaggle session starts with an empty /tmp (short: DataLoader
+        workers make Unix sockets there)."""
+        self.tmp_dirs.append(Path(tempfile.mkdtemp(prefix="kc-s-")))
+        return {"TMPDIR": str(self.tmp_dirs[-1])}
 
     @property
     def steps(self) -> int:
@@ -186,13 +194,17 @@ def smoke(job_path: Path, echo: Echo = print, quiet_training: bool = False, down
     instead of the one the job gets on Kaggle (--ranks)."""
     prep = prepare(job_path, echo, download, sets or {}, ranks_asked)
     show = None if quiet_training else echo
-    reference, killed, held = train(prep, echo, show)
     try:
-        failure = stopped_right(prep, killed.until_killed())
-        resumed = resume(prep, killed, held, echo) if failure is None else None
+        reference, killed, held = train(prep, echo, show)
+        try:
+            failure = stopped_right(prep, killed.until_killed())
+            resumed = resume(prep, killed, held, echo) if failure is None else None
+        finally:
+            held.cancel()  # nothing to resume (or an error here): the held notebook leaves untouched
+        report = judge(prep, reference.wait(), killed.wait(), resumed, failure, echo)
     finally:
-        held.cancel()  # nothing to resume (or an error here): the held notebook leaves untouched
-    report = judge(prep, reference.wait(), killed.wait(), resumed, failure, echo)
+        for tmp in prep.tmp_dirs:
+            shutil.rmtree(tmp, ignore_errors=True)
     return record(prep, report, killed, resumed, echo)
 
 
@@ -251,8 +263,9 @@ def train(prep: Prepared, echo: Echo, show: Echo | None) -> tuple[Child, Child, 
     reference = Child("reference", prep.work / "reference").start(prep.notebook, prep.env, None)
     kill_env = {**prep.env, layout.FAULT_ENV: f"deadline_at_step={steps},kill_after_checkpoint=1",
                 layout.CHECKPOINT_EVERY_ENV: NO_CADENCE}
-    killed = Child("run", prep.work / "run").start(prep.notebook, kill_env, show)
-    held = Child("resume", prep.work / "resume", gate=prep.work / "resume.gate").start(prep.notebook, prep.env, show)
+    killed = Child("run", prep.work / "run").start(prep.notebook, {**kill_env, **prep.session_tmp()}, show)
+    held = Child("resume", prep.work / "resume", gate=prep.work / "resume.gate").start(
+        prep.notebook, {**prep.env, **prep.session_tmp()}, show)
     return reference, killed, held
 
 

@@ -26,6 +26,29 @@ FIX = ("wrap the model with `model = run.wrap(model)` before making the optimize
        "wrapped model for the forward pass (or set train.gpus: 1 to train on one GPU)")
 
 
+def _syncing() -> tuple[type, ...]:
+    """The wrappers that keep the ranks' parameters in step: DDP, and FSDP when torch has it."""
+    kinds: list[type] = [DistributedDataParallel]
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        kinds.append(FullyShardedDataParallel)
+    except ImportError:  # a torch built without distributed support
+        pass
+    return tuple(kinds)
+
+
+_SYNCING = _syncing()
+
+
+def sharded(params: list[tuple[str, torch.Tensor]]) -> bool:
+    """Parameters that differ per rank by design (FSDP's shards, DTensors): their sums are not compared.
+    One pass over the collector's objects: call it once per session."""
+    if any(type(p).__name__ in ("DTensor", "FlatParameter") for _, p in params):
+        return True
+    return any(issubclass(type(o), _SYNCING[1:]) for o in gc.get_objects()) if len(_SYNCING) > 1 else False
+
+
 class UnsyncedReplicas(RuntimeError):
     """The ranks would train (or trained) different models; the message names a parameter and the fix."""
 
@@ -48,7 +71,7 @@ def unsynced(optimizers: list[torch.optim.Optimizer], modules: dict[str, torch.n
     # type(o), not isinstance: isinstance reads __class__, which some torch objects warn on.
     found = gc.get_objects()
     live = [o for o in found if issubclass(type(o), torch.optim.Optimizer)]
-    synced = {id(p) for o in found if issubclass(type(o), DistributedDataParallel) for p in o.module.parameters()}
+    synced = {id(p) for o in found if issubclass(type(o), _SYNCING) for p in o.parameters()}
     del found
     optimizers = list({id(o): o for o in [*optimizers, *live]}.values())
     for opt in optimizers:

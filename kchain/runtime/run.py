@@ -235,6 +235,7 @@ class Run:
         self.not_exact: list[str] = []  # what a resume cannot restore exactly, one line each
         self._loaders: list[data.Loader] = []
         self._optimizers: list = []  # every optimizer run.optimize was given (tracked or not)
+        self._sharded: bool | None = None  # kchain ddp: FSDP or DTensor parameters (found once)
         self._scaled = False  # run.optimize made a GradScaler
         self._warned_fp16 = False
         self._metrics_file = None  # opened by the first run.log
@@ -665,10 +666,7 @@ class Run:
     def _begin_loop(self) -> None:
         self._loop_used = True
         self._note_plain_loaders()
-        if self.ranks.active:  # kchain ddp: one model over the ranks, or stop before the first step
-            line = replicas.unsynced(self._known_optimizers(), self._tracked_modules())
-            if line:
-                raise replicas.UnsyncedReplicas(line)
+        self._check_one_model()
         self._old_handlers = self._install_signals()
         self._loop_start = time.perf_counter()
         self._last_save = time.time()
@@ -689,10 +687,21 @@ class Run:
     def _tracked_modules(self) -> dict:
         return {n: o for n, o in self._tracked.items() if isinstance(o, torch.nn.Module)}
 
+    def _check_one_model(self) -> None:
+        """kchain ddp: before the first step, every parameter an optimizer steps is under DDP (else stop)."""
+        if self.ranks.active:
+            line = replicas.unsynced(self._known_optimizers(), self._tracked_modules())
+            if line:
+                raise replicas.UnsyncedReplicas(line)
+
     def _check_replicas(self, when: str) -> None:
         """kchain ddp: every rank holds the same trained parameters, or every rank stops here (one
         gather of a number per parameter tensor; see replicas.py)."""
         params = replicas.trained(self._known_optimizers(), self._tracked_modules())
+        if self._sharded is None:
+            self._sharded = replicas.sharded(params)
+        if self._sharded:
+            return  # FSDP / DTensor: each rank holds its own shard, equal sums are not expected
         line = replicas.differing(self.ranks.all_gather(replicas.fingerprint(params)), params)
         if line:
             raise replicas.UnsyncedReplicas(
@@ -994,6 +1003,7 @@ class Run:
         """
         self._restore()
         self._loop_used = True
+        self._check_one_model()
         return self.step
 
     def _find(self) -> tuple[list[tuple[Path, dict]], list[str]]:

@@ -1,0 +1,47 @@
+"""runtime/replicas.py without a Run: what trains outside DDP, and which parameter the ranks disagree on."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from kchain.runtime import replicas
+
+
+def test_an_optimizer_stepping_a_parameter_outside_ddp_is_named(tmp_path):
+    model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    line = replicas.unsynced([opt], {"model": model})
+    assert line is not None and line.startswith("SGD steps model.0.weight, which is not in DistributedDataParallel")
+    assert "model = run.wrap(model)" in line
+
+
+def test_parameters_under_ddp_and_frozen_ones_pass(tmp_path):
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        frozen = nn.Linear(3, 3).requires_grad_(False)  # a frozen base outside DDP trains nothing
+        model = nn.parallel.DistributedDataParallel(nn.Linear(3, 2))
+        opt = torch.optim.Adam([*model.parameters(), *frozen.parameters()], lr=0.1)
+        # An untracked optimizer is found too: here the one found steps only DDP's and frozen parameters.
+        assert replicas.unsynced([], {"model": model}) is None
+        assert replicas.unsynced([opt], {"model": model, "base": frozen}) is None
+    finally:
+        dist.destroy_process_group()
+
+
+def test_the_first_parameter_whose_sum_differs_is_named_and_a_nan_everywhere_agrees():
+    a, b = nn.Linear(3, 2), nn.Linear(3, 2)
+    b.load_state_dict(a.state_dict())
+    params = replicas.trained([torch.optim.SGD(a.parameters(), lr=0.1)], {"net": a})
+    twin = replicas.trained([torch.optim.SGD(b.parameters(), lr=0.1)], {"net": b})
+    assert replicas.differing([replicas.fingerprint(params), replicas.fingerprint(twin)], params) is None
+    with torch.no_grad():
+        b.bias[1] += 1e-6
+    line = replicas.differing([replicas.fingerprint(params), replicas.fingerprint(twin)], params)
+    assert line is not None and line.startswith("net.bias (sum ")
+    with torch.no_grad():
+        a.weight.fill_(float("nan"))
+        b.weight.fill_(float("nan"))
+        b.bias.copy_(a.bias)
+    assert replicas.differing([replicas.fingerprint(params), replicas.fingerprint(twin)], params) is None

@@ -507,3 +507,16 @@ def test_loader_workers_under_a_temp_dir_too_long_for_their_sockets_are_refused(
     import gc
 
     gc.collect()
+
+
+def test_a_consumer_that_reads_exactly_len_batches_gets_every_epoch_whole(tmp_path):
+    # Lightning's fit loop takes len(loader) batches an epoch and never asks for the end: each new
+    # pass must be the next epoch, not the empty rest of the last one (half the epochs were empty).
+    run = make_run(tmp_path)
+    lo = run.loader(TensorDataset(torch.arange(12)), batch_size=4, shuffle=False)
+    epochs = []
+    for _ in range(3):
+        it = iter(lo)
+        epochs.append([next(it)[0].tolist() for _ in range(len(lo))])
+    assert epochs == [[[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]] * 3 and lo.epoch == 2
+    run.close()

@@ -276,6 +276,12 @@ class Loader:
 
     def __iter__(self):
         run = self.run
+        if run is None and self._epoch_done():
+            # A consumer that reads exactly len(loader) batches and stops (Lightning's fit loop, a
+            # `for i, b in zip(range(len(loader)), loader)`) never asks for the end: a new pass is
+            # the next epoch, not the empty rest of the last one. (Under run.epochs the end is asked
+            # for, and a resume at an epoch's last batch must give that epoch's code its turn.)
+            self._next_epoch()
         while True:
             if run is not None and not run._may_start_step():
                 if not run._stop_reason:

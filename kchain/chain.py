@@ -137,12 +137,27 @@ def ready_state(client: KaggleClient, job: Job, owner: str, chain: list[dict[str
         # Nothing new survived: the newest ready version is the last one a session published.
         earlier = [s["publish"]["step"] for s in chain[:-1] if (s.get("publish") or {}).get("step") is not None]
         facts["step"] = max(earlier, default=0)
-        reached = last.get("step") or _heartbeat_step(last.get("heartbeat")) or facts["step"]
-        facts["steps_lost"] = max(0, reached - facts["step"])
+        facts["steps_lost"], lost = steps_lost(last, facts["step"])
         echo(f"  session {last['session']} left no checkpoint: resuming from step {facts['step']} "
-             f"(state version {facts['version']}); {facts['steps_lost']} steps lost")
+             f"(state version {facts['version']}); {lost}")
+    elif facts.get("step") is not None:
+        facts["steps_lost"], lost = steps_lost(last, facts["step"])
+        if facts["steps_lost"]:  # e.g. killed between two saves
+            echo(f"  session {last['session']} trained past its newest checkpoint (step {facts['step']}): {lost}")
     facts["resumes_at"] = facts["step"] or 0
     return facts
+
+
+def steps_lost(record: dict[str, Any], saved: int) -> tuple[int | None, str]:
+    """How many steps a session trained past `saved` (the step the chain goes on from), and how to
+    say it: exact from its summary, at least as many as its last heartbeat shows, or unknown."""
+    reached = (record.get("summary") or {}).get("step")
+    if isinstance(reached, int):
+        return max(0, reached - saved), f"{max(0, reached - saved)} steps lost"
+    beat = _heartbeat_step(record.get("heartbeat"))
+    if beat is not None:
+        return max(0, beat - saved), f"at least {max(0, beat - saved)} steps lost (its last heartbeat: step {beat})"
+    return None, "an unknown number of steps lost (no summary or heartbeat says how far it got)"
 
 
 def _heartbeat_step(line: str | None) -> int | None:

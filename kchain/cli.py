@@ -275,21 +275,28 @@ def plot(job: Path, out: Path | None) -> None:
 @click.option("--session-limit", type=Seconds(1.0, 12 * 3600.0), default=20.0, show_default=True,
               help="Seconds per emulated session (longer when session 1 shows the chain would need many).")
 @click.option("--kills", type=click.IntRange(0, 100), default=1, show_default=True,
-              help="Sessions killed (a SIGKILL once they trained a step), exactly.")
+              help="Sessions killed (a SIGKILL once they saved a checkpoint past their resume), exactly.")
+@click.option("--ranks", type=click.IntRange(1, 2), default=None,
+              help="Ranks per session and in the uninterrupted run (default: as many as the job gets on Kaggle, "
+                   "as gloo ranks on the CPU).")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--set", "sets", multiple=True, metavar="NAME=VALUE", help="Override a param, e.g. --set steps=300.")
 @click.option("--faults", "fault_spec", default="", metavar="SPEC",
               help="A flaky Kaggle, rates per call: e.g. 429=0.15,500=0.10,lost_answer=0.1,drop_upload=0.1.")
 @click.option("--strict/--lenient", default=True, show_default=True,
               help="Kaggle's strict behaviour (403s, lagging versions, ignored pins, lost output) or a kind one.")
-def rehearse(job: Path, session_limit: float, kills: int, seed: int, sets: tuple[str, ...], fault_spec: str,
-             strict: bool) -> None:
+def rehearse(job: Path, session_limit: float, kills: int, ranks: int | None, seed: int, sets: tuple[str, ...],
+             fault_spec: str, strict: bool) -> None:
     """The whole chain on this machine against a local Kaggle, compared with one uninterrupted run.
+
+    It passes only when the traces are identical, a session resumed from a saved state, the kills
+    asked for happened, and the chain trained every step it asked for.
 
     \b
     Example:
       kchain rehearse jobs/tinygpt/job.yaml --set steps=300
       kchain rehearse jobs/tinygpt/job.yaml --set steps=300 --faults 429=0.15,500=0.10 --kills 2
+      kchain rehearse jobs/tinygpt/job.yaml --set steps=300 --ranks 1
     """
     from kchain.errors import KchainError
     from kchain.rehearse import emulator_switches, parse_fault_spec, parse_sets
@@ -297,8 +304,8 @@ def rehearse(job: Path, session_limit: float, kills: int, seed: int, sets: tuple
 
     result = run_rehearse(job, session_limit_s=session_limit, kills=kills, seed=seed, params=parse_sets(sets),
                           faults=parse_fault_spec(fault_spec, seed), switches=emulator_switches(strict),
-                          echo=click.echo)
-    if not result.identical:
+                          echo=click.echo, ranks=ranks)
+    if not result.passed:
         raise KchainError(f"rehearsal: the chained run {result.verdict}")
 
 

@@ -14,6 +14,8 @@ calls `decide`, then performs the decision (`chain.act`). The table, first match
   crashed or hung, the same error as before       -> stop: fix the code
   crashed or hung, the same code, no --retry      -> stop: fix it, or --retry
   ended, but its output could not be fetched      -> refetch (then decide again)
+  two sessions in a row saved no step past the    -> stop: no progress; raise the margin or save
+    one they resumed at, same code, no --retry         more often, or --retry
   code that never passed a smoke run              -> stop unless --skip-smoke
   otherwise (deadline, killed, timed out, ...)    -> push the next session from the newest state
 """
@@ -69,6 +71,9 @@ def decide(now: Situation, job_file: Path, retry: bool = False, skip_smoke: bool
         return decision
     if last["status"] in TERMINAL and not last.get("output") and last.get("output_error") and not output_settled:
         return Decision("refetch", f"the output of session {last['session']} could not be fetched", last)
+    decision = _without_progress(now.chain, fingerprint, job_file, retry)
+    if decision is not None:
+        return decision
     if not now.smoked(fingerprint) and not skip_smoke:
         return _stop(NotSmoked.for_job(job_file))
     return Decision("push", f"push session {last['session'] + 1} from the newest state", last)
@@ -135,6 +140,42 @@ def _after_crash(chain: list[dict[str, Any]], fingerprint: str, job_file: Path, 
             f"fix the code and run `kchain smoke {job_file}`, or pass --retry to run it again as it is"
         ))
     return None
+
+
+def _without_progress(chain: list[dict[str, Any]], fingerprint: str, job_file: Path,
+                      retry: bool) -> Decision | None:
+    """Two sessions in a row saved no step past the one they resumed at: the next would lose its
+    work the same way (stopped before its first save, its output lost to an overrun), quota and all."""
+    if len(chain) < 2 or retry or fingerprint != chain[-1].get("fingerprint"):
+        return None
+    before, last = chain[-2], chain[-1]
+    step = last.get("resumes_at") or 0
+    if step > (before.get("resumes_at") or 0) or (saved_step(last) or 0) > step:
+        return None
+    summary = last.get("summary") or {}
+    if summary.get("status"):
+        how = f"session {last['session']} ended {summary['status']} at step {summary.get('step')}"
+    else:
+        how = f"session {last['session']}: {last.get('failure_message') or last['status']}"
+    return _stop(ChainStop(
+        f"no progress: sessions {before['session']} and {last['session']} both ended without saving a step past "
+        f"{step} ({how}), and the next would lose its work the same way: raise train.session_limit or "
+        "train.margin so a session saves before it is stopped, or save more often (train.checkpoint_every), then "
+        f"run `kchain continue {job_file}`, or pass --retry to push one more session as it is"
+    ))
+
+
+def saved_step(record: dict[str, Any]) -> int | None:
+    """The step of the newest checkpoint a session left: the state published from it, else what its
+    downloaded output holds, else the checkpoint its summary names (which may be the one it resumed)."""
+    publish = record.get("publish") or {}
+    if publish.get("published") and publish.get("step") is not None:
+        return int(publish["step"])
+    if "saved_step" in record:
+        return record["saved_step"]
+    name = Path((record.get("summary") or {}).get("checkpoint") or "").name
+    number = name.removeprefix(layout.CHECKPOINT_PREFIX)
+    return int(number) if name != number and number.isdigit() else None
 
 
 def crash_of(record: dict[str, Any]) -> dict[str, Any] | None:

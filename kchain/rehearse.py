@@ -1,9 +1,11 @@
 """`kchain rehearse`: the whole chain on this machine, against the local Kaggle, before any quota.
 
 The job is pushed to a private emulator with a short session limit (the runtime's deadline guard is
-set from it, as on Kaggle), chosen sessions are killed once they trained a step, and `continue` chains
-session after session until training is done. Beside it, the same notebook runs once,
-uninterrupted. The two metrics traces are compared step by step.
+set from it, as on Kaggle), chosen sessions are killed once they saved a checkpoint past where they
+resumed, and `continue` chains session after session until training is done. Sessions and the
+uninterrupted run beside them get the ranks the job gets on Kaggle. The two metrics traces are
+compared step by step; the verdict is a pass only when they match, a session really resumed, the
+kills asked for happened and the chain trained every step it asked for.
 """
 
 from __future__ import annotations
@@ -25,27 +27,30 @@ from kchain import sessions as sess
 from kchain.chain import watch
 from kchain.datasets import wait_ready, write_dataset_metadata
 from kchain.emulator import Emulator, Faults
+from kchain.emulator.sessions import CHECKPOINT_KILL, kill_tree
 from kchain.emulator.switches import Switches
-from kchain.errors import KaggleError, KchainError
+from kchain.errors import ChainStop, KaggleError, KchainError
 from kchain.inputs import local_inputs, mount_inputs
 from kchain.kaggle_api import KaggleClient
 from kchain.ledger import Ledger, new_run_id, state_dir
+from kchain.local import read_summary
 from kchain.names import state_dataset
 from kchain.plot import newest_trace
 from kchain.push import push_job
 from kchain.render import render_job, write_rendered
 from kchain.runtime import layout
+from kchain.smoke import kaggle_ranks, ranks_env
+from kchain.smoke import ranks as local_ranks
 from kchain.spec import Job, load_job
 from kchain.traces import compare_traces, read_trace, sandbox_trace
 
 Echo = Callable[[str], None]
 USER = "rehearsal"
-KILL_MARKER = "[kchain] step "  # a session's first heartbeat: it has started training
 
 
 @dataclass
 class Rehearsal:
-    identical: bool
+    identical: bool  # the chained trace equals the uninterrupted one, value for value
     verdict: str
     sessions: list[dict[str, Any]]
     reference: list[dict[str, Any]]
@@ -54,6 +59,8 @@ class Rehearsal:
     dataset_versions: list[dict[str, Any]] = field(default_factory=list)
     work: Path | None = None
     killed: list[int] = field(default_factory=list)  # kernel versions (sessions) the rehearsal killed
+    passed: bool = False  # identical, and it proved a resume: see shortcomings()
+    ranks: int = 1  # per session and in the uninterrupted run
 
 
 @contextlib.contextmanager
@@ -127,20 +134,26 @@ def resized(job: Job, limit_s: float) -> Job:
     return job.model_copy(update={"train": train})
 
 
-def run_reference(job: Job, root: Path, sources: dict[tuple[str, str, str], Path]) -> list[dict[str, Any]]:
-    """The same notebook, one uninterrupted session with no time limit, in a process of its own."""
+def run_reference(job: Job, root: Path, sources: dict[tuple[str, str, str], Path], extra_env: dict[str, str],
+                  started: Callable[[subprocess.Popen[bytes]], None] = lambda _proc: None,
+                  ) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
+    """The same notebook, one uninterrupted session with no time limit, in a process group of its
+    own (started: told the process, so it can be stopped); returns its trace and its summary."""
     rendered = render_job(job, owner=USER)
     write_rendered(rendered, root.parent / "reference-kernel")
     root.mkdir(parents=True, exist_ok=True)
     mount_inputs(root, sources)
-    env = {**os.environ, layout.SESSION_LIMIT_ENV: str(30 * 24 * 3600)}
+    env = {**os.environ, layout.SESSION_LIMIT_ENV: str(30 * 24 * 3600), **extra_env}
+    env.pop(layout.FAULT_ENV, None)  # a test's session clock and kills are the sessions', not this run's
     notebook = root.parent / "reference-kernel" / rendered.notebook_file
     with open(root.parent / "reference.log", "w") as log:
-        done = subprocess.run([sys.executable, "-m", "kchain.local", "run", str(notebook), "--root", str(root)],
-                              stdout=log, stderr=subprocess.STDOUT, env=env, check=False)
-    if done.returncode != 0:
-        raise KchainError(f"the reference run failed (exit {done.returncode}); see {root.parent / 'reference.log'}")
-    return read_trace(sandbox_trace(root))
+        proc = subprocess.Popen([sys.executable, "-m", "kchain.local", "run", str(notebook), "--root", str(root)],
+                                stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        started(proc)
+        code = proc.wait()
+    if code != 0:
+        raise KchainError(f"the reference run failed (exit {code}); see {root.parent / 'reference.log'}")
+    return read_trace(sandbox_trace(root)), read_summary(root / layout.WORKING_DIR)
 
 
 def upload_inputs(emu: Emulator, job: Job, sources: dict[tuple[str, str, str], Path], keys: dict[str, str],
@@ -165,29 +178,43 @@ def upload_inputs(emu: Emulator, job: Job, sources: dict[tuple[str, str, str], P
 def rehearse(job_file: Path, session_limit_s: float = 20.0, kills: int = 1, seed: int = 0,
              params: dict[str, Any] | None = None, faults: Faults | None = None, internet: bool | None = None,
              echo: Echo = print, poll_s: float = 0.5, key: str | None = None,
-             switches: Switches | None = None) -> Rehearsal:
+             switches: Switches | None = None, ranks: int | None = None) -> Rehearsal:
     """Named stages: the short-session job -> a local Kaggle with the inputs on it -> the reference
-    run beside the chain -> the chain with its kills -> the traces compared."""
+    run beside the chain -> the chain with its kills -> the traces compared. ranks: per session and
+    in the reference (default: as many as the job gets on Kaggle)."""
     base = load_job(job_file)
     job = rehearsal_job(base, job_file, session_limit_s, params or {}, internet)
+    n = local_ranks(job, ranks)
     work = state_dir(base.path) / "rehearse" / new_run_id("rehearse")
     ledger = Ledger(work / "ledger")
     faults = faults or Faults(seed=seed)
     sources = local_inputs(job, state_dir(base.path) / "inputs", echo=echo)
     emu = start_local_kaggle(job, work, sources, session_limit_s, faults, switches, key, echo)
-    reference = ReferenceRun(job, work / "reference", sources)
+    emu.runner.image_env.update(ranks_env(n))  # each session runs the ranks Kaggle gives it, as gloo ranks here
+    reference = ReferenceRun(job, work / "reference", sources, ranks_env(n))
     kill = Killer(emu, f"{USER}/{job.name}", kills)
-    echo(f"kchain rehearse {job_file}: sessions of {session_limit_s:g}s against a local Kaggle at {emu.url}")
+    echo(f"kchain rehearse {job_file}: sessions of {session_limit_s:g}s against a local Kaggle at {emu.url}; "
+         f"{ranks_said(job, n, ranks)}")
     try:
         reference.start()
-        job = run_chain(emu, job, ledger, kill, session_limit_s, poll_s, echo)
-        trace = reference.result()
+        job, stop = run_chain(emu, job, ledger, kill, session_limit_s, poll_s, echo)
+        trace, summary = ([], None) if stop is not None else reference.result()
     finally:
+        reference.stop()
         emu.stop()
     chain = ledger.sessions(job.name)
-    identical, verdict, chained = judge(trace, chain, kill.killed, echo)
+    identical, passed, verdict, chained = judge(trace, summary, chain, sorted(kill.killed), kills, stop, echo)
     return Rehearsal(identical, verdict, chain, trace, chained, emu.sessions(),
-                     emu.dataset_versions(state_dataset(USER, job.name)), work, sorted(kill.killed))
+                     emu.dataset_versions(state_dataset(USER, job.name)), work, sorted(kill.killed), passed, n)
+
+
+def ranks_said(job: Job, n: int, asked: int | None) -> str:
+    """Which ranks the rehearsal runs, beside what Kaggle gives the job."""
+    kaggle = kaggle_ranks(job)
+    each = f"{n} rank{'s' if n > 1 else ''} per session and in the uninterrupted run"
+    if n == kaggle:
+        return f"{each}, as on Kaggle"
+    return f"{each} (--ranks {asked}; on Kaggle the job gets {kaggle})"
 
 
 def rehearsal_job(base: Job, job_file: Path, session_limit_s: float, params: dict[str, Any],
@@ -221,33 +248,54 @@ def start_local_kaggle(job: Job, work: Path, sources: dict[tuple[str, str, str],
 
 
 class ReferenceRun:
-    """The uninterrupted run, in a thread beside the chain; its error is raised by result()."""
+    """The uninterrupted run, in a thread beside the chain; its error is raised by result(), and
+    stop() ends it (a chain that stopped is compared with nothing)."""
 
-    def __init__(self, job: Job, root: Path, sources: dict[tuple[str, str, str], Path]) -> None:
+    def __init__(self, job: Job, root: Path, sources: dict[tuple[str, str, str], Path],
+                 env: dict[str, str]) -> None:
         self.trace: list[dict[str, Any]] = []
+        self.summary: dict[str, Any] | None = None
         self.error: BaseException | None = None
-        self.thread = threading.Thread(target=self._run, args=(job, root, sources), daemon=True)
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.stopping = threading.Event()
+        self.thread = threading.Thread(target=self._run, args=(job, root, sources, env), daemon=True)
 
-    def _run(self, job: Job, root: Path, sources: dict[tuple[str, str, str], Path]) -> None:
+    def _run(self, job: Job, root: Path, sources: dict[tuple[str, str, str], Path], env: dict[str, str]) -> None:
         try:
-            self.trace = run_reference(job, root, sources)
+            self.trace, self.summary = run_reference(job, root, sources, env, self._started)
         except BaseException as exc:  # noqa: BLE001 - reported after the chain
             self.error = exc
+
+    def _started(self, proc: subprocess.Popen[bytes]) -> None:
+        self.proc = proc
+        if self.stopping.is_set():
+            kill_tree(proc.pid)
 
     def start(self) -> None:
         self.thread.start()
 
-    def result(self) -> list[dict[str, Any]]:
+    def stop(self) -> None:
+        """End the run if it is still going (its process group, SIGKILL), and wait for its thread."""
+        self.stopping.set()
+        if self.proc is not None and self.proc.poll() is None:
+            kill_tree(self.proc.pid)
+        if self.thread.ident is not None:
+            self.thread.join()
+
+    def result(self) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
         self.thread.join()
         if self.error is not None:
             raise self.error
-        return self.trace
+        return self.trace, self.summary
 
 
 class Killer:
-    """Called before each `continue`: session 1 runs clean; then exactly `kills` sessions die. Each is
-    killed (a real SIGKILL of its process tree) as soon as its log shows its first training step, so
-    a kill never misses a session however fast or slow the machine is at the moment."""
+    """Called before each `continue`: session 1 runs clean; then `kills` sessions die, one at a time.
+    Each is killed (a real SIGKILL of its process tree) as soon as it saved a checkpoint past the step
+    it resumed at: the kill follows real progress whatever the loop prints (run.steps, run.epochs or
+    an explicit run.save loop that prints no heartbeat) and however fast the machine is. A session
+    that ends before such a save is not killed and the next one is armed; a chain that finishes
+    first is named by the verdict (shortcomings)."""
 
     def __init__(self, emu: Emulator, kernel: str, kills: int) -> None:
         self.emu, self.kernel, self.kills = emu, kernel, kills
@@ -255,19 +303,17 @@ class Killer:
 
     def __call__(self, _session: int) -> None:
         ours = [s for s in self.emu.sessions() if s["kernel"] == self.kernel]
-        with_kill = [s for s in ours if s.get("kill_on_output")]
-        self.killed.update(s["version"] for s in with_kill if "killed" in (s.get("failure_message") or "").lower())
-        pending = [s for s in with_kill if s["status"] not in sess.TERMINAL]
-        if not ours or pending or len(self.killed) >= self.kills:
-            self.emu.faults.kill_on_output = None
-            return
-        self.emu.faults.kill_on_output = KILL_MARKER
+        armed = [s for s in ours if s.get("kill_after_checkpoint")]
+        self.killed.update(s["version"] for s in armed if (s.get("failure_message") or "").startswith(CHECKPOINT_KILL))
+        pending = [s for s in armed if s["status"] not in sess.TERMINAL]
+        self.emu.faults.kill_after_checkpoint = bool(ours) and not pending and len(self.killed) < self.kills
 
 
 def run_chain(emu: Emulator, job: Job, ledger: Ledger, kill: Killer, session_limit_s: float, poll_s: float,
-              echo: Echo) -> Job:
+              echo: Echo) -> tuple[Job, ChainStop | None]:
     """Push session 1, size the sessions from its speed, then `continue --watch` until done; returns
-    the job as the chain ran it (its session limit may have grown)."""
+    the job as the chain ran it (its session limit may have grown) and the stop that ended the chain
+    before it finished, if any (a crash, sessions without progress)."""
     with _env({**emu.env(USER), "KCHAIN_HOME": str(ledger.root)}):
         client = KaggleClient(backoff_s=0.2, max_backoff_s=2.0)
         if job.kaggle.internet:
@@ -281,29 +327,74 @@ def run_chain(emu: Emulator, job: Job, ledger: Ledger, kill: Killer, session_lim
         if longer is not None:
             job = resized(job, longer)
             emu.session_limit_s = longer * 1.05
-        watch(job, ledger, client, force=True, skip_smoke=True, echo=echo, poll_s=poll_s,
-              max_poll_s=max(poll_s, 2.0), before_each=kill)
+        stop = None
+        try:
+            watch(job, ledger, client, force=True, skip_smoke=True, echo=echo, poll_s=poll_s,
+                  max_poll_s=max(poll_s, 2.0), before_each=kill)
+        except ChainStop as exc:
+            stop = exc
         kill(0)  # settle the last kill
-    return job
+    return job, stop
 
 
-def judge(reference: list[dict[str, Any]], chain: list[dict[str, Any]], killed: set[int],
-          echo: Echo) -> tuple[bool, str, list[dict[str, Any]]]:
-    """The chained trace against the reference, step by step: (identical, the verdict, the chained trace)."""
+def judge(reference: list[dict[str, Any]], summary: dict[str, Any] | None, chain: list[dict[str, Any]],
+          killed: list[int], kills: int, stop: ChainStop | None,
+          echo: Echo) -> tuple[bool, bool, str, list[dict[str, Any]]]:
+    """The chained trace against the reference, step by step, and what the chain proved:
+    (identical, passed, the verdict, the chained trace)."""
     trace_path = newest_trace(chain)
     chained = read_trace(trace_path) if trace_path else []
     rows, first = compare_traces(reference, chained)
-    steps = max((r["step"] for r in reference), default=0)
     identical = first is None and bool(rows) and all(r[3] is not None for r in rows)
-    if identical:
-        verdict = f"identical: {len(rows)} values over {steps} steps, {len(chain)} sessions, largest difference 0.0"
-    elif first is None:
-        verdict = "incomplete: the chained trace is missing steps the reference has"
+    problems = shortcomings(identical, first, summary, chain, killed, kills, stop)
+    if problems:
+        verdict = problems[0]
     else:
-        verdict = f"differs first at step {first[0]} ({first[1]})"
-    _print(echo, chain, rows, killed)
+        steps = max((r["step"] for r in reference), default=0)
+        resumed = sum(1 for s in chain if (s.get("resumes_at") or 0) > 0)
+        verdict = (f"identical: {len(rows)} values over {steps} steps, {len(chain)} sessions ({resumed} resumed, "
+                   f"{len(killed)} killed), largest difference 0.0")
+    _print(echo, chain, rows, set(killed))
+    for problem in problems[1:]:
+        echo(f"  and: {problem}")
     echo(f"verdict: {verdict}")
-    return identical, verdict, chained
+    return identical, not problems, verdict, chained
+
+
+def shortcomings(identical: bool, first: tuple[int, str] | None, summary: dict[str, Any] | None,
+                 chain: list[dict[str, Any]], killed: list[int], kills: int, stop: ChainStop | None) -> list[str]:
+    """Why the rehearsal is not a pass, most telling first ([] for a pass). Identical traces prove
+    nothing when no session resumed, when the kills asked for did not happen, or when the loop
+    trained fewer steps than it asked for (the same short run twice is still identical).
+    summary: the uninterrupted run's; chain: the sessions' records, oldest first."""
+    problems = []
+    if stop is not None:
+        problems.append(f"stopped: {stop}")
+    if first is not None:
+        problems.append(f"differs first at step {first[0]} ({first[1]})")
+    final = (chain[-1].get("summary") or {}) if chain else {}
+    step, total, status = final.get("step"), final.get("total"), final.get("status")
+    if stop is None and isinstance(step, int) and isinstance(total, int) and step < total and status != "stopped":
+        problems.append(f"trained {step} of the {total} steps asked (its last session ended {status} at step "
+                        f"{step}/{total}), and on Kaggle it would train as few: a loop that skips batches (an "
+                        "epoch left empty, a loader that ends early) trains less than its run.steps or run.epochs "
+                        "total; make it train every step it asks for")
+    alone = (summary or {}).get("step")
+    if stop is None and isinstance(step, int) and isinstance(alone, int) and step != alone:
+        problems.append(f"trained {step} steps, the uninterrupted run {alone}: resuming changed how many steps the "
+                        "loop trains; check what the loop counts from (run.restore's step, the loader's epoch)")
+    if stop is None and first is None and not identical:
+        problems.append("incomplete: the chained trace is missing steps the reference has")
+    if stop is None and not any((s.get("resumes_at") or 0) > 0 for s in chain):
+        problems.append(f"proves nothing about resuming: the chain finished in {len(chain)} session"
+                        f"{'s' if len(chain) != 1 else ''} and no session resumed from a saved state; lower "
+                        "--session-limit or raise the steps (--set steps=N) so the chain needs several sessions")
+    elif stop is None and len(killed) < kills:
+        problems.append(f"had {len(killed)} of the {kills} kills asked (--kills {kills}): the chain finished in "
+                        f"session {len(chain)} before {'another' if killed else 'a'} session saved a checkpoint past "
+                        "its resume to be killed after; raise the steps (--set steps=N) or lower --session-limit "
+                        "so the chain needs more sessions, or ask fewer --kills")
+    return problems
 
 
 def measure_publish(emu: Emulator, faults: Faults, echo: Echo) -> dict[str, float]:

@@ -17,6 +17,7 @@ from kchain import diagnose
 from kchain.kaggle_api import KaggleClient
 from kchain.ledger import Ledger, iso, now_utc, parse_iso
 from kchain.local import read_summary
+from kchain.runtime import layout
 
 Echo = Callable[[str], None]
 TERMINAL = ("COMPLETE", "ERROR", "CANCEL_ACKNOWLEDGED")
@@ -50,6 +51,18 @@ def last_heartbeat(text: str) -> str | None:
     return lines[-1] if lines else None
 
 
+def saved_step(output: Path) -> int | None:
+    """The step of the newest complete checkpoint in a session's downloaded output, or None: what
+    the session saved (a checkpoint's manifest is written last; its folder name says the step)."""
+    steps = []
+    for manifest in output.rglob(layout.MANIFEST):
+        folder = manifest.parent
+        number = folder.name.removeprefix(layout.CHECKPOINT_PREFIX)
+        if folder.parent.name == layout.CHECKPOINTS_DIR and folder.name != number and number.isdigit():
+            steps.append(int(number))
+    return max(steps, default=None)
+
+
 def fetch_output(client: KaggleClient, ledger: Ledger, job: str, record: dict[str, Any]) -> dict[str, Any]:
     """Download a finished session's output and log; fold its summary into the record."""
     dest = output_dir(ledger, job, record["session"])
@@ -65,6 +78,7 @@ def fetch_output(client: KaggleClient, ledger: Ledger, job: str, record: dict[st
         output_files=len(files),
         summary=summary,
         heartbeat=last_heartbeat(body),
+        saved_step=saved_step(dest),
         error=None if failure is None else {"type": failure.type, "message": failure.message, "stage": failure.stage},
     )
     if summary:

@@ -60,6 +60,6 @@ def test_a_rehearsal_puts_the_inputs_on_the_local_kaggle(tmp_path):
     path = job_reading_an_input(tmp_path, "carol/delivery-notes", {"delivery-notes": "data"})
     (path.parent / "data").mkdir()
     (path.parent / "data" / "notes.txt").write_text("DN-10001 12 x pallets of flour\n")
-    result = rehearse(path, session_limit_s=12, kills=0, params={"steps": 60}, echo=lambda _: None)
+    result = rehearse(path, session_limit_s=12, kills=0, params={"steps": 60}, echo=lambda _: None, ranks=1)
     assert result.identical, result.verdict
     assert all("carol/delivery-notes" in s["dataset_sources"] for s in result.emulator_sessions)

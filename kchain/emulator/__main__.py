@@ -45,6 +45,8 @@ def parser(prog: str = "python -m kchain.emulator") -> argparse.ArgumentParser:
     f.add_argument("--lose-output", action="store_true")
     f.add_argument("--kill-on-output", default=None, metavar="TEXT",
                    help="kill a session as soon as its log shows TEXT")
+    f.add_argument("--kill-after-checkpoint", action="store_true",
+                   help="kill a session as soon as it saved a checkpoint past the state it resumed from")
     f.add_argument("--fail-after-save", type=int, default=0, metavar="N",
                    help="the next N SaveKernel calls act, then answer 500 (a lost answer)")
     f.add_argument("--rate-lost-answer", type=float, default=0.0, metavar="P",
@@ -105,6 +107,7 @@ def faults_from(args: argparse.Namespace) -> Faults:
                   kill_random_s=tuple(args.kill_random) if args.kill_random else None,
                   drop_upload_every=args.drop_upload_every, processing_s=args.processing,
                   lose_output=args.lose_output, kill_on_output=args.kill_on_output,
+                  kill_after_checkpoint=args.kill_after_checkpoint,
                   fail_after_save=args.fail_after_save, rate_lost_answer=args.rate_lost_answer, seed=args.seed)
 
 

@@ -24,6 +24,10 @@ class Faults:
     # Or as soon as the session's log shows this text (a marker the notebook prints): a kill that
     # never races the machine's speed.
     kill_on_output: str | None = None
+    # Or as soon as the session has saved a checkpoint past the state it resumed from (a complete
+    # step-N folder in working/kchain/checkpoints, N above the attached state's step): a kill after
+    # real progress, whatever the job's loop prints (an explicit run.save loop prints no heartbeat).
+    kill_after_checkpoint: bool = False
     # Upload PUTs that carry bytes are cut off after reading half their body: the 1st, the
     # (N+1)th, ... (1 = every one).
     drop_upload_every: int = 0

@@ -295,6 +295,7 @@ class Rpcs:
             # Faults and switches are fixed at push time so a test can change them right after a push.
             "kill_at": faults.kill_at() if run else None, "lose_output": faults.lose_output,
             "kill_on_output": faults.kill_on_output if run else None,
+            "kill_after_checkpoint": faults.kill_after_checkpoint if run else False,
             "queue_s": switches.queue_s, "boot_s": switches.boot_s, "output_at_limit": switches.output_at_limit,
             "ignore_version_pin": switches.ignore_version_pin, "no_gpu": faults.no_gpu,
         }

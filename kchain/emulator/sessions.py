@@ -73,6 +73,10 @@ _SCRUBBED_ENV = ("KAGGLE_USERNAME", "KAGGLE_KEY", "KAGGLE_API_TOKEN", "KAGGLE_CO
                  "http_proxy", "https_proxy", "all_proxy", "no_proxy")
 
 
+# How a session killed by the kill_after_checkpoint fault is described (its failure message).
+CHECKPOINT_KILL = "Session was killed (fault injection after it saved step"
+
+
 def kill_tree(pid: int) -> None:
     """SIGKILL a process and all its descendants (a session death is a real process death)."""
     try:
@@ -331,13 +335,19 @@ class SessionRunner:
                limit_reason: str) -> str | None:
         """Wait for the process; kill its tree at the deadline, on a marker fault, an expiry or a cancel.
         Returns why it was killed, or None if it ended by itself (or the emulator is stopping)."""
-        marker = self.store.session(session_id).get("kill_on_output")
+        session = self.store.session(session_id)
+        marker = session.get("kill_on_output")
         log_jsonl = self.store.session_dir(session_id) / "log.jsonl"
+        root = self.store.session_dir(session_id) / "root"
+        resumed = attached_state_step(root / layout.INPUT_DIR) if session.get("kill_after_checkpoint") else None
         while proc.poll() is None:
             if self._stopping.is_set():
                 return None
             if marker and log_jsonl.exists() and marker in log_jsonl.read_text(errors="replace"):
                 deadline, reason = time.time(), f"Session was killed (fault injection on output {marker!r})"
+            saved = new_checkpoint(root, resumed) if resumed is not None else None
+            if saved is not None:
+                deadline, reason = time.time(), f"{CHECKPOINT_KILL} {saved})"
             if session_id in self._expired:
                 deadline, reason = time.time(), limit_reason
             if time.time() >= deadline or session_id in self._cancels:
@@ -373,6 +383,30 @@ class SessionRunner:
                                              "version": session["version"], "by": self._cancels[session_id],
                                              "status_before": was, "at": now})
             self.store.save()
+
+
+def attached_state_step(input_root: Path) -> int:
+    """The step of the kchain state attached to a session (0 when none): its marker's step."""
+    steps = [0]
+    for mount in layout.mounts(input_root, layout.STATE_KINDS):
+        try:
+            steps.append(int(json.loads((mount / layout.STATE_MARKER).read_text()).get("step") or 0))
+        except (OSError, ValueError, TypeError, AttributeError):
+            continue
+    return max(steps)
+
+
+def new_checkpoint(root: Path, resumed: int) -> int | None:
+    """The step of a complete checkpoint the session saved past `resumed` (its name says the step;
+    its manifest is written last), or None."""
+    folder = root / layout.WORKING_DIR / layout.KCHAIN_DIR / layout.CHECKPOINTS_DIR
+    try:
+        names = [p.name for p in folder.iterdir() if (p / layout.MANIFEST).is_file()]
+    except OSError:
+        return None
+    steps = [int(n.removeprefix(layout.CHECKPOINT_PREFIX)) for n in names
+             if n.startswith(layout.CHECKPOINT_PREFIX) and n.removeprefix(layout.CHECKPOINT_PREFIX).isdigit()]
+    return max((step for step in steps if step > resumed), default=None)
 
 
 _RESUMED = re.compile(r"resumed from step (\d+)")

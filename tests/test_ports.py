@@ -151,3 +151,22 @@ def test_smoke_set_runs_with_the_param_and_a_bad_set_is_one_line(tmp_path):
     bad = invoke("smoke", job, "--set", "batch")
     assert bad.exit_code == 2
     assert error_line(bad) == "Error: --set 'batch': write it as name=value, e.g. --set steps=300"
+
+
+def test_a_loop_of_its_own_stops_at_the_deadline_with_should_stop_and_resumes_exactly(tmp_path):
+    params = {"steps": 12, "save_every": 100}
+    ref = launch(tmp_path / "ref", "explicit", params)
+    assert ref.returncode == 0, ref.stdout + ref.stderr
+    stopped = launch(tmp_path / "run", "explicit", params, KCHAIN_FAULT="deadline_after_steps=5")
+    assert stopped.returncode == 0, stopped.stdout + stopped.stderr
+    got = summary(tmp_path / "run")
+    assert (got["status"], got["step"], got["checkpoint"]) == ("deadline", 5, f"kchain/checkpoints/{layout.checkpoint_name(5)}")
+    assert not any("after_the_loop" in r for r in rows(tmp_path / "run"))  # nothing after the stop ran
+    resumed = launch(tmp_path / "run", "explicit", params)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert summary(tmp_path / "run")["status"] == "finished"
+
+    def strip(trace):
+        return [{k: v for k, v in r.items() if k != "time"} for r in trace]
+
+    assert strip(rows(tmp_path / "run")) == strip(rows(tmp_path / "ref"))

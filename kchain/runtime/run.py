@@ -250,6 +250,7 @@ class Run:
         self._restored = False
         self._stop_reason: str | None = None
         self._stopped = False  # a deadline or signal stop was saved and SessionStopped raised
+        self._last_poll: float | None = None  # run.should_stop's previous call (its step timer)
         self._saved_step: int | None = None
         self._step_times: list[float] = []
         self._every_n: int | None = None  # the n of run.every(n), for the deadline plan
@@ -990,6 +991,41 @@ class Run:
             eta, self.deadline - time.time(), self._next_checkpoint(), ranks=self.world_size,
         ), flush=True)
 
+    def should_stop(self, step: int | None = None) -> bool:
+        """For a loop kchain cannot drive: True when this session must end after this step.
+
+        The deadline guard of run.steps (the slowest recent step, timed between calls, plus a save
+        must still fit before the session's stop time) and SIGTERM/SIGINT. Call it on every rank
+        once per step, after the step's work (with several ranks it is a collective: they agree).
+        On True, save: `run.save(step)` then ends main(run) as run.steps does at a stop
+        (SessionStopped), so the next session resumes right there.
+
+        Example::
+
+            start = run.restore()
+            for step in range(start + 1, total + 1):
+                train_one_step()
+                stop = run.should_stop(step)
+                if stop or step % 500 == 0 or step == total:
+                    run.save(step)          # after a stop, main(run) ends here
+        """
+        now = time.perf_counter()
+        if self._last_poll is not None:
+            self._step_times = (self._step_times + [now - self._last_poll])[-STEP_TIME_WINDOW:]
+        self._last_poll = now
+        if step is not None:
+            self.step = self._current = step
+        self._loop_steps += 1
+        if self._old_handlers is None:
+            self._old_handlers = self._install_signals()
+        if self._loop_start is None:
+            self._loop_start = now
+        local = self._stop_reason if self._local_stop() else None
+        if self.ranks.active:  # kchain ddp: every rank stops at the same step
+            agreed, _ = self.ranks.agree(local, False)
+            self._stop_reason = agreed or self._stop_reason
+        return bool(self._stop_reason)
+
     def restore(self) -> int:
         """Load the newest checkpoint into everything tracked; returns the step it resumes at (0 fresh).
 
@@ -1116,6 +1152,14 @@ class Run:
         self._saved_step = self.step
         self._last_save = time.time()
         self.phase = before
+        if step is not None and self._stop_reason and not self._stopped:
+            # A loop of the user's own, saving after run.should_stop said stop: end main(run) as run.steps does.
+            self.writer.wait()
+            self.ranks.barrier()
+            self.status = self._stop_reason
+            self._stopped = True
+            say(f"{self.status} at step {self.step}; checkpoint {self.checkpoint_rel()}: the session ends here")
+            raise SessionStopped(self._stop_reason)
 
     def _write(self, per_rank: list | None) -> None:
         """Rank 0's part of a save: room on the disk, then the state to the writer (see save)."""
@@ -1226,6 +1270,8 @@ class Run:
         try:
             self.writer.wait()
         finally:
+            self._restore_signals(self._old_handlers)  # run.should_stop's, if a loop of the user's own set them
+            self._old_handlers = None
             self.ranks.close()
             if self._metrics_file is not None:
                 self._metrics_file.close()

@@ -80,3 +80,20 @@ def file_state(run):
         x, y = next(loader)
         run.log(loss=_train_step(model, trainer, x, y))
         torch.save(model.state_dict(), own)
+
+
+def explicit(run):
+    """A loop kchain cannot drive: run.restore, run.should_stop and run.save(step) of its own."""
+    p = run.params
+    model = run.wrap(_model())
+    trainer = run.optimize(torch.optim.Adam(model.parameters(), lr=0.01))
+    run.track(model=model)
+    loader = run.loader(NoisyRows(40), batch_size=4)
+    start = run.restore()
+    for step in range(start + 1, p.steps + 1):
+        x, y = next(loader)
+        run.log(step=step, loss=_train_step(model, trainer, x, y))
+        stop = run.should_stop(step)
+        if stop or step % p.save_every == 0 or step == p.steps:
+            run.save(step)
+    run.log(step=p.steps, after_the_loop=1.0)  # runs only when the run is finished

@@ -31,7 +31,7 @@ def test_the_smoke_mounts_the_local_copy_like_kaggle(tmp_path):
     path = job_reading_an_input(tmp_path, "carol/delivery-notes", {"delivery-notes": "data"})
     (path.parent / "data").mkdir()
     (path.parent / "data" / "notes.txt").write_text("DN-10001 12 x pallets of flour\n")
-    result = invoke("smoke", path, "--quiet")
+    result = invoke("smoke", path, "--quiet", "--ranks", "1")
     assert result.exit_code == 0, result.output
     assert "PASS" in result.output
 
@@ -42,17 +42,17 @@ def test_without_a_local_copy_the_smoke_says_how_to_get_one_and_downloads_it_onc
     wait_dataset_ready(kaggle_api, "alice/delivery-notes")  # a new dataset is hidden a while, as on Kaggle
     path = job_reading_an_input(tmp_path, "alice/delivery-notes", None)
 
-    refused = invoke("smoke", path)
+    refused = invoke("smoke", path, "--ranks", "1")
     assert refused.exit_code == 2
     assert error_line(refused) == (
         f"Error: {path}: kaggle.local.delivery-notes: no local copy of dataset 'delivery-notes' for the smoke "
         "run; add kaggle.local: {delivery-notes: path/to/a/small/copy} or pass --download to fetch it once"
     )
-    fetched = invoke("smoke", path, "--download", "--quiet")
+    fetched = invoke("smoke", path, "--download", "--quiet", "--ranks", "1")
     assert fetched.exit_code == 0, fetched.output
     cached = Path(os.environ["KCHAIN_HOME"]) / "inputs" / "datasets" / "alice" / "delivery-notes" / "latest"
     assert (cached / "notes.txt").read_text().startswith("DN-20001")
-    again = invoke("smoke", path, "--quiet")  # no --download needed now: the cache is used
+    again = invoke("smoke", path, "--quiet", "--ranks", "1")  # no --download needed now: the cache is used
     assert again.exit_code == 0, again.output
 
 

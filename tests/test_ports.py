@@ -84,7 +84,7 @@ def launch(root: Path, entry: str, params: dict, **env: str) -> subprocess.Compl
     root.mkdir(parents=True, exist_ok=True)
     cfg = root / "cfg.json"
     cfg.write_text(json.dumps({
-        "job": "ports", "entry": f"ports_job:{entry}", "params": params, "fingerprint": "f00d",
+        "job": "ports", "entry": entry if ":" in entry else f"ports_job:{entry}", "params": params, "fingerprint": "f00d",
         "train": {"checkpoint_every": {"steps": 1000}, "keep": 2, "heartbeat_s": 0},
     }))
     child_env = {k: v for k, v in os.environ.items() if not k.startswith("KCHAIN_")}
@@ -170,3 +170,13 @@ def test_a_loop_of_its_own_stops_at_the_deadline_with_should_stop_and_resumes_ex
         return [{k: v for k, v in r.items() if k != "time"} for r in trace]
 
     assert strip(rows(tmp_path / "run")) == strip(rows(tmp_path / "ref"))
+
+
+def test_a_finished_loop_that_trained_fewer_steps_than_asked_says_so(tmp_path):
+    # run.epochs whose odd epochs never read the loader: 4 epochs of 8 batches ask for 32 steps.
+    done = launch(tmp_path, "chain_job:main", {"shape": "skipped_epochs", "epochs": 4})
+    assert done.returncode == 0, done.stdout + done.stderr
+    got = summary(tmp_path)
+    assert (got["status"], got["step"], got["total"]) == ("finished", 16, 32)
+    assert got["note"].startswith("trained 16 of the 32 steps asked for: some epochs gave no batches")
+    assert f"WARNING: {got['note']}" in done.stdout

@@ -71,7 +71,7 @@ def files_holding(text: str, *tops: Path) -> list[Path]:
 
 def test_push_runs_a_smoked_session_to_complete_and_writes_no_credential(emulator, tmp_path):
     job = small_job(tmp_path)
-    smoked = invoke("smoke", job, "--quiet")
+    smoked = invoke("smoke", job, "--quiet", "--ranks", "1")
     assert smoked.exit_code == 0, smoked.output
 
     pushed = invoke("push", job)

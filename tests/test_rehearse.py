@@ -94,9 +94,9 @@ def test_fewer_kills_than_asked_are_named_and_fail(tmp_path, monkeypatch):
 def test_two_ranks_as_on_kaggle_in_the_sessions_and_the_reference(tmp_path, monkeypatch):
     # train.gpus: auto on a GPU job is 2 ranks on Kaggle: every session and the uninterrupted run
     # train with 2 gloo ranks here, and the push line says so truly.
-    monkeypatch.setenv(layout.FAULT_ENV, f"{STALL},deadline_after_steps=10")
+    monkeypatch.setenv(layout.FAULT_ENV, f"{STALL},deadline_after_steps=8")
     monkeypatch.setenv(layout.CHECKPOINT_EVERY_ENV, "4 steps")
-    path = chain_job(tmp_path, "steps", steps=30)
+    path = chain_job(tmp_path, "steps", steps=16)  # 0 -> 8 (deadline), 8 -> 12 (killed after its save), 12 -> 16
     lines: list[str] = []
     result = rehearse(path, session_limit_s=GENEROUS_S, kills=1, echo=lines.append)
     assert result.passed, result.verdict

@@ -24,6 +24,7 @@ def test_every_example_job_smokes_to_a_pass(job, tmp_path, monkeypatch):
     assert result.exit_code == 0, result.output
     assert "PASS: resumed run equals the uninterrupted run bit for bit" in result.output
     assert "<- resumed here" in result.output
+    assert "2 ranks (gloo, CPU), the whole group SIGKILLed" in result.output  # gpus: auto on a GPU: T4 x2
     home = Path(monkeypatch_env("KCHAIN_HOME"))
     row = runs(home)[-1]
     assert row["channel"] == "smoke" and row["note"] == "smoke pass" and row["job"]
@@ -43,6 +44,11 @@ def assert_resume_was_held_until_the_kill(work: Path) -> None:
     held = next(i for i, line in enumerate(resumed) if GATE_NOTE in line)
     session = next(i for i, line in enumerate(resumed) if "resuming from" in line)
     assert held < session and (work / "resume.gate").read_text() == "go"
+
+
+# One rank where the rank count is not what a test is about: a 2-rank smoke costs about twice the
+# CPU; the example jobs keep the ranks Kaggle gives (2: their gpus: auto on a GPU).
+ONE_RANK = ("--ranks", "1")
 
 
 def monkeypatch_env(name: str) -> str:
@@ -92,7 +98,7 @@ def test_a_broken_job_fails_fast_with_its_hint(case, tmp_path):
     old, new, stage, etype, clue = BROKEN[case]
     path = copy_job("classifier", tmp_path)
     mutate(path, old, new)
-    result = invoke("smoke", path)
+    result = invoke("smoke", path, *ONE_RANK)
     assert result.exit_code == 3, result.output
     line = error_line(result)
     assert line.startswith(f"Error: smoke failed (during {stage}): {etype}: "), line
@@ -106,7 +112,7 @@ def test_an_untracked_optimizer_fails_the_resume_check(tmp_path):
     path = copy_job("tinygpt", tmp_path)
     mutate(path, "trainer = run.optimize(optimizer, accumulate=p.accumulate, clip=1.0)",
            "trainer = run.optimize(optimizer, accumulate=p.accumulate, clip=1.0, track=False)")
-    result = invoke("smoke", path)
+    result = invoke("smoke", path, *ONE_RANK)
     assert result.exit_code == 3, result.output
     assert "ResumeMismatch" in error_line(result)
     assert "optimizer, LR scheduler or GradScaler state is not in run.track" in result.output
@@ -115,7 +121,7 @@ def test_an_untracked_optimizer_fails_the_resume_check(tmp_path):
 def test_an_untracked_batch_generator_fails_the_resume_check(tmp_path):
     path = copy_job("tinygpt", tmp_path)
     mutate(path, "    run.track(batches=batches)\n", "")
-    result = invoke("smoke", path)
+    result = invoke("smoke", path, *ONE_RANK)
     assert result.exit_code == 3, result.output
     assert "ResumeMismatch" in error_line(result)
     assert "the data order is not from run.loader" in result.output
@@ -130,7 +136,7 @@ def test_a_batch_prefetched_in_the_previous_step_fails_the_resume_check_naming_t
            "            with run.autocast():\n"
            "                loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())\n"
            "            x, y = next_batch()\n")
-    result = invoke("smoke", path)
+    result = invoke("smoke", path, *ONE_RANK)
     assert result.exit_code == 3, result.output
     assert "ResumeMismatch" in error_line(result)
     first = "the first step after the resume differs" if accumulate == 1 else "later ones drift"
@@ -139,7 +145,7 @@ def test_a_batch_prefetched_in_the_previous_step_fails_the_resume_check_naming_t
 
 def test_a_passing_smoke_is_not_a_pass_for_changed_code(tmp_path):
     path = copy_job("classifier", tmp_path, params={"steps": 1500, "num_workers": 0})
-    assert invoke("smoke", path).exit_code == 0
+    assert invoke("smoke", path, *ONE_RANK).exit_code == 0
     ledger = Ledger(Path(monkeypatch_env("KCHAIN_HOME")))
     mutate(path, "lr=p.lr)", "lr=p.lr * 0.5)")
     out = invoke("render", path, "-o", tmp_path / "r").output
@@ -151,17 +157,20 @@ def test_a_loss_that_is_already_nan_fails_the_smoke(tmp_path):
     path = copy_job("classifier", tmp_path, params={"steps": 1500, "num_workers": 0})
     mutate(path, "loss = F.cross_entropy(model(x.to(run.device)), y.to(run.device))",
            "loss = F.cross_entropy(model(x.to(run.device)), y.to(run.device)) * float('nan')")
-    result = invoke("smoke", path, "--quiet")
+    result = invoke("smoke", path, "--quiet", *ONE_RANK)
     assert result.exit_code == 3, result.output
     assert error_line(result) == "Error: smoke failed (during step): NonFiniteMetric: loss is nan at step 1"
     assert "check the learning rate" in result.output
 
 
-def test_a_job_asking_for_two_gpus_smokes_with_two_gloo_ranks(tmp_path):
-    """2 ranks on the CPU: the whole group SIGKILLed after the checkpoint, 2 fresh ranks resume it."""
-    path = copy_job("classifier", tmp_path, train={"gpus": 2}, params={"num_workers": 0})
-    result = invoke("smoke", path)
-    assert result.exit_code == 0, result.output
-    assert "2 ranks (gloo, CPU)" in result.output
-    assert "PASS: resumed run equals the uninterrupted run bit for bit" in result.output
-    assert "<- resumed here" in result.output
+@pytest.mark.parametrize(("gpus", "accelerator", "ranks"), [("auto", "gpu", 2), ("auto", "none", 1), (2, "gpu", 2),
+                                                          (1, "gpu", 1), (2, "none", 2)])
+def test_the_smoke_runs_the_ranks_the_job_gets_on_kaggle(tmp_path, gpus, accelerator, ranks):
+    """GPU T4 x2 for gpus: auto; the whole-smoke proof at 2 ranks is the example jobs' (their default)."""
+    from kchain.smoke import kaggle_ranks, ranks_label
+    from kchain.smoke import ranks as smoke_ranks
+    from kchain.spec import load_job
+
+    job = load_job(copy_job("classifier", tmp_path, train={"gpus": gpus}, kaggle={"accelerator": accelerator}))
+    assert kaggle_ranks(job) == smoke_ranks(job) == ranks and smoke_ranks(job, 1) == 1
+    assert ranks_label(ranks).startswith(f"{ranks} rank")

@@ -25,6 +25,7 @@ def loop_job(tmp_path: Path, entry: str) -> Path:
         "name": f"loops-{entry.replace('_', '-')}", "code": "code", "entry": f"loops_job:{entry}",
         "params": {"steps": 6, "epochs": 3, "stop_at": 5},
         "kaggle": {"accelerator": "gpu", "internet": False},
+        "train": {"gpus": 1},  # the loop shapes on one rank; the default 2 ranks: example jobs, test_ports.py
         "smoke": {"steps": 3},
     }))
     return job

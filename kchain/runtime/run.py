@@ -747,6 +747,12 @@ class Run:
         self.ranks.barrier()  # kchain ddp: no rank leaves before rank 0's checkpoint is complete
         self.status = self._stop_reason or "finished"
         say(f"{self.status} at step {self.step}/{self.total}; checkpoint {self.checkpoint_rel()}")
+        if self.status == "finished" and self.total is not None and self.step < self.total:
+            # run.epochs ran out of epochs before its steps: some passes gave no batches (a loop that
+            # skipped them, a loader read by another consumer). Finished, but not what was asked for.
+            self.note = (f"trained {self.step} of the {self.total} steps asked for: some epochs gave no "
+                         "batches (read the loader once per epoch, inside run.epochs)")
+            warn(self.note)
         self.phase = "validation"  # whatever runs after the loop is usually a final evaluation
 
     def _note_plain_loaders(self) -> None:

@@ -217,3 +217,12 @@ def test_status_shows_the_ranks_of_a_finished_session():
     row = {"session": 1, "version": 1, "status": "COMPLETE", "step": 6, "total": 6, "end_status": "finished",
            "ranks": 2}
     assert status_table([row], 0.0, 30)[1].endswith("6/6  finished, 2 ranks")
+
+
+def test_the_launcher_of_several_ranks_plans_them_without_importing_torch(tmp_path):
+    # torchrun's ranks import torch; the launcher above them need not (2 s of CPU per local session).
+    code = ("import sys; from kchain.runtime import torchrun; "
+            "n, why = torchrun.plan_ranks({'train': {'gpus': 'auto'}}, {'KCHAIN_RANKS': '2', 'KCHAIN_SMOKE': '1'}); "
+            "assert n == 2 and 'as on Kaggle' in why, why; assert 'torch' not in sys.modules, 'torch imported'")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr

@@ -8,6 +8,7 @@ from emulator_helpers import emulator, kaggle_api, wait_dataset_ready, write_dat
 from helpers import copy_job, error_line, invoke
 
 from kchain.rehearse import rehearse
+from kchain.runtime import layout
 
 READS_INPUT = (
     "    torch.manual_seed(p.seed)\n",
@@ -56,10 +57,12 @@ def test_without_a_local_copy_the_smoke_says_how_to_get_one_and_downloads_it_onc
     assert again.exit_code == 0, again.output
 
 
-def test_a_rehearsal_puts_the_inputs_on_the_local_kaggle(tmp_path):
+def test_a_rehearsal_puts_the_inputs_on_the_local_kaggle(tmp_path, monkeypatch):
     path = job_reading_an_input(tmp_path, "carol/delivery-notes", {"delivery-notes": "data"})
     (path.parent / "data").mkdir()
     (path.parent / "data" / "notes.txt").write_text("DN-10001 12 x pallets of flour\n")
-    result = rehearse(path, session_limit_s=12, kills=0, params={"steps": 60}, echo=lambda _: None, ranks=1)
-    assert result.identical, result.verdict
+    # Sessions end by a deadline after 30 steps (a clock for tests), never by racing a short limit.
+    monkeypatch.setenv(layout.FAULT_ENV, "deadline_after_steps=30")
+    result = rehearse(path, session_limit_s=600, kills=0, params={"steps": 60}, echo=lambda _: None, ranks=1)
+    assert result.passed and len(result.sessions) == 2, result.verdict
     assert all("carol/delivery-notes" in s["dataset_sources"] for s in result.emulator_sessions)

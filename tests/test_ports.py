@@ -61,21 +61,17 @@ def test_ranks_1_runs_one_rank_when_told(tmp_path):
     assert "1 rank (CPU)" in result.output
 
 
-def test_a_model_not_in_ddp_under_two_ranks_stops_the_smoke_naming_run_wrap(tmp_path):
-    result = invoke("smoke", port_job(tmp_path, "unwrapped"), "--quiet")
+@pytest.mark.parametrize(("entry", "says"), [
+    ("unwrapped", "UnsyncedReplicas: Adam steps model.0.weight, which is not in DistributedDataParallel: "
+                  "each rank would train its own model; wrap the model with `model = run.wrap(model)`"),
+    # wrapped, but the forward goes around DDP: caught by the ranks' weights after the first step
+    ("bypassed", "UnsyncedReplicas: after step 1 the ranks hold different weights, first model."),
+])
+def test_two_ranks_that_would_train_two_models_stop_the_smoke_naming_run_wrap(tmp_path, entry, says):
+    result = invoke("smoke", port_job(tmp_path, entry), "--quiet")
     assert result.exit_code == 3, result.output
-    line = error_line(result)
-    assert "UnsyncedReplicas: Adam steps model.0.weight, which is not in DistributedDataParallel" in line
-    assert "model = run.wrap(model)" in line
+    assert says in error_line(result) and "run.wrap" in error_line(result)
     assert "  hint: two ranks (Kaggle's T4 x2) would train two models" in result.output
-
-
-def test_a_forward_that_goes_around_ddp_is_caught_after_the_first_step(tmp_path):
-    result = invoke("smoke", port_job(tmp_path, "bypassed"), "--quiet")
-    assert result.exit_code == 3, result.output
-    line = error_line(result)
-    assert "UnsyncedReplicas: after step 1 the ranks hold different weights, first model." in line
-    assert "run.wrap" in line
 
 
 # --- 2. a stop leaves the state as it was at the stop ------------------------------------------------

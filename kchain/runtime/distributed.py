@@ -1,10 +1,9 @@
 """Several ranks (one per GPU) through torchrun, made safe for sessions that die.
 
 The pieces, each small:
-- `plan_ranks`: how many ranks the job gets (train.gpus against what the machine has), and the
-  granted-accelerator check: in a Kaggle session a job that asked for a GPU and sees none stops.
-- `launch_ranks`: the launcher's parent runs `python -m torch.distributed.run --standalone
-  --nproc_per_node=N -m kchain.runtime.launch CONFIG`; each rank then runs `main(run)`.
+- `plan_ranks`, `launch_ranks` and the ranks' error files are the launcher's half, in `torchrun.py`
+  (standard library only): how many ranks the job gets, with the granted-accelerator check, and
+  `python -m torch.distributed.run --standalone --nproc_per_node=N -m kchain.runtime.launch CONFIG`.
 - `Ranks`: the process group seen by one rank (rank, world_size, is_main, its device) and the
   collectives the runtime needs: the per-step agreed flag (stop reason and "save now"), gathering
   every rank's private state for the checkpoint, a barrier, a mean for run.log.
@@ -19,18 +18,25 @@ ends the others at once, and the launcher's parent names the first error in the 
 from __future__ import annotations
 
 import datetime
-import json
 import os
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from . import death, layout
+from . import death
+from .torchrun import (  # noqa: F401  (the launcher's half, standard library only; re-exported)
+    ACCELERATOR_CHECK_ENV,
+    KAGGLE_SESSION_ENV,
+    RANK_ERRORS_DIR,
+    NoAccelerator,
+    clear_errors,
+    first_error,
+    in_ranks,
+    launch_ranks,
+    plan_ranks,
+    record_error,
+)
 
 # Stop reasons in the agreed flag, ordered: the largest one any rank raises wins.
 STOP_CODES = {None: 0, "stopped": 1, "deadline": 2, "interrupted": 3}
@@ -38,70 +44,6 @@ STOP_NAMES = {v: k for k, v in STOP_CODES.items()}
 # A collective that waits longer than this has a dead or stuck peer: fail instead of hanging to the
 # 12-hour kill. Generous: a checkpoint gather of a big model may take minutes on a slow disk.
 GROUP_TIMEOUT_S = 600
-RANK_ERRORS_DIR = "rank-errors"  # under the kchain dir: one JSON per rank that failed
-KAGGLE_SESSION_ENV = "KAGGLE_KERNEL_RUN_TYPE"  # set in every Kaggle notebook session
-ACCELERATOR_CHECK_ENV = "KCHAIN_ACCELERATOR_CHECK"  # "off": a CPU stand-in for Kaggle (the emulator)
-
-
-class NoAccelerator(Exception):
-    """A Kaggle session without the GPUs the job asked for."""
-
-
-def in_ranks(env) -> bool:
-    """True inside a rank that torchrun started."""
-    return "RANK" in env and "WORLD_SIZE" in env
-
-
-def plan_ranks(config: dict, env, cuda_count: int | None = None) -> tuple[int, str]:
-    """(number of ranks, why) for this machine; raises NoAccelerator when Kaggle gave too little."""
-    cuda_count = torch.cuda.device_count() if cuda_count is None else cuda_count
-    asked = (config.get("train") or {}).get("gpus", "auto")
-    accelerator = (config.get("kaggle") or {}).get("accelerator", "gpu")
-    smoke = env.get(layout.SMOKE_ENV) == "1"
-    on_kaggle = bool(env.get(KAGGLE_SESSION_ENV)) and not smoke and env.get(ACCELERATOR_CHECK_ENV) != "off"
-    if on_kaggle and accelerator == "gpu":
-        want = 1 if asked == "auto" else int(asked)
-        if cuda_count < want:
-            got = f"{cuda_count} GPU{'s' if cuda_count != 1 else ''}" if cuda_count else "no GPU"
-            raise NoAccelerator(
-                f"asked for GPU T4 x{2 if asked == 'auto' else want} (train.gpus: {asked}), got {got}: "
-                "the weekly GPU quota may be spent or the kernel's accelerator setting was lost; "
-                "stopping instead of training on the CPU"
-            )
-    local = env.get(layout.RANKS_ENV)
-    if local and not on_kaggle:  # smoke / rehearse: the ranks Kaggle would give, on this machine
-        n = int(local)
-        if cuda_count >= n:
-            return n, f"{n} ranks, as on Kaggle ({layout.RANKS_ENV})"
-        return n, f"{n} ranks, as on Kaggle: {n} CPU ranks with gloo ({layout.RANKS_ENV})"
-    if asked == "auto":
-        n = max(1, cuda_count)
-        return n, f"train.gpus: auto, {cuda_count} CUDA device(s) visible"
-    n = int(asked)
-    if cuda_count >= n:
-        return n, f"train.gpus: {n}"
-    return n, f"train.gpus: {n} on {cuda_count} CUDA device(s): {n} CPU ranks with gloo"
-
-
-def launch_ranks(n: int, config_path: str, env) -> int:
-    """Run N ranks under torchrun; returns its exit code (negative for a signal, as subprocess does)."""
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}",
-        # Fail fast: one failed rank ends the others at once instead of restarting the group.
-        "--max-restarts=0", "--monitor-interval=0.1", "-m", "kchain.runtime.launch", config_path,
-    ]
-    child_env = dict(env)
-    child_env.setdefault("OMP_NUM_THREADS", "1")  # N ranks on a few cores: no thread oversubscription
-    proc = subprocess.Popen(cmd, env=child_env)
-
-    def forward(signum, frame):  # a SIGTERM to the launcher reaches every rank (torchrun forwards it)
-        proc.send_signal(signum)
-
-    old = signal.signal(signal.SIGTERM, forward)
-    try:
-        return proc.wait()
-    finally:
-        signal.signal(signal.SIGTERM, old)
 
 
 class Ranks:
@@ -230,31 +172,3 @@ def batches_per_rank(n: int, batch_size: int, world_size: int, drop_last: bool) 
     """Global batches in an epoch (each rank takes one micro-batch of each)."""
     per = batch_size * world_size
     return n // per if drop_last else -(-n // per)
-
-
-def record_error(kchain_dir: Path, rank: int, error: dict) -> None:
-    """This rank's error, where the launcher's parent will find it (atomic)."""
-    folder = kchain_dir / RANK_ERRORS_DIR
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / f"rank{rank}.json"
-    tmp = folder / f"{layout.TMP_PREFIX}rank{rank}.json"
-    tmp.write_text(json.dumps({**error, "rank": rank, "time": time.time()}))
-    os.replace(tmp, path)
-
-
-def first_error(kchain_dir: Path) -> dict | None:
-    """The earliest error any rank recorded: the cause (later ones are usually its consequences)."""
-    folder = kchain_dir / RANK_ERRORS_DIR
-    found = []
-    for p in sorted(folder.glob("rank*.json")) if folder.is_dir() else []:
-        try:
-            found.append(json.loads(p.read_text()))
-        except (OSError, ValueError):
-            continue
-    return min(found, key=lambda e: e.get("time", 0), default=None)
-
-
-def clear_errors(kchain_dir: Path) -> None:
-    folder = kchain_dir / RANK_ERRORS_DIR
-    for p in folder.glob("*.json") if folder.is_dir() else []:
-        p.unlink(missing_ok=True)

@@ -110,7 +110,7 @@ def released(env) -> bool:
     pid, _, path = spec.partition(":")
     gate = Path(path)
     print(f"[kchain] {GATE_NOTE}", flush=True)
-    if not gate.exists():
+    if not gate.exists() and int(env.get(layout.RANKS_ENV) or 1) == 1:  # several ranks: they import it themselves
         import torch._dynamo  # noqa: F401
 
         from . import run  # noqa: F401
@@ -131,12 +131,12 @@ def main(argv: list[str]) -> int:
     config = json.loads(Path(argv[1]).read_text())
     if death.wanted(os.environ.get(layout.FAULT_ENV, "")):
         death.lead()  # a kill fault takes this process's workers with it, as a session's end does
-    from . import distributed  # torch is imported here, after the clock started
+    from . import torchrun  # no torch yet: a launcher of several ranks never needs it
 
-    if not distributed.in_ranks(os.environ):  # kchain ddp: how many ranks, and is the GPU there?
+    if not torchrun.in_ranks(os.environ):  # kchain ddp: how many ranks, and is the GPU there?
         try:
-            n, why = distributed.plan_ranks(config, os.environ)
-        except distributed.NoAccelerator as e:
+            n, why = torchrun.plan_ranks(config, os.environ)
+        except torchrun.NoAccelerator as e:
             return _no_accelerator(config, str(e))
         if n > 1:
             return _run_ranks(n, why, argv[1], config)
@@ -190,7 +190,7 @@ def _train(config: dict, current: SimpleNamespace) -> None:
 
 def _crashed(run, e: BaseException) -> dict:
     """A crash: the traceback, one line naming it, and the error for the summary."""
-    from . import distributed
+    from . import torchrun
 
     traceback.print_exc()
     stage = run.phase if run is not None else "build"
@@ -198,7 +198,7 @@ def _crashed(run, e: BaseException) -> dict:
     if run is not None:
         run.status = "crashed"
     print(f"[kchain] crashed in {stage}: {type(e).__name__}: {_first_line(e)}", flush=True)
-    if distributed.in_ranks(os.environ) and os.environ.get("WORLD_SIZE") != "1":
+    if torchrun.in_ranks(os.environ) and os.environ.get("WORLD_SIZE") != "1":
         # kchain ddp: the others may wait in a collective this rank never joins: leave now, and
         # let torchrun end them; the launcher's parent names this error in the summary.
         rank = int(os.environ["RANK"])
@@ -207,7 +207,7 @@ def _crashed(run, e: BaseException) -> dict:
                 run.writer.wait()  # never leave rank 0's checkpoint write half done
             except BaseException:
                 pass
-        distributed.record_error(layout.kchain_dir(os.environ), rank, error)
+        torchrun.record_error(layout.kchain_dir(os.environ), rank, error)
         os._exit(1)
     return error
 
@@ -228,7 +228,7 @@ def _close(run, error: dict | None) -> dict | None:
 
 def _report(config: dict, run, error: dict | None) -> int:
     """Write summary.json (rank 0), say its gist in one line, and return the exit code."""
-    from . import distributed
+    from . import torchrun
 
     if run is not None and not run.is_main:
         return 1 if run.status == "crashed" else 0  # kchain ddp: rank 0 writes the summary
@@ -240,7 +240,7 @@ def _report(config: dict, run, error: dict | None) -> int:
                    "fingerprint": config.get("fingerprint"), "published": None}
         path = layout.kchain_dir(os.environ) / layout.SUMMARY
     _write_json(path, summary)
-    if not distributed.in_ranks(os.environ):  # under torchrun the launcher's parent prints the final one
+    if not torchrun.in_ranks(os.environ):  # under torchrun the launcher's parent prints the final one
         print(f"[kchain] summary: {json.dumps({k: summary.get(k) for k in ('status', 'step', 'total', 'checkpoint')})}",
               flush=True)
     return 1 if summary["status"] == "crashed" else 0
@@ -260,14 +260,14 @@ def _run_ranks(n: int, why: str, config_path: str, config: dict) -> int:
     """kchain ddp: run N ranks under torchrun, then make the summary name the first rank's error."""
     import signal
 
-    from . import distributed
+    from . import torchrun
 
     kdir = layout.kchain_dir(os.environ)
-    distributed.clear_errors(kdir)
+    torchrun.clear_errors(kdir)
     (kdir / layout.SUMMARY).unlink(missing_ok=True)
     print(f"[kchain] launching {n} ranks with torchrun ({why})", flush=True)
     env = {**os.environ, layout.SESSION_START_ENV: os.environ.get(layout.SESSION_START_ENV) or repr(PROCESS_START)}
-    code = distributed.launch_ranks(n, config_path, env)
+    code = torchrun.launch_ranks(n, config_path, env)
     if code == -signal.SIGKILL:
         death.die()  # the session died (a kill fault): die the same way
     path = kdir / layout.SUMMARY
@@ -282,7 +282,7 @@ def _run_ranks(n: int, why: str, config_path: str, config: dict) -> int:
                    "step": int(ckpts[-1].name.removeprefix(layout.CHECKPOINT_PREFIX)) if ckpts else 0,
                    "total": None, "checkpoint": str(ckpts[-1].relative_to(kdir.parent)) if ckpts else None,
                    "fingerprint": config.get("fingerprint"), "published": None, "world_size": n}
-    first = distributed.first_error(kdir)
+    first = torchrun.first_error(kdir)
     if first is not None:
         summary["status"] = "crashed"
         summary["error"] = {k: first[k] for k in ("type", "message", "stage", "rank") if k in first}

@@ -47,25 +47,24 @@ def epoch_eval(run):
             run.log(val_loss=F.cross_entropy(model(val.x), val.y).item())
 
 
-def unwrapped(run):
-    model = _model().to(run.device)  # the porting mistake: each rank trains its own copy
+def _two_models(run, model, forward):
+    """run.steps over the tiny classifier, stepping `model`'s parameters, the forward through `forward`."""
     trainer = run.optimize(torch.optim.Adam(model.parameters(), lr=0.01))
     run.track(model=model)
     loader = run.loader(NoisyRows(40), batch_size=4)
     for _ in run.steps(run.params.steps):
         x, y = next(loader)
-        run.log(loss=_train_step(model, trainer, x, y))
+        run.log(loss=_train_step(forward, trainer, x, y))
+
+
+def unwrapped(run):
+    model = _model().to(run.device)  # the porting mistake: each rank trains its own copy
+    _two_models(run, model, model)
 
 
 def bypassed(run):
     model = run.wrap(_model())
-    inner = getattr(model, "module", model)  # the forward below skips DDP, as training_step() does
-    trainer = run.optimize(torch.optim.Adam(model.parameters(), lr=0.01))
-    run.track(model=model)
-    loader = run.loader(NoisyRows(40), batch_size=4)
-    for _ in run.steps(run.params.steps):
-        x, y = next(loader)
-        run.log(loss=_train_step(inner, trainer, x, y))
+    _two_models(run, model, getattr(model, "module", model))  # the forward skips DDP, as training_step() does
 
 
 def file_state(run):

@@ -39,7 +39,7 @@ def test_a_chain_with_a_kill_deadlines_and_flaky_api_equals_the_uninterrupted_ru
     # their answer, every 4th upload dropped, and the killed session's output lost. One `watch`, no rerun.
     monkeypatch.setenv(layout.FAULT_ENV, f"{STALL},deadline_after_steps=20")
     monkeypatch.setenv(layout.CHECKPOINT_EVERY_ENV, "5 steps")  # the kill comes after a save mid-session
-    job = copy_job("tinygpt", tmp_path, params={"steps": 80, "eval_every": 20, "batch": 8, "accumulate": 1})
+    job = copy_job("tinygpt", tmp_path, params={"steps": 60, "eval_every": 20, "batch": 8, "accumulate": 1})
     faults = Faults(rate_429=0.15, rate_500=0.10, rate_lost_answer=0.1, drop_upload_every=4, processing_s=2.0,
                     lose_output=True, seed=5)
     result = rehearse(job, session_limit_s=GENEROUS_S, kills=1, seed=2, faults=faults, echo=lambda _: None, ranks=1)

@@ -55,12 +55,6 @@ def test_the_smoke_runs_the_two_ranks_kaggle_gives_and_a_stop_mid_epoch_resumes_
     assert "PASS: resumed run equals the uninterrupted run bit for bit" in result.output
 
 
-def test_ranks_1_runs_one_rank_when_told(tmp_path):
-    result = invoke("smoke", port_job(tmp_path, "epoch_eval", **EPOCHS), "--ranks", "1", "--quiet")
-    assert result.exit_code == 0, result.output
-    assert "1 rank (CPU)" in result.output
-
-
 @pytest.mark.parametrize(("entry", "says"), [
     ("unwrapped", "UnsyncedReplicas: Adam steps model.0.weight, which is not in DistributedDataParallel: "
                   "each rank would train its own model; wrap the model with `model = run.wrap(model)`"),
@@ -140,10 +134,11 @@ def test_smoke_params_and_set_apply_only_under_the_smoke(tmp_path):
 
 
 def test_smoke_set_runs_with_the_param_and_a_bad_set_is_one_line(tmp_path):
-    job = port_job(tmp_path, "epoch_eval", gpus=1, smoke={"params": {"rows": 48}}, **EPOCHS)
-    result = invoke("smoke", job, "--set", "batch=4")
+    job = port_job(tmp_path, "epoch_eval", smoke={"params": {"rows": 48}}, **EPOCHS)
+    result = invoke("smoke", job, "--set", "batch=4", "--ranks", "1")  # --ranks 1: one rank when told
     assert result.exit_code == 0, result.output
     assert "[kchain] smoke params: rows=48, batch=4" in result.output
+    assert "1 rank (CPU)" in result.output
     bad = invoke("smoke", job, "--set", "batch")
     assert bad.exit_code == 2
     assert error_line(bad) == "Error: --set 'batch': write it as name=value, e.g. --set steps=300"

@@ -14,7 +14,7 @@ rotates every round, because a shared machine drifts more than the effects measu
   staging copy; the write runs in its background thread, untimed);
 - restore: run.restore() (find + verify + load + apply) against `torch.load` alone and against
   `torch.load` + load_state_dict (the same apply);
-- search: the checkpoint search (checkpoint.candidates) with --attached files under a foreign dataset
+- search: the checkpoint search (checkpoint_files.candidates) with --attached files under a foreign dataset
   next to the state dataset in a temporary input root, and with only the state dataset attached.
 
     python bench/checkpoint_io.py [--rounds 7] [--attached 50000]
@@ -45,8 +45,10 @@ sys.path[:0] = [str(REPO), str(REPO / "bench")]
 from checkpoint_overhead import build, train_step  # noqa: E402
 
 from kchain.runtime import layout  # noqa: E402
-from kchain.runtime.checkpoint import candidates, remove, rng_state, snapshot, write_checkpoint  # noqa: E402
+from kchain.runtime.checkpoint import CheckpointJob, write_checkpoint  # noqa: E402
+from kchain.runtime.checkpoint_files import candidates, remove  # noqa: E402
 from kchain.runtime.run import Run  # noqa: E402
+from kchain.runtime.snapshot import rng_state, snapshot  # noqa: E402
 
 JOB = "bench-io"
 FILES_PER_DIR = 100  # the foreign dataset: folders of 100 files, three levels deep
@@ -106,7 +108,7 @@ class Bench:
         for name, n in (("nothing else", 0), (f"{attached} files", attached)):
             inp = self.tmp / f"input-{n}"
             state = inp / "datasets" / "me" / f"{JOB}-state"
-            shutil.copytree(self.saver.checkpoints / layout.checkpoint_name(1), state)
+            shutil.copytree(self.saver._paths.checkpoints / layout.checkpoint_name(1), state)
             (state / layout.STATE_MARKER).write_text("{}\n")
             for i in range(n):
                 d = inp / "datasets" / "someone" / "images" / f"{i // 10_000}" / f"{i // FILES_PER_DIR}"
@@ -132,7 +134,8 @@ class Bench:
         """write_checkpoint until the new checkpoint is durable and in place (nothing to prune)."""
         self.n += 1
         ckpts = self.tmp / "ckpts"
-        took = timed(write_checkpoint, ckpts, self.n, self.state, self.tmp / "none.jsonl", 0, {"job": JOB}, 10**6)
+        job = CheckpointJob(ckpts, self.n, self.tmp / "none.jsonl", 0, {"job": JOB}, 10**6)
+        took = timed(write_checkpoint, self.state, job)
         self.prunes.append(timed(remove, ckpts / layout.checkpoint_name(self.n)))  # the anchor's unlink is untimed too
         return took
 

@@ -97,7 +97,7 @@ def build(params_m: int):
 
 def child(mode: str, params_m: int, root: Path) -> dict:
     from kchain.runtime import layout
-    from kchain.runtime.checkpoint import state_bytes
+    from kchain.runtime.publishplan import state_bytes
     from kchain.runtime.run import Run
 
     env = {layout.ROOT_ENV: str(root), layout.CHECKPOINT_STREAM_ENV: "1" if mode == "stream" else "0"}
@@ -108,12 +108,12 @@ def child(mode: str, params_m: int, root: Path) -> dict:
     size = state_bytes({"m": model.state_dict(), "o": opt.state_dict()})
     base = anon_bytes()
     saves = []
-    with Peak(lambda: disk_bytes(run.checkpoints)) as disk:
+    with Peak(lambda: disk_bytes(run._paths.checkpoints)) as disk:
         for step in (1, 2, 3):
             t0 = time.perf_counter()
             with Peak(anon_bytes) as mem:
                 run.save(step)
-                run.writer.wait()
+                run._ckpt.writer.wait()
             saves.append({"extra_ram": mem.peak - base, "s": time.perf_counter() - t0})
     run.close()
     del run, model, opt

@@ -222,8 +222,8 @@ def main() -> None:
                     rate, run = under_run(name, every, tmp / f"{name}-{variant}-{r}".replace(" ", ""))
                     best[variant] = max(best[variant], rate)
                     if variant == "20 steps":
-                        stalls += run.stalls[:-1]  # the last save is the final one, not a cadence save
-                        size = (run.checkpoints / layout.checkpoint_name(steps) / layout.STATE_FILE).stat().st_size
+                        stalls += run._ckpt.stalls[:-1]  # the last save is the final one, not a cadence save
+                        size = (run._paths.checkpoints / layout.checkpoint_name(steps) / layout.STATE_FILE).stat().st_size
             sync = sync_save_s(name, tmp)
             stall = sorted(stalls)[len(stalls) // 2]  # median
             print(f"\n{name}: d={d}, {layers} layers, {n_params / 1e6:.2f}M params, batch {BATCH}x{block}, "

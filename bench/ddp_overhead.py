@@ -70,7 +70,7 @@ def measure(rank: int, world: int, port: int, steps: int, hidden: int, root: str
     step_s = (time.perf_counter() - t0) / steps
     t0 = time.perf_counter()
     for _ in range(steps):
-        run.ranks.agree(None, False)
+        run._ranks.agree(None, False)
     agree_s = (time.perf_counter() - t0) / steps
     saves = []
     for i in range(5):
@@ -78,8 +78,8 @@ def measure(rank: int, world: int, port: int, steps: int, hidden: int, root: str
         t0 = time.perf_counter()
         run.save()
         saves.append(time.perf_counter() - t0)
-        run.writer.wait()
-    run.ranks.barrier()
+        run._ckpt.writer.wait()
+    run._ranks.barrier()
     run.close()
     if rank == 0:
         Path(out).write_text(json.dumps({"step_s": step_s, "agree_s": agree_s, "save_s": statistics.median(saves)}))

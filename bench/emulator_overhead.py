@@ -33,6 +33,7 @@ from emulator_helpers import write_kernel  # noqa: E402
 from helpers import copy_job, invoke  # noqa: E402
 
 from kchain.emulator import Emulator, Switches  # noqa: E402
+from kchain.runtime import layout  # noqa: E402
 
 TARGET_PER_S = 100
 TARGET_DIFF_S = 2.0
@@ -109,7 +110,7 @@ def first_step(tmp: Path) -> None:
     home = tmp / "home"
     (home / ".kaggle").mkdir(parents=True, exist_ok=True)
     os.environ.update({"HOME": str(home), "KAGGLE_CONFIG_DIR": str(home / ".kaggle"),
-                       "KCHAIN_HOME": str(tmp / "kchain-home")})
+                       layout.HOME_ENV: str(tmp / "kchain-home")})
     # Both runs import torch from a warm page cache, so neither pays for the first read from disk.
     subprocess.run([sys.executable, "-c", "import torch, nbclient, ipykernel"], check=True)
     no_waits = Switches(queue_s=0.0, boot_s=0.0, version_lag_s=0.0)

@@ -1,7 +1,7 @@
 """How fast this machine copies memory that has sat idle: the floor under run.save's blocked time.
 
 run.save blocks the training thread for one copy of the state into host buffers kept from the last
-save (checkpoint.Snapshotter). Those buffers sit idle between saves. On a virtual machine whose host
+save (snapshot.Snapshotter). Those buffers sit idle between saves. On a virtual machine whose host
 reclaims or demotes idle guest memory, the copy into them slows down with the time they sat idle,
 with no page fault the guest can see, and the blocked time with it. A Kaggle GPU VM passes its GPU
 through to the guest, which pins guest memory on the host, so this should not happen there; this

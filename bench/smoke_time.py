@@ -32,6 +32,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from kchain.runtime import layout  # noqa: E402
 from kchain.smoke import smoke  # noqa: E402
 
 STAGES = ["render", "executor start", "preflight", "steps", "kill and resume"]
@@ -74,7 +75,7 @@ def floor_s(scratch: Path, ranks: int = 1) -> float:
 
 def main(rounds: int = 3) -> None:
     scratch = Path(tempfile.mkdtemp(prefix="kchain-bench-"))
-    os.environ["KCHAIN_HOME"] = str(scratch / "home")
+    os.environ[layout.HOME_ENV] = str(scratch / "home")
     print(f"{'job':<12} {'ranks':>5} {'total':>7} " + " ".join(f"{s:>15}" for s in STAGES))
     ratios: dict[int, list[float]] = {1: [], 2: []}
     try:

@@ -33,12 +33,15 @@ from kchain.datasets import (
 from kchain.decide import Decision, Situation, decide, final_weights
 from kchain.errors import ChainStop, CredentialsError, KaggleError
 from kchain.kaggle_api import KaggleClient
+from kchain.kernel_states import LIVE
 from kchain.ledger import Ledger, iso, new_run_id, now_utc, state_dir
 from kchain.names import cache_dataset, state_dataset
 from kchain.push import push_session, reconcile, refuse_unpushable
 from kchain.render import render_job
 from kchain.runtime import layout
 from kchain.runtime.statefolder import build_cache_folder, build_state_folder, cache_entries
+from kchain.runtime.summary import Status
+from kchain.sessions import PublishFacts, SessionRecord, summary_of
 from kchain.spec import Job, load_job
 
 Echo = Callable[[str], None]
@@ -58,8 +61,8 @@ def chain_lock(ledger: Ledger, job: str) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def relay_state(client: KaggleClient, job: Job, owner: str, record: dict[str, Any], echo: Echo,
-                save: Callable[[dict[str, Any]], None]) -> dict[str, Any] | None:
+def relay_state(client: KaggleClient, job: Job, owner: str, record: SessionRecord, echo: Echo,
+                save: Callable[[PublishFacts], None]) -> dict[str, Any] | None:
     """Version the state dataset from the session's downloaded output; None if it holds no checkpoint.
 
     What is about to be uploaded is saved (save) before the upload and before any wait, so a rerun
@@ -109,8 +112,8 @@ def relay_state(client: KaggleClient, job: Job, owner: str, record: dict[str, An
         shutil.rmtree(work, ignore_errors=True)
 
 
-def ready_state(client: KaggleClient, job: Job, owner: str, chain: list[dict[str, Any]], echo: Echo,
-                save: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+def ready_state(client: KaggleClient, job: Job, owner: str, chain: list[SessionRecord], echo: Echo,
+                save: Callable[[PublishFacts], None] | None = None) -> PublishFacts:
     """Make sure the newest checkpoint is a ready version of the state dataset; return its facts."""
     last = chain[-1]
     state_ref = state_dataset(owner, job.name)
@@ -119,11 +122,11 @@ def ready_state(client: KaggleClient, job: Job, owner: str, chain: list[dict[str
         # budget): publishing again would only upload the same checkpoint twice.
         wait_ready(client, state_ref, echo)
         return last["publish"]
-    summary = last.get("summary") or {}
-    facts: dict[str, Any] = {"published": None, "uploaded_bytes": 0}
-    if summary.get("published") == "kernel":
-        facts.update(published="kernel", step=summary.get("published_step"),
-                     uploaded_bytes=summary.get("published_bytes", 0))
+    summary = summary_of(last)
+    facts: PublishFacts = {"published": None, "uploaded_bytes": 0}
+    if summary.published == "kernel":
+        facts.update(published="kernel", step=summary.published_step,
+                     uploaded_bytes=summary.published_bytes or 0)
         echo(f"  the kernel published step {facts['step']} to {state_ref} itself "
              f"({facts['uploaded_bytes'] / 1e6:.2f} MB)")
     else:
@@ -148,10 +151,10 @@ def ready_state(client: KaggleClient, job: Job, owner: str, chain: list[dict[str
     return facts
 
 
-def steps_lost(record: dict[str, Any], saved: int) -> tuple[int | None, str]:
+def steps_lost(record: SessionRecord, saved: int) -> tuple[int | None, str]:
     """How many steps a session trained past `saved` (the step the chain goes on from), and how to
     say it: exact from its summary, at least as many as its last heartbeat shows, or unknown."""
-    reached = (record.get("summary") or {}).get("step")
+    reached = summary_of(record).step
     if isinstance(reached, int):
         return max(0, reached - saved), f"{max(0, reached - saved)} steps lost"
     beat = _heartbeat_step(record.get("heartbeat"))
@@ -169,7 +172,7 @@ def _heartbeat_step(line: str | None) -> int | None:
         return None
 
 
-def fetch_or_stop(client: KaggleClient, ledger: Ledger, job: Job, owner: str, chain: list[dict[str, Any]],
+def fetch_or_stop(client: KaggleClient, ledger: Ledger, job: Job, owner: str, chain: list[SessionRecord],
                   from_state: int | None, echo: Echo, attempts: int = 3) -> None:
     """The last session ended but its output could not be fetched: fetch it again; if that still
     fails, pushing from an older state loses its steps, so only --from-state N (the newest state
@@ -235,7 +238,7 @@ def look(client: KaggleClient, ledger: Ledger, job: Job, owner: str) -> Situatio
 
 
 def act(decision: Decision, job: Job, ledger: Ledger, client: KaggleClient, owner: str,
-        chain: list[dict[str, Any]], force: bool, echo: Echo) -> Decision:
+        chain: list[SessionRecord], force: bool, echo: Echo) -> Decision:
     """Perform a decision: raise its stop, record a finished chain, or push the next session."""
     if decision.stop is not None:
         raise decision.stop
@@ -246,26 +249,26 @@ def act(decision: Decision, job: Job, ledger: Ledger, client: KaggleClient, owne
     return decision
 
 
-def record_finished(ledger: Ledger, job: Job, chain: list[dict[str, Any]]) -> None:
+def record_finished(ledger: Ledger, job: Job, chain: list[SessionRecord]) -> None:
     """One line for the whole chain's result, so `kchain runs` can name the best weights."""
     last = chain[-1]
-    summary = last.get("summary") or {}
-    if summary.get("status") != "finished" or last.get("logged"):
+    summary = summary_of(last)
+    if summary.status != Status.FINISHED or last.get("logged"):
         return
     ledger.append_run(
         run_id=new_run_id("kaggle"), channel="kaggle", job=job.name, config=str(last.get("fingerprint"))[:12],
-        steps=summary.get("step") or "", val=_val(last), checkpoint=str(final_weights(last)),
+        steps=summary.step or "", val=_val(last), checkpoint=str(final_weights(last)),
         note=f"finished after {len(chain)} session(s)",
     )
     ledger.save_session(job.name, {**last, "logged": True})
 
 
-def push_next(job: Job, ledger: Ledger, client: KaggleClient, owner: str, chain: list[dict[str, Any]],
+def push_next(job: Job, ledger: Ledger, client: KaggleClient, owner: str, chain: list[SessionRecord],
               force: bool, echo: Echo) -> Decision:
     """The newest checkpoint as a ready state version, the budget, then the next session pinned to it."""
     last = chain[-1]
 
-    def save_publish(progress: dict[str, Any]) -> None:
+    def save_publish(progress: PublishFacts) -> None:
         last.update(publish=progress)
         ledger.save_session(job.name, last)
 
@@ -295,7 +298,7 @@ def push_next(job: Job, ledger: Ledger, client: KaggleClient, owner: str, chain:
                     f"resuming at step {facts['resumes_at']} from state version {facts['version']}", record)
 
 
-def session_facts(ledger: Ledger, job: Job, facts: dict[str, Any] | None = None) -> dict[str, Any]:
+def session_facts(ledger: Ledger, job: Job, facts: PublishFacts | None = None) -> dict[str, Any]:
     """What the rendered config tells the next session besides the job: the state it must resume
     (step and state version) and the measured publish figures its deadline guard plans with."""
     out: dict[str, Any] = {}
@@ -311,12 +314,12 @@ def iso_now() -> str:
     return iso(now_utc())
 
 
-def _val(record: dict[str, Any]) -> str:
-    summary = record.get("summary") or {}
-    best = summary.get("best") or {}
+def _val(record: SessionRecord) -> str:
+    summary = summary_of(record)
+    best = summary.best or {}
     if isinstance(best.get("value"), (int, float)):
         return f"{best['value']:.6g}"
-    for key, value in (summary.get("metrics") or {}).items():
+    for key, value in (summary.metrics or {}).items():
         if key.startswith("val") and isinstance(value, (int, float)):
             return f"{value:.6g}"
     return ""
@@ -374,7 +377,7 @@ def watch(job: Job, ledger: Ledger, client: KaggleClient, retry: bool = False, f
         time.sleep(delay)
 
 
-def stop_chain(job_file: Path, wait_s: float = 3600.0, poll_s: float = 10.0, echo: Echo = print) -> dict[str, Any]:
+def stop_chain(job_file: Path, wait_s: float = 3600.0, poll_s: float = 10.0, echo: Echo = print) -> SessionRecord:
     """`kchain stop`: end the running session and record it, so `continue` resumes from the last state.
 
     Kaggle's API cannot stop a session: CancelKernelSession takes a session id that no client call
@@ -384,7 +387,7 @@ def stop_chain(job_file: Path, wait_s: float = 3600.0, poll_s: float = 10.0, ech
     ledger, client = Ledger(state_dir(job.path)), KaggleClient()
     with chain_lock(ledger, job.name):
         reconcile(client, ledger, job)
-        live = [s for s in sess.refresh(client, ledger, job.name) if s["status"] in sess.LIVE and s.get("version")]
+        live = [s for s in sess.refresh(client, ledger, job.name) if s["status"] in LIVE and s.get("version")]
         if not live:
             raise ChainStop(f"no session of {job.name} is queued or running; nothing to stop")
         record = live[-1]
@@ -397,7 +400,7 @@ def stop_chain(job_file: Path, wait_s: float = 3600.0, poll_s: float = 10.0, ech
         started = time.time()
         while True:
             record = next(s for s in sess.refresh(client, ledger, job.name) if s["session"] == record["session"])
-            if record["status"] not in sess.LIVE:
+            if record["status"] not in LIVE:
                 break
             if time.time() - started > wait_s:
                 raise ChainStop(f"session {record['session']} is still {record['status'].lower()} after "

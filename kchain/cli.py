@@ -9,7 +9,9 @@ from __future__ import annotations
 import math
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import click
 
@@ -80,7 +82,7 @@ def render(job: Path, out: Path | None) -> None:
     Example:
       kchain render jobs/tinygpt/job.yaml -o build/tinygpt
     """
-    from kchain.kaggle_api import configured_username
+    from kchain.credentials import configured_username
     from kchain.render import payload_lines, render_job, write_rendered
     from kchain.spec import load_job
 
@@ -314,14 +316,127 @@ def emulator() -> None:
     """The local Kaggle that kchain is tested against."""
 
 
-@emulator.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True,
-                                    "help_option_names": []})
-@click.pass_context
-def serve(ctx: click.Context) -> None:
-    """Run a local Kaggle until interrupted; prints the environment to export. --help lists every switch."""
-    from kchain.emulator.__main__ import serve_command
+class EmulatorOption(click.Option):
+    """An option of `kchain emulator serve` named after a field of the emulator's Limits, Switches or
+    Faults. Unset it is None, and the emulator keeps its own default: the help shows it, read from
+    those classes only when help is asked for (importing the emulator would slow every command)."""
 
-    serve_command(ctx.args)
+    def get_help_extra(self, ctx: click.Context) -> Any:
+        extra = super().get_help_extra(ctx)
+        from kchain.emulator import Faults, Switches
+        from kchain.emulator.switches import Limits
+
+        default = next((getattr(d, self.name) for d in (Limits(), Switches(), Faults()) if hasattr(d, self.name)), None)
+        if isinstance(default, bool) and self.secondary_opts:
+            extra["default"] = (self.opts if default else self.secondary_opts)[0].lstrip("-")
+        elif default is not None and not isinstance(default, bool):
+            extra["default"] = f"{default:g}" if isinstance(default, float) else str(default)
+        return extra
+
+
+def _field(*decls: str, **kwargs: Any) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """An option that sets one field of the emulator (see EmulatorOption)."""
+    return click.option(*decls, cls=EmulatorOption, default=None, **kwargs)
+
+
+def _pairs(sep: str) -> Callable[[click.Context, click.Parameter, tuple[str, ...]], list[tuple[str, str]]]:
+    """A callback: each value 'A<sep>B' as (A, B); anything else is a usage error naming the shape."""
+    def parse(ctx: click.Context, param: click.Parameter, values: tuple[str, ...]) -> list[tuple[str, str]]:
+        pairs = []
+        for value in values:
+            left, found, right = value.partition(sep)
+            if not (found and left and right):
+                raise click.BadParameter(f"{value!r}: write it as {param.metavar}")
+            pairs.append((left, right))
+        return pairs
+    return parse
+
+
+@emulator.command()
+@click.option("--state", "state_dir", type=click.Path(path_type=Path), required=True,
+              help="Folder holding the emulator's kernels, datasets and sessions (kept between runs).")
+@click.option("--port", type=click.IntRange(0, 65535), default=0, show_default=True,
+              help="Port on 127.0.0.1 (0: any free one).")
+@click.option("--user", "users", multiple=True, metavar="NAME:KEY", callback=_pairs(":"),
+              help="An account and its API key; repeat for more (default: one user `kchain`, a fresh key).")
+@click.option("--token", "tokens", multiple=True, metavar="TOKEN=NAME", callback=_pairs("="),
+              help="An access token (as KAGGLE_API_TOKEN holds it) and the user it belongs to; repeatable.")
+@click.option("--secret", "secrets", multiple=True, metavar="NAME:LABEL=VALUE", callback=_pairs(":"),
+              help="A Kaggle Secret of user NAME, readable in that user's kernels; repeatable.")
+@click.option("--competition", "competitions", multiple=True, metavar="SLUG:USER", callback=_pairs(":"),
+              help="USER accepted the rules of competition SLUG (else it is an invalid source); repeatable.")
+@_field("--session-limit", "session_limit_s", type=float, metavar="SECONDS", help="A session's time limit.")
+@_field("--gpu-quota", "gpu_quota_s", type=float, metavar="SECONDS", help="The weekly GPU quota of each user.")
+@_field("--max-gpu-sessions", "max_gpu_sessions", type=int, metavar="N", help="GPU sessions a user may run at once.")
+@_field("--rate-429", "rate_429", type=float, metavar="P",
+        help="Fault: that fraction of API calls is answered 429 (Retry-After: 1).")
+@_field("--rate-500", "rate_500", type=float, metavar="P", help="Fault: that fraction of API calls is answered 500.")
+@_field("--kill-after", "kill_after_s", type=float, metavar="SECONDS",
+        help="Fault: kill every session pushed from now on this long after it starts.")
+@_field("--kill-random", "kill_random_s", type=float, nargs=2, metavar="LOW HIGH",
+        help="Fault: kill every session at a time drawn from LOW..HIGH seconds after it starts.")
+@_field("--kill-on-output", "kill_on_output", metavar="TEXT", help="Fault: kill a session as soon as its log shows TEXT.")
+@_field("--kill-after-checkpoint", "kill_after_checkpoint", is_flag=True,
+        help="Fault: kill a session as soon as it saved a checkpoint past the state it resumed from.")
+@_field("--drop-upload-every", "drop_upload_every", type=int, metavar="N",
+        help="Fault: cut off the 1st, (N+1)th, ... upload half-way through its body.")
+@_field("--processing", "processing_s", type=float, metavar="SECONDS",
+        help="Fault: a new dataset version stays processing (BLOBS_RECEIVED) this long.")
+@_field("--lose-output", "lose_output", is_flag=True,
+        help="Fault: a session killed by its limit or by a fault leaves no output, like a lost VM.")
+@_field("--fail-after-save", "fail_after_save", type=int, metavar="N",
+        help="Fault: the next N SaveKernel calls act, then answer 500 (a lost answer).")
+@_field("--rate-lost-answer", "rate_lost_answer", type=float, metavar="P",
+        help="Fault: that fraction of creating calls act, then answer 500.")
+@_field("--seed", "seed", type=int, metavar="N", help="Seed of the random faults.")
+@click.option("--lenient", is_flag=True,
+              help="Start from the kind switches (404s, no lag, pins honoured, no queue, output kept, secrets "
+                   "attached, GPU quota answered); the switch options below still override it.")
+@_field("--missing-status", "missing_status", type=click.Choice([403, 404]),
+        help="Switch: the answer for a missing or invisible kernel or dataset.")
+@_field("--version-lag", "version_lag_s", type=float, metavar="SECONDS",
+        help="Switch: a new dataset version stays invisible this long.")
+@_field("--lag-status", "lag_status", type=click.Choice([403, 404]),
+        help="Switch: the status call's answer while a new version is invisible.")
+@_field("--ignore-version-pin/--no-ignore-version-pin", "ignore_version_pin",
+        help="Switch: mount the latest version whatever owner/slug/N says.")
+@_field("--log-stream/--no-log-stream", "log_stream", help="Switch: serve kernels_logs_stream live.")
+@_field("--secrets-need-attaching/--no-secrets-need-attaching", "secrets_need_attaching",
+        help="Switch: Secrets reach a kernel only once attached to it.")
+@_field("--output-at-limit", "output_at_limit", type=click.Choice(["kept", "lost"]),
+        help="Switch: the output of a session killed at its limit or cancelled.")
+@_field("--queue", "queue_s", type=float, metavar="SECONDS", help="Switch: the time a session waits QUEUED.")
+@_field("--boot", "boot_s", type=float, metavar="SECONDS",
+        help="Switch: session time spent before the first cell runs.")
+@_field("--tpu-session-limit", "tpu_session_limit_s", type=float, metavar="SECONDS",
+        help="Switch: the time limit of TPU sessions.")
+@_field("--quota-has-gpu/--no-quota-has-gpu", "quota_has_gpu",
+        help="Switch: GetAcceleratorQuotaStatistics answers with a gpuQuota.")
+def serve(state_dir: Path, port: int, users: list[tuple[str, str]], tokens: list[tuple[str, str]],
+          secrets: list[tuple[str, str]], competitions: list[tuple[str, str]], lenient: bool, **fields: Any) -> None:
+    """Run a local Kaggle for the unmodified `kaggle` client until interrupted; prints the `export`
+    lines a shell needs. Switches default to Kaggle's strict behaviour; faults to none
+    (docs/emulator.md gives each one's source).
+
+    \b
+    Example:
+      kchain emulator serve --state /tmp/kaggle --session-limit 60
+      kchain emulator serve --state /tmp/kaggle --user alice:0123abcd --missing-status 404
+      kchain emulator serve --state /tmp/kaggle --lenient --version-lag 5 --rate-429 0.1
+    """
+    from kchain.emulator.app import emulator_options
+    from kchain.emulator.app import serve as run_emulator
+
+    labels: dict[str, dict[str, str]] = {}
+    for user, assignment in secrets:
+        label, _, value = assignment.partition("=")
+        labels.setdefault(user, {})[label] = value
+    accepted: dict[str, list[str]] = {}
+    for slug, user in competitions:
+        accepted.setdefault(slug, []).append(user)
+    given = {name: value for name, value in fields.items() if value is not None}
+    run_emulator(state_dir, port=port, users=dict(users), tokens=dict(tokens), secrets=labels, competitions=accepted,
+                 **emulator_options(lenient, **given))
 
 
 def main() -> None:

@@ -28,18 +28,20 @@ from pathlib import Path
 from typing import Any
 
 from kchain.errors import ChainStop, KchainError, NotSmoked
+from kchain.kernel_states import LIVE, TERMINAL
 from kchain.runtime import layout
-from kchain.sessions import LIVE, TERMINAL
+from kchain.runtime.summary import Status
+from kchain.sessions import SessionRecord, summary_of
 
 # Session ends that another identical session would repeat: each needs --retry (or a code change).
-NEEDS_A_PERSON = ("crashed", "hung", "no-accelerator")
+NEEDS_A_PERSON = (Status.CRASHED, Status.HUNG, Status.NO_ACCELERATOR)
 
 
 @dataclass
 class Decision:
     action: str  # running | finished | stop | refetch | push from decide(); pushed once act() pushed
     message: str
-    record: dict[str, Any] | None = None
+    record: SessionRecord | None = None
     stop: KchainError | None = None  # what act() raises for a stop
 
 
@@ -47,7 +49,7 @@ class Decision:
 class Situation:
     """Everything `decide` reads, gathered by `chain.look`."""
 
-    chain: list[dict[str, Any]]  # the chain's sessions, oldest first (pushes that never landed left out)
+    chain: list[SessionRecord]  # the chain's sessions, oldest first (pushes that never landed left out)
     kernel: str  # owner/name
     on_kaggle: str | None  # Kaggle's status of the kernel's newest version (a session kchain did not start counts)
     fingerprint: Callable[[], str]  # the code's fingerprint now (it renders the job: asked only when needed)
@@ -83,7 +85,7 @@ def _stop(error: KchainError) -> Decision:
     return Decision("stop", str(error), stop=error)
 
 
-def _while_live(now: Situation, last: dict[str, Any]) -> Decision | None:
+def _while_live(now: Situation, last: SessionRecord) -> Decision | None:
     if now.on_kaggle in LIVE and last["status"] not in LIVE:
         return _stop(ChainStop(f"{now.kernel} has a session {now.on_kaggle.lower()} on Kaggle that kchain did not "
                                "start; wait for it to end, then run `kchain continue` again"))
@@ -93,40 +95,40 @@ def _while_live(now: Situation, last: dict[str, Any]) -> Decision | None:
     return None
 
 
-def _after_end(last: dict[str, Any], sessions: int, job_file: Path) -> Decision | None:
+def _after_end(last: SessionRecord, sessions: int, job_file: Path) -> Decision | None:
     """The session ended in a way that another session cannot or should not follow."""
-    summary = last.get("summary") or {}
-    status = summary.get("status")
-    if status == "finished":
-        best = summary.get("best") or {}
+    summary = summary_of(last)
+    status = summary.status
+    if status == Status.FINISHED:
+        best = summary.best or {}
         best_text = f", best {best['name']} {best['value']:.6g} at step {best['step']}" if best.get("name") else ""
-        return Decision("finished", f"training is complete: {summary.get('step')}/{summary.get('total')} steps"
+        return Decision("finished", f"training is complete: {summary.step}/{summary.total} steps"
                         f"{best_text}; final weights in {final_weights(last)}", last)
-    if status == "stopped":
+    if status == Status.STOPPED:
         # The code left its loop on purpose (early stopping): another session would be the user's
         # decision, not the chain's.
-        return Decision("finished", f"training stopped early on purpose at step {summary.get('step')}/"
-                        f"{summary.get('total')} (the loop left run.steps); no further session is pushed", last)
-    if status == "no_checkpoint":
+        return Decision("finished", f"training stopped early on purpose at step {summary.step}/"
+                        f"{summary.total} (the loop left run.steps); no further session is pushed", last)
+    if status == Status.NO_CHECKPOINT:
         return _stop(ChainStop(f"session {last['session']} wrote no checkpoint: the loop did not use run.steps, "
                                f"run.epochs or run.save, so there is nothing to resume; see `kchain smoke {job_file}`"))
-    if status == "deadline" and summary.get("step") == last.get("resumes_at", 0):
+    if status == Status.DEADLINE and summary.step == last.get("resumes_at", 0):
         # Another session would burn its quota the same way: start-up filled the whole session.
         return _stop(ChainStop(
             f"session {last['session']} reached its deadline without training a step (it resumed at "
-            f"step {summary.get('step')}): loading and start-up take the whole session; stage the data "
+            f"step {summary.step}): loading and start-up take the whole session; stage the data "
             "with run.stage so later sessions load a cache, or raise train.session_limit"
         ))
     return None
 
 
-def _after_crash(chain: list[dict[str, Any]], fingerprint: str, job_file: Path, retry: bool) -> Decision | None:
+def _after_crash(chain: list[SessionRecord], fingerprint: str, job_file: Path, retry: bool) -> Decision | None:
     """A crash, a hang or a missing accelerator: repeated only with --retry, never the same crash twice."""
     last = chain[-1]
     crash = crash_of(last)
     if crash is None:
         return None
-    no_gpu = (last.get("summary") or {}).get("status") == "no-accelerator"
+    no_gpu = summary_of(last).status == Status.NO_ACCELERATOR
     if no_gpu and not retry:
         return _stop(ChainStop(f"session {last['session']} got no accelerator: {crash.get('message')}; check the GPU "
                                "quota (`kchain budget`) and kaggle.accelerator, then pass --retry to push again"))
@@ -142,7 +144,7 @@ def _after_crash(chain: list[dict[str, Any]], fingerprint: str, job_file: Path, 
     return None
 
 
-def _without_progress(chain: list[dict[str, Any]], fingerprint: str, job_file: Path,
+def _without_progress(chain: list[SessionRecord], fingerprint: str, job_file: Path,
                       retry: bool) -> Decision | None:
     """Two sessions in a row saved no step past the one they resumed at: the next would lose its
     work the same way (stopped before its first save, its output lost to an overrun), quota and all."""
@@ -152,9 +154,9 @@ def _without_progress(chain: list[dict[str, Any]], fingerprint: str, job_file: P
     step = last.get("resumes_at") or 0
     if step > (before.get("resumes_at") or 0) or (saved_step(last) or 0) > step:
         return None
-    summary = last.get("summary") or {}
-    if summary.get("status"):
-        how = f"session {last['session']} ended {summary['status']} at step {summary.get('step')}"
+    summary = summary_of(last)
+    if summary.status:
+        how = f"session {last['session']} ended {summary.status} at step {summary.step}"
     else:
         how = f"session {last['session']}: {last.get('failure_message') or last['status']}"
     return _stop(ChainStop(
@@ -165,7 +167,7 @@ def _without_progress(chain: list[dict[str, Any]], fingerprint: str, job_file: P
     ))
 
 
-def saved_step(record: dict[str, Any]) -> int | None:
+def saved_step(record: SessionRecord) -> int | None:
     """The step of the newest checkpoint a session left: the state published from it, else what its
     downloaded output holds, else the checkpoint its summary names (which may be the one it resumed)."""
     publish = record.get("publish") or {}
@@ -173,16 +175,16 @@ def saved_step(record: dict[str, Any]) -> int | None:
         return int(publish["step"])
     if "saved_step" in record:
         return record["saved_step"]
-    name = Path((record.get("summary") or {}).get("checkpoint") or "").name
+    name = Path(summary_of(record).checkpoint or "").name
     number = name.removeprefix(layout.CHECKPOINT_PREFIX)
     return int(number) if name != number and number.isdigit() else None
 
 
-def crash_of(record: dict[str, Any]) -> dict[str, Any] | None:
+def crash_of(record: SessionRecord) -> dict[str, Any] | None:
     """The error of a session that crashed, hung or got no accelerator (not a kill, not a timeout), if any."""
-    summary = record.get("summary") or {}
-    if summary.get("status") in NEEDS_A_PERSON:
-        return record.get("error") or summary.get("error") or {"type": summary["status"], "message": ""}
+    summary = summary_of(record)
+    if summary.status in NEEDS_A_PERSON:
+        return record.get("error") or summary.error or {"type": summary.status, "message": ""}
     if record["status"] == "ERROR" and record.get("error") and record["error"].get("type") not in (
         "SessionError", "TrainingFailed",
     ):
@@ -194,7 +196,6 @@ def _same_error(a: dict[str, Any] | None, b: dict[str, Any]) -> bool:
     return a is not None and a.get("type") == b.get("type") and a.get("message") == b.get("message")
 
 
-def final_weights(record: dict[str, Any]) -> Path:
+def final_weights(record: SessionRecord) -> Path:
     """Where a finished session's last checkpoint is, in its downloaded output."""
-    summary = record.get("summary") or {}
-    return Path(record.get("output") or "") / layout.KCHAIN_DIR / (summary.get("checkpoint") or "")
+    return Path(record.get("output") or "") / layout.KCHAIN_DIR / (summary_of(record).checkpoint or "")

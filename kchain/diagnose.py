@@ -10,6 +10,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from kchain.runtime.summary import Summary
+
 _HINTS: list[tuple[re.Pattern[str], str]] = [
     (
         re.compile(r"UnsyncedReplicas"),
@@ -74,11 +76,11 @@ def hint_for(error_type: str, message: str) -> str:
     return "read the traceback above; reproduce it with `kchain smoke` before spending GPU time"
 
 
-def from_summary(summary: dict | None) -> Failure | None:
+def from_summary(summary: Summary | None) -> Failure | None:
     """The failure recorded by the runtime in summary.json, if any."""
-    if not summary or not summary.get("error"):
+    if summary is None or not summary.error:
         return None
-    err = summary["error"]
+    err = summary.error
     etype = str(err.get("type") or "Error")
     message = str(err.get("message") or "")
     return Failure(etype, message, err.get("stage"), hint_for(etype, message))

@@ -22,7 +22,6 @@ suggests `kchain doctor` when it is missing or stale (`push_hint`).
 from __future__ import annotations
 
 import json
-import os
 import secrets
 import shutil
 import tempfile
@@ -34,12 +33,14 @@ from pathlib import Path
 from typing import Any
 
 import kchain
+from kchain import credentials
 from kchain.errors import CredentialsError, DoctorFailed, KaggleError, ProbeFormatError
-from kchain.fsutil import atomic_write_json, read_json
-from kchain.kaggle_api import MISSING_CREDENTIALS, KaggleClient, configured_username
+from kchain.kaggle_api import MISSING_CREDENTIALS, KaggleClient
+from kchain.kernel_states import TERMINAL
 from kchain.ledger import Ledger, iso, now_utc, state_dir
 from kchain.names import state_dataset
 from kchain.render import METADATA_FILE, Rendered, render_job, render_probe
+from kchain.runtime import atomic
 from kchain.spec import Job, load_job
 
 Echo = Callable[[str], None]
@@ -49,7 +50,6 @@ FORMAT = 1
 PROBE_FORMAT = "kchain-probe/1"
 PROBE_OUTPUT = "kchain-probe.json"
 SECRET_LABELS = ("KAGGLE_USERNAME", "KAGGLE_KEY")
-TERMINAL = ("COMPLETE", "ERROR", "CANCEL_ACKNOWLEDGED")
 # What the probe must report, with the type each key holds (the format is parsed strictly).
 PROBE_KEYS: dict[str, type | tuple[type, ...]] = {
     "format": str, "job": str, "python": str, "torch": dict, "numpy": dict, "kaggle_client": (str, type(None)),
@@ -105,25 +105,6 @@ class _Checklist:
 # -- laptop side --------------------------------------------------------------------------------
 
 
-def credential_source(env: dict[str, str] | None = None) -> dict[str, Any] | None:
-    """Which credential the official client will use, in its own order (an access token first, then
-    KAGGLE_USERNAME/KAGGLE_KEY, then kaggle.json); the key itself is never read."""
-    env = dict(os.environ if env is None else env)
-    home = Path(env.get("HOME") or Path.home())
-    config = Path(env["KAGGLE_CONFIG_DIR"]) if env.get("KAGGLE_CONFIG_DIR") else home / ".kaggle"
-    if env.get("KAGGLE_API_TOKEN"):
-        return {"source": "KAGGLE_API_TOKEN", "file": None, "mtime": None}
-    for path in (home / ".kaggle" / "access_token", home / ".kaggle" / "access_token.txt"):
-        if path.is_file() and path.stat().st_size:
-            return {"source": str(path), "file": str(path), "mtime": path.stat().st_mtime}
-    if env.get("KAGGLE_USERNAME") and env.get("KAGGLE_KEY"):
-        return {"source": "KAGGLE_USERNAME/KAGGLE_KEY", "file": None, "mtime": None}
-    path = config / "kaggle.json"
-    if path.is_file() and path.stat().st_size:
-        return {"source": str(path), "file": str(path), "mtime": path.stat().st_mtime}
-    return None
-
-
 def _installed(name: str) -> str | None:
     try:
         return version(name)
@@ -139,7 +120,7 @@ def laptop_versions() -> dict[str, str | None]:
 
 
 def _laptop(job: Job, check: _Checklist, report: Report) -> Any:
-    owner = job.kaggle.owner or configured_username()
+    owner = job.kaggle.owner or credentials.configured_username()
     rendered = render_job(job, owner=owner)
     report.facts["fingerprint"] = rendered.fingerprint
     check("ok", "job", f"{job.path} loads and renders (fingerprint {rendered.fingerprint[:12]})")
@@ -152,13 +133,13 @@ def _laptop(job: Job, check: _Checklist, report: Report) -> Any:
     report.facts["laptop"] = laptop
     check("ok", "laptop", f"python {laptop['python']}, torch {laptop['torch'] or 'not installed'}, "
                           f"numpy {laptop['numpy'] or 'not installed'}, kaggle client {laptop['kaggle']}")
-    source = credential_source()
-    report.facts["credentials"] = source
-    if source is None:
+    found = credentials.find()
+    report.facts["credentials"] = found.record() if found else None
+    if found is None:
         check("FAIL", "credentials", MISSING_CREDENTIALS)
         report.exit_code = CredentialsError.exit_code
     else:
-        check("ok", "credentials", f"the client will use {source['source']}")
+        check("ok", "credentials", f"the client will use {found.source}")
     return rendered
 
 
@@ -455,9 +436,16 @@ def doctor_file(job: Job) -> Path:
     return state_dir(job.path) / DOCTOR_FILE
 
 
+def _read_json(path: Path, default: Any) -> Any:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return default
+
+
 def _record(job: Job, report: Report, offline: bool, probed: bool) -> Path:
     path = doctor_file(job)
-    data = read_json(path, None)
+    data = _read_json(path, None)
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         data = {"format": FORMAT, "jobs": {}}
     data["jobs"][job.name] = {
@@ -465,7 +453,7 @@ def _record(job: Job, report: Report, offline: bool, probed: bool) -> Path:
         "offline": offline, "probed": probed,
         "checks": [{"level": c.level, "name": c.name, "text": c.text} for c in report.checks],
     }
-    atomic_write_json(path, data)
+    atomic.write_json(path, data)
     return path
 
 
@@ -514,15 +502,16 @@ def run_doctor(job_file: Path, offline: bool = False, probe: bool = True, echo: 
 def push_hint(job: Job, fingerprint: str) -> str | None:
     """One line for `kchain push` when doctor.json is missing or older than this code or these
     credentials, or when the doctor's last check of exactly this found a problem; else None."""
-    entry = (read_json(doctor_file(job), {}) or {}).get("jobs", {}).get(job.name)
+    entry = (_read_json(doctor_file(job), {}) or {}).get("jobs", {}).get(job.name)
     advice = f"run `kchain doctor {job.path}` (free: no GPU session) to check the account and the image first"
     if not entry:
         return f"  hint: kchain doctor never checked {job.name} on Kaggle; {advice}"
-    source = credential_source()
+    found = credentials.find()
+    source = found.record() if found else None
     creds = entry.get("credentials") or {}
     stale_creds = (source is None or source["source"] != creds.get("source")
                    or (source["mtime"] or 0) > entry.get("checked", 0)
-                   or (configured_username() or entry.get("user")) != entry.get("user"))
+                   or (credentials.configured_username() or entry.get("user")) != entry.get("user"))
     if entry.get("offline") or entry.get("fingerprint") != fingerprint or stale_creds:
         return f"  hint: the last kchain doctor ({entry.get('time')}) checked other code or credentials; {advice}"
     failed = [c["text"] for c in entry.get("checks", []) if c.get("level") == "FAIL"]

@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import io
 import json
-import os
 import random
 import time
 from collections.abc import Callable, Iterator
@@ -27,6 +26,7 @@ from typing import Any, TypeVar
 import requests
 from requests.adapters import HTTPAdapter
 
+from kchain import credentials
 from kchain.errors import CredentialsError, KaggleError
 
 T = TypeVar("T")
@@ -110,35 +110,6 @@ def _kernel_id(folder: Path) -> str:
         return str(folder)
 
 
-def _config_dir(env: dict[str, str]) -> Path:
-    """Where the official client looks for kaggle.json."""
-    home = Path(env.get("HOME") or Path.home())
-    return Path(env["KAGGLE_CONFIG_DIR"]) if env.get("KAGGLE_CONFIG_DIR") else home / ".kaggle"
-
-
-def configured_username(env: dict[str, str] | None = None) -> str | None:
-    """The Kaggle user of the configured credentials, read without importing kaggle (which
-    authenticates); None when there are none. The key itself is never read."""
-    env = dict(os.environ if env is None else env)
-    if env.get("KAGGLE_USERNAME"):
-        return env["KAGGLE_USERNAME"]
-    try:
-        return json.loads((_config_dir(env) / "kaggle.json").read_text()).get("username")
-    except (OSError, ValueError, AttributeError):
-        return None
-
-
-def credentials_present(env: dict[str, str] | None = None) -> bool:
-    env = dict(os.environ if env is None else env)
-    if env.get("KAGGLE_API_TOKEN") or (env.get("KAGGLE_USERNAME") and env.get("KAGGLE_KEY")):
-        return True
-    home = Path(env.get("HOME") or Path.home())
-    config_dir = _config_dir(env)
-    candidates = [config_dir / "kaggle.json", home / ".kaggle" / "access_token",
-                  home / ".kaggle" / "access_token.txt", home / ".kaggle" / "credentials.json"]
-    return any(p.is_file() and p.stat().st_size > 0 for p in candidates)
-
-
 class KaggleClient:
     """The Kaggle API as kchain uses it. Construct it, then call methods; each may raise KaggleError."""
 
@@ -159,7 +130,7 @@ class KaggleClient:
     @property
     def api(self) -> Any:
         if self._api is None:
-            if not credentials_present():
+            if credentials.find() is None:
                 raise CredentialsError(MISSING_CREDENTIALS)
             # Importing kaggle authenticates and prints a help text when that fails; we say it in one line.
             with contextlib.redirect_stdout(io.StringIO()):

@@ -14,10 +14,15 @@ import uuid
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kchain.errors import StateError
-from kchain.fsutil import atomic_write_json, atomic_write_text
+from kchain.runtime.atomic import write_json as atomic_write_json
+from kchain.runtime.atomic import write_text as atomic_write_text
+from kchain.runtime.summary import Summary
+
+if TYPE_CHECKING:  # sessions.py imports this module
+    from kchain.sessions import SessionRecord
 
 RUNS_FILE = "runs.csv"
 PUBLISH_FILE = "publish.json"
@@ -116,10 +121,10 @@ class Ledger:
         return _read_state_json(self.root / SMOKE_FILE).get(fingerprint)
 
     # -- sessions (one chain per job) -------------------------------------------------------
-    def sessions(self, job: str) -> list[dict[str, Any]]:
+    def sessions(self, job: str) -> list[SessionRecord]:
         return self.all_sessions().get(job, [])
 
-    def save_session(self, job: str, session: dict[str, Any]) -> None:
+    def save_session(self, job: str, session: SessionRecord) -> None:
         """Insert or update the session with the same number."""
         data = self.all_sessions()
         chain = [s for s in data.get(job, []) if s["session"] != session["session"]]
@@ -132,7 +137,7 @@ class Ledger:
         """How long the in-kernel publish takes, as last measured: by a session of the chain (its
         summary's publish_timing) or by a rehearsal (save_publish_figures); None if never measured."""
         for record in reversed(self.sessions(job)):
-            timing = (record.get("summary") or {}).get("publish_timing")
+            timing = Summary.from_dict(record.get("summary")).publish_timing
             if timing:
                 return dict(timing)
         return _read_state_json(self.root / PUBLISH_FILE).get(job)
@@ -142,7 +147,7 @@ class Ledger:
         data[job] = figures
         atomic_write_json(self.root / PUBLISH_FILE, data)
 
-    def all_sessions(self) -> dict[str, list[dict[str, Any]]]:
+    def all_sessions(self) -> dict[str, list[SessionRecord]]:
         path = self.root / SESSIONS_FILE
         data = _read_state_json(path)
         for job, chain in data.items():
@@ -235,7 +240,7 @@ def _session_problem(record: Any) -> str | None:
 # -- what `kchain budget` and `kchain runs` print --------------------------------------------------
 
 
-def session_hours(session: dict[str, Any], moment: datetime | None = None) -> float:
+def session_hours(session: SessionRecord, moment: datetime | None = None) -> float:
     if not session.get("started"):
         return 0.0
     end = parse_iso(session["ended"]) if session.get("ended") else (moment or now_utc())
@@ -255,17 +260,17 @@ def budget_lines(ledger: Ledger, weekly_h: float, job: str | None = None, usable
                 continue
             hours = session_hours(s, moment)
             left -= hours
-            summary = s.get("summary") or {}
-            outcome = summary.get("status") or s["status"].lower()
-            if summary.get("step") is not None:
-                outcome += f" at step {summary['step']}"
+            summary = Summary.from_dict(s.get("summary"))
+            outcome = summary.status or s["status"].lower()
+            if summary.step is not None:
+                outcome += f" at step {summary.step}"
             lines.append(f"{name + ' session ' + str(s['session']):<34} {hours:7.2f} {left:11.2f}  {outcome}")
     lines.append(f"{max(0.0, left):.2f} GPU-hours left this week.")
     chain = ledger.sessions(job) if job else []
-    done = [s.get("summary") for s in chain if s.get("summary")]
+    done = [Summary.from_dict(s.get("summary")) for s in chain if s.get("summary")]
     if done:
         last = done[-1]
-        total, step, pace = last.get("total"), last.get("step") or 0, last.get("steps_per_s")
+        total, step, pace = last.total, last.step or 0, last.steps_per_s
         if total and pace:
             remaining = max(0, total - step)
             hours = remaining / pace / 3600

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from kchain.runtime import layout
+from kchain.runtime.summary import Summary, read_working
 
 OutputFn = Callable[[str, str], None]
 SOCKET_PATH_MAX = 100  # a unix socket's path is at most 104 bytes on macOS, 108 on Linux
@@ -33,7 +34,7 @@ class ExecResult:
     log: list[dict[str, Any]] = field(default_factory=list)
     wall_s: float = 0.0
     kernel_start_s: float = 0.0
-    summary: dict[str, Any] | None = None
+    summary: Summary | None = None
 
 
 def prepare_root(root: Path) -> tuple[Path, Path]:
@@ -42,25 +43,6 @@ def prepare_root(root: Path) -> tuple[Path, Path]:
     inputs.mkdir(parents=True, exist_ok=True)
     working.mkdir(parents=True, exist_ok=True)
     return inputs, working
-
-
-def read_summary(working: Path, search: bool = False) -> dict[str, Any] | None:
-    """The runtime's summary.json in a working dir (a sandbox's `working/` or a downloaded output).
-
-    With `search`, a summary anywhere below is taken when the usual place has none (an output
-    downloaded with an extra folder level).
-    """
-    candidates = [working / layout.KCHAIN_DIR / layout.SUMMARY]
-    if search:
-        candidates += sorted(working.rglob(layout.SUMMARY))
-    for path in candidates:
-        try:
-            summary = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, ValueError, RecursionError):
-            continue
-        if isinstance(summary, dict):  # anything else is not a summary kchain wrote
-            return summary
-    return None
 
 
 def _first_line(text: str) -> str:
@@ -174,7 +156,7 @@ def execute_notebook(
         log=client.messages,
         wall_s=time.time() - client.t0,
         kernel_start_s=client.kernel_ready,
-        summary=read_summary(working),
+        summary=read_working(working),
     )
 
 

@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kchain.errors import KchainError
 from kchain.runtime import layout
 from kchain.traces import read_trace
 
+if TYPE_CHECKING:
+    from kchain.sessions import SessionRecord
 
-def newest_trace(chain: list[dict[str, Any]]) -> Path | None:
+
+def newest_trace(chain: list[SessionRecord]) -> Path | None:
     for record in reversed(chain):
         if record.get("output"):
             path = Path(record["output"]) / layout.KCHAIN_DIR / layout.METRICS

@@ -12,17 +12,17 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 from kchain.budget import check_budget, plan_for
 from kchain.datasets import ensure_state_dataset
 from kchain.doctor import suggest_doctor
 from kchain.errors import ChainStop, KaggleError, NotSmoked, SpecError
 from kchain.kaggle_api import InvalidSources, KaggleClient, OutcomeUnknown, missing
+from kchain.kernel_states import LIVE
 from kchain.ledger import Ledger, iso, new_run_id, now_utc, state_dir
 from kchain.names import name_problem
 from kchain.render import Rendered, render_job, write_rendered
-from kchain.sessions import LIVE
+from kchain.sessions import SessionRecord
 from kchain.spec import Job, load_job, parse_duration
 
 Echo = Callable[[str], None]
@@ -107,12 +107,12 @@ def push_session(
     ledger: Ledger,
     session: int,
     echo: Echo,
-    extra: dict[str, Any] | None = None,
-) -> dict[str, Any]:
+    extra: SessionRecord | None = None,
+) -> SessionRecord:
     """Push the rendered kernel as session `session` of the chain, exactly once."""
     ref = kernel_ref(client, job)
     before = client.kernel_version(ref)
-    record = {
+    record: SessionRecord = {
         "session": session,
         "status": "PUSHING",
         "kernel": ref,
@@ -152,14 +152,14 @@ def push_session(
     return record
 
 
-def push(job_file: Path, skip_smoke: bool = False, force: bool = False, echo: Echo = print) -> dict[str, Any]:
+def push(job_file: Path, skip_smoke: bool = False, force: bool = False, echo: Echo = print) -> SessionRecord:
     job = load_job(job_file)
     suggest_doctor(job, echo)  # one line when doctor.json is missing or stale; never blocks
     return push_job(job, Ledger(state_dir(job.path)), KaggleClient(), skip_smoke=skip_smoke, force=force, echo=echo)
 
 
 def push_job(job: Job, ledger: Ledger, client: KaggleClient, skip_smoke: bool = False, force: bool = False,
-             echo: Echo = print) -> dict[str, Any]:
+             echo: Echo = print) -> SessionRecord:
     """Start session 1 of the job's chain (or the next one, if the last push never landed)."""
     job_file = job.path
     refuse_unpushable(job)
@@ -198,7 +198,7 @@ def push_job(job: Job, ledger: Ledger, client: KaggleClient, skip_smoke: bool = 
     return record
 
 
-def reconcile(client: KaggleClient, ledger: Ledger, job: Job) -> list[dict[str, Any]]:
+def reconcile(client: KaggleClient, ledger: Ledger, job: Job) -> list[SessionRecord]:
     """Settle a push that an earlier kchain run sent but never heard back from."""
     for record in ledger.sessions(job.name):
         if record["status"] != "PUSHING":

@@ -32,13 +32,14 @@ from kchain.emulator.switches import Switches
 from kchain.errors import ChainStop, KaggleError, KchainError
 from kchain.inputs import local_inputs, mount_inputs
 from kchain.kaggle_api import KaggleClient
+from kchain.kernel_states import TERMINAL
 from kchain.ledger import Ledger, new_run_id, state_dir
-from kchain.local import read_summary
 from kchain.names import state_dataset
 from kchain.plot import newest_trace
 from kchain.push import push_job
 from kchain.render import render_job, write_rendered
 from kchain.runtime import layout
+from kchain.runtime.summary import Status, Summary, read_working
 from kchain.smoke import kaggle_ranks, ranks_env
 from kchain.smoke import ranks as local_ranks
 from kchain.spec import Job, load_job
@@ -52,7 +53,7 @@ USER = "rehearsal"
 class Rehearsal:
     identical: bool  # the chained trace equals the uninterrupted one, value for value
     verdict: str
-    sessions: list[dict[str, Any]]
+    sessions: list[sess.SessionRecord]
     reference: list[dict[str, Any]]
     chained: list[dict[str, Any]]
     emulator_sessions: list[dict[str, Any]] = field(default_factory=list)
@@ -88,14 +89,14 @@ def short_session_job(job: Job, session_limit_s: float, params: dict[str, Any]) 
     return job.model_copy(update={"train": train, "kaggle": kaggle, "params": {**job.params, **params}})
 
 
-def wait_first(client: KaggleClient, ledger: Ledger, job: Job, poll_s: float) -> dict[str, Any]:
+def wait_first(client: KaggleClient, ledger: Ledger, job: Job, poll_s: float) -> sess.SessionRecord:
     """Session 1's record once it ended (a flaky local Kaggle is asked again)."""
     while True:
         try:
             first = sess.refresh(client, ledger, job.name)[0]
         except KaggleError:
             first = ledger.sessions(job.name)[0]
-        if first["status"] in sess.TERMINAL:
+        if first["status"] in TERMINAL:
             return first
         time.sleep(poll_s)
 
@@ -103,12 +104,12 @@ def wait_first(client: KaggleClient, ledger: Ledger, job: Job, poll_s: float) ->
 SESSIONS_AFTER_THE_FIRST = 3  # a rehearsal is a handful of sessions, not dozens
 
 
-def sized_limit(first: dict[str, Any], limit_s: float, echo: Echo) -> float | None:
+def sized_limit(first: sess.SessionRecord, limit_s: float, echo: Echo) -> float | None:
     """A longer session limit when session 1's measured speed says the given one would need many
     sessions: the remaining steps in about SESSIONS_AFTER_THE_FIRST sessions. None: keep the limit."""
-    summary = first.get("summary") or {}
-    step, total, rate = summary.get("step") or 0, summary.get("total") or 0, summary.get("steps_per_s")
-    started, ended = summary.get("started"), summary.get("ended")
+    summary = sess.summary_of(first)
+    step, total, rate = summary.step or 0, summary.total or 0, summary.steps_per_s
+    started, ended = summary.started, summary.ended
     if not rate or not total or step >= total or not isinstance(started, (int, float)) or not ended:
         return None
     remaining = total - step
@@ -136,7 +137,7 @@ def resized(job: Job, limit_s: float) -> Job:
 
 def run_reference(job: Job, root: Path, sources: dict[tuple[str, str, str], Path], extra_env: dict[str, str],
                   started: Callable[[subprocess.Popen[bytes]], None] = lambda _proc: None,
-                  ) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
+                  ) -> tuple[list[dict[str, Any]], Summary | None]:
     """The same notebook, one uninterrupted session with no time limit, in a process group of its
     own (started: told the process, so it can be stopped); returns its trace and its summary."""
     rendered = render_job(job, owner=USER)
@@ -153,7 +154,7 @@ def run_reference(job: Job, root: Path, sources: dict[tuple[str, str, str], Path
         code = proc.wait()
     if code != 0:
         raise KchainError(f"the reference run failed (exit {code}); see {root.parent / 'reference.log'}")
-    return read_trace(sandbox_trace(root)), read_summary(root / layout.WORKING_DIR)
+    return read_trace(sandbox_trace(root)), read_working(root / layout.WORKING_DIR)
 
 
 def upload_inputs(emu: Emulator, job: Job, sources: dict[tuple[str, str, str], Path], keys: dict[str, str],
@@ -254,7 +255,7 @@ class ReferenceRun:
     def __init__(self, job: Job, root: Path, sources: dict[tuple[str, str, str], Path],
                  env: dict[str, str]) -> None:
         self.trace: list[dict[str, Any]] = []
-        self.summary: dict[str, Any] | None = None
+        self.summary: Summary | None = None
         self.error: BaseException | None = None
         self.proc: subprocess.Popen[bytes] | None = None
         self.stopping = threading.Event()
@@ -282,7 +283,7 @@ class ReferenceRun:
         if self.thread.ident is not None:
             self.thread.join()
 
-    def result(self) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
+    def result(self) -> tuple[list[dict[str, Any]], Summary | None]:
         self.thread.join()
         if self.error is not None:
             raise self.error
@@ -305,7 +306,7 @@ class Killer:
         ours = [s for s in self.emu.sessions() if s["kernel"] == self.kernel]
         armed = [s for s in ours if s.get("kill_after_checkpoint")]
         self.killed.update(s["version"] for s in armed if (s.get("failure_message") or "").startswith(CHECKPOINT_KILL))
-        pending = [s for s in armed if s["status"] not in sess.TERMINAL]
+        pending = [s for s in armed if s["status"] not in TERMINAL]
         self.emu.faults.kill_after_checkpoint = bool(ours) and not pending and len(self.killed) < self.kills
 
 
@@ -337,7 +338,7 @@ def run_chain(emu: Emulator, job: Job, ledger: Ledger, kill: Killer, session_lim
     return job, stop
 
 
-def judge(reference: list[dict[str, Any]], summary: dict[str, Any] | None, chain: list[dict[str, Any]],
+def judge(reference: list[dict[str, Any]], summary: Summary | None, chain: list[sess.SessionRecord],
           killed: list[int], kills: int, stop: ChainStop | None,
           echo: Echo) -> tuple[bool, bool, str, list[dict[str, Any]]]:
     """The chained trace against the reference, step by step, and what the chain proved:
@@ -361,8 +362,8 @@ def judge(reference: list[dict[str, Any]], summary: dict[str, Any] | None, chain
     return identical, not problems, verdict, chained
 
 
-def shortcomings(identical: bool, first: tuple[int, str] | None, summary: dict[str, Any] | None,
-                 chain: list[dict[str, Any]], killed: list[int], kills: int, stop: ChainStop | None) -> list[str]:
+def shortcomings(identical: bool, first: tuple[int, str] | None, summary: Summary | None,
+                 chain: list[sess.SessionRecord], killed: list[int], kills: int, stop: ChainStop | None) -> list[str]:
     """Why the rehearsal is not a pass, most telling first ([] for a pass). Identical traces prove
     nothing when no session resumed, when the kills asked for did not happen, or when the loop
     trained fewer steps than it asked for (the same short run twice is still identical).
@@ -372,14 +373,14 @@ def shortcomings(identical: bool, first: tuple[int, str] | None, summary: dict[s
         problems.append(f"stopped: {stop}")
     if first is not None:
         problems.append(f"differs first at step {first[0]} ({first[1]})")
-    final = (chain[-1].get("summary") or {}) if chain else {}
-    step, total, status = final.get("step"), final.get("total"), final.get("status")
-    if stop is None and isinstance(step, int) and isinstance(total, int) and step < total and status != "stopped":
+    final = sess.summary_of(chain[-1]) if chain else Summary()
+    step, total, status = final.step, final.total, final.status
+    if stop is None and isinstance(step, int) and isinstance(total, int) and step < total and status != Status.STOPPED:
         problems.append(f"trained {step} of the {total} steps asked (its last session ended {status} at step "
                         f"{step}/{total}), and on Kaggle it would train as few: a loop that skips batches (an "
                         "epoch left empty, a loader that ends early) trains less than its run.steps or run.epochs "
                         "total; make it train every step it asks for")
-    alone = (summary or {}).get("step")
+    alone = summary.step if summary is not None else None
     if stop is None and isinstance(step, int) and isinstance(alone, int) and step != alone:
         problems.append(f"trained {step} steps, the uninterrupted run {alone}: resuming changed how many steps the "
                         "loop trains; check what the loop counts from (run.restore's step, the loader's epoch)")
@@ -414,17 +415,17 @@ def measure_publish(emu: Emulator, faults: Faults, echo: Echo) -> dict[str, floa
     return figures
 
 
-def _print(echo: Echo, chain: list[dict[str, Any]], rows: list[tuple[int, str, float, float | None]],
+def _print(echo: Echo, chain: list[sess.SessionRecord], rows: list[tuple[int, str, float, float | None]],
            killed: set[int] = frozenset()) -> None:  # type: ignore[assignment]
     echo(f"{'session':>7}  {'status':<9} {'ended as':<12} {'resumed at':>10} {'reached':>8}  {'published':<9} uploaded")
     for s in chain:
-        summary = s.get("summary") or {}
+        summary = sess.summary_of(s)
         publish = s.get("publish") or {}
-        published = publish.get("published") or summary.get("published") or "-"
+        published = publish.get("published") or summary.published or "-"
         uploaded = f"{publish['uploaded_bytes'] / 1e6:.2f} MB" if publish.get("uploaded_bytes") else "-"
-        ended = "KILLED" if s.get("version") in killed else summary.get("status") or "no summary"
+        ended = "KILLED" if s.get("version") in killed else summary.status or "no summary"
         echo(f"{s['session']:>7}  {s['status']:<9} {ended:<12} "
-             f"{s.get('resumes_at', 0):>10} {summary.get('step') or '-':>8}  {published:<9} {uploaded}")
+             f"{s.get('resumes_at', 0):>10} {summary.step or '-':>8}  {published:<9} {uploaded}")
     starts = {s.get("resumes_at", 0) for s in chain}
     shown = [r for r in rows if r[1] == "loss" and (r[0] - 1 in starts or r[0] % 25 == 0)]
     echo(f"{'step':>6}  {'uninterrupted':>16} {'chained':>16}")

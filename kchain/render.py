@@ -8,6 +8,7 @@ The kernel fingerprint is a hash of that payload (code, params, runtime and sett
 from __future__ import annotations
 
 import base64
+import dataclasses
 import hashlib
 import io
 import json
@@ -22,8 +23,11 @@ import jinja2
 import pathspec
 
 import kchain
+from kchain.credentials import secret_strings
 from kchain.errors import RenderError
 from kchain.names import cache_dataset, state_dataset
+from kchain.runtime import atomic, layout
+from kchain.runtime.config import KaggleConfig
 from kchain.spec import Job, runtime_config
 
 METADATA_FILE = "kernel-metadata.json"
@@ -88,39 +92,6 @@ def _runtime_files() -> dict[str, bytes]:
     files["kchain/__init__.py"] = f'__version__ = "{kchain.__version__}"\n'.encode()
     files["kchain_publish.py"] = (templates_dir() / "kchain_publish.py").read_bytes()
     return files
-
-
-def credential_strings() -> list[str]:
-    """The user's Kaggle secrets, from where the official client reads them (without importing it):
-    KAGGLE_KEY, KAGGLE_API_TOKEN (a token or a file), kaggle.json in the config folder, and the
-    access-token files under ~/.kaggle. Short strings are ignored: they would match by chance."""
-    found = [os.environ.get("KAGGLE_KEY", "")]
-    token = os.environ.get("KAGGLE_API_TOKEN", "")
-    found.append(token)
-    home_kaggle = Path.home() / ".kaggle"
-    files = [home_kaggle / "access_token", home_kaggle / "access_token.txt"]
-    if token and len(token) < 4096:
-        files.append(Path(token))
-    config_dir = os.environ.get("KAGGLE_CONFIG_DIR")
-    if config_dir:
-        json_files = [Path(config_dir) / "kaggle.json"]
-    else:
-        xdg = Path(os.environ.get("XDG_CONFIG_HOME") or Path.home() / ".config") / "kaggle"
-        json_files = [home_kaggle / "kaggle.json", xdg / "kaggle.json"]
-    json_files.append(home_kaggle / "credentials.json")
-    for path in files:
-        try:
-            found.append(path.read_text(encoding="utf-8", errors="replace").strip())
-        except (OSError, ValueError):
-            pass
-    for path in json_files:
-        try:
-            data = json.loads(path.read_text(encoding="utf-8", errors="replace"))
-        except (OSError, ValueError):
-            continue
-        if isinstance(data, dict):
-            found += [str(data.get(k) or "") for k in ("key", "refresh_token", "access_token")]
-    return sorted({s for s in found if len(s) >= 8})
 
 
 def _ignore_specs(job: Job) -> list[tuple[Path, pathspec.PathSpec]]:
@@ -229,7 +200,7 @@ def _code_files(job: Job) -> tuple[dict[str, bytes], list[tuple[str, str]]]:
             f"{job.path}: code: {job.code!r} holds {_mb(total)}, over the {_mb(MAX_CODE_BYTES)} limit (biggest: "
             f"{biggest}); list data in {IGNORE_FILE} and attach it as a dataset"
         )
-    secrets = [s.encode() for s in credential_strings()]
+    secrets = [s.encode() for s in secret_strings()]
     files: dict[str, bytes] = {}
     for name, path, _ in keep:
         try:
@@ -302,6 +273,7 @@ def render_job(job: Job, owner: str | None = None, extra_sources: list[str] | No
         kaggle_accelerator={"gpu": "nvidiaTeslaT4", "tpu": "tpuV5E8", "none": "none"}[job.kaggle.accelerator],
         internet=job.kaggle.internet,
         gpu=job.kaggle.accelerator == "gpu",
+        session_start_env=layout.SESSION_START_ENV,
     )
     rendered = Rendered(
         name=job.name,
@@ -312,25 +284,24 @@ def render_job(job: Job, owner: str | None = None, extra_sources: list[str] | No
         embedded=tuple((name, len(data)) for name, data in sorted(code.items())),
         left_out=tuple(left_out),
     )
-    if any(secret in json.dumps(config) + rendered.metadata for secret in credential_strings()):
+    if any(secret in json.dumps(config) + rendered.metadata for secret in secret_strings()):
         raise RenderError(f"{job.path}: params: a value holds your Kaggle key; remove it (attach it to the "
                           "notebook as a Kaggle Secret instead)")
     return rendered
 
 
 def _session_config(job: Job, owner: str | None, session_facts: dict | None) -> dict:
-    """The runtime's config plus who runs it and where its state goes (config["kaggle"])."""
-    config = runtime_config(job)
-    config["kaggle"] = {
-        "owner": owner,
-        "state_dataset": state_dataset(owner, job.name) if owner else None,
-        "cache_dataset": cache_dataset(owner, job.name) if owner else None,
-        "internet": job.kaggle.internet,
-        "accelerator": job.kaggle.accelerator,
+    """The runtime's config plus who runs it and where its state goes (config["kaggle"]), as the
+    notebook embeds it (RuntimeConfig.to_dict)."""
+    kaggle = KaggleConfig(
+        owner=owner,
+        state_dataset=state_dataset(owner, job.name) if owner else None,
+        cache_dataset=cache_dataset(owner, job.name) if owner else None,
+        internet=job.kaggle.internet,
+        accelerator=job.kaggle.accelerator,
         **(session_facts or {}),
-    }
-    config["kchain_version"] = kchain.__version__
-    return config
+    )
+    return dataclasses.replace(runtime_config(job), kaggle=kaggle, kchain_version=kchain.__version__).to_dict()
 
 
 def _fingerprint(config: dict, payload: bytes) -> str:
@@ -359,13 +330,11 @@ def _metadata(env, job: Job, owner: str | None, extra_sources: list[str] | None)
 
 def write_rendered(rendered: Rendered, out_dir: Path) -> list[Path]:
     """Write the notebook and kernel-metadata.json into out_dir (atomically) and return the paths."""
-    from kchain.fsutil import atomic_write_text
-
     out_dir.mkdir(parents=True, exist_ok=True)
     nb_path = out_dir / rendered.notebook_file
     meta_path = out_dir / METADATA_FILE
-    atomic_write_text(nb_path, rendered.notebook)
-    atomic_write_text(meta_path, rendered.metadata)
+    atomic.write_text(nb_path, rendered.notebook)
+    atomic.write_text(meta_path, rendered.metadata)
     return [nb_path, meta_path]
 
 

@@ -11,18 +11,95 @@ import time
 from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 from kchain import diagnose
 from kchain.kaggle_api import KaggleClient
+from kchain.kernel_states import LIVE, TERMINAL
 from kchain.ledger import Ledger, iso, now_utc, parse_iso
-from kchain.local import read_summary
 from kchain.runtime import layout
+from kchain.runtime.summary import Summary, read_working
 
 Echo = Callable[[str], None]
-TERMINAL = ("COMPLETE", "ERROR", "CANCEL_ACKNOWLEDGED")
-LIVE = ("PUSHING", "QUEUED", "RUNNING", "CANCEL_REQUESTED", "NEW_SCRIPT")
 HEARTBEAT = "[kchain] step"
+
+
+class PendingRelay(TypedDict, total=False):
+    """publish["pending"]: a relay from the laptop under way, saved before each upload (chain.relay_state)."""
+
+    step: int  # the step of the state being uploaded
+    before: int | None  # the state dataset's version before the upload (a rerun compares)
+    version: int | None  # the state version the upload made
+    cache_version: int | None  # the cache dataset's version, when the cache changed
+
+
+class PublishFacts(TypedDict, total=False):
+    """record["publish"]: how the session's end state became the state version the next one resumes
+    (chain.ready_state; a relay in progress saves only `pending`)."""
+
+    published: str | None  # kernel (the kernel published itself), relay (the laptop did), None: nothing new
+    step: int | None  # the step the state version holds
+    version: int | None  # the state dataset's version the next session is pinned to
+    uploaded_bytes: int  # what the publish uploaded (state and a changed cache)
+    checkpoint_bytes: int  # relay: the checkpoint's part of it
+    cache_bytes: int  # relay: the cache's part of it
+    cache: list[str]  # relay: the staged-data cache entries published with it
+    steps_lost: int | None  # steps the session trained past `step` (None: unknown)
+    resumes_at: int  # the step the next session resumes at (`step`, or 0)
+    pending: PendingRelay
+
+
+class SessionRecord(TypedDict, total=False):
+    """One session of a chain as the ledger keeps it (sessions.json), a plain JSON object.
+
+    `session` and `status` are always there (the ledger refuses a record without them); every other
+    key appears when its writer first sets it, so readers use .get().
+    """
+
+    # Written by push.push_session before the push is sent (the record is saved first):
+    session: int  # its number in the chain, 1 first
+    status: str  # Kaggle's word: PUSHING (sent, answer unknown), FAILED_TO_PUSH, QUEUED, RUNNING, COMPLETE, ...
+    kernel: str  # owner/name
+    version: int | None  # the kernel version the session runs; None until the push is answered
+    version_before: int | None  # the kernel's version before the push (push.reconcile compares)
+    fingerprint: str  # the rendered code's fingerprint
+    gpu: bool  # a GPU session: counts against the weekly quota (ledger.gpu_hours_this_week)
+    requested: str  # when the push was sent (ISO UTC)
+    # Passed to push_session as `extra`:
+    smoke: str  # session 1 (push.push_job): the smoke pass's run id, or "skipped"
+    state_version: int | None  # later sessions (chain.push_next): the state dataset version attached
+    resumes_at: int  # chain.push_next: the step that state holds
+    cache_attached: list[str] | None  # chain.push_next: the staged-data cache entries attached
+    # Written by push.push_session once Kaggle answered (or by push.reconcile after a lost answer):
+    url: str  # the kernel's page
+    started: str  # ISO UTC: the push's answer, then the kernel's own clock once it ended (refresh)
+    invalid_sources: str  # the sources Kaggle dropped: the session ran without them
+    # Written by sessions.refresh while and after the session runs:
+    heartbeat: str | None  # the last `[kchain] step` line seen in its log
+    running_seen: str  # ISO UTC: when refresh first saw it RUNNING
+    ended: str  # ISO UTC: when it ended (the kernel's own clock when its summary says)
+    failure_message: str | None  # Kaggle's failure message for the session
+    output_error: str  # why its output could not be fetched (chain.fetch_or_stop retries)
+    # Written by sessions.fetch_output once it ended:
+    output: str  # the folder its output was downloaded to
+    output_files: int  # how many files that output has
+    summary: dict[str, Any] | None  # its summary.json (Summary.to_dict()); read it with summary_of
+    saved_step: int | None  # the step of the newest complete checkpoint in that output
+    error: dict[str, Any] | None  # {type, message, stage}: the failure its summary or log names
+    step: int | None  # the summary's step
+    total: int | None  # the summary's total
+    end_status: str | None  # the summary's status (a summary.Status)
+    ranks: int  # the summary's world_size (1 when it has none)
+    # Written by chain.py:
+    publish: PublishFacts  # push_next: how its end state was published for the next session
+    logged: bool  # record_finished: the finished chain's line is in the run log
+    stop_requested: str  # stop_chain: ISO UTC, when `kchain stop` was asked for
+    stopped_by_user: bool  # stop_chain: the session ended because the user stopped it
+
+
+def summary_of(record: SessionRecord) -> Summary:
+    """The summary the session left, as its output was fetched (an empty Summary when it left none)."""
+    return Summary.from_dict(record.get("summary"))
 
 
 def output_dir(ledger: Ledger, job: str, session: int) -> Path:
@@ -63,33 +140,33 @@ def saved_step(output: Path) -> int | None:
     return max(steps, default=None)
 
 
-def fetch_output(client: KaggleClient, ledger: Ledger, job: str, record: dict[str, Any]) -> dict[str, Any]:
+def fetch_output(client: KaggleClient, ledger: Ledger, job: str, record: SessionRecord) -> SessionRecord:
     """Download a finished session's output and log; fold its summary into the record."""
     dest = output_dir(ledger, job, record["session"])
     dest.mkdir(parents=True, exist_ok=True)
     files, text = client.output(record["kernel"], record["version"], dest)
     entries = parse_log(text)
     (dest / "log.json").write_text(json.dumps(entries))
-    summary = read_summary(dest, search=True)  # an output may come with an extra folder level
+    summary = read_working(dest, search=True)  # an output may come with an extra folder level
     body = log_text(entries)
     failure = diagnose.from_summary(summary) or (diagnose.from_log(body) if record["status"] == "ERROR" else None)
     record.update(
         output=str(dest),
         output_files=len(files),
-        summary=summary,
+        summary=None if summary is None else summary.to_dict(),
         heartbeat=last_heartbeat(body),
         saved_step=saved_step(dest),
         error=None if failure is None else {"type": failure.type, "message": failure.message, "stage": failure.stage},
     )
-    if summary:
-        record["step"] = summary.get("step")
-        record["total"] = summary.get("total")
-        record["end_status"] = summary.get("status")
-        record["ranks"] = summary.get("world_size") or 1
+    if summary is not None:
+        record["step"] = summary.step
+        record["total"] = summary.total
+        record["end_status"] = summary.status
+        record["ranks"] = summary.world_size or 1
     return record
 
 
-def refresh(client: KaggleClient, ledger: Ledger, job: str) -> list[dict[str, Any]]:
+def refresh(client: KaggleClient, ledger: Ledger, job: str) -> list[SessionRecord]:
     """Ask Kaggle about every live session of the chain; fetch the output of those that ended."""
     for record in ledger.sessions(job):
         if record["status"] not in LIVE or record.get("version") is None:
@@ -113,16 +190,16 @@ def refresh(client: KaggleClient, ledger: Ledger, job: str) -> list[dict[str, An
                 fetch_output(client, ledger, job, record)
             except Exception as exc:  # noqa: BLE001 - a missing output is recorded, not fatal
                 record["output_error"] = f"{type(exc).__name__}: {exc}"
-            summary = record.get("summary") or {}
+            summary = summary_of(record)
             # The kernel's own clock measures the session it ran; the queue before it is not GPU time.
-            if isinstance(summary.get("started"), (int, float)) and isinstance(summary.get("ended"), (int, float)):
-                record["started"] = iso(datetime.fromtimestamp(summary["started"], timezone.utc))
-                record["ended"] = iso(datetime.fromtimestamp(summary["ended"], timezone.utc))
+            if isinstance(summary.started, (int, float)) and isinstance(summary.ended, (int, float)):
+                record["started"] = iso(datetime.fromtimestamp(summary.started, timezone.utc))
+                record["ended"] = iso(datetime.fromtimestamp(summary.ended, timezone.utc))
         ledger.save_session(job, record)
     return ledger.sessions(job)
 
 
-def _duration(record: dict[str, Any]) -> str:
+def _duration(record: SessionRecord) -> str:
     if not record.get("started"):
         return "-"
     end = parse_iso(record["ended"]) if record.get("ended") else now_utc()
@@ -130,7 +207,7 @@ def _duration(record: dict[str, Any]) -> str:
     return f"{int(seconds // 3600)}h{int(seconds % 3600 // 60):02d}m{int(seconds % 60):02d}s"
 
 
-def status_table(chain: list[dict[str, Any]], used_h: float, weekly_h: float) -> list[str]:
+def status_table(chain: list[SessionRecord], used_h: float, weekly_h: float) -> list[str]:
     rows = [f"{'session':>7}  {'version':>7}  {'status':<10} {'started':<20} {'duration':>10}  {'steps':>11}  note"]
     for s in chain:
         steps = f"{s.get('step') or 0}/{s.get('total') or '?'}" if s.get("step") is not None else "-"
@@ -156,7 +233,7 @@ def status_table(chain: list[dict[str, Any]], used_h: float, weekly_h: float) ->
     return rows
 
 
-def show_log(client: KaggleClient, record: dict[str, Any], echo: Echo, follow: bool = False,
+def show_log(client: KaggleClient, record: SessionRecord, echo: Echo, follow: bool = False,
              poll_s: float = 5.0, timeout_s: float | None = None) -> diagnose.Failure | None:
     """Print the session's log; with follow, stream it live where Kaggle serves the stream, else say
     that Kaggle gives the log only at the end and poll until the session ends."""
@@ -193,7 +270,7 @@ def show_log(client: KaggleClient, record: dict[str, Any], echo: Echo, follow: b
     return failure
 
 
-def stream_log(client: KaggleClient, record: dict[str, Any], echo: Echo, timeout_s: float | None,
+def stream_log(client: KaggleClient, record: SessionRecord, echo: Echo, timeout_s: float | None,
                reconnects: int = 5) -> bool:
     """Echo the live log stream to its end; False if Kaggle does not serve it. A dropped connection
     is reopened (the stream starts over, so lines already shown are skipped)."""

@@ -34,14 +34,14 @@ from pathlib import Path
 from typing import Any
 
 from kchain import diagnose, traces
+from kchain.credentials import configured_username
 from kchain.errors import SmokeFailed
 from kchain.inputs import local_inputs, mount_inputs
-from kchain.kaggle_api import configured_username
 from kchain.ledger import Ledger, new_run_id, state_dir
-from kchain.local import read_summary
 from kchain.render import Rendered, render_job, write_rendered
-from kchain.runtime import layout
+from kchain.runtime import atomic, layout
 from kchain.runtime.statefolder import build_state_folder
+from kchain.runtime.summary import Summary, read_working
 from kchain.spec import Job, load_job
 
 Echo = Callable[[str], None]
@@ -70,8 +70,8 @@ class Child:
     _released: float | None = None
 
     @property
-    def summary(self) -> dict[str, Any] | None:
-        return read_summary(self.root / layout.WORKING_DIR)
+    def summary(self) -> Summary | None:
+        return read_working(self.root / layout.WORKING_DIR)
 
     def first_time(self, needle: str) -> float | None:
         return next((t for t, line in self.lines if needle in line), None)
@@ -111,9 +111,7 @@ class Child:
     def release(self, go: bool = True) -> Child:
         """Open the gate (`go`: the kill has happened) or tell the held child to leave (`stop`)."""
         assert self.gate is not None
-        tmp = self.gate.with_name(f".{self.gate.name}.tmp")
-        tmp.write_text("go" if go else "stop")
-        os.replace(tmp, self.gate)  # the child reads the whole word or nothing
+        atomic.write_text(self.gate, "go" if go else "stop")  # the child reads the whole word or nothing
         self._released = time.time()
         with self._lock:
             held, self._held = self._held or [], None
@@ -313,7 +311,7 @@ def stopped_right(prep: Prepared, killed: Child) -> diagnose.Failure | None:
         f"{layout.CHECKPOINT_PREFIX}*"
     ))
     if not ckpts:
-        note = (killed.summary or {}).get("note") or "the run ended without writing a checkpoint"
+        note = (killed.summary or Summary()).note or "the run ended without writing a checkpoint"
         return diagnose.Failure(
             "NoCheckpoint", f"{note}; train with `for step in run.steps(total)` or `for epoch in run.epochs(n)`",
             "checkpoint", "the runtime can only checkpoint and resume a loop it drives (or one that calls run.save)",
@@ -378,7 +376,7 @@ def judge(prep: Prepared, reference: Child, killed: Child, resumed: Child | None
         resumed=traces.read_trace(traces.sandbox_trace(resumed.root)) if resumed else [],
         failure=failure,
     )
-    not_exact = list((reference.summary or {}).get("not_exact") or [])
+    not_exact = list((reference.summary or Summary()).not_exact or [])
     for line in not_exact:
         echo(f"  not exact  {line}")
     if failure is None:
@@ -387,8 +385,8 @@ def judge(prep: Prepared, reference: Child, killed: Child, resumed: Child | None
         )
         traces.print_traces(echo, rows, prep.steps)
     report.passed = report.failure is None
-    summary = (resumed.summary if resumed else None) or killed.summary or {}
-    report.checkpoint = summary.get("checkpoint")
+    summary = (resumed.summary if resumed else None) or killed.summary or Summary()
+    report.checkpoint = summary.checkpoint
     if report.passed and not any("[kchain] check" in line for _, line in killed.lines):
         echo("  note       no preflight checks ran: hand a batch and the splits to run.check(...) so shape, "
              "dtype, label and split bugs stop before the loop")
@@ -409,10 +407,10 @@ def record(prep: Prepared, report: SmokeReport, killed: Child, resumed: Child | 
             steps=2 * prep.steps, val=val, checkpoint=report.checkpoint, note="smoke pass",
         )
         return report
-    summary = (resumed.summary if resumed else None) or killed.summary or {}
+    summary = (resumed.summary if resumed else None) or killed.summary or Summary()
     prep.ledger.append_run(
         run_id=report.run_id, channel="smoke", job=job.name, config=report.fingerprint[:12],
-        steps=summary.get("step") or "", val=val, checkpoint=report.checkpoint,
+        steps=summary.step or "", val=val, checkpoint=report.checkpoint,
         note=f"{failure.type}: {failure.message}",
     )
     where = f" (during {failure.stage})" if failure.stage else ""

@@ -22,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from kchain.errors import SpecError
 from kchain.names import MAX_NAME
 from kchain.runtime import settings
+from kchain.runtime.config import RuntimeConfig, SmokeConfig, TrainConfig
 from kchain.runtime.settings import parse_cadence, parse_duration
 
 __all__ = ["Job", "SpecError", "load_job", "parse_cadence", "parse_duration", "runtime_config"]
@@ -596,22 +597,22 @@ def parse_overrides(values: tuple[str, ...] | list[str], label: str = "--set") -
     return out
 
 
-def runtime_config(job: Job) -> dict[str, Any]:
-    """The part of the job the kernel's runtime needs (embedded in the notebook)."""
-    return {
-        "job": job.name,
-        "entry": job.entry_point,
-        "params": job.params,
-        "train": {
-            "checkpoint_every": parse_cadence(job.train.checkpoint_every),
-            "keep": job.train.keep,
-            "session_limit_s": parse_duration(job.train.session_limit),
-            "margin_s": parse_duration(job.train.margin),
-            "heartbeat_s": parse_duration(job.train.heartbeat),
-            "precision": job.train.precision,
-            "gpus": job.train.gpus,
-            "micro_batch": job.train.micro_batch,
-        },
-        "smoke": {"fraction": job.smoke.fraction, "steps": job.smoke.steps,
-                  **({"params": job.smoke.params} if job.smoke.params else {})},
-    }
+def runtime_config(job: Job) -> RuntimeConfig:
+    """The part of the job the kernel's runtime needs (embedded in the notebook; render.py adds
+    who runs it, where its state goes and the fingerprint)."""
+    return RuntimeConfig(
+        job=job.name,
+        entry=job.entry_point,
+        params=job.params,
+        train=TrainConfig(
+            checkpoint_every=parse_cadence(job.train.checkpoint_every),
+            keep=job.train.keep,
+            session_limit_s=parse_duration(job.train.session_limit),
+            margin_s=parse_duration(job.train.margin),
+            heartbeat_s=parse_duration(job.train.heartbeat),
+            precision=job.train.precision,
+            gpus=job.train.gpus,
+            micro_batch=job.train.micro_batch,
+        ),
+        smoke=SmokeConfig(fraction=job.smoke.fraction, steps=job.smoke.steps, params=job.smoke.params or {}),
+    )

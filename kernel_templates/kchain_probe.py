@@ -24,13 +24,12 @@ import sys
 import tempfile
 from pathlib import Path
 
+# The runtime is embedded next to this file; these two parts of it are standard library only.
+from kchain.runtime import atomic, layout
+
 FORMAT = "kchain-probe/1"
 OUTPUT = "kchain-probe.json"
-TEST_SWITCHES = {"torch": "KCHAIN_TEST_IMAGE_TORCH", "numpy": "KCHAIN_TEST_IMAGE_NUMPY"}
-
-
-def _root() -> Path:
-    return Path(os.environ.get("KCHAIN_ROOT") or "/kaggle")
+TEST_SWITCHES = {"torch": layout.TEST_IMAGE_TORCH_ENV, "numpy": layout.TEST_IMAGE_NUMPY_ENV}
 
 
 def _module(name: str) -> dict:
@@ -85,7 +84,8 @@ def _mount(input_root: Path, ref: str) -> str | None:
 def _runtime(input_root: Path, job: str) -> dict:
     """Does the embedded runtime import, and which checkpoint would a session resume from?"""
     try:
-        from kchain.runtime.checkpoint import find_latest
+        import kchain.runtime.checkpoint  # noqa: F401  (the torch half: does it import on this image?)
+        from kchain.runtime.checkpoint_files import find_latest
     except Exception as exc:  # noqa: BLE001
         return {"imports": False, "error": f"{type(exc).__name__}: {exc}"[:300], "checkpoint": None}
     scratch = Path(tempfile.mkdtemp(prefix="kchain-probe-"))
@@ -132,8 +132,7 @@ def _secrets(labels: list[str]) -> dict:
 
 
 def probe(config: dict) -> dict:
-    root = _root()
-    input_root, working = root / "input", root / "working"
+    input_root, working = layout.input_root(os.environ), layout.working_root(os.environ)
     sources = list(config["sources"])
     return {
         "format": FORMAT,
@@ -145,7 +144,7 @@ def probe(config: dict) -> dict:
         "mounts": {ref: _mount(input_root, ref) for ref in sources},
         "state_dataset": config["state_dataset"],
         "runtime": _runtime(input_root, config["job"]),
-        "disk_free_working": shutil.disk_usage(working if working.is_dir() else root).free,
+        "disk_free_working": shutil.disk_usage(working if working.is_dir() else layout.root(os.environ)).free,
         "ram": _ram_bytes(),
         "kaggle_env": sorted(name for name in os.environ if name.startswith("KAGGLE_")),
         "secrets": _secrets(list(config["secret_labels"])),
@@ -157,11 +156,7 @@ def main(argv: list[str]) -> int:
     config = json.loads(Path(argv[1]).read_text())
     report = probe(config)
     text = json.dumps(report, indent=1, sort_keys=True)
-    working = _root() / "working"
-    working.mkdir(parents=True, exist_ok=True)
-    tmp = working / f".{OUTPUT}.tmp"
-    tmp.write_text(text + "\n")
-    os.replace(tmp, working / OUTPUT)
+    atomic.write_text(layout.working_root(os.environ) / OUTPUT, text + "\n")
     print(f"[kchain] probe {FORMAT}:\n{text}", flush=True)
     return 0
 

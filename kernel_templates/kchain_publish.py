@@ -18,9 +18,10 @@ import tempfile
 import time
 from pathlib import Path
 
-PROCESS_START = time.monotonic()  # the client's start-up (torch and kaggle imports) is measured from here
+PROCESS_START = time.monotonic()  # the client's start-up (the kaggle import) is measured from here
 
-from kchain.runtime import layout  # noqa: E402
+from kchain.runtime import layout, summary  # noqa: E402
+from kchain.runtime.config import RuntimeConfig  # noqa: E402
 
 SECRET_LABELS = ("KAGGLE_USERNAME", "KAGGLE_KEY")
 
@@ -35,10 +36,10 @@ def none(why: str) -> int:
     return 0
 
 
-def time_left(config: dict) -> float | None:
+def time_left(config: RuntimeConfig) -> float | None:
     """Seconds until the session's hard limit, by the notebook's clock; None if unknown."""
     start = os.environ.get(layout.SESSION_START_ENV)
-    limit = os.environ.get(layout.SESSION_LIMIT_ENV) or (config.get("train") or {}).get("session_limit_s")
+    limit = os.environ.get(layout.SESSION_LIMIT_ENV) or config.train.session_limit_s
     if not start or not limit:
         return None
     return float(start) + float(limit) - time.time()
@@ -99,21 +100,21 @@ def attached_cache(input_root: Path, marker_name: str) -> list[str] | None:
 
 
 def main(config_path: str) -> int:
-    config = json.loads(Path(config_path).read_text())
-    kaggle_cfg = config.get("kaggle") or {}
+    config = RuntimeConfig.from_dict(json.loads(Path(config_path).read_text()))
     kchain_dir = layout.kchain_dir(os.environ)
-    summary_path = kchain_dir / layout.SUMMARY
     if os.environ.get(layout.SMOKE_ENV) == "1":
         return 0  # a smoke run publishes nothing
-    if not kaggle_cfg.get("internet"):
+    if not config.kaggle.internet:
         return none("internet is off for this kernel")
-    if not kaggle_cfg.get("state_dataset"):
+    if not config.kaggle.state_dataset:
         return none("the job has no Kaggle owner, so there is no state dataset to publish to")
+    # Standard library only (statefolder finds and verifies without torch): a session near its limit
+    # must not spend its last seconds importing torch.
     from kchain.runtime import publishplan
     from kchain.runtime.statefolder import newest_checkpoint
 
-    plan = publishplan.figures(config)
-    found = newest_checkpoint(kchain_dir, config.get("job"))
+    plan = publishplan.figures(config.kaggle)
+    found = newest_checkpoint(kchain_dir, config.job)
     if found is None:
         return none("no verified checkpoint in this session's output")
     nbytes = publishplan.tree_bytes(found[0])
@@ -125,9 +126,6 @@ def main(config_path: str) -> int:
     if cred is None:
         return none("no credential in this kernel's Secrets")
 
-    # Imported only now: a session without internet must not spend its last seconds importing torch.
-    from kchain.runtime.statefolder import CACHE_MARKER, build_cache_folder, build_state_folder, cache_entries
-
     # The session token Kaggle mounts would take precedence over the user's key (kagglesdk 1.3).
     os.environ.pop("KAGGLE_API_V1_TOKEN", None)
     os.environ.update(cred)
@@ -137,37 +135,43 @@ def main(config_path: str) -> int:
     api.authenticate()
     work = Path(tempfile.mkdtemp(prefix="kchain-publish-"))
     try:
-        marker = build_state_folder(kchain_dir, work / "state", published="kernel", job=config.get("job"))
-        if marker is None:
-            return none("no verified checkpoint in this session's output")
-        notes = f"kchain session {marker['session']} step {marker['step']}"
-        t1 = time.monotonic()
-        publish_folder(api, work / "state", kaggle_cfg["state_dataset"], f"{config['job']} state"[:50], notes, "skip")
-        uploaded = sum(p.stat().st_size for p in (work / "state").iterdir() if p.is_file())
-        # Measured here, planned with by the next session (continue passes them on in its config).
-        took = max(time.monotonic() - t1, 1e-3)
-        # The creation's round trips are folded into the rate: sessions of a chain publish similar sizes.
-        timing = {"start_s": round(t1 - PROCESS_START, 3), "create_s": 0.0,
-                  "rate_bps": round(uploaded / took, 1), "bytes": uploaded}
-        cache_bytes = 0
-        entries = cache_entries(kchain_dir)
-        if entries and entries != attached_cache(layout.input_root(os.environ), CACHE_MARKER) and kaggle_cfg.get("cache_dataset"):
-            cache_bytes = build_cache_folder(kchain_dir, work / "cache")
-            publish_folder(api, work / "cache", kaggle_cfg["cache_dataset"], f"{config['job']} cache"[:50],
-                           notes, "zip")
-        summary = json.loads(summary_path.read_text()) if summary_path.is_file() else {}
-        summary.update(published="kernel", published_step=marker["step"],
-                       published_bytes=uploaded + cache_bytes, publish_timing=timing)
-        tmp = summary_path.with_name(f".{summary_path.name}.tmp")
-        tmp.write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
-        os.replace(tmp, summary_path)
-        say(f"state at step {marker['step']} is now a new version of {kaggle_cfg['state_dataset']} "
-            f"({uploaded / 1e6:.1f} MB{f', cache {cache_bytes / 1e6:.1f} MB' if cache_bytes else ''})")
-        return 0
+        return publish(api, config, kchain_dir, work)
     except Exception as exc:  # noqa: BLE001 - the laptop relay is the fallback; say why
         return none(f"failed: {type(exc).__name__}: {str(exc)[:200]}")
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def publish(api, config: RuntimeConfig, kchain_dir: Path, work: Path) -> int:
+    """The state (and a changed cache) as new dataset versions; the figures into summary.json."""
+    from kchain.runtime.statefolder import CACHE_MARKER, build_cache_folder, build_state_folder, cache_entries
+
+    kaggle = config.kaggle
+    marker = build_state_folder(kchain_dir, work / "state", published="kernel", job=config.job)
+    if marker is None:
+        return none("no verified checkpoint in this session's output")
+    notes = f"kchain session {marker['session']} step {marker['step']}"
+    t1 = time.monotonic()
+    publish_folder(api, work / "state", kaggle.state_dataset, f"{config.job} state"[:50], notes, "skip")
+    uploaded = sum(p.stat().st_size for p in (work / "state").iterdir() if p.is_file())
+    # Measured here, planned with by the next session (continue passes them on in its config).
+    took = max(time.monotonic() - t1, 1e-3)
+    # The creation's round trips are folded into the rate: sessions of a chain publish similar sizes.
+    timing = {"start_s": round(t1 - PROCESS_START, 3), "create_s": 0.0,
+              "rate_bps": round(uploaded / took, 1), "bytes": uploaded}
+    cache_bytes = 0
+    entries = cache_entries(kchain_dir)
+    if entries and entries != attached_cache(layout.input_root(os.environ), CACHE_MARKER) and kaggle.cache_dataset:
+        cache_bytes = build_cache_folder(kchain_dir, work / "cache")
+        publish_folder(api, work / "cache", kaggle.cache_dataset, f"{config.job} cache"[:50], notes, "zip")
+    summary_path = kchain_dir / layout.SUMMARY
+    ended = summary.read(summary_path) or summary.Summary()
+    ended.published, ended.published_step = "kernel", marker["step"]
+    ended.published_bytes, ended.publish_timing = uploaded + cache_bytes, timing
+    summary.write(summary_path, ended)
+    say(f"state at step {marker['step']} is now a new version of {kaggle.state_dataset} "
+        f"({uploaded / 1e6:.1f} MB{f', cache {cache_bytes / 1e6:.1f} MB' if cache_bytes else ''})")
+    return 0
 
 
 if __name__ == "__main__":

@@ -1,14 +1,18 @@
-"""Shared helpers for kchain's tests: writing job files and driving the CLI."""
+"""Shared helpers for kchain's tests: writing job files, driving the CLI, building a Run in-process."""
 
 from __future__ import annotations
 
 import shutil
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import yaml
 from click.testing import CliRunner
 
 from kchain.cli import cli
+
+if TYPE_CHECKING:
+    from kchain.runtime.run import Run
 
 REPO = Path(__file__).resolve().parent.parent
 JOBS = REPO / "jobs"
@@ -36,3 +40,12 @@ def invoke(*args: str):
 def error_line(result) -> str:
     lines = [line for line in result.output.splitlines() if line.startswith("Error:")]
     return lines[-1] if lines else ""
+
+
+def make_run(root: Path, params: dict | None = None, env: dict | None = None, **train) -> Run:
+    """A Run built in-process under KCHAIN_ROOT=root (torch is imported here, not by every CLI test)."""
+    from kchain.runtime import layout
+    from kchain.runtime.run import Run
+
+    config = {"job": "unit", "params": params or {}, "train": {"heartbeat_s": 0, **train}}
+    return Run(config, {layout.ROOT_ENV: str(root), **(env or {})})

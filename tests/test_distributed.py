@@ -22,6 +22,7 @@ from helpers import copy_job, invoke
 
 from kchain.runtime import distributed, layout
 from kchain.runtime.checkpoint import load_state
+from kchain.runtime.config import RuntimeConfig
 
 REPO = Path(__file__).resolve().parent.parent
 JOBS = REPO / "tests" / "runtime_jobs"
@@ -169,21 +170,24 @@ def test_a_kaggle_session_without_the_asked_gpu_stops_at_once(tmp_path):
                      "quota may be spent or the kernel's accelerator setting was lost; stopping instead of "
                      "training on the CPU"]
     s = summary(tmp_path)
-    assert s["status"] == "no-accelerator" and s["error"]["type"] == "NoAccelerator"
+    assert s["status"] == "no_accelerator" and s["error"]["type"] == "NoAccelerator"
     assert not (kdir(tmp_path) / layout.CHECKPOINTS_DIR).exists()
 
 
 def test_plan_ranks():
-    auto = {"train": {"gpus": "auto"}, "kaggle": {"accelerator": "gpu"}}
+    def cfg(gpus, accelerator):
+        return RuntimeConfig.from_dict({"train": {"gpus": gpus}, "kaggle": {"accelerator": accelerator}})
+
+    auto = cfg("auto", "gpu")
     assert distributed.plan_ranks(auto, {}, cuda_count=2)[0] == 2
     assert distributed.plan_ranks(auto, {}, cuda_count=0)[0] == 1
-    two = {"train": {"gpus": 2}, "kaggle": {"accelerator": "gpu"}}
+    two = cfg(2, "gpu")
     assert distributed.plan_ranks(two, {}, cuda_count=0)[0] == 2  # the smoke: 2 gloo ranks on the CPU
     kaggle = {"KAGGLE_KERNEL_RUN_TYPE": "Batch"}
     with pytest.raises(distributed.NoAccelerator, match="got 1 GPU:"):
         distributed.plan_ranks(two, kaggle, cuda_count=1)
     assert distributed.plan_ranks(two, {**kaggle, "KCHAIN_ACCELERATOR_CHECK": "off"}, cuda_count=0)[0] == 2
-    cpu_job = {"train": {"gpus": "auto"}, "kaggle": {"accelerator": "none"}}
+    cpu_job = cfg("auto", "none")
     assert distributed.plan_ranks(cpu_job, kaggle, cuda_count=0)[0] == 1
 
 
@@ -207,7 +211,7 @@ def test_the_emulator_runs_a_two_gpu_job_as_two_ranks_and_stops_a_gpuless_sessio
             assert "2 ranks (gloo, CPU)" in log
         else:
             assert session["status"] == "ERROR"
-            assert result["status"] == "no-accelerator"
+            assert result["status"] == "no_accelerator"
             assert "asked for GPU T4 x2 (train.gpus: 2), got no GPU" in result["error"]["message"]
 
 
@@ -222,7 +226,8 @@ def test_status_shows_the_ranks_of_a_finished_session():
 def test_the_launcher_of_several_ranks_plans_them_without_importing_torch(tmp_path):
     # torchrun's ranks import torch; the launcher above them need not (2 s of CPU per local session).
     code = ("import sys; from kchain.runtime import torchrun; "
-            "n, why = torchrun.plan_ranks({'train': {'gpus': 'auto'}}, {'KCHAIN_RANKS': '2', 'KCHAIN_SMOKE': '1'}); "
+            "from kchain.runtime.config import RuntimeConfig; "
+            "n, why = torchrun.plan_ranks(RuntimeConfig(), {'KCHAIN_RANKS': '2', 'KCHAIN_SMOKE': '1'}); "
             "assert n == 2 and 'as on Kaggle' in why, why; assert 'torch' not in sys.modules, 'torch imported'")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr

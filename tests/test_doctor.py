@@ -51,7 +51,7 @@ def gpu_sessions_run(emu) -> list[dict]:
 def test_doctor_all_ok_probes_a_cpu_session_and_writes_no_credential(emulator, kaggle_api, tmp_path):
     import torch
 
-    from kchain.runtime.checkpoint import write_checkpoint
+    from kchain.runtime.checkpoint import CheckpointJob, write_checkpoint
 
     key = emulator.users[USER]
     emulator.secrets.update({USER: {"KAGGLE_USERNAME": USER, "KAGGLE_KEY": key}})
@@ -59,8 +59,8 @@ def test_doctor_all_ok_probes_a_cpu_session_and_writes_no_credential(emulator, k
     emulator.switches.quota_has_gpu = True  # this account's quota answer carries the GPU figures
     kaggle_api.dataset_create_new(str(write_dataset(tmp_path / "data", DATA, {"notes.txt": "a note\n"})), quiet=True)
     # The state dataset as a chain leaves it: a real checkpoint written by the runtime, flat.
-    ckpt = write_checkpoint(tmp_path / "ckpts", 12, {"w": torch.zeros(2)}, tmp_path / "none", 0,
-                            {"job": NAME, "session": 1}, keep=1)
+    ckpt = write_checkpoint({"w": torch.zeros(2)}, CheckpointJob(tmp_path / "ckpts", 12, tmp_path / "none", 0,
+                                                                 {"job": NAME, "session": 1}, keep=1))
     files = {p.name: p.read_bytes() for p in ckpt.iterdir()}
     files[layout.STATE_MARKER] = json.dumps({"dataset": STATE, "session": 1, "step": 12})  # kchain's own state
     kaggle_api.dataset_create_new(str(write_dataset(tmp_path / "state", STATE, files)), quiet=True)

@@ -7,6 +7,7 @@ the strict behaviour and then flips its switch to show the kind one.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -24,9 +25,12 @@ from emulator_helpers import (  # noqa: F401
     write_dataset,
     write_kernel,
 )
+from helpers import error_line, invoke
 
-from kchain.emulator import Switches
-from kchain.emulator.__main__ import SWITCH_OPTIONS, parser
+from kchain.cli import serve as serve_command
+from kchain.emulator import Faults, Switches
+from kchain.emulator.app import emulator_options
+from kchain.emulator.switches import Limits
 
 KAGGLE_CLI = Path(sys.executable).parent / "kaggle"
 LIST_INPUTS = ("import os, json, pathlib\nroot = pathlib.Path(os.environ['KCHAIN_ROOT']) / 'input'\n"
@@ -308,19 +312,28 @@ def test_cancel_and_the_mine_lists(emulator, kaggle_api, tmp_path):
     assert [c["by"] for c in emulator.cancellations()] == ["api", "web UI"]
 
 
-def test_every_switch_is_a_serve_option_with_its_default():
-    help_text = parser().format_help() + parser()._subparsers._group_actions[0].choices["serve"].format_help()
-    defaults = Switches().describe()
-    assert set(SWITCH_OPTIONS.values()) == set(defaults)
-    for option in SWITCH_OPTIONS:
-        assert "--" + option.replace("_", "-") in help_text
-    args = parser().parse_args(["serve", "--state", "x", "--missing-status", "404", "--no-ignore-version-pin"])
-    from kchain.emulator.__main__ import switches_from
+def serve_options(*args: str) -> dict:
+    """The Emulator(...) options `kchain emulator serve ARGS` would start with (parsed, not run)."""
+    params = serve_command.make_context("serve", ["--state", "x", *args]).params
+    given = {k: v for k, v in params.items() if v is not None and k not in
+             ("state_dir", "port", "users", "tokens", "secrets", "competitions", "lenient")}
+    return emulator_options(params["lenient"], **given)
 
-    chosen = switches_from(args)
+
+def test_every_switch_limit_and_fault_is_a_serve_option():
+    options = {p.name for p in serve_command.params}
+    assert set(Switches().describe()) <= options and {"session_limit_s", "gpu_quota_s", "max_gpu_sessions"} <= options
+    faults = {f.name for f in dataclasses.fields(Faults) if f.init} - {"no_gpu"}  # a test-only fault
+    assert faults <= options
+    chosen = serve_options("--missing-status", "404", "--no-ignore-version-pin")["switches"]
     assert chosen.missing_status == 404 and chosen.ignore_version_pin is False and chosen.queue_s == 1.0
-    lenient = switches_from(parser().parse_args(["serve", "--state", "x", "--lenient", "--queue", "2"]))
-    assert lenient == Switches.lenient(queue_s=2.0)
+    assert serve_options("--lenient", "--queue", "2")["switches"] == Switches.lenient(queue_s=2.0)
+    unset = serve_options()  # nothing given: the emulator's own defaults
+    assert sorted(unset) == ["faults", "switches"] and unset["switches"] == Switches()
+    assert repr(unset["faults"]) == repr(Faults())  # (Faults compares by its lock too)
+    started = serve_options("--session-limit", "60", "--kill-random", "1", "2", "--lose-output")
+    assert started["session_limit_s"] == 60.0 and started["faults"].kill_random_s == (1.0, 2.0)
+    assert started["faults"].lose_output is True and Limits().session_limit_s == 12 * 3600
 
 
 def test_stream_threads_end_with_the_emulator(emulator, kaggle_api, tmp_path):
@@ -341,17 +354,24 @@ def test_stream_threads_end_with_the_emulator(emulator, kaggle_api, tmp_path):
     assert not reader.is_alive()
 
 
-def test_kchain_emulator_serve_help_lists_every_switch():
-    from click.testing import CliRunner
-
-    from kchain.cli import cli
-
-    result = CliRunner().invoke(cli, ["emulator", "serve", "--help"])
+def test_kchain_emulator_serve_help_has_an_example_and_says_what_each_option_does():
+    result = invoke("emulator", "serve", "--help")
     assert result.exit_code == 0, result.output
-    assert result.output.startswith("usage: kchain emulator serve")
-    for option in SWITCH_OPTIONS:
-        assert "--" + option.replace("_", "-") in result.output
-    assert "--lenient" in result.output and "--rate-lost-answer" in result.output
+    assert result.output.startswith("Usage: cli emulator serve [OPTIONS]")
+    assert "\n  Example:\n    kchain emulator serve --state /tmp/kaggle --session-limit 60\n" in result.output
+    for param in serve_command.params:
+        assert param.help, param.name
+        assert param.opts[0] in result.output
+    help_text = " ".join(result.output.split())  # unwrapped
+    assert "--missing-status [403|404] Switch: the answer for a missing or invisible kernel or dataset. " \
+           "[default: 403]" in help_text  # the default, read from Switches
+    assert "[default: 43200]" in help_text and "[default: no-quota-has-gpu]" in help_text
+
+
+def test_kchain_emulator_serve_refuses_a_malformed_pair():
+    result = invoke("emulator", "serve", "--state", "x", "--user", "alice")
+    assert result.exit_code == 2
+    assert error_line(result) == "Error: Invalid value for '--user': 'alice': write it as NAME:KEY"
 
 
 def test_switches_refuse_values_kaggle_never_answers():

@@ -18,6 +18,7 @@ import yaml
 from helpers import error_line, invoke
 
 from kchain.runtime import layout
+from kchain.runtime.config import RuntimeConfig
 from kchain.runtime.settings import Settings
 
 REPO = Path(__file__).resolve().parent.parent
@@ -129,8 +130,8 @@ def test_state_kept_only_in_the_working_dir_fails_the_smoke(tmp_path):
 def test_smoke_params_and_set_apply_only_under_the_smoke(tmp_path):
     config = {"params": {"n_layer": 12, "eval_iters": 200}, "smoke": {"params": {"n_layer": 1}}}
     smoke_env = {layout.SMOKE_ENV: "1", layout.SMOKE_PARAMS_ENV: json.dumps({"eval_iters": 2})}
-    assert Settings.parse(config, smoke_env).smoke_params == {"n_layer": 1, "eval_iters": 2}
-    assert Settings.parse(config, {layout.SMOKE_PARAMS_ENV: '{"eval_iters": 2}'}).smoke_params == {}
+    assert Settings.parse(RuntimeConfig.from_dict(config), smoke_env).smoke_params == {"n_layer": 1, "eval_iters": 2}
+    assert Settings.parse(RuntimeConfig.from_dict(config), {layout.SMOKE_PARAMS_ENV: '{"eval_iters": 2}'}).smoke_params == {}
 
 
 def test_smoke_set_runs_with_the_param_and_a_bad_set_is_one_line(tmp_path):

@@ -29,6 +29,7 @@ from kchain.kaggle_api import KaggleClient
 from kchain.ledger import Ledger
 from kchain.rehearse import rehearse, shortcomings
 from kchain.runtime import layout
+from kchain.runtime.summary import Summary
 from kchain.spec import load_job
 
 STALL = "stall_step=0.05"  # at most 20 steps/s, whatever the machine
@@ -141,7 +142,7 @@ def record(n: int, resumes_at: int, step: int | None = None, total: int | None =
 ], ids=["a pass", "short of the total", "another count than the reference", "stopped on purpose", "one session",
         "a kill short"])
 def test_the_verdict_fails_what_proves_nothing(chain, alone, killed, kills, says):
-    problems = shortcomings(True, None, {"step": alone}, chain, killed, kills, None)
+    problems = shortcomings(True, None, Summary(step=alone), chain, killed, kills, None)
     assert len(problems) == len(says) and all(p.startswith(s) for p, s in zip(problems, says, strict=True)), problems
 
 

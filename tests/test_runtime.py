@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from kchain.runtime import layout
-from kchain.runtime.checkpoint import ResumeError
+from kchain.runtime.checkpoint_files import ResumeError
 from kchain.runtime.run import Run
 
 REPO = Path(__file__).resolve().parent.parent

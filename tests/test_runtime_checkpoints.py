@@ -22,15 +22,14 @@ import pytest
 import torch
 from torch import nn
 
-from kchain.runtime import checkpoint, layout
-from kchain.runtime.checkpoint import (
+from kchain.runtime import checkpoint_files, layout, publishplan, snapshot
+from kchain.runtime.checkpoint import load_state, load_verified
+from kchain.runtime.checkpoint_files import (
     CheckpointInvalid,
     CheckpointsDamaged,
     CheckpointTooLarge,
     candidates,
     find_latest,
-    load_state,
-    load_verified,
     make_room,
     read_manifest,
     sha256_of,
@@ -127,7 +126,7 @@ def train(root: Path, steps: int, model: nn.Module | None = None, **env: str) ->
 
 def test_a_manifest_without_its_file_list_does_not_verify(tmp_path):
     run = train(tmp_path, 2)
-    ckpt = run.checkpoints / layout.checkpoint_name(2)
+    ckpt = run._paths.checkpoints / layout.checkpoint_name(2)
     manifest = json.loads((ckpt / layout.MANIFEST).read_text())
     del manifest["files"]
     (ckpt / layout.MANIFEST).write_text(json.dumps(manifest))
@@ -155,14 +154,14 @@ def kdir_of(root: Path) -> Path:
 def test_when_every_checkpoint_is_damaged_the_run_stops_naming_them(tmp_path):
     first = train(tmp_path / "s1", 4)
     state = tmp_path / "s2/input/datasets/me/job-state"
-    shutil.copytree(first.checkpoints / layout.checkpoint_name(4), state)
+    shutil.copytree(first._paths.checkpoints / layout.checkpoint_name(4), state)
     (state / layout.STATE_MARKER).write_text("{}")
     (state / layout.STATE_FILE).write_bytes(b"x")
     run = make_run(tmp_path / "s2")
     run.track(model=nn.Linear(4, 4))
     with pytest.raises(CheckpointsDamaged, match=rf"every checkpoint found is damaged: {state}/state.pt: 1 bytes"):
         run.restore()
-    assert run.phase == "resume"
+    assert run._progress.phase == "resume"
     # A first session with nothing attached starts fresh.
     assert train(tmp_path / "s3", 2).resumed_from is None
 
@@ -180,7 +179,7 @@ def test_tied_weights_are_written_once(tmp_path):
         root = tmp_path / stream
         model = Tied()
         run = train(root, 2, model, KCHAIN_CHECKPOINT_STREAM=stream)
-        path = run.checkpoints / layout.checkpoint_name(2) / layout.STATE_FILE
+        path = run._paths.checkpoints / layout.checkpoint_name(2) / layout.STATE_FILE
         one_copy = 1000 * 64 * 4
         assert one_copy < path.stat().st_size < 1.5 * one_copy, stream
         saved = load_state(path.parent)["tracked"]["model"]
@@ -189,7 +188,7 @@ def test_tied_weights_are_written_once(tmp_path):
 
 def test_resume_loads_memory_mapped(tmp_path):
     run = train(tmp_path, 2)
-    path = run.checkpoints / layout.checkpoint_name(2)
+    path = run._paths.checkpoints / layout.checkpoint_name(2)
     state = load_state(path)
     maps = Path("/proc/self/maps").read_text()
     assert str(path / layout.STATE_FILE) in maps
@@ -252,7 +251,7 @@ def test_the_size_estimate_counts_what_is_not_tensors():
              "rng": (random.getstate(), np.random.get_state(), torch.get_rng_state())}
     written = io.BytesIO()
     torch.save(state, written)
-    assert 0.95 < checkpoint.state_bytes(state) / len(written.getvalue()) < 1.05
+    assert 0.95 < publishplan.state_bytes(state) / len(written.getvalue()) < 1.05
 
 
 def test_the_checkpoint_plan_states_the_size_of_a_mostly_python_state(tmp_path, capsys):
@@ -262,7 +261,7 @@ def test_the_checkpoint_plan_states_the_size_of_a_mostly_python_state(tmp_path, 
     run.close()
     said = next(line for line in capsys.readouterr().out.splitlines() if "checkpoint plan: " in line)
     planned = float(said.split("checkpoint plan: ")[1].split(" MB per checkpoint")[0]) * 1e6
-    written = (run.checkpoints / layout.checkpoint_name(1) / layout.STATE_FILE).stat().st_size
+    written = (run._paths.checkpoints / layout.checkpoint_name(1) / layout.STATE_FILE).stat().st_size
     assert 0.9 < planned / written < 1.1, said
 
 
@@ -272,7 +271,7 @@ def test_the_checkpoint_plan_states_the_size_of_a_mostly_python_state(tmp_path, 
 @pytest.mark.parametrize("stream", ["0", "1"])
 def test_the_checksum_hashed_while_writing_is_the_files(tmp_path, stream):
     run = train(tmp_path, 2, nn.Linear(300, 300), KCHAIN_CHECKPOINT_STREAM=stream)  # ~360 KB: hashed in blocks
-    ckpt = run.checkpoints / layout.checkpoint_name(2)
+    ckpt = run._paths.checkpoints / layout.checkpoint_name(2)
     manifest = verify(ckpt)
     data = (ckpt / layout.STATE_FILE).read_bytes()
     assert manifest["files"][layout.STATE_FILE] == {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data)}
@@ -291,7 +290,7 @@ def flip_a_weight_byte(ckpt: Path, weight: torch.Tensor) -> None:
 def test_a_byte_flipped_in_state_pt_is_caught_as_it_is_read_and_the_previous_checkpoint_is_used(tmp_path, capsys):
     model = nn.Linear(64, 64)
     first = train(tmp_path, 4, model)
-    newest = first.checkpoints / layout.checkpoint_name(4)
+    newest = first._paths.checkpoints / layout.checkpoint_name(4)
     flip_a_weight_byte(newest, model.weight)
     loaded = torch.load(newest / layout.STATE_FILE, weights_only=False)  # torch alone would not notice
     assert not torch.equal(loaded["tracked"]["model"]["weight"], model.weight)
@@ -302,7 +301,7 @@ def test_a_byte_flipped_in_state_pt_is_caught_as_it_is_read_and_the_previous_che
     out = capsys.readouterr().out
     assert f"skipping checkpoint {newest}: {newest / layout.STATE_FILE}: sha256 does not match the manifest" in out
     assert resumed.resumed_from == 2 and resumed.finished
-    assert any(p.name.startswith(f"{layout.CORRUPT_PREFIX}{newest.name}") for p in first.checkpoints.iterdir())
+    assert any(p.name.startswith(f"{layout.CORRUPT_PREFIX}{newest.name}") for p in first._paths.checkpoints.iterdir())
 
 
 def test_the_hash_started_at_run_start_is_used_only_for_the_file_it_hashed(tmp_path, capsys):
@@ -310,7 +309,7 @@ def test_the_hash_started_at_run_start_is_used_only_for_the_file_it_hashed(tmp_p
     that is hashed again as it is read, so a byte flipped late is still caught."""
     model = nn.Linear(64, 64)
     first = train(tmp_path, 4, model)
-    newest = first.checkpoints / layout.checkpoint_name(4)
+    newest = first._paths.checkpoints / layout.checkpoint_name(4)
     run = make_run(tmp_path)  # the early hash of the intact file starts here
     flip_a_weight_byte(newest, model.weight)  # ... and the file changes while the user builds a model
     live = nn.Linear(64, 64)
@@ -321,20 +320,20 @@ def test_the_hash_started_at_run_start_is_used_only_for_the_file_it_hashed(tmp_p
     run.close()
     # Unchanged since Run(): the early digest is the one used, and the state is the checkpoint's.
     again = train(tmp_path / "again", 4, nn.Linear(64, 64))
-    newest = again.checkpoints / layout.checkpoint_name(4)
+    newest = again._paths.checkpoints / layout.checkpoint_name(4)
     run = make_run(tmp_path / "again")
-    assert str(newest / layout.STATE_FILE) in checkpoint._early
+    assert str(newest / layout.STATE_FILE) in checkpoint_files._early
     live = nn.Linear(64, 64)
     run.track(model=live)
     assert run.restore() == 4
-    assert str(newest / layout.STATE_FILE) not in checkpoint._early  # taken by load_verified
+    assert str(newest / layout.STATE_FILE) not in checkpoint_files._early  # taken by load_verified
     assert torch.equal(live.weight, torch.load(newest / layout.STATE_FILE, weights_only=False)["tracked"]["model"]["weight"])
     run.close()
 
 
 def test_an_intact_checkpoint_loads_verified_as_torch_loads_it(tmp_path):
     run = train(tmp_path, 2, nn.Linear(64, 64))
-    ckpt = run.checkpoints / layout.checkpoint_name(2)
+    ckpt = run._paths.checkpoints / layout.checkpoint_name(2)
     got = load_verified(ckpt, read_manifest(ckpt))["tracked"]["model"]
     want = torch.load(ckpt / layout.STATE_FILE, weights_only=False)["tracked"]["model"]
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
@@ -353,7 +352,7 @@ def state_version(ckpt: Path, dest: Path, marker: bool = True) -> Path:
 
 @pytest.mark.parametrize("where", ["legacy", "datasets", "notebook output", "slug without marker"])
 def test_the_search_finds_a_state_dataset_in_each_mount_layout(tmp_path, where):
-    ckpt = train(tmp_path / "s1", 2).checkpoints / layout.checkpoint_name(2)
+    ckpt = train(tmp_path / "s1", 2)._paths.checkpoints / layout.checkpoint_name(2)
     inp = tmp_path / "s2" / layout.INPUT_DIR
     slug = None
     if where == "legacy":
@@ -373,7 +372,7 @@ def test_the_search_finds_a_state_dataset_in_each_mount_layout(tmp_path, where):
 
 
 def test_a_run_finds_its_state_dataset_by_the_slug_in_its_config(tmp_path):
-    ckpt = train(tmp_path / "s1", 2).checkpoints / layout.checkpoint_name(2)
+    ckpt = train(tmp_path / "s1", 2)._paths.checkpoints / layout.checkpoint_name(2)
     state_version(ckpt, tmp_path / "s2/input/datasets/me/unit-state", marker=False)
     config = {"job": "unit", "params": {}, "train": {"heartbeat_s": 0, "checkpoint_every": {"steps": 2}},
               "kaggle": {"state_dataset": "me/unit-state"}}
@@ -383,9 +382,9 @@ def test_a_run_finds_its_state_dataset_by_the_slug_in_its_config(tmp_path):
 
 
 def test_a_foreign_input_is_never_listed_and_its_checkpoints_never_used(tmp_path, monkeypatch):
-    ckpt = train(tmp_path / "s1", 4).checkpoints / layout.checkpoint_name(4)
+    ckpt = train(tmp_path / "s1", 4)._paths.checkpoints / layout.checkpoint_name(4)
     s2 = tmp_path / "s2"
-    state = state_version(train(tmp_path / "s0", 2).checkpoints / layout.checkpoint_name(2),
+    state = state_version(train(tmp_path / "s0", 2)._paths.checkpoints / layout.checkpoint_name(2),
                           s2 / "input/datasets/me/unit-state")
     # Someone's dataset: wide and deep, holding a real (newer) kchain checkpoint three levels down.
     foreign = s2 / "input/datasets/someone/images"
@@ -421,7 +420,7 @@ def test_a_snapshot_is_a_private_copy_into_host_buffers_kept_for_the_next_save()
     model(torch.ones(2, 4)).sum().backward()
     opt.step()
     live = {"step": 1, "tracked": {"model": model.state_dict(), "head": head.state_dict(), "optimizer": opt.state_dict()}}
-    snaps = checkpoint.Snapshotter()
+    snaps = snapshot.Snapshotter()
 
     first = snaps.take(live)
     w = first["tracked"]["model"]["weight"]

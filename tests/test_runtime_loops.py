@@ -18,7 +18,8 @@ import torch
 from torch import nn
 
 from kchain.runtime import layout
-from kchain.runtime.run import PLAIN_LOADER_NOTE, Run
+from kchain.runtime.loop import PLAIN_LOADER_NOTE
+from kchain.runtime.run import Run
 
 REPO = Path(__file__).resolve().parent.parent
 JOBS = REPO / "tests" / "runtime_jobs"
@@ -161,7 +162,7 @@ def test_a_duplicate_name_is_an_error_and_two_optimizers_get_their_own(tmp_path)
     run.optimize(torch.optim.SGD(a.parameters(), lr=0.1))
     run.optimize(torch.optim.SGD(b.parameters(), lr=0.1))
     run.optimize(torch.optim.SGD(b.parameters(), lr=0.1), name="disc")
-    assert [n for n in run._tracked] == ["optimizer", "optimizer2", "disc"]
+    assert [n for n in run._ckpt.tracked] == ["optimizer", "optimizer2", "disc"]
     with pytest.raises(ValueError, match="the name 'disc' already tracks a SGD; give each object its own name"):
         run.optimize(torch.optim.SGD(a.parameters(), lr=0.1), name="disc")
     run.track(model=a)

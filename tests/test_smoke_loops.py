@@ -9,7 +9,8 @@ import pytest
 import yaml
 from helpers import error_line, invoke
 
-from kchain.runtime.run import NO_LOOP_NOTE, PLAIN_LOADER_NOTE
+from kchain.runtime.loop import PLAIN_LOADER_NOTE
+from kchain.runtime.run import NO_LOOP_NOTE
 
 JOBS = Path(__file__).resolve().parent / "runtime_jobs"
 

@@ -25,9 +25,9 @@ def test_a_minimal_job_loads_with_defaults(tmp_path):
     assert job.entry_point == "train:main"
     assert job.kaggle.accelerator == "gpu" and job.kaggle.internet is False
     cfg = runtime_config(job)
-    assert cfg["train"]["checkpoint_every"] == {"seconds": 600.0}
-    assert cfg["train"]["session_limit_s"] == 12 * 3600
-    assert cfg["params"] == {"lr": 3.0e-3, "steps": 2000, "seed": 7}
+    assert cfg.train.checkpoint_every == {"seconds": 600.0}
+    assert cfg.train.session_limit_s == 12 * 3600
+    assert cfg.params == {"lr": 3.0e-3, "steps": 2000, "seed": 7}
 
 
 def test_durations_and_cadences():
@@ -195,4 +195,4 @@ def test_durations_given_as_numbers_must_be_positive(tmp_path):
         "train.heartbeat: -1 must be positive; write e.g. 90s, 10m or 12h (or '0s' for a heartbeat every step)"
     )
     job = load_job(write(tmp_path, GOOD + "train: {margin: 90, heartbeat: 0s, session_limit: 7200.5}\n"))
-    assert runtime_config(job)["train"]["margin_s"] == 90 and runtime_config(job)["train"]["heartbeat_s"] == 0
+    assert runtime_config(job).train.margin_s == 90 and runtime_config(job).train.heartbeat_s == 0

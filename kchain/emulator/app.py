@@ -16,6 +16,7 @@ import sys
 import threading
 import time
 from collections import Counter
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
@@ -23,10 +24,9 @@ from kchain.emulator.faults import Faults
 from kchain.emulator.rpcs import Rpcs
 from kchain.emulator.server import EmulatorHTTPServer, free_closed_port
 from kchain.emulator.sessions import SessionRunner
-from kchain.emulator.state import LIVE, Store
+from kchain.emulator.state import Store
 from kchain.emulator.switches import Limits, Switches
-
-TERMINAL = ("COMPLETE", "ERROR", "CANCEL_ACKNOWLEDGED")
+from kchain.kernel_states import LIVE, TERMINAL
 
 
 def _shared(holder: str, name: str) -> property:
@@ -191,6 +191,19 @@ class Emulator:
 
     def session_output_dir(self, session_id: str) -> Path:
         return self.store.session_dir(session_id) / "output"
+
+
+def emulator_options(lenient: bool = False, **given: Any) -> dict[str, Any]:
+    """Emulator(...) keyword arguments from values named after fields of Limits, Switches and Faults
+    (what `kchain emulator serve` was given); the others keep their defaults, the kind ones with lenient."""
+    def take(cls: type) -> dict[str, Any]:
+        return {f.name: given.pop(f.name) for f in fields(cls) if f.init and f.name in given}
+
+    limits, switches, faults = take(Limits), take(Switches), take(Faults)
+    if given:
+        raise TypeError(f"not a field of Limits, Switches or Faults: {', '.join(sorted(given))}")
+    return {**limits, "faults": Faults(**faults),
+            "switches": Switches.lenient(**switches) if lenient else Switches(**switches)}
 
 
 def serve(state_dir: str | Path, port: int = 0, users: dict[str, str] | None = None,

@@ -19,8 +19,9 @@ from typing import Any, TypeVar
 
 from kchain.emulator.faults import Faults
 from kchain.emulator.sessions import SessionRunner
-from kchain.emulator.state import LIVE, Store, iso, new_secret
+from kchain.emulator.state import Store, iso, new_secret
 from kchain.emulator.switches import Limits, Switches
+from kchain.kernel_states import LIVE
 
 GPU_SHAPE_PREFIXES = ("Nvidia",)
 TPU_SHAPE_PREFIXES = ("Tpu",)

@@ -153,7 +153,7 @@ class SessionRunner:
         self._expired: set[str] = set()  # sessions whose time limit a test declared reached
         self._stopping = threading.Event()
         # Test switch: extra environment for every session, standing for another kernel image (the doctor's
-        # probe reads KCHAIN_TEST_IMAGE_TORCH / KCHAIN_TEST_IMAGE_NUMPY as the image's versions).
+        # probe reads layout.TEST_IMAGE_TORCH_ENV / TEST_IMAGE_NUMPY_ENV as the image's versions).
         self.image_env: dict[str, str] = {}
 
     # -- lifecycle ----------------------------------------------------------------------------
@@ -208,12 +208,12 @@ class SessionRunner:
         paths = [str(lib), str(REPO_ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
         env.update({
             "HOME": str(home), "KAGGLE_CONFIG_DIR": str(home / ".kaggle"), "PYTHONPATH": os.pathsep.join(paths),
-            "KCHAIN_ROOT": str(root), "KAGGLE_KERNEL_RUN_TYPE": "Batch", "PYTHONUNBUFFERED": "1",
+            layout.ROOT_ENV: str(root), "KAGGLE_KERNEL_RUN_TYPE": "Batch", "PYTHONUNBUFFERED": "1",
         })
         if not session.get("no_gpu"):
             # The GPUs the kernel asked for are granted, emulated by CPU ranks (gloo): the runtime's
             # granted-accelerator check would otherwise stop every session on this GPU-less machine.
-            env["KCHAIN_ACCELERATOR_CHECK"] = "off"
+            env[layout.ACCELERATOR_CHECK_ENV] = "off"
         if kernel.get("enable_internet", True):
             proxy = self.proxy_url()
             token = new_secret()

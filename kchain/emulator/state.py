@@ -14,7 +14,6 @@ the call in flight and a restarted emulator sees what the last answer promised.
 from __future__ import annotations
 
 import json
-import os
 import secrets
 import threading
 import time
@@ -22,22 +21,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-LIVE = ("QUEUED", "RUNNING")
-
-
-def atomic_write(path: Path, data: bytes) -> None:
-    """Write data to path so that readers see either the old or the new file, never a torn one."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+from kchain.kernel_states import LIVE
+from kchain.runtime import atomic
 
 
 def iso(ts: float) -> str:
@@ -64,7 +49,7 @@ class Store:
 
     def save(self) -> None:
         with self.lock:
-            atomic_write(self.path, json.dumps(self.data, indent=1, sort_keys=True).encode())
+            atomic.write_bytes(self.path, json.dumps(self.data, indent=1, sort_keys=True).encode())
 
     def next_id(self) -> int:
         with self.lock:

@@ -24,9 +24,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from . import death
+from . import faults
+from .checkpoint_files import ResumeError
 from .torchrun import (  # noqa: F401  (the launcher's half, standard library only; re-exported)
-    ACCELERATOR_CHECK_ENV,
     KAGGLE_SESSION_ENV,
     RANK_ERRORS_DIR,
     NoAccelerator,
@@ -125,7 +125,7 @@ class Ranks:
 
     def kill_all(self) -> None:
         """The whole session dies at once (a fault for tests): torchrun, every rank with its workers, this one."""
-        death.die([os.getppid(), *(p for p in self.pids if p != os.getpid())] if self.active else [])
+        faults.die([os.getppid(), *(p for p in self.pids if p != os.getpid())] if self.active else [])
 
     def close(self) -> None:
         if self.active and dist.is_initialized():
@@ -150,8 +150,6 @@ def check_world_size(ckpt: Path, manifest: dict, world_size: int) -> None:
     """Refuse a checkpoint saved by a different number of ranks: the data order would change."""
     saved = int(manifest.get("world_size", 1))
     if saved != world_size:
-        from .checkpoint import ResumeError
-
         raise ResumeError(
             f"cannot resume from {ckpt}: it was saved by {saved} rank(s) and this session runs {world_size} "
             f"(each rank's data shard and RNG streams are in the checkpoint); set train.gpus: {saved} "

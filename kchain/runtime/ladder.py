@@ -25,13 +25,36 @@ def factor(halvings: int) -> int:
     return 2**halvings
 
 
-def injected(batch_sizes: list[int], faults: dict[str, str]) -> None:
+def injected(batch_sizes: list[int], oom_above: int | None) -> None:
     """KCHAIN_FAULT=oom_above=N: the out-of-memory error a too-large micro-batch gives on a GPU."""
-    limit = faults.get("oom_above")
-    if limit is not None and any(b > int(limit) for b in batch_sizes):
+    if oom_above is not None and any(b > oom_above for b in batch_sizes):
         raise torch.OutOfMemoryError(
-            f"CUDA out of memory (injected by KCHAIN_FAULT=oom_above={limit}: micro-batch {max(batch_sizes)})"
+            f"CUDA out of memory (injected by KCHAIN_FAULT=oom_above={oom_above}: micro-batch {max(batch_sizes)})"
         )
+
+
+class Rung:
+    """Where this attempt stands on the ladder: how many halvings, and the batch sizes asked for."""
+
+    def __init__(self, enabled: bool, halvings: int):
+        self.enabled = enabled  # train.micro_batch: auto
+        self.halvings = halvings if enabled else 0
+        self.asked: list[int] = []  # run.loader's batch sizes as the code asks for them
+
+    def batch(self, size: int | None) -> int | None:
+        """The micro-batch this rung gives a run.loader that asks for `size`."""
+        if not self.enabled or not size:
+            return size
+        self.asked.append(size)
+        return size // factor(self.halvings)
+
+    def accumulate(self, n: int) -> int:
+        """The accumulation that keeps the effective batch: n times the halving factor."""
+        return n * factor(self.halvings) if self.enabled else n
+
+    def next(self, stepped: bool, ranks: int) -> str | None:
+        """After an out-of-memory error: the line announcing the next rung, or None (see next_rung)."""
+        return next_rung(self.asked, self.halvings, self.enabled, stepped, ranks)
 
 
 def next_rung(asked: list[int], halvings: int, enabled: bool, stepped: bool, ranks: int) -> str | None:

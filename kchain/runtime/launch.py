@@ -27,9 +27,10 @@ PROCESS_START = time.time()
 for _knob in ("MKL_DYNAMIC", "OMP_DYNAMIC"):
     os.environ.setdefault(_knob, "FALSE")
 
-from . import death, layout  # noqa: E402  (after the clock on purpose)
+from . import faults, layout, summary  # noqa: E402  (after the clock on purpose)
+from .config import RuntimeConfig  # noqa: E402
+from .summary import Status, Summary  # noqa: E402
 
-SUMMARY_RESERVE = 64 * 1024  # bytes held for summary.json from the start, for a disk that fills up
 GATE_POLL_S = 0.01  # how often a gated start looks for its release (a stat call; no measurable CPU)
 GATE_NOTE = "smoke: started beside the run to resume, held until its kill before reading the working dir"
 
@@ -48,45 +49,6 @@ def _quick_teardown() -> None:
 
 
 atexit.register(_quick_teardown)
-
-
-def _reserve_path(path: Path) -> Path:
-    return path.with_name(f".reserve-{path.name}")
-
-
-def _reserve(path: Path) -> None:
-    """SUMMARY_RESERVE bytes set aside beside summary.json while the disk still has room."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(_reserve_path(path), "wb") as f:
-        f.write(b" " * SUMMARY_RESERVE)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _write_json(path: Path, obj: dict) -> None:
-    """Atomic: the notebook (or the next session) never reads half a summary.
-
-    When the disk is full the temporary file cannot be written: the summary then goes into the
-    reserved file (its blocks are already allocated), padded with spaces, renamed into place.
-    """
-    path.parent.mkdir(parents=True, exist_ok=True)
-    text = (json.dumps(obj, indent=2, default=str) + "\n").encode()
-    tmp = path.with_name(f"{layout.TMP_PREFIX}{path.name}")
-    reserve = _reserve_path(path)
-    try:
-        tmp.write_bytes(text)
-        os.replace(tmp, path)
-    except OSError as e:
-        tmp.unlink(missing_ok=True)
-        if not reserve.is_file() or reserve.stat().st_size < len(text):
-            raise
-        print(f"[kchain] summary: {e.strerror or e}; written into the space reserved for it", flush=True)
-        with open(reserve, "r+b") as f:
-            f.write(text + b" " * (reserve.stat().st_size - len(text)))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(reserve, path)
-    reserve.unlink(missing_ok=True)
 
 
 def _first_line(e: BaseException) -> str:
@@ -128,9 +90,9 @@ def main(argv: list[str]) -> int:
     if len(argv) != 2:
         print("usage: python -m kchain.runtime.launch CONFIG_JSON", file=sys.stderr)
         return 2
-    config = json.loads(Path(argv[1]).read_text())
-    if death.wanted(os.environ.get(layout.FAULT_ENV, "")):
-        death.lead()  # a kill fault takes this process's workers with it, as a session's end does
+    config = RuntimeConfig.from_dict(json.loads(Path(argv[1]).read_text()))
+    if faults.wanted(os.environ.get(layout.FAULT_ENV, "")):
+        faults.lead()  # a kill fault takes this process's workers with it, as a session's end does
     from . import torchrun  # no torch yet: a launcher of several ranks never needs it
 
     if not torchrun.in_ranks(os.environ):  # kchain ddp: how many ranks, and is the GPU there?
@@ -146,7 +108,7 @@ def main(argv: list[str]) -> int:
         _train(config, current)
     except KeyboardInterrupt:
         if current.run is not None:
-            current.run.status = "interrupted"
+            current.run._progress.status = Status.INTERRUPTED
         print("[kchain] interrupted", flush=True)
     except BaseException as e:
         error = _crashed(current.run, e)
@@ -155,15 +117,15 @@ def main(argv: list[str]) -> int:
     return _report(config, current.run, error)
 
 
-def _train(config: dict, current: SimpleNamespace) -> None:
+def _train(config: RuntimeConfig, current: SimpleNamespace) -> None:
     """Build the Run, import the entry and call it; after an out-of-memory error, again one rung down."""
     from . import ladder
     from .run import Run, SessionStopped
 
     current.run = Run(config, os.environ, started=PROCESS_START)
-    _reserve(current.run.summary_path)
-    module_name, _, func_name = config["entry"].partition(":")
-    current.run.phase = "build"
+    summary.reserve(current.run._paths.summary)
+    module_name, _, func_name = config.entry.partition(":")
+    current.run._progress.phase = "build"
     entry = getattr(importlib.import_module(module_name), func_name or "main")
     while True:  # train.micro_batch: auto retries main with a halved micro-batch (runtime/ladder.py)
         rung = None
@@ -172,20 +134,20 @@ def _train(config: dict, current: SimpleNamespace) -> None:
         except SessionStopped:
             break  # a deadline or signal stop, saved: the session's part of the run ends here
         except ladder.OutOfMemory:
-            rung = current.run.next_rung()
+            rung = current.run._next_rung()
             if rung is None:
                 raise
         if rung is None:
             break
         print(f"[kchain] {rung}", flush=True)
-        halvings = current.run.micro_halvings + 1
+        halvings = current.run._rung.halvings + 1
         current.run.close()
         current.run = None
         ladder.free()
         current.run = Run(config, os.environ, started=PROCESS_START, halvings=halvings)
-        current.run.phase = "build"
-    if current.run.status == "running":
-        current.run.end_without_loop()
+        current.run._progress.phase = "build"
+    if current.run.status == Status.RUNNING:
+        current.run._end_without_loop()
 
 
 def _crashed(run, e: BaseException) -> dict:
@@ -193,10 +155,10 @@ def _crashed(run, e: BaseException) -> dict:
     from . import torchrun
 
     traceback.print_exc()
-    stage = run.phase if run is not None else "build"
+    stage = run._progress.phase if run is not None else "build"
     error = {"type": type(e).__name__, "message": _first_line(e), "stage": stage}
     if run is not None:
-        run.status = "crashed"
+        run._progress.status = Status.CRASHED
     print(f"[kchain] crashed in {stage}: {type(e).__name__}: {_first_line(e)}", flush=True)
     if torchrun.in_ranks(os.environ) and os.environ.get("WORLD_SIZE") != "1":
         # kchain ddp: the others may wait in a collective this rank never joins: leave now, and
@@ -204,7 +166,7 @@ def _crashed(run, e: BaseException) -> dict:
         rank = int(os.environ["RANK"])
         if run is not None:
             try:
-                run.writer.wait()  # never leave rank 0's checkpoint write half done
+                run._ckpt.writer.wait()  # never leave rank 0's checkpoint write half done
             except BaseException:
                 pass
         torchrun.record_error(layout.kchain_dir(os.environ), rank, error)
@@ -222,41 +184,44 @@ def _close(run, error: dict | None) -> dict | None:
         traceback.print_exc()
         if error is None:
             error = {"type": type(e).__name__, "message": _first_line(e), "stage": "checkpoint"}
-            run.status = "crashed"
+            run._progress.status = Status.CRASHED
     return error
 
 
-def _report(config: dict, run, error: dict | None) -> int:
+def _report(config: RuntimeConfig, run, error: dict | None) -> int:
     """Write summary.json (rank 0), say its gist in one line, and return the exit code."""
     from . import torchrun
 
     if run is not None and not run.is_main:
-        return 1 if run.status == "crashed" else 0  # kchain ddp: rank 0 writes the summary
+        return 1 if run.status == Status.CRASHED else 0  # kchain ddp: rank 0 writes the summary
     if run is not None:
-        summary = run.summary(error=error)
-        path = run.summary_path
-    else:
-        summary = {"status": "crashed", "error": error, "started": PROCESS_START, "ended": time.time(),
-                   "fingerprint": config.get("fingerprint"), "published": None}
+        done = run._summary(error=error)
+        path = run._paths.summary
+    else:  # the Run was never built
+        done = Summary(status=Status.CRASHED, error=error, started=PROCESS_START, ended=time.time(),
+                       fingerprint=config.fingerprint)
         path = layout.kchain_dir(os.environ) / layout.SUMMARY
-    _write_json(path, summary)
+    summary.write(path, done)
     if not torchrun.in_ranks(os.environ):  # under torchrun the launcher's parent prints the final one
-        print(f"[kchain] summary: {json.dumps({k: summary.get(k) for k in ('status', 'step', 'total', 'checkpoint')})}",
-              flush=True)
-    return 1 if summary["status"] == "crashed" else 0
+        _say_summary(done)
+    return 1 if done.status == Status.CRASHED else 0
 
 
-def _no_accelerator(config: dict, message: str) -> int:
-    """The granted-accelerator check failed: one line, status no-accelerator, within seconds."""
+def _say_summary(done: Summary) -> None:
+    gist = {"status": done.status, "step": done.step, "total": done.total, "checkpoint": done.checkpoint}
+    print(f"[kchain] summary: {json.dumps(gist)}", flush=True)
+
+
+def _no_accelerator(config: RuntimeConfig, message: str) -> int:
+    """The granted-accelerator check failed: one line, status no_accelerator, within seconds."""
     print(f"[kchain] no-accelerator: {message}", flush=True)
-    summary = {"status": "no-accelerator", "error": {"type": "NoAccelerator", "message": message, "stage": "start"},
-               "started": PROCESS_START, "ended": time.time(), "step": 0, "total": None, "checkpoint": None,
-               "fingerprint": config.get("fingerprint"), "published": None}
-    _write_json(layout.kchain_dir(os.environ) / layout.SUMMARY, summary)
+    summary.write(layout.kchain_dir(os.environ) / layout.SUMMARY, Summary(
+        status=Status.NO_ACCELERATOR, error={"type": "NoAccelerator", "message": message, "stage": "start"},
+        started=PROCESS_START, ended=time.time(), step=0, fingerprint=config.fingerprint))
     return 1
 
 
-def _run_ranks(n: int, why: str, config_path: str, config: dict) -> int:
+def _run_ranks(n: int, why: str, config_path: str, config: RuntimeConfig) -> int:
     """kchain ddp: run N ranks under torchrun, then make the summary name the first rank's error."""
     import signal
 
@@ -269,29 +234,27 @@ def _run_ranks(n: int, why: str, config_path: str, config: dict) -> int:
     env = {**os.environ, layout.SESSION_START_ENV: os.environ.get(layout.SESSION_START_ENV) or repr(PROCESS_START)}
     code = torchrun.launch_ranks(n, config_path, env)
     if code == -signal.SIGKILL:
-        death.die()  # the session died (a kill fault): die the same way
+        faults.die()  # the session died (a kill fault): die the same way
     path = kdir / layout.SUMMARY
-    try:
-        summary = json.loads(path.read_text())
-    except (OSError, ValueError):
+    done = summary.read(path)
+    if done is None:
         # Rank 0 left without a summary (it failed too): say what the newest checkpoint is.
         ckpts = sorted((kdir / layout.CHECKPOINTS_DIR).glob(f"{layout.CHECKPOINT_PREFIX}*"))
-        summary = {"status": "crashed", "started": PROCESS_START, "ended": time.time(),
-                   "error": {"type": "RankFailed", "stage": "step",
-                             "message": f"rank 0 ended without a summary (torchrun exited with code {code})"},
-                   "step": int(ckpts[-1].name.removeprefix(layout.CHECKPOINT_PREFIX)) if ckpts else 0,
-                   "total": None, "checkpoint": str(ckpts[-1].relative_to(kdir.parent)) if ckpts else None,
-                   "fingerprint": config.get("fingerprint"), "published": None, "world_size": n}
+        done = Summary(status=Status.CRASHED, started=PROCESS_START, ended=time.time(),
+                       error={"type": "RankFailed", "stage": "step",
+                              "message": f"rank 0 ended without a summary (torchrun exited with code {code})"},
+                       step=int(ckpts[-1].name.removeprefix(layout.CHECKPOINT_PREFIX)) if ckpts else 0,
+                       checkpoint=str(ckpts[-1].relative_to(kdir.parent)) if ckpts else None,
+                       fingerprint=config.fingerprint, world_size=n)
     first = torchrun.first_error(kdir)
     if first is not None:
-        summary["status"] = "crashed"
-        summary["error"] = {k: first[k] for k in ("type", "message", "stage", "rank") if k in first}
+        done.status = Status.CRASHED
+        done.error = {k: first[k] for k in ("type", "message", "stage", "rank") if k in first}
         print(f"[kchain] rank {first['rank']} crashed in {first.get('stage')}: {first['type']}: {first['message']}",
               flush=True)
-    _write_json(path, summary)
-    print(f"[kchain] summary: {json.dumps({k: summary.get(k) for k in ('status', 'step', 'total', 'checkpoint')})}",
-          flush=True)
-    return 1 if summary["status"] == "crashed" else 0
+    summary.write(path, done)
+    _say_summary(done)
+    return 1 if done.status == Status.CRASHED else 0
 
 
 if __name__ == "__main__":

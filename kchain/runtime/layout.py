@@ -1,4 +1,4 @@
-"""Every file and directory name the runtime reads or writes, and the environment it reads.
+"""Every file and directory name the runtime reads or writes, and every KCHAIN_* environment variable.
 
 The laptop side imports this module too (it must stay standard-library only), so a renamed file is
 renamed in one place.
@@ -7,6 +7,7 @@ renamed in one place.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 # Environment the notebook (or the local executor) sets for the training child; see docs/design.md.
@@ -22,6 +23,16 @@ CHECKPOINT_STREAM_ENV = "KCHAIN_CHECKPOINT_STREAM"  # 1: stream saves from live 
 # local only (smoke, rehearse): the rank count the job gets on Kaggle, run here as gloo ranks on the CPU
 RANKS_ENV = "KCHAIN_RANKS"
 SMOKE_PARAMS_ENV = "KCHAIN_SMOKE_PARAMS"  # local only: JSON params over the job's, from `kchain smoke --set`
+HANG_ENV = "KCHAIN_HANG_TIMEOUT"  # tests: seconds, the hang watchdog's floor (watchdog.py)
+ACCELERATOR_CHECK_ENV = "KCHAIN_ACCELERATOR_CHECK"  # "off": a CPU stand-in for a Kaggle GPU session (the emulator)
+# The emulator's test switch `runner.image_env`: the probe reports these as the image's versions.
+TEST_IMAGE_TORCH_ENV = "KCHAIN_TEST_IMAGE_TORCH"
+TEST_IMAGE_NUMPY_ENV = "KCHAIN_TEST_IMAGE_NUMPY"
+# The laptop's, never the kernel's: the state folder (run log, sessions, smoke passes), else .kchain/.
+HOME_ENV = "KCHAIN_HOME"
+
+# The job's datasets on Kaggle: <owner>/<job>-state holds its checkpoints, <owner>/<job>-cache its staging cache.
+STATE_SUFFIX, CACHE_SUFFIX = "-state", "-cache"
 
 DEFAULT_ROOT = "/kaggle"
 INPUT_DIR = "input"  # attached datasets, read-only on Kaggle
@@ -30,7 +41,7 @@ KCHAIN_DIR = "kchain"  # our corner of the working dir
 
 CHECKPOINTS_DIR = "checkpoints"
 CHECKPOINT_PREFIX = "step-"
-TMP_PREFIX = ".tmp-"  # a checkpoint being written; never loaded, removed at the next start
+TMP_PREFIX = ".tmp-"  # a checkpoint or file being written (atomic.py); never loaded, removed at the next start
 CORRUPT_PREFIX = ".corrupt-"  # a checkpoint that failed verification, set aside for a human
 MANIFEST = "manifest.json"
 STATE_FILE = "state.pt"
@@ -74,6 +85,27 @@ def working_root(env) -> Path:
 
 def kchain_dir(env) -> Path:
     return working_root(env) / KCHAIN_DIR
+
+
+@dataclass(frozen=True)
+class Paths:
+    """Where one run's files are, from the environment (KCHAIN_ROOT, else /kaggle)."""
+
+    input_root: Path  # attached inputs, read-only on Kaggle
+    working: Path  # the kernel's output
+    kchain: Path  # kchain's corner of it
+    checkpoints: Path
+    cache: Path  # the staging cache (run.stage)
+    metrics: Path
+    summary: Path
+    scratch: Path  # where an attached archive of checkpoints is unpacked
+
+    @classmethod
+    def of(cls, env) -> Paths:
+        here = kchain_dir(env)
+        return cls(input_root=input_root(env), working=working_root(env), kchain=here,
+                   checkpoints=here / CHECKPOINTS_DIR, cache=here / CACHE_DIR, metrics=here / METRICS,
+                   summary=here / SUMMARY, scratch=here / ".scratch")
 
 
 def _subdirs(path: Path) -> list[Path]:

@@ -52,6 +52,30 @@ def autocast(device: torch.device, dtype: torch.dtype):
     return torch.autocast(device_type="cuda", dtype=dtype)
 
 
+class Amp:
+    """Mixed precision for one run: the device, the autocast dtype, and whether fp16 got its scaler."""
+
+    def __init__(self, device: torch.device, dtype: torch.dtype):
+        self.device, self.dtype = device, dtype
+        self.scaled = False  # run.optimize made a GradScaler
+        self._warned = False
+
+    def scaler(self):
+        """A GradScaler when the dtype is fp16 (small gradients underflow without one), else None."""
+        if self.dtype != torch.float16:
+            return None
+        self.scaled = True
+        return torch.amp.GradScaler(self.device.type)
+
+    def autocast(self):
+        if self.dtype == torch.float16 and not self.scaled and not self._warned:
+            from .say import warn
+
+            self._warned = True
+            warn(FP16_WITHOUT_SCALER)
+        return autocast(self.device, self.dtype)
+
+
 class Stepper:
     """One optimizer step made of `accumulate` backward passes: what `run.optimize` returns.
 

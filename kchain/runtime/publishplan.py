@@ -16,6 +16,8 @@ import os
 import pickle
 from pathlib import Path
 
+from .config import KaggleConfig
+
 # Assumed on Kaggle until a session measured them: generous, since a publish cut off by the session's
 # limit wastes the whole session's progress to the relay's (slower) path, never the state itself.
 ASSUMED = {
@@ -26,12 +28,11 @@ ASSUMED = {
 }
 
 
-def figures(config: dict) -> dict | None:
+def figures(kaggle: KaggleConfig) -> dict | None:
     """The publish figures for this session, or None when the kernel will not publish itself."""
-    kaggle = config.get("kaggle") or {}
-    if not kaggle.get("internet") or not kaggle.get("state_dataset"):
+    if not kaggle.internet or not kaggle.state_dataset:
         return None
-    given = kaggle.get("publish") or {}
+    given = kaggle.publish or {}
     out = dict(ASSUMED)
     for key in ASSUMED:
         value = given.get(key)

@@ -68,6 +68,14 @@ def unsynced(optimizers: list[torch.optim.Optimizer], modules: dict[str, torch.n
     `optimizers` are the ones kchain knows (tracked or run.optimize'd); every live optimizer and DDP
     module is found too (one pass over the collector's objects), so an untracked optimizer or a DDP
     built by hand counts as well."""
+    line = _unsynced(optimizers, modules)
+    if line is not None:  # an optimizer found may be garbage (an earlier attempt's): collect, look again
+        gc.collect()
+        line = _unsynced(optimizers, modules)
+    return line
+
+
+def _unsynced(optimizers: list[torch.optim.Optimizer], modules: dict[str, torch.nn.Module]) -> str | None:
     # type(o), not isinstance: isinstance reads __class__, which some torch objects warn on.
     found = gc.get_objects()
     live = [o for o in found if issubclass(type(o), torch.optim.Optimizer)]

@@ -14,14 +14,14 @@ class WrongState(RuntimeError):
     """The attached input does not hold the checkpoint this session was pushed to resume."""
 
 
-def expected(config: dict) -> dict | None:
-    resume = (config.get("kaggle") or {}).get("resume")
+def expected(resume: dict | None) -> dict | None:
+    """config.kaggle.resume when it names a step, else None (a fresh chain, a local run)."""
     return resume if isinstance(resume, dict) and resume.get("step") is not None else None
 
 
-def check(config: dict, found_step: int | None, found_where: str | None) -> None:
+def check(resume: dict | None, found_step: int | None, found_where: str | None) -> None:
     """Raise WrongState if the found checkpoint is not the one the chain pushed this session for."""
-    want = expected(config)
+    want = expected(resume)
     if want is None:
         return
     step = int(want["step"])

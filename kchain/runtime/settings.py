@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import layout
+from .config import RuntimeConfig
+from .faults import NO_FAULTS, Faults
 
 # The defaults of job.yaml's train: and smoke: keys (spec.py uses these too).
 CHECKPOINT_EVERY = "10m"  # a lost session costs at most this much training
@@ -54,15 +56,6 @@ def parse_cadence(text: Any) -> dict[str, float]:
     return {"seconds": parse_duration(text)}
 
 
-def parse_faults(text: str) -> dict[str, str]:
-    """KCHAIN_FAULT='kill_at_step=7,stall_step=0.5' -> {'kill_at_step': '7', 'stall_step': '0.5'}."""
-    out = {}
-    for item in filter(None, (s.strip() for s in text.split(","))):
-        key, _, value = item.partition("=")
-        out[key.strip()] = value.strip()
-    return out
-
-
 def _env_cadence(text: str) -> dict[str, float]:
     try:
         return parse_cadence(text)
@@ -72,7 +65,7 @@ def _env_cadence(text: str) -> dict[str, float]:
 
 @dataclass(frozen=True)
 class Settings:
-    """Everything a Run reads from its config and environment, in numbers."""
+    """Everything a Run reads from its config and environment, in numbers: parsed once, never changed."""
 
     job: str
     smoke: bool
@@ -80,49 +73,64 @@ class Settings:
     smoke_steps: int
     total_cap: int | None  # KCHAIN_TOTAL_STEPS
     started: float  # the session's start, epoch seconds
-    limit_s: float
-    margin_s: float
+    limit_s: float  # the session's hard limit, seconds after `started`
+    margin_s: float  # kept back before the limit for the final save and the output upload
     every: dict[str, float]  # {'steps': n} or {'seconds': s}
     keep: int
     heartbeat_s: float
     precision: str
     stream: str | None  # KCHAIN_CHECKPOINT_STREAM: '1', '0' or None (by size)
+    params: dict = field(default_factory=dict)  # the job's params, then smoke.params and --set in a smoke
     smoke_params: dict = field(default_factory=dict)  # smoke.params, then --set (KCHAIN_SMOKE_PARAMS); smoke only
-    faults: dict[str, str] = field(default_factory=dict)
-
-    @property
-    def deadline(self) -> float:
-        return self.started + self.limit_s - self.margin_s
+    faults: Faults = NO_FAULTS
+    micro_auto: bool = False  # train.micro_batch: auto, the out-of-memory ladder
+    hang_s: float = 1800.0  # the hung-step watchdog's floor (watchdog.floor_s)
+    cache_dataset: str = ""  # the job's staging cache dataset, as the kernel mounts it
+    state_slug: str | None = None  # the slug of the job's state dataset (None in a local run)
+    publish: dict | None = None  # the in-kernel publish's figures (publishplan), None when the laptop relays
+    resume: dict | None = None  # the step `kchain continue` pushed this session to resume (resumecheck)
+    fingerprint: str | None = None
+    kchain_version: str | None = None
 
     @classmethod
-    def parse(cls, config: Mapping, env: Mapping[str, str], started: float | None = None) -> Settings:
-        train = config.get("train") or {}
-        smoke_cfg = config.get("smoke") or {}
+    def parse(cls, config: RuntimeConfig, env: Mapping[str, str], started: float | None = None) -> Settings:
+        from . import publishplan, watchdog
+
+        train, smoke_cfg = config.train, config.smoke
         smoke = env.get(layout.SMOKE_ENV) == "1"
         # The session's clock: the notebook's first cell, not this process, when the notebook says.
         start = float(env[layout.SESSION_START_ENV]) if env.get(layout.SESSION_START_ENV) else (started or time.time())
-        margin = float(train.get("margin_s", parse_duration(MARGIN)))
+        margin = float(parse_duration(MARGIN) if train.margin_s is None else train.margin_s)
         if env.get(layout.SESSION_LIMIT_ENV):
             limit = float(env[layout.SESSION_LIMIT_ENV])
             margin = min(margin, SHORT_LIMIT_MARGIN * limit)
         else:
-            limit = float(train.get("session_limit_s", parse_duration(SESSION_LIMIT)))
+            limit = float(parse_duration(SESSION_LIMIT) if train.session_limit_s is None else train.session_limit_s)
         every = env.get(layout.CHECKPOINT_EVERY_ENV)
+        smoke_params = {**smoke_cfg.params, **json.loads(env.get(layout.SMOKE_PARAMS_ENV) or "{}")} if smoke else {}
         return cls(
-            job=config.get("job", "job"),
+            job=config.job,
             smoke=smoke,
-            fraction=float(smoke_cfg.get("fraction", SMOKE_FRACTION)) if smoke else 1.0,
-            smoke_steps=int(smoke_cfg.get("steps", SMOKE_STEPS)),
+            fraction=float(SMOKE_FRACTION if smoke_cfg.fraction is None else smoke_cfg.fraction) if smoke else 1.0,
+            smoke_steps=int(SMOKE_STEPS if smoke_cfg.steps is None else smoke_cfg.steps),
             total_cap=int(env[layout.TOTAL_STEPS_ENV]) if env.get(layout.TOTAL_STEPS_ENV) else None,
             started=start,
             limit_s=limit,
             margin_s=margin,
-            every=_env_cadence(every) if every else dict(train.get("checkpoint_every") or parse_cadence(CHECKPOINT_EVERY)),
-            keep=int(train.get("keep", KEEP)),
-            heartbeat_s=float(train.get("heartbeat_s", parse_duration(HEARTBEAT))),
-            precision=train.get("precision", PRECISION),
+            every=_env_cadence(every) if every else dict(train.checkpoint_every or parse_cadence(CHECKPOINT_EVERY)),
+            keep=int(KEEP if train.keep is None else train.keep),
+            heartbeat_s=float(parse_duration(HEARTBEAT) if train.heartbeat_s is None else train.heartbeat_s),
+            precision=train.precision or PRECISION,
             stream=env.get(layout.CHECKPOINT_STREAM_ENV),
-            faults=parse_faults(env.get(layout.FAULT_ENV, "")),
-            smoke_params={**(smoke_cfg.get("params") or {}), **json.loads(env.get(layout.SMOKE_PARAMS_ENV) or "{}")}
-            if smoke else {},
+            params={**config.params, **smoke_params},
+            smoke_params=smoke_params,
+            faults=Faults.parse(env.get(layout.FAULT_ENV, "")),
+            micro_auto=train.micro_batch == "auto",
+            hang_s=watchdog.floor_s(train.hang_timeout_s, env),
+            cache_dataset=config.kaggle.cache_dataset or f"{config.job}{layout.CACHE_SUFFIX}",
+            state_slug=config.state_slug,
+            publish=None if smoke else publishplan.figures(config.kaggle),
+            resume=config.kaggle.resume,
+            fingerprint=config.fingerprint,
+            kchain_version=config.kchain_version,
         )

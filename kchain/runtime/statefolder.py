@@ -17,7 +17,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from kchain.runtime import layout
+from kchain.runtime import layout, summary
+from kchain.runtime.checkpoint_files import find_latest
 
 STATE_MARKER = layout.STATE_MARKER
 CACHE_MARKER = "kchain-cache.json"
@@ -31,8 +32,6 @@ def _link_or_copy(src: Path, dst: Path) -> None:
 
 
 def newest_checkpoint(kchain_dir: Path, job: str | None) -> tuple[Path, dict] | None:
-    from kchain.runtime.checkpoint import find_latest  # torch: only where a checkpoint is verified here
-
     scratch = Path(tempfile.mkdtemp(prefix="kchain-scan-"))
     try:
         # No input root: only this session's own checkpoints count here.
@@ -54,12 +53,11 @@ def build_state_folder(kchain_dir: Path, dest: Path, published: str, job: str | 
     for name in [*manifest.get("files", {}), layout.MANIFEST]:
         _link_or_copy(ckpt / name, dest / name)
         size += (dest / name).stat().st_size
-    summary_path = kchain_dir / layout.SUMMARY
-    if summary_path.is_file():
+    ended = summary.read(kchain_dir / layout.SUMMARY)
+    if ended is not None:
         # The copy that travels says who published it (the kernel itself, or the laptop's relay).
-        summary = json.loads(summary_path.read_text())
-        summary["published"] = published
-        (dest / layout.SUMMARY).write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
+        ended.published = published
+        summary.write(dest / layout.SUMMARY, ended)
     marker = {
         "job": manifest.get("job"),
         "session": manifest.get("session"),

@@ -8,18 +8,17 @@ ranks' half (the process group, DDP, sharding) and re-exports these names.
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-from . import layout
+from . import atomic, layout
+from .config import RuntimeConfig
 
 RANK_ERRORS_DIR = "rank-errors"  # under the kchain dir: one JSON per rank that failed
 KAGGLE_SESSION_ENV = "KAGGLE_KERNEL_RUN_TYPE"  # set in every Kaggle notebook session
-ACCELERATOR_CHECK_ENV = "KCHAIN_ACCELERATOR_CHECK"  # "off": a CPU stand-in for Kaggle (the emulator)
 
 
 class NoAccelerator(Exception):
@@ -31,19 +30,18 @@ def in_ranks(env) -> bool:
     return "RANK" in env and "WORLD_SIZE" in env
 
 
-def plan_ranks(config: dict, env, cuda_count: int | None = None) -> tuple[int, str]:
+def plan_ranks(config: RuntimeConfig, env, cuda_count: int | None = None) -> tuple[int, str]:
     """(number of ranks, why) for this machine; raises NoAccelerator when Kaggle gave too little."""
     local = env.get(layout.RANKS_ENV)
     smoke = env.get(layout.SMOKE_ENV) == "1"
-    on_kaggle = bool(env.get(KAGGLE_SESSION_ENV)) and not smoke and env.get(ACCELERATOR_CHECK_ENV) != "off"
+    on_kaggle = bool(env.get(KAGGLE_SESSION_ENV)) and not smoke and env.get(layout.ACCELERATOR_CHECK_ENV) != "off"
     if local and not on_kaggle:  # smoke / rehearse: the ranks Kaggle would give, on this machine (no torch here)
         return int(local), f"{local} ranks, as on Kaggle ({layout.RANKS_ENV})"
     if cuda_count is None:
         import torch  # the GPUs this machine has: only now, so the launcher of a local run never imports torch
 
         cuda_count = torch.cuda.device_count()
-    asked = (config.get("train") or {}).get("gpus", "auto")
-    accelerator = (config.get("kaggle") or {}).get("accelerator", "gpu")
+    asked, accelerator = config.train.gpus, config.kaggle.accelerator
     if on_kaggle and accelerator == "gpu":
         want = 1 if asked == "auto" else int(asked)
         if cuda_count < want:
@@ -85,12 +83,8 @@ def launch_ranks(n: int, config_path: str, env) -> int:
 
 def record_error(kchain_dir: Path, rank: int, error: dict) -> None:
     """This rank's error, where the launcher's parent will find it (atomic)."""
-    folder = kchain_dir / RANK_ERRORS_DIR
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / f"rank{rank}.json"
-    tmp = folder / f"{layout.TMP_PREFIX}rank{rank}.json"
-    tmp.write_text(json.dumps({**error, "rank": rank, "time": time.time()}))
-    os.replace(tmp, path)
+    path = kchain_dir / RANK_ERRORS_DIR / f"rank{rank}.json"
+    atomic.write_text(path, json.dumps({**error, "rank": rank, "time": time.time()}))
 
 
 def first_error(kchain_dir: Path) -> dict | None:

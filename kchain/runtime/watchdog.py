@@ -16,16 +16,18 @@ import time
 import traceback
 from collections.abc import Callable, Mapping
 
+from . import layout
+
 DEFAULT_FLOOR_S = 30 * 60
 SLOWEST_FACTOR = 10
-HANG_ENV = "KCHAIN_HANG_TIMEOUT"
 EXIT_HUNG = 3
 
 
-def floor_s(config: dict, env: Mapping[str, str]) -> float:
-    if env.get(HANG_ENV):
-        return float(env[HANG_ENV])
-    return float((config.get("train") or {}).get("hang_timeout_s", DEFAULT_FLOOR_S))
+def floor_s(hang_timeout_s: float | None, env: Mapping[str, str]) -> float:
+    """The watchdog's floor: the environment's override, else train.hang_timeout_s, else 30 minutes."""
+    if env.get(layout.HANG_ENV):
+        return float(env[layout.HANG_ENV])
+    return float(DEFAULT_FLOOR_S if hang_timeout_s is None else hang_timeout_s)
 
 
 def stacks() -> str:

@@ -1,0 +1,73 @@
+"""Atomic file writes: a reader sees the old file or the new one, never a torn one, and once the
+call returns the new one survives a crash.
+
+The one discipline for every file kchain writes whole (the laptop's ledger, doctor.json and rendered
+notebooks, the emulator's state, the kernel's rank errors, probe output and published summary):
+a temporary file in the same folder, fsynced, renamed over the target, then the folder fsynced (the
+rename itself is durable only then).
+
+The temporary name is `layout.TMP_PREFIX + name + "." + random` (mkstemp). Random, because two
+writers of one file (two kchain commands on the ledger, the emulator's threads, several ranks)
+must never write into each other's temporary file, as a fixed name lets them; with the runtime's
+prefix, because the runtime's listings already skip and clean what starts with it.
+
+Standard library only: the runtime imports it inside the Kaggle kernel.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from . import layout
+
+# mkstemp makes 0600 files; nothing written through here is secret (credentials never are).
+MODE = 0o644
+
+
+def fsync_path(path: Path) -> None:
+    """fsync a file, or a folder (its entries: a rename into it, a new file), by name."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_bytes(path: str | os.PathLike[str], data: bytes, tmp: Path | None = None) -> None:
+    """Replace path's content by data, atomically and durably (its folder is made if missing).
+
+    `tmp`: a fixed temporary name instead of a random one, for a file with one writer by
+    construction whose failure path must be reachable by name (summary.json, rank 0's alone)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if tmp is None:
+        fd, tmp = tempfile.mkstemp(prefix=f"{layout.TMP_PREFIX}{path.name}.", dir=path.parent)
+    else:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, MODE)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            os.fchmod(f.fileno(), MODE)
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    fsync_path(path.parent)
+
+
+def write_text(path: str | os.PathLike[str], text: str) -> None:
+    """write_bytes of text in UTF-8."""
+    write_bytes(path, text.encode("utf-8"))
+
+
+def write_json(path: str | os.PathLike[str], data: Any) -> None:
+    """write_text of data as indented JSON with sorted keys and a final newline (diffable by eye)."""
+    write_text(path, json.dumps(data, indent=2, sort_keys=True) + "\n")

@@ -1,0 +1,376 @@
+"""The checkpointer: what a checkpoint holds, when a save is due, and the save and the restore.
+
+The policy sits beside the mechanism, in the shape of torchtitan's CheckpointManager: the objects
+tracked by name, the cadence (`train.checkpoint_every`), the size plan made at the first save
+(copy to RAM and write in the background, or stream from the live tensors), the writer and the
+host snapshots, the search for the checkpoint to resume from and its loading into the live
+objects. It never sees the Run: it receives the ranks, the progress record and the trace.
+
+kchain ddp: rank 0 alone finds, verifies and writes; every rank's own RNG states and loader
+positions are gathered into rank 0's checkpoint, and each rank gets its own back on resume.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from . import distributed, heartbeat, ladder, layout
+from .checkpoint import CheckpointJob, Writer, check_compatible, find_and_load, load_state
+from .checkpoint_files import (
+    WRITE_SLACK,
+    CheckpointsDamaged,
+    CheckpointTooLarge,
+    clean_tmp,
+    complete,
+    dir_bytes,
+    hash_early,
+    make_room,
+)
+from .faults import Faults
+from .loader import Loader
+from .progress import Progress
+from .say import gb, say, warn
+from .snapshot import Snapshotter, available_ram, restore_rng, rng_state
+from .trace import Trace
+
+SNAPSHOT_RAM_FRACTION = 0.25  # a state above this share of free RAM is streamed, not copied
+REUSE_MAX_BYTES = 256 * 2**20  # host copies up to this size are kept for the next save (no page faults)
+PER_RANK = (Loader, torch.Generator, np.random.Generator)  # a rank's data shard and its own RNGs
+
+
+def state_of(obj):
+    """The state a tracked object checkpoints (the inner module's, under DDP)."""
+    obj = distributed.unwrap(obj)
+    if isinstance(obj, torch.Generator):
+        return obj.get_state()
+    if isinstance(obj, np.random.Generator):
+        return obj.bit_generator.state
+    return obj.state_dict()
+
+
+def load_into(obj, state) -> None:
+    obj = distributed.unwrap(obj)
+    if isinstance(obj, torch.Generator):
+        obj.set_state(state)
+    elif isinstance(obj, np.random.Generator):
+        obj.bit_generator.state = state
+    else:
+        obj.load_state_dict(state)
+
+
+def match_module_prefix(saved: dict, live: dict) -> dict:
+    """Add or strip the `module.` prefix nn.DataParallel / DDP put on every key, to match `live`."""
+    p = "module."
+    saved_wrapped = bool(saved) and all(k.startswith(p) for k in saved)
+    live_wrapped = bool(live) and all(k.startswith(p) for k in live)
+    if saved_wrapped and not live_wrapped:
+        return {k[len(p):]: v for k, v in saved.items()}
+    if live_wrapped and not saved_wrapped:
+        return {p + k: v for k, v in saved.items()}
+    return saved
+
+
+@dataclass(frozen=True)
+class Where:
+    """Where checkpoints are written and looked for."""
+
+    checkpoints: Path  # <working>/kchain/checkpoints: this session's
+    input_root: Path  # /kaggle/input: an attached state dataset holds the last session's
+    scratch: Path  # where an attached archive is unpacked
+    working: Path  # checkpoints are named relative to it in the summary
+    state_slug: str | None  # the job's state dataset, as mounted (None in a local run)
+
+
+@dataclass(frozen=True)
+class Policy:
+    """How this job checkpoints (Settings, in the checkpointer's terms)."""
+
+    job: str
+    every: dict  # {'steps': n} or {'seconds': s}
+    keep: int  # complete checkpoints kept
+    stream: str | None  # KCHAIN_CHECKPOINT_STREAM: '1' stream, '0' copy, None by size
+    manifest: dict  # what every manifest says besides step, time and session (fingerprint, params, ...)
+
+
+class Checkpointer:
+    """The tracked objects and their checkpoints: track, due, save, restore."""
+
+    def __init__(self, where: Where, policy: Policy, ranks: distributed.Ranks, faults: Faults, rung: ladder.Rung):
+        self.where, self.policy, self.ranks = where, policy, ranks
+        self.rung = rung  # the out-of-memory ladder's: every manifest says how many halvings it trained with
+        self.tracked: dict[str, object] = {}  # name -> object with state_dict/load_state_dict (or a generator)
+        self.writer = Writer(faults)
+        self.writer.die = ranks.kill_all  # kchain ddp: a kill fault ends every rank at once
+        self.stalls: list[float] = []  # seconds the training thread spent blocked in each save
+        self.last_save = time.time()
+        self.restored = False
+        self._snapshots = Snapshotter()
+        self._plan: dict | None = None  # the checkpoint's size and write mode, set at the first save
+        self._found: tuple[list[tuple[Path, dict]], list[str]] | None = None  # find(), once
+        self._loaded: dict | None = None  # rank 0: the state find() loaded with it, until restore()
+        self.resumed: tuple[Path, dict] | None = None  # the checkpoint restored from
+        if ranks.is_main:  # kchain ddp: rank 0 alone owns the files
+            clean_tmp(where.checkpoints)
+        hash_early(where.checkpoints, where.input_root, where.state_slug)  # overlaps the user's set-up
+
+    # --- what a checkpoint holds ---------------------------------------------------------------
+
+    def track(self, name: str, obj) -> None:
+        """Register `obj` under `name` (see Run.track for the rules)."""
+        ok = hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")
+        if not (ok or isinstance(obj, (torch.Generator, np.random.Generator))):
+            raise TypeError(
+                f"run.track({name}=...): a {type(obj).__name__} has no state_dict/load_state_dict; "
+                "track modules, optimizers, schedulers, GradScalers or generators"
+            )
+        if self.restored:
+            # A resumed run would silently differ from the uninterrupted one: stop here instead.
+            raise RuntimeError(
+                f"run.track({name}=...) after run.steps started: the checkpoint is restored when "
+                "run.steps starts, so build and track everything (run.loader, run.optimize too) before the loop"
+            )
+        if any(o is obj for o in self.tracked.values()):
+            return
+        if name in self.tracked:
+            raise ValueError(
+                f"run.track({name}=...): the name {name!r} already tracks a {type(self.tracked[name]).__name__}; "
+                "give each object its own name (e.g. run.optimize(opt, name='disc_opt'))"
+            )
+        self.tracked[name] = obj
+
+    def free_name(self, base: str) -> str:
+        """base, base2, base3, ...: the first not tracked yet (stable while the code is the same)."""
+        n = 1
+        while (name := base if n == 1 else f"{base}{n}") in self.tracked:
+            n += 1
+        return name
+
+    def states(self) -> dict:
+        return {name: state_of(obj) for name, obj in self.tracked.items()}
+
+    # --- when -------------------------------------------------------------------------------------
+
+    def due(self, step: int) -> bool:
+        """The cadence says save after `step`."""
+        if "steps" in self.policy.every:
+            return step % int(self.policy.every["steps"]) == 0
+        return time.time() - self.last_save >= float(self.policy.every["seconds"])
+
+    def next_in(self, step: int) -> str:
+        """How far the next save is, for the heartbeat."""
+        if "steps" in self.policy.every:
+            n = int(self.policy.every["steps"])
+            return f"{n - step % n} steps"
+        return heartbeat.duration(float(self.policy.every["seconds"]) - (time.time() - self.last_save))
+
+    def save_s(self) -> float:
+        """What the deadline guard plans a save with: the longest stall plus the last write."""
+        return max(self.stalls, default=0.0) + self.writer.last_write_s
+
+    # --- find and restore ---------------------------------------------------------------------------
+
+    def find(self) -> tuple[list[tuple[Path, dict]], list[str]]:
+        """The checkpoint to resume from (a list of one, or none) and the damaged ones: looked for once.
+
+        The one found is verified and loaded in the same pass over its state.pt (find_and_load); its
+        state waits in self._loaded for restore().
+        """
+        if self._found is None:
+            w = self.where
+            hit, damaged = find_and_load(w.checkpoints, w.input_root, w.scratch, self.policy.job,
+                                         state_slug=w.state_slug)
+            self._loaded = hit[2] if hit else None
+            self._found = ([(hit[0], hit[1])] if hit else [], damaged)
+        return self._found
+
+    def restore(self, progress: Progress, trace: Trace, params: dict) -> Path | None:
+        """Load the newest checkpoint into everything tracked (once); the checkpoint, or None fresh."""
+        if self.restored:
+            return None
+        self.restored = True
+        found = self._load_found(progress, trace)
+        if found is None:
+            say(f"session 1 of {self.policy.job}: no checkpoint found, starting fresh")
+            return None
+        path, manifest, saved = found
+        distributed.check_world_size(path, manifest, self.ranks.world_size)
+        if self.ranks.active:  # kchain ddp: this rank's own RNGs and loader positions
+            mine = saved["ranks"][self.ranks.rank]
+            saved["rng"] = mine["rng"]
+            saved["tracked"] = {**saved["tracked"], **mine["tracked"]}
+        self._apply(path, manifest, saved["tracked"], params)
+        restore_rng(saved["rng"])
+        progress.step = progress.saved_step = progress.resumed_from = int(saved["step"])
+        trace.restore(saved.get("metrics"), saved.get("best"))
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(manifest.get("time", 0))))
+        say(f"resumed from step {progress.step} ({path}, saved at {when})")
+        return path
+
+    def _load_found(self, progress: Progress, trace: Trace) -> tuple[Path, dict, dict] | None:
+        """The checkpoint to resume from with its state, adopted: its session number and its trace.
+
+        kchain ddp: rank 0 finds, verifies and loads (and sets damaged ones aside); the other ranks
+        learn what it found and load that file.
+        """
+        mine = self.find() if self.ranks.is_main else None
+        found, damaged = self.ranks.all_gather(mine)[0]
+        if not found:
+            if damaged:
+                # Starting over would silently redo (and overwrite) the chain's work: stop and say why.
+                raise CheckpointsDamaged(
+                    f"every checkpoint found is damaged: {'; '.join(damaged)}. Attach an earlier "
+                    "state version, or detach the state dataset to start fresh on purpose"
+                )
+            return None
+        path, manifest = found[0]
+        saved = self._loaded if self.ranks.is_main else load_state(path)
+        self._loaded = None  # the live objects hold it from here on
+        self.resumed = (path, manifest)
+        progress.session = int(manifest.get("session", 0)) + 1
+        # One continuous history: the trace as it was at the checkpoint (later lines are replayed),
+        # then whatever this process logged before its loop started.
+        logged = trace.logged()
+        trace.adopt((path / layout.METRICS).read_bytes() if trace.writes else b"", logged)
+        say(f"session {progress.session} of {self.policy.job}: resuming from {path}")
+        return path, manifest, saved
+
+    def _apply(self, path: Path, manifest: dict, saved: dict, params: dict) -> None:
+        """Load the saved tracked states into the live objects, after checking that they fit."""
+        for name, obj in self.tracked.items():
+            live = distributed.unwrap(obj)  # DDP: checkpoints hold the inner module's keys
+            if isinstance(live, torch.nn.Module) and isinstance(saved.get(name), dict):
+                saved[name] = match_module_prefix(saved[name], live.state_dict())
+        check_compatible(path, manifest, saved, self.states(), params)
+        for name, obj in self.tracked.items():
+            if name in saved:
+                load_into(obj, saved[name])
+            else:
+                warn(f"{name!r} is tracked now but not in the checkpoint: it starts fresh, the run is not exact")
+        for name in saved:
+            if name not in self.tracked:
+                warn(f"the checkpoint holds {name!r} but nothing is tracked under that name now: ignored")
+
+    # --- save -----------------------------------------------------------------------------------------
+
+    def save(self, progress: Progress, trace: Trace, check_replicas: Callable[[str], None] | None = None) -> float:
+        """Checkpoint everything tracked at progress.step; the seconds the training thread was blocked.
+
+        The snapshot blocks; the write runs in the background (one in flight at most, which bounds
+        memory to one extra copy). kchain ddp: `check_replicas` first, so a checkpoint never holds one
+        rank's model among several that differ."""
+        t0 = time.perf_counter()
+        self.writer.wait()
+        if self.ranks.active and check_replicas is not None:
+            check_replicas(f"at the checkpoint of step {progress.step}")
+        # kchain ddp: every rank's own RNGs and loader positions go to rank 0, which writes alone.
+        per_rank = self.ranks.gather(self._rank_state()) if self.ranks.active else None
+        stall = 0.0
+        if self.ranks.is_main:
+            self._write(progress, trace, per_rank)
+            stall = time.perf_counter() - t0
+            self.stalls.append(stall)
+        progress.saved_step = progress.step
+        self.last_save = time.time()
+        return stall
+
+    def _write(self, progress: Progress, trace: Trace, per_rank: list | None) -> None:
+        """Rank 0's part of a save: room on the disk, then the state to the writer."""
+        live = {
+            "step": progress.step,
+            "tracked": self.states(),
+            "rng": rng_state(),
+            "metrics": trace.metrics,
+            "best": trace.best,
+            **({"ranks": per_rank} if per_rank else {}),
+        }
+        if self._plan is None:
+            self._plan = self._plan_checkpoints(live)
+        pruned = make_room(self.where.checkpoints, self._plan["bytes"])
+        if pruned:
+            say(pruned)
+        trace.flush()
+        manifest = {"job": self.policy.job, "step": progress.step, "time": time.time(), "session": progress.session,
+                    **self.policy.manifest, ladder.MANIFEST_KEY: self.rung.halvings}
+        job = CheckpointJob(checkpoints=self.where.checkpoints, step=progress.step, metrics_src=trace.path,
+                            metrics_bytes=trace.bytes, manifest=manifest, keep=self.policy.keep)
+        if self._plan["stream"]:
+            self.writer.write_now(live, job)  # blocks; no host copy of the state
+            return
+        state = self._snapshots.take(live)
+        del live
+        if not self._plan["reuse"]:
+            self._snapshots.release()  # the writer holds the only reference: freed when written
+        self.writer.submit(state, job)
+
+    def _rank_state(self) -> dict:
+        """What differs between ranks (kchain ddp): the global RNGs and the per-rank tracked objects."""
+        private = {n: state_of(o) for n, o in self.tracked.items() if isinstance(o, PER_RANK)}
+        return {"rank": self.ranks.rank, "rng": rng_state(), "tracked": private}
+
+    def _plan_checkpoints(self, live: dict) -> dict:
+        """At the first save: the checkpoint's size against the disk and RAM, said in one line.
+
+        A state that fits a quarter of the free RAM is copied to host memory and written in the
+        background (training goes on); a larger one is streamed to the file from the live tensors,
+        blocking, so no second full copy ever exists. KCHAIN_CHECKPOINT_STREAM=1/0 forces either.
+        """
+        from .publishplan import state_bytes
+
+        size = state_bytes(live)
+        checkpoints = self.where.checkpoints
+        checkpoints.mkdir(parents=True, exist_ok=True)
+        free = shutil.disk_usage(checkpoints).free
+        ours = sum(dir_bytes(p) for p in complete(checkpoints))
+        ram = available_ram()
+        forced = self.policy.stream
+        if forced in ("0", "1"):
+            stream, why = forced == "1", f"{layout.CHECKPOINT_STREAM_ENV}={forced}"
+        elif ram is not None and size > SNAPSHOT_RAM_FRACTION * ram:
+            stream, why = True, f"more than {SNAPSHOT_RAM_FRACTION:.0%} of the {gb(ram)} of RAM available"
+        else:
+            stream, why = False, f"fits in RAM ({gb(ram) if ram is not None else 'unknown'} available)"
+        mode = "streamed from the live tensors (blocks training)" if stream else "copied to RAM, written in the background"
+        peak = (self.policy.keep + 1) * size
+        if 2 * size * WRITE_SLACK > free + ours:
+            # The newest checkpoint stays until the next one is complete: two must fit at once.
+            raise CheckpointTooLarge(
+                f"checkpoint needs {gb(size)}, and two must fit while one is written ({gb(2 * size)}), but "
+                f"{checkpoints} has {gb(free + ours)} for checkpoints: free disk space (delete files in "
+                "/kaggle/working) or checkpoint less state (8-bit or bf16 optimizer moments)"
+            )
+        room = ("fits" if peak <= free + ours else
+                "does not fit: older checkpoints are pruned before each write, the newest kept until the new one is complete")
+        say(f"checkpoint plan: {gb(size)} per checkpoint, keep {self.policy.keep} + 1 being written = {gb(peak)} "
+            f"({gb(free + ours)} available) {room}; {mode}: {why}")
+        return {"bytes": size, "stream": stream, "reuse": size <= REUSE_MAX_BYTES}
+
+    # --- where ----------------------------------------------------------------------------------------
+
+    def newest(self) -> Path | None:
+        """The newest complete checkpoint this session wrote, else the one it resumed from."""
+        path = self.writer.last_path
+        if path is None and self.resumed:
+            path = self.resumed[0]
+        return path
+
+    def newest_rel(self) -> str | None:
+        """The newest checkpoint, relative to the working dir (as the summary names it)."""
+        path = self.newest()
+        if path is None:
+            return None
+        try:
+            return str(path.relative_to(self.where.working))
+        except ValueError:
+            return str(path)
+
+    def halvings_found(self) -> int:
+        """The out-of-memory ladder's rung of the checkpoint to resume from (0 without one)."""
+        found, _ = self.find()
+        return max([0] + [int(m.get(ladder.MANIFEST_KEY, 0)) for _, m in found[:1]])

@@ -1,0 +1,105 @@
+"""What a save captures in host memory: private copies of the state and the global RNGs.
+
+The copy is the only part of a save that blocks training; checkpoint.Writer writes it to disk in a
+thread. available_ram() is what the Run weighs a copy against (a state too large is streamed).
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .say import warn
+
+_ATOMS = frozenset({int, float, bool, str, bytes, type(None)})
+
+
+class Snapshotter:
+    """Private copies of the state: tensors detached and copied to host memory, the rest deep-copied.
+
+    This is the only part of a save that blocks training; the write happens in a thread. The host
+    buffers are kept and reused by the next snapshot (same key path, shape and dtype): copying into
+    memory already touched avoids a page fault per 4 KiB, which dominates a fresh copy. Reuse is safe
+    because a snapshot is taken only after the previous write finished. release() drops them (large
+    states: a second full host copy must not outlive its write). A tensor seen twice in one state
+    (tied weights) is copied once, so torch.save writes it once.
+    """
+
+    def __init__(self):
+        self._buffers: dict[tuple, torch.Tensor] = {}
+        self._seen: dict[tuple, torch.Tensor] = {}
+
+    def release(self) -> None:
+        self._buffers = {}
+
+    def take(self, obj, path: tuple = ()):
+        if not path:
+            self._seen = {}
+        if isinstance(obj, torch.Tensor):
+            t = obj.detach()
+            view = (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+            if t.numel() and view in self._seen:
+                return self._seen[view]  # tied weights: one copy, one storage in the file
+            buf = self._buffers.get(path)
+            if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
+                # clone even on CPU: the optimizer updates its tensors in place while the writer runs.
+                buf = self._buffers[path] = t.to("cpu", copy=True)
+            else:
+                buf.copy_(t)  # from any device: a CUDA tensor comes back to the same host buffer
+            self._seen[view] = buf
+            return buf
+        if type(obj) in _ATOMS:
+            return obj  # immutable: sharing it is a copy
+        if isinstance(obj, dict):
+            return {k: self.take(v, (*path, k)) for k, v in obj.items()}
+        if type(obj) is tuple and all(type(v) in _ATOMS for v in obj):
+            return obj  # e.g. python's RNG state, 625 ints: no need to visit each one
+        if type(obj) in (list, tuple):
+            return type(obj)(self.take(v, (*path, i)) for i, v in enumerate(obj))
+        return copy.deepcopy(obj)
+
+
+def available_ram() -> int | None:
+    """MemAvailable from /proc/meminfo (Linux), in bytes; None elsewhere."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def snapshot(obj):
+    """A one-off private copy (see Snapshotter)."""
+    return Snapshotter().take(obj)
+
+
+def rng_state() -> dict:
+    """The global RNGs: always saved, so dropout and augmentation replay exactly."""
+    return {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+    }
+
+
+def restore_rng(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    saved = state.get("cuda") or []
+    here = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if len(saved) != here:
+        # Never silently: a resume that is no longer bit-exact must say so.
+        warn(
+            f"the checkpoint holds CUDA RNG states for {len(saved)} device(s) but this machine has "
+            f"{here}; restored {min(len(saved), here)}, so the run is NO LONGER BIT-EXACT from here"
+        )
+    for i in range(min(len(saved), here)):
+        torch.cuda.set_rng_state(saved[i], device=i)

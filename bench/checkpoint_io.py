@@ -90,7 +90,7 @@ class Bench:
         self.saver = make_run(tmp / "save")
         self.saver.track(model=self.model, optimizer=self.opt)
         quiet(self.saver.save, 1)
-        self.saver.writer.wait()
+        self.saver._ckpt.writer.wait()
         self.restore_root = tmp / "restore"
         shutil.copytree(tmp / "save", self.restore_root)
         # The anchors load the very file run.restore loads.
@@ -142,8 +142,8 @@ class Bench:
     def blocked(self) -> float:
         self.n += 1
         quiet(self.saver.save, self.n)
-        stall = self.saver.stalls[-1]
-        self.saver.writer.wait()
+        stall = self.saver._ckpt.stalls[-1]
+        self.saver._ckpt.writer.wait()
         return stall
 
     def dcp_async_blocked(self) -> float:

@@ -6,9 +6,9 @@ Stages, each a list of checklist lines (`ok` / `warn` / `FAIL`, the fix in the t
    source the official client will use (`--offline` stops here);
 2. account: the user, the GPU quota left, and how Kaggle answers a lookup of something missing
    (403 or 404, recorded);
-3. sources: every attached dataset looked up by name before anything is saved, then the job's
-   notebook and metadata saved without running (the client's quick save, `no_run`) as the
-   separate kernel `<name>-doctor`, and every source Kaggle calls invalid named;
+3. sources: every attached dataset and model version looked up by name before anything is
+   saved, then the job's notebook and metadata saved without running (the client's quick save,
+   `no_run`) as the separate kernel `<name>-doctor`, and every source Kaggle calls invalid named;
 4. image (`--no-probe` skips it): the probe notebook as the next version of `<name>-doctor` on a
    free CPU session (accelerator none, the job's internet setting and inputs, the state dataset),
    its output parsed strictly (`kchain-probe/1`) and compared with this laptop;
@@ -38,6 +38,7 @@ from kchain.errors import CredentialsError, DoctorFailed, KaggleError, ProbeForm
 from kchain.kaggle_api import MISSING_CREDENTIALS, KaggleClient
 from kchain.kernel_states import TERMINAL
 from kchain.ledger import Ledger, iso, now_utc, state_dir
+from kchain.models import model_problem
 from kchain.names import state_dataset
 from kchain.render import METADATA_FILE, Rendered, render_job, render_probe
 from kchain.runtime import atomic
@@ -202,6 +203,12 @@ def _sources(client: KaggleClient, job: Job, owner: str, check: _Checklist, repo
         else:
             check("ok", "sources", f"dataset {source} exists and is ready")
         good.append(source)
+    for source in job.kaggle.models:
+        problem = model_problem(client, source)
+        if problem is None:
+            check("ok", "sources", f"model {source} exists")
+        else:
+            check("FAIL", "sources", f"{problem[0]}: {problem[1]} (kaggle.models in {job.path})")
     if job.kaggle.competition:
         check("ok", "sources", f"competition {job.kaggle.competition}: no lookup can tell whether its rules were "
                                "accepted; the save below names it if Kaggle refuses it")

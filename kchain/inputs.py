@@ -1,6 +1,9 @@
 """A job's attached inputs on this machine: `kaggle.local` folders or downloads cached in .kchain/inputs.
 
-The smoke run and `rehearse` lay them out under a sandbox's `input/` the way Kaggle mounts them.
+The smoke run and `rehearse` lay them out under a sandbox's `input/` the way Kaggle mounts them. A
+Kaggle Model's local folder is usually a stand-in: a smaller model of the same architecture (a 2B
+base does not fit a laptop), mounted where Kaggle mounts the real one, so the code that reads it is
+the code that runs on Kaggle.
 """
 
 from __future__ import annotations
@@ -27,8 +30,13 @@ def input_refs(job: Job) -> list[tuple[str, str, str, str | None]]:
 
 
 def local_inputs(job: Job, cache: Path, download: bool = False, echo: Echo = print) -> dict[tuple[str, str, str], Path]:
-    """Where each input lives on this machine: kaggle.local, else a download cached under .kchain/inputs."""
+    """Where each input lives on this machine: kaggle.local, else a download cached under .kchain/inputs.
+    A model's key is ("models", owner, "<model>/<framework>/<variation>/<version>"), its mount below
+    input/models/<owner>/ (layout.model_mount)."""
     found: dict[tuple[str, str, str], Path] = {}
+    for ref in job.kaggle.models:
+        mount = layout.model_mount(ref)
+        found[(mount.parts[0], mount.parts[1], "/".join(mount.parts[2:]))] = local_model(job, ref, cache, echo)
     for kind, owner, slug, version in input_refs(job):
         local = job.kaggle.local.get(slug)
         if local is not None:
@@ -52,6 +60,28 @@ def local_inputs(job: Job, cache: Path, download: bool = False, echo: Echo = pri
                                                          cached, unzip=True)
         found[(kind, owner, slug)] = cached
     return found
+
+
+def local_model(job: Job, ref: str, cache: Path, echo: Echo = print) -> Path:
+    """The folder that stands in for model version ref on this machine, said in one line: kaggle.local
+    under the full ref or the model's slug, else a copy put under .kchain/inputs/models/<ref>."""
+    model = ref.split("/")[1]
+    key = ref if ref in job.kaggle.local else model
+    local = job.kaggle.local.get(key)
+    if local is not None:
+        source = (job.root / local).resolve()
+        if not source.is_dir():
+            raise SpecError(f"{job.path}: kaggle.local.{key}: {local!r} is not a folder; fix the path")
+        echo(f"  model      {ref}: stand-in {source} (kaggle.local.{key})")
+        return source
+    cached = cache / "models" / ref
+    if not (cached.is_dir() and any(cached.iterdir())):
+        raise SpecError(
+            f"{job.path}: kaggle.local.{model}: no local copy of model {ref} for the smoke run; add kaggle.local: "
+            f"{{{model}: path/to/a/stand-in}} (a smaller model of the same architecture will do)"
+        )
+    echo(f"  model      {ref}: local copy {cached}")
+    return cached
 
 
 def mount_inputs(root: Path, sources: dict[tuple[str, str, str], Path]) -> None:

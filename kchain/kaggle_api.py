@@ -355,6 +355,23 @@ class KaggleClient:
                 self._ref(ref, version), str(dest), force=True, quiet=not self.progress, unzip=unzip))
         return dest
 
+    # -- models -------------------------------------------------------------------------------
+
+    def model_versions(self, instance: str, page_size: int = 50) -> list[int]:
+        """The version numbers of a model variation, `owner/model/framework/variation`, every page of
+        the client's model_instance_versions_list (ListModelInstanceVersions; the client has no call
+        for one version). KaggleError (HTTP 403 or 404) for a model that does not exist or is hidden."""
+        numbers: list[int] = []
+        token: str | None = None
+        while True:
+            page = self._call("model versions", lambda t=token: self.api.model_instance_versions_list(
+                instance, page_size=page_size, page_token=t))
+            listed = page.version_list.versions if page.version_list else []
+            numbers += [int(v.version_number) for v in listed]
+            token = page.next_page_token or None
+            if not token or not listed:
+                return sorted(numbers)
+
     # -- kchain doctor ------------------------------------------------------------------------
 
     def lookup_code(self, kind: str, ref: str) -> int:

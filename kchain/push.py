@@ -20,6 +20,7 @@ from kchain.errors import ChainStop, KaggleError, NotSmoked, SpecError
 from kchain.kaggle_api import InvalidSources, KaggleClient, OutcomeUnknown, missing
 from kchain.kernel_states import LIVE
 from kchain.ledger import Ledger, iso, new_run_id, now_utc, state_dir
+from kchain.models import model_problem
 from kchain.names import name_problem
 from kchain.render import Rendered, render_job, write_rendered
 from kchain.sessions import SessionRecord
@@ -100,6 +101,15 @@ def verify_sources(client: KaggleClient, sources: list[str], job: Job) -> None:
                                 f"{newest}); pin an existing version")
 
 
+def verify_models(client: KaggleClient, sources: list[str], job: Job) -> None:
+    """Before SaveKernel: every pinned model version exists and is visible (else Kaggle drops it and
+    starts the session without it)."""
+    for source in sources:
+        problem = model_problem(client, source)
+        if problem is not None:
+            raise ChainStop(f"{job.path}: kaggle.models: {problem[0]}; {problem[1]}")
+
+
 def push_session(
     client: KaggleClient,
     job: Job,
@@ -123,7 +133,9 @@ def push_session(
         "requested": iso(now_utc()),
         **(extra or {}),
     }
-    verify_sources(client, json.loads(rendered.metadata).get("dataset_sources") or [], job)
+    metadata = json.loads(rendered.metadata)
+    verify_sources(client, metadata.get("dataset_sources") or [], job)
+    verify_models(client, metadata.get("model_sources") or [], job)
     ledger.save_session(job.name, record)
     folder = Path(tempfile.mkdtemp(prefix="kchain-push-"))
     try:

@@ -160,9 +160,14 @@ def run_reference(job: Job, root: Path, sources: dict[tuple[str, str, str], Path
 def upload_inputs(emu: Emulator, job: Job, sources: dict[tuple[str, str, str], Path], keys: dict[str, str],
                   scratch: Path, echo: Echo) -> None:
     """Publish the local copy of each attached dataset to the local Kaggle, as its owner, so the
-    sessions get it mounted like Kaggle would (a pinned version N exists as version N)."""
+    sessions get it mounted like Kaggle would (a pinned version N exists as version N); a model's
+    stand-in is put there as that model version."""
     pinned = {tuple(ref.split("/")[:2]): int(ref.split("/")[2]) for ref in job.kaggle.datasets if ref.count("/") == 2}
-    for (_, owner, slug), source in sources.items():
+    for (kind, owner, slug), source in sources.items():
+        if kind == "models":
+            emu.add_model(f"{owner}/{slug}", source)
+            echo(f"  input {owner}/{slug}: the stand-in {source} is on the local Kaggle")
+            continue
         folder = scratch / owner / slug
         shutil.copytree(source, folder, symlinks=False)
         write_dataset_metadata(folder, f"{owner}/{slug}", slug)

@@ -325,6 +325,7 @@ def _metadata(env, job: Job, owner: str | None, extra_sources: list[str] | None)
         machine_shape=MACHINE_SHAPES[job.kaggle.accelerator],
         dataset_sources=list(job.kaggle.datasets) + list(extra_sources or []),
         competition_sources=[job.kaggle.competition] if job.kaggle.competition else [],
+        model_sources=list(job.kaggle.models),
     )
 
 

@@ -21,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from kchain.errors import SpecError
 from kchain.names import MAX_NAME
-from kchain.runtime import settings
+from kchain.runtime import layout, settings
 from kchain.runtime.config import RuntimeConfig, SmokeConfig, TrainConfig
 from kchain.runtime.settings import parse_cadence, parse_duration
 
@@ -37,6 +37,11 @@ NAME_MIN, NAME_MAX = 5, MAX_NAME
 DATASET_SLUG_MIN, DATASET_SLUG_MAX = 3, 50  # Kaggle's documented range for an existing dataset
 OWNER_MAX = 50
 COMPETITION_MAX = 100
+# Model and variation slugs of existing Kaggle Models also hold dots and underscores (public kernels attach
+# e.g. sorokin/qwen3_4b_grids15_sft139/Transformers/bfloat16/1 and .../pytorch/7b-v0.1-hf/1).
+MODEL_SLUG_RE = re.compile(r"[a-z0-9]+(?:[._-][a-z0-9]+)*")
+MODEL_SLUG_MAX = 100  # a bound on what is echoed and mounted, not a documented Kaggle limit
+MODEL_EXAMPLE = "google/gemma/transformers/2b/1"
 # What kaggle.accelerator may be; KaggleSpec's type also names tpu, so that its refusal can say why.
 ACCELERATORS = ("none", "gpu")
 # A job file is a few hundred bytes; these bound what a hostile or broken one can cost.
@@ -82,6 +87,8 @@ class KaggleSpec(_Strict):
     internet: bool = False
     private: bool = True
     datasets: list[str] = Field(default_factory=list)
+    # Kaggle Models (pretrained weights), each pinned: owner/model/framework/variation/version.
+    models: list[str] = Field(default_factory=list)
     competition: str | None = None
     local: dict[str, str] = Field(default_factory=dict)
 
@@ -108,6 +115,30 @@ class KaggleSpec(_Strict):
                 raise ValueError(f"{shown(ref)} is not a dataset; write owner/slug or owner/slug/version")
             _check_slug(parts[0], "username", 1, OWNER_MAX, OWNER_RE)
             _check_slug(parts[1], "dataset slug", DATASET_SLUG_MIN, DATASET_SLUG_MAX)
+        return value
+
+    @field_validator("models")
+    @classmethod
+    def _models(cls, value: list[str]) -> list[str]:
+        # The client's own check (validate_model_instance_version_string): five parts, an int version.
+        for ref in value:
+            parts = ref.split("/")
+            if len(parts) != 5 or not all(parts):
+                raise ValueError(f"{shown(ref)} is not a model version; write owner/model/framework/variation/"
+                                 f"version, e.g. {MODEL_EXAMPLE}")
+            owner, model, framework, variation, version = parts
+            _check_slug(owner, "username", 1, OWNER_MAX, OWNER_RE)
+            for slug, what in ((model, "model slug"), (variation, "model variation")):
+                if not MODEL_SLUG_RE.fullmatch(slug) or len(slug) > MODEL_SLUG_MAX:
+                    raise ValueError(f"{shown(slug)} is not a Kaggle {what}; copy it from the model's page, e.g. "
+                                     f"{MODEL_EXAMPLE}")
+            if layout.model_framework_key(framework) not in layout.MODEL_FRAMEWORKS:
+                close = difflib.get_close_matches(framework.lower(), layout.MODEL_FRAMEWORKS, n=1)
+                hint = f"did you mean {close[0]!r}?" if close else f"use one of {', '.join(layout.MODEL_FRAMEWORKS)}"
+                raise ValueError(f"{shown(framework)} is not a Kaggle model framework; {hint}")
+            if not re.fullmatch(r"[1-9][0-9]{0,8}", version):
+                raise ValueError(f"{shown(ref)}: the version {shown(version)} is not a number; pin one, e.g. "
+                                 f"{MODEL_EXAMPLE}")
         return value
 
     @field_validator("competition")
@@ -149,6 +180,9 @@ class TrainSpec(_Strict):
     # auto: on out-of-memory at the first step, halve run.loader's batch and double run.optimize's
     # accumulation (the effective batch stays the same); the size that fitted is in the checkpoint.
     micro_batch: Literal["auto", "off"] = "off"
+    # true: every checkpoint holds the frozen parameters too (by default a fine-tune's frozen base is
+    # left out and fingerprinted in the manifest: runtime/frozen.py).
+    checkpoint_frozen: bool = False
 
     @field_validator("checkpoint_every")
     @classmethod
@@ -514,12 +548,14 @@ def load_job(path: str | Path) -> Job:
     _check_entry(job, label)
     for slug in job.kaggle.local:
         known = {ref.split("/")[1] for ref in job.kaggle.datasets}
+        # A model's stand-in is named by its slug, or by its full ref when two attached versions share it.
+        known |= {ref.split("/")[1] for ref in job.kaggle.models} | set(job.kaggle.models)
         if job.kaggle.competition:
             known.add(job.kaggle.competition)
         if slug not in known:
             raise SpecError(
-                f"{label}: kaggle.local.{key_path((slug,))}: not an attached dataset; add it to kaggle.datasets or "
-                "remove it"
+                f"{label}: kaggle.local.{key_path((slug,))}: not an attached dataset or model; add it to "
+                "kaggle.datasets or kaggle.models, or remove it"
             )
     return job
 
@@ -613,6 +649,7 @@ def runtime_config(job: Job) -> RuntimeConfig:
             precision=job.train.precision,
             gpus=job.train.gpus,
             micro_batch=job.train.micro_batch,
+            checkpoint_frozen=job.train.checkpoint_frozen,
         ),
         smoke=SmokeConfig(fraction=job.smoke.fraction, steps=job.smoke.steps, params=job.smoke.params or {}),
     )

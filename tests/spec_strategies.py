@@ -24,7 +24,7 @@ TRAIN_PY = "def main(run):\n    pass\n"
 
 KEYS = ["name", "code", "entry", "params", "kaggle", "train", "smoke", "budget"]
 SECTIONS = {
-    "kaggle": ["owner", "accelerator", "internet", "private", "datasets", "competition", "local"],
+    "kaggle": ["owner", "accelerator", "internet", "private", "datasets", "models", "competition", "local"],
     "train": ["checkpoint_every", "keep", "session_limit", "margin", "heartbeat", "precision"],
     "smoke": ["fraction", "steps"],
     "budget": ["weekly_gpu_hours"],
@@ -52,7 +52,7 @@ GOOD = {
     "entry": ["train:main"], "params": [{}, {"lr": 0.001, "steps": 10}, {"nested": {"a": [1, 2.5, None, "x"]}}],
     "owner": ["alice", "bob_2", None], "accelerator": ["gpu", "none"], "internet": [True, False],
     "private": [True, False], "datasets": [[], ["carol/delivery-notes"], ["carol/delivery-notes/2"]],
-    "competition": [None, "titanic"], "local": [{}],
+    "models": [[], ["google/gemma/transformers/2b/1"]], "competition": [None, "titanic"], "local": [{}],
     "checkpoint_every": ["10m", "500 steps", 20, 1.5], "keep": [1, 2, 20], "session_limit": ["12h", "2h", 3600],
     "margin": ["15m", 60, "1m30s"], "heartbeat": ["60s", "0s", 5], "precision": ["auto", "fp32", "bf16"],
     "fraction": [0.02, 1], "steps": [1, 2, 50], "weekly_gpu_hours": [30, 0.5],

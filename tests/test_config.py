@@ -13,7 +13,7 @@ from kchain.spec import load_job
 JOBS = Path(__file__).resolve().parent.parent / "jobs"
 
 
-@pytest.mark.parametrize("name", ["classifier", "tinygpt"])
+@pytest.mark.parametrize("name", sorted(p.name for p in JOBS.iterdir() if (p / "job.yaml").exists()))
 def test_the_config_a_notebook_embeds_reads_back_as_the_same_record(name):
     facts = {"publish": {"start_s": 5.0}, "resume": {"step": 40, "state_version": 3}}
     rendered = render_job(load_job(JOBS / name / "job.yaml"), owner="me", session_facts=facts)

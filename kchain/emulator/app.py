@@ -12,6 +12,7 @@ switches (`emu.faults`) and a few read-only views for tests (`sessions()`, `data
 from __future__ import annotations
 
 import secrets as _secrets
+import shutil
 import sys
 import threading
 import time
@@ -24,7 +25,7 @@ from kchain.emulator.faults import Faults
 from kchain.emulator.rpcs import Rpcs
 from kchain.emulator.server import EmulatorHTTPServer, free_closed_port
 from kchain.emulator.sessions import SessionRunner
-from kchain.emulator.state import Store
+from kchain.emulator.state import Store, model_key
 from kchain.emulator.switches import Limits, Switches
 from kchain.kernel_states import LIVE, TERMINAL
 
@@ -121,8 +122,9 @@ class Emulator:
 
     def sessions(self) -> list[dict[str, Any]]:
         """Every session: id, kernel ref, version, status, failure_message, gpu/tpu, queued/started/first_cell/ended
-        times, requested_sources / dataset_sources (valid) / invalid_sources / mounted (owner/slug/N actually
-        attached), resumed_from and summary (if the session's output or log shows them)."""
+        times, requested_sources / dataset_sources (valid) / invalid_sources, model_sources (valid) /
+        invalid_model_sources, mounted (owner/slug/N and model refs actually attached), resumed_from and
+        summary (if the session's output or log shows them)."""
         with self.store.lock:
             return [dict(s) for s in sorted(self.store.sessions.values(), key=lambda s: int(s["id"]))]
 
@@ -167,6 +169,25 @@ class Emulator:
             for version in self.store.datasets[ref]["versions"]:
                 version["visible_at"] = min(version.get("visible_at", version["created"]), now)
                 version["ready_at"] = min(version["ready_at"], now)
+            self.store.save()
+
+    def add_model(self, ref: str, files: dict[str, bytes | str] | Path, private: bool = False) -> None:
+        """Model version ref (owner/model/framework/variation/N) with these files (name -> content, or a
+        folder to copy) exists now: stands for a model someone published on Kaggle (a public one by
+        default; private: only its owner sees it)."""
+        owner, model, framework, variation, version = ref.split("/")
+        key = model_key(owner, model, framework, variation)
+        dest = self.store.model_files_dir(key, int(version))
+        if isinstance(files, Path):
+            shutil.copytree(files, dest, dirs_exist_ok=True)
+        for name, content in files.items() if isinstance(files, dict) else ():
+            path = dest / name
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(content if isinstance(content, bytes) else content.encode())
+        with self.store.lock:
+            entry = self.store.models.setdefault(key, {"ref": f"{owner}/{model}/{framework}/{variation}",
+                                                       "owner": owner, "is_private": private, "versions": []})
+            entry["versions"] = sorted({*entry["versions"], int(version)})
             self.store.save()
 
     def cancellations(self) -> list[dict[str, Any]]:

@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 
 from kchain.emulator.faults import Faults
 from kchain.emulator.sessions import SessionRunner
-from kchain.emulator.state import Store, iso, new_secret
+from kchain.emulator.state import Store, iso, model_key, new_secret
 from kchain.emulator.switches import Limits, Switches
 from kchain.kernel_states import LIVE
 
@@ -181,6 +181,19 @@ class Rpcs:
             ready = [v for v in ready if parts[2].isdigit() and v["number"] == int(parts[2])]
         return bool(ready)
 
+    def _model(self, user: str, key: str) -> dict[str, Any] | None:
+        """A model variation the caller may see (public, or their own)."""
+        model = self.store.models.get(key)
+        return None if model is None or (model["is_private"] and model["owner"] != user) else model
+
+    def _model_source_ok(self, user: str, source: str) -> bool:
+        """owner/model/framework/variation/N: visible to user, and that version exists."""
+        parts = source.split("/")
+        if len(parts) != 5 or not parts[4].isdigit():
+            return False
+        model = self._model(user, model_key(*parts[:4]))
+        return model is not None and int(parts[4]) in model["versions"]
+
     def SaveKernel(self, user: str, body: dict[str, Any]) -> dict[str, Any]:
         """Checks, then the kernel's upsert, then its new version's session; invalid sources are
         answered and left out, and the session starts all the same (as on Kaggle)."""
@@ -200,7 +213,8 @@ class Rpcs:
         return {"ref": f"/code/{save.ref}", "url": f"{self.url()}/code/{save.ref}", "versionNumber": number,
                 "kernelId": kernel["id"], "invalidDatasetSources": save.sources["invalid_datasets"],
                 "invalidKernelSources": save.sources["invalid_kernels"],
-                "invalidCompetitionSources": save.sources["invalid_competitions"]}
+                "invalidCompetitionSources": save.sources["invalid_competitions"],
+                "invalidModelSources": save.sources["invalid_models"]}
 
     def _check_save(self, user: str, body: dict[str, Any]) -> SaveRequest:
         """Which kernel (by id or slug, owned by the caller), on what machine, with which valid sources."""
@@ -235,10 +249,17 @@ class Rpcs:
         valid_ks = [s for s in kernels if "/".join(s.split("/")[:2]) in self.store.kernels
                     or "/".join(s.split("/")[:2]) == ref]
         valid_cs = [c for c in competitions if user in self.competitions.get(c, ())]
+        # [UNCERTAIN] What Kaggle does with an unknown model source is not documented anywhere found; it is
+        # modelled as its unknown dataset source (shared/reference/kaggle-api.md 8, kaggle-cli #433): named
+        # in the answer, dropped, and the session runs without it, the worse case for a client that does
+        # not read the answer.
+        models = list(body.get("modelDataSources", []))
+        valid_ms = [m for m in models if self._model_source_ok(user, m)]
         return {"datasets": datasets, "valid_datasets": valid_ds,
                 "invalid_datasets": [s for s in datasets if s not in valid_ds],
                 "valid_kernels": valid_ks, "invalid_kernels": [s for s in kernels if s not in valid_ks],
-                "valid_competitions": valid_cs, "invalid_competitions": [c for c in competitions if c not in valid_cs]}
+                "valid_competitions": valid_cs, "invalid_competitions": [c for c in competitions if c not in valid_cs],
+                "valid_models": valid_ms, "invalid_models": [m for m in models if m not in valid_ms]}
 
     def _refusal(self, user: str, save: SaveRequest) -> str | None:
         """Kaggle's refusal in SaveKernel's `error` for a GPU run over the concurrency cap or the quota."""
@@ -268,7 +289,7 @@ class Rpcs:
             "enable_tpu": bool(body.get("enableTpu")), "enable_internet": bool(body.get("enableInternet", False)),
             "machine_shape": save.shape, "dataset_sources": save.sources["valid_datasets"],
             "kernel_sources": save.sources["valid_kernels"], "competition_sources": save.sources["valid_competitions"],
-            "model_sources": body.get("modelDataSources", []), "category_ids": body.get("categoryIds", []),
+            "model_sources": save.sources["valid_models"], "category_ids": body.get("categoryIds", []),
             "docker_image": body.get("dockerImage", ""), "last_run": now,
         })
         return kernel
@@ -290,7 +311,8 @@ class Rpcs:
             "tpu": save.tpu, "kernel_type": kernel["kernel_type"], "requested_sources": sources["datasets"],
             "dataset_sources": sources["valid_datasets"], "invalid_sources": sources["invalid_datasets"],
             "competition_sources": sources["valid_competitions"],
-            "invalid_competition_sources": sources["invalid_competitions"], "mounted": [], "limit_s": limit,
+            "invalid_competition_sources": sources["invalid_competitions"], "model_sources": sources["valid_models"],
+            "invalid_model_sources": sources["invalid_models"], "mounted": [], "limit_s": limit,
             "status": "QUEUED" if run else "COMPLETE", "failure_message": "", "queued": now,
             "started": None, "ended": None if run else now, "output_sig": new_secret(), "run": run,
             # Faults and switches are fixed at push time so a test can change them right after a push.
@@ -406,6 +428,26 @@ class Rpcs:
         if start + size < len(items):
             answer["nextPageToken"] = str(start + size)
         return answer
+
+    # -- models -------------------------------------------------------------------------------
+
+    @locked
+    def ListModelInstanceVersions(self, user: str, body: dict[str, Any]) -> dict[str, Any]:
+        """`kaggle models variations versions list owner/model/framework/variation`, newest first."""
+        parts = [str(body.get(k) or "") for k in ("ownerSlug", "modelSlug", "framework", "instanceSlug")]
+        model = self._model(user, model_key(*parts))
+        if model is None:
+            raise self._missing(f"model {'/'.join(parts)}")
+        owner, slug, framework, variation = parts
+        items = [{"versionNumber": n, "ownerSlug": owner, "modelSlug": slug, "variationSlug": variation,
+                  "isPrivate": model["is_private"], "url": f"{self.url()}/models/{model['ref']}/{n}"}
+                 for n in sorted(model["versions"], reverse=True)]
+        if framework:
+            for item in items:
+                item["framework"] = framework  # as the caller named it: an SDK enum name
+        page = self._page(body, items, "versions")
+        return {"versionList": {"versions": page["versions"]},
+                **({"nextPageToken": page["nextPageToken"]} if "nextPageToken" in page else {})}
 
     # -- blobs --------------------------------------------------------------------------------
 

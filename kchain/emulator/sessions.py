@@ -24,7 +24,7 @@ from typing import Any
 
 import psutil
 
-from kchain.emulator.state import Store, new_secret
+from kchain.emulator.state import Store, model_key, new_secret
 from kchain.runtime import layout
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -230,7 +230,8 @@ class SessionRunner:
         return env
 
     def _mount_inputs(self, session: dict[str, Any], root: Path) -> list[str]:
-        """Copy each attached dataset version under input/datasets/<owner>/<slug>/, read-only."""
+        """Copy each attached dataset version under input/datasets/<owner>/<slug>/, and each model version
+        under input/models/<owner>/<model>/<framework>/<variation>/<N>/ (layout.model_mount), read-only."""
         mounted = []
         for source in session["dataset_sources"]:
             parts = source.split("/")
@@ -248,6 +249,15 @@ class SessionRunner:
             shutil.copytree(self.store.version_files_dir(ref, version["number"]), dest)
             _make_read_only(dest)
             mounted.append(f"{ref}/{version['number']}")
+        for source in session.get("model_sources", []):
+            parts = source.split("/")
+            files = self.store.model_files_dir(model_key(*parts[:4]), int(parts[4]))
+            dest = root / layout.INPUT_DIR / layout.model_mount(source)
+            if not files.is_dir() or dest.exists():  # (the same version named twice is mounted once)
+                continue
+            shutil.copytree(files, dest)
+            _make_read_only(dest)
+            mounted.append(source)
         return mounted
 
     def _update(self, session_id: str, **fields: Any) -> None:

@@ -2,9 +2,10 @@
 
 Layout of the state folder:
 
-    state.json                          kernels, datasets, sessions, blobs (written atomically)
+    state.json                          kernels, datasets, models, sessions, blobs (written atomically)
     blobs/<token>                       uploaded bytes (possibly partial)
     datasets/<owner>/<slug>/<N>/files/  a dataset version's files, zips already unpacked
+    models/<owner>/<model>/<framework>/<variation>/<N>/files/  a model version's files
     sessions/<id>/                      notebook, log, sandbox while running, output/ after
 
 Every mutation happens under `store.lock` and ends with `store.save()`, so a crash loses at most
@@ -22,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from kchain.kernel_states import LIVE
-from kchain.runtime import atomic
+from kchain.runtime import atomic, layout
 
 
 def iso(ts: float) -> str:
@@ -34,16 +35,26 @@ def new_secret() -> str:
     return secrets.token_urlsafe(24)
 
 
+FRAMEWORK_ENUM_PREFIX = "MODEL_FRAMEWORK_"  # how the SDK sends a framework (ModelFramework by name)
+
+
+def model_key(owner: str, model: str, framework: str, variation: str) -> str:
+    """One model variation's key whatever the framework's spelling: `.../Transformers/...` in a
+    source, `MODEL_FRAMEWORK_TRANSFORMERS` in an SDK request and `transformers` are one."""
+    framework = framework.removeprefix(FRAMEWORK_ENUM_PREFIX)
+    return f"{owner}/{model}/{layout.model_framework_key(framework)}/{variation}"
+
+
 class Store:
     def __init__(self, root: Path) -> None:
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
-        for sub in ("blobs", "datasets", "sessions"):
+        for sub in ("blobs", "datasets", "models", "sessions"):
             (self.root / sub).mkdir(exist_ok=True)
         self.path = self.root / "state.json"
         self.lock = threading.RLock()
-        self.data: dict[str, Any] = {"next_id": 1, "kernels": {}, "datasets": {}, "sessions": {}, "blobs": {},
-                                     "cancellations": [], "secrets_attached": []}
+        self.data: dict[str, Any] = {"next_id": 1, "kernels": {}, "datasets": {}, "models": {}, "sessions": {},
+                                     "blobs": {}, "cancellations": [], "secrets_attached": []}
         if self.path.exists():
             self.data.update(json.loads(self.path.read_text()))
 
@@ -65,6 +76,9 @@ class Store:
     def version_files_dir(self, ref: str, number: int) -> Path:
         return self.root / "datasets" / ref / str(number) / "files"
 
+    def model_files_dir(self, key: str, number: int) -> Path:
+        return self.root / "models" / key / str(number) / "files"
+
     def session_dir(self, session_id: int | str) -> Path:
         return self.root / "sessions" / str(session_id)
 
@@ -77,6 +91,11 @@ class Store:
     @property
     def datasets(self) -> dict[str, Any]:
         return self.data["datasets"]
+
+    @property
+    def models(self) -> dict[str, Any]:
+        """model_key -> {owner, is_private, versions: [N, ...]}."""
+        return self.data["models"]
 
     @property
     def sessions(self) -> dict[str, Any]:

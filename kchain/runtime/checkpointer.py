@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from . import distributed, heartbeat, ladder, layout
+from . import distributed, frozen, heartbeat, ladder, layout
 from .checkpoint import CheckpointJob, Writer, check_compatible, find_and_load, load_state
 from .checkpoint_files import (
     WRITE_SLACK,
@@ -34,6 +34,7 @@ from .checkpoint_files import (
     make_room,
 )
 from .faults import Faults
+from .frozen import FrozenBase
 from .loader import Loader
 from .progress import Progress
 from .say import gb, say, warn
@@ -55,12 +56,15 @@ def state_of(obj):
     return obj.state_dict()
 
 
-def load_into(obj, state) -> None:
+def load_into(obj, state, frozen_keys: set[str] = frozenset()) -> None:
+    """Load a tracked object's saved state; a module's `frozen_keys` were left out of it (frozen.py)."""
     obj = distributed.unwrap(obj)
     if isinstance(obj, torch.Generator):
         obj.set_state(state)
     elif isinstance(obj, np.random.Generator):
         obj.bit_generator.state = state
+    elif isinstance(obj, torch.nn.Module):
+        frozen.load_module(obj, state, frozen_keys)
     else:
         obj.load_state_dict(state)
 
@@ -97,6 +101,7 @@ class Policy:
     keep: int  # complete checkpoints kept
     stream: str | None  # KCHAIN_CHECKPOINT_STREAM: '1' stream, '0' copy, None by size
     manifest: dict  # what every manifest says besides step, time and session (fingerprint, params, ...)
+    checkpoint_frozen: bool = False  # the frozen base is saved too (else left out: frozen.py)
 
 
 class Checkpointer:
@@ -105,6 +110,7 @@ class Checkpointer:
     def __init__(self, where: Where, policy: Policy, ranks: distributed.Ranks, faults: Faults, rung: ladder.Rung):
         self.where, self.policy, self.ranks = where, policy, ranks
         self.rung = rung  # the out-of-memory ladder's: every manifest says how many halvings it trained with
+        self.frozen = FrozenBase(enabled=not policy.checkpoint_frozen)  # what a fine-tune's checkpoint leaves out
         self.tracked: dict[str, object] = {}  # name -> object with state_dict/load_state_dict (or a generator)
         self.writer = Writer(faults)
         self.writer.die = ranks.kill_all  # kchain ddp: a kill fault ends every rank at once
@@ -153,7 +159,8 @@ class Checkpointer:
         return name
 
     def states(self) -> dict:
-        return {name: state_of(obj) for name, obj in self.tracked.items()}
+        """What a checkpoint holds of each tracked object: its state, without its frozen parameters."""
+        return {name: self.frozen.without(name, state_of(obj)) for name, obj in self.tracked.items()}
 
     # --- when -------------------------------------------------------------------------------------
 
@@ -198,14 +205,18 @@ class Checkpointer:
         found = self._load_found(progress, trace)
         if found is None:
             say(f"session 1 of {self.policy.job}: no checkpoint found, starting fresh")
+            self.frozen.mark(self.tracked)
             return None
         path, manifest, saved = found
         distributed.check_world_size(path, manifest, self.ranks.world_size)
+        left_out = manifest.get(frozen.MANIFEST_KEY) or {}
+        self.frozen.check_shapes(path, left_out, self.tracked)  # never a resume onto another base (bytes: later)
         if self.ranks.active:  # kchain ddp: this rank's own RNGs and loader positions
             mine = saved["ranks"][self.ranks.rank]
             saved["rng"] = mine["rng"]
             saved["tracked"] = {**saved["tracked"], **mine["tracked"]}
-        self._apply(path, manifest, saved["tracked"], params)
+        self._apply(path, manifest, saved["tracked"], params, left_out)
+        self.frozen.mark(self.tracked, path, left_out)
         restore_rng(saved["rng"])
         progress.step = progress.saved_step = progress.resumed_from = int(saved["step"])
         trace.restore(saved.get("metrics"), saved.get("best"))
@@ -241,7 +252,7 @@ class Checkpointer:
         say(f"session {progress.session} of {self.policy.job}: resuming from {path}")
         return path, manifest, saved
 
-    def _apply(self, path: Path, manifest: dict, saved: dict, params: dict) -> None:
+    def _apply(self, path: Path, manifest: dict, saved: dict, params: dict, left_out: dict) -> None:
         """Load the saved tracked states into the live objects, after checking that they fit."""
         for name, obj in self.tracked.items():
             live = distributed.unwrap(obj)  # DDP: checkpoints hold the inner module's keys
@@ -250,7 +261,7 @@ class Checkpointer:
         check_compatible(path, manifest, saved, self.states(), params)
         for name, obj in self.tracked.items():
             if name in saved:
-                load_into(obj, saved[name])
+                load_into(obj, saved[name], set(left_out.get(name, ())))
             else:
                 warn(f"{name!r} is tracked now but not in the checkpoint: it starts fresh, the run is not exact")
         for name in saved:
@@ -298,6 +309,9 @@ class Checkpointer:
         trace.flush()
         manifest = {"job": self.policy.job, "step": progress.step, "time": time.time(), "session": progress.session,
                     **self.policy.manifest, ladder.MANIFEST_KEY: self.rung.halvings}
+        left_out = self.frozen.record()
+        if left_out:
+            manifest[frozen.MANIFEST_KEY] = left_out
         job = CheckpointJob(checkpoints=self.where.checkpoints, step=progress.step, metrics_src=trace.path,
                             metrics_bytes=trace.bytes, manifest=manifest, keep=self.policy.keep)
         if self._plan["stream"]:

@@ -29,6 +29,7 @@ class TrainConfig:
     gpus: Any = "auto"  # 'auto' or a rank count (torchrun.plan_ranks)
     micro_batch: Any = None  # 'auto' turns the out-of-memory ladder on
     hang_timeout_s: float | None = None  # the hung-step watchdog's floor (tests set it)
+    checkpoint_frozen: bool = False  # checkpoints hold the frozen parameters too (frozen.py)
 
 
 @dataclass(frozen=True)

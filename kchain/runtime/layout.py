@@ -65,6 +65,28 @@ OWNED_KINDS = ("datasets", "notebooks", "models")  # mounted as <input>/<kind>/<
 # Archived checkpoints found under the input root (a state dataset uploaded without unpacking).
 ARCHIVE_SUFFIXES = (".zip", ".tar", ".tar.gz", ".tgz")
 
+# Kaggle's model frameworks: kagglesdk 0.1.38 models/types/model_enums.py ModelFramework (less
+# UNSPECIFIED), spelled as the client's lookup_enum matches them: case and underscores do not count,
+# so pyTorch, PyTorch and pytorch are one (model_framework_key).
+MODEL_FRAMEWORKS = ("tensorflow1", "tensorflow2", "tflite", "tfjs", "pytorch", "jax", "flax", "pax", "maxtext",
+                    "gemmacpp", "ggml", "gguf", "coral", "scikitlearn", "mxnet", "onnx", "keras", "transformers",
+                    "api", "other", "tensorrtllm", "triton", "vllm")
+
+
+def model_framework_key(framework: str) -> str:
+    """A framework as Kaggle matches it: 'Transformers', 'tensorFlow2' -> 'transformers', 'tensorflow2'."""
+    return framework.lower().replace("_", "")
+
+
+def model_mount(ref: str) -> Path:
+    """Where Kaggle mounts model version owner/model/framework/variation/version, under the input root:
+    models/<owner>/<model>/<framework>/<variation>/<version> (the 2025+ layout; the legacy one is
+    <model>/<framework>/<variation>/<version>), the framework as Kaggle names it (model_framework_key).
+    Sources: shared/reference/kaggle-api.md 6.2, and public kernels whose model_sources name
+    .../Transformers/bfloat16/1 and that read /kaggle/input/models/<owner>/<model>/transformers/bfloat16/1."""
+    owner, model, framework, variation, version = ref.split("/")
+    return Path("models", owner, model, model_framework_key(framework), variation, version)
+
 
 def checkpoint_name(step: int) -> str:
     """step-00000120: zero-padded so a plain sort is a step sort."""
@@ -133,3 +155,16 @@ def mounts(input_root: Path, kinds: tuple[str, ...]) -> list[Path]:
         elif top.name not in INPUT_KINDS:
             found.append(top)  # the legacy layout
     return found
+
+
+def model_versions(mount: Path, legacy: bool) -> list[Path]:
+    """The version folders (<framework>/<variation>/<N>, where the weights are) of a model mounted at
+    `mount`, from a few listings of the model's own folders. In the legacy layout a model's mount
+    (<input>/<model>) looks like a dataset's, so only folders named for a Kaggle framework are looked
+    at there (a stat each): a dataset's own top level is never listed."""
+    if legacy:
+        frameworks = [mount / name for name in MODEL_FRAMEWORKS if (mount / name).is_dir()]
+    else:
+        frameworks = _subdirs(mount)
+    return [version for framework in frameworks for variation in _subdirs(framework)
+            for version in _subdirs(variation) if version.name.isdigit()]

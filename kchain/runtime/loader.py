@@ -309,6 +309,15 @@ class Loader:
                 raise
             hooks.end(step)
 
+    def close(self) -> None:
+        """End the worker processes now. Left to the garbage collector (the loader and its sampler
+        hold each other), torch's shutdown of persistent workers waits up to 5 s for each worker."""
+        it, self._it = self._it, None
+        self.dataloader._iterator = None  # persistent workers: the DataLoader keeps its iterator too
+        shutdown = getattr(it, "_shutdown_workers", None)
+        if shutdown is not None:
+            shutdown()
+
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "position": self.position, "seed": self.seed, "batches": self._length()}
 

@@ -28,7 +28,7 @@ from .distributed import Ranks
 from .faults import Faults
 from .loader import Loader, left_on_purpose
 from .progress import Progress
-from .say import say, warn
+from .say import emit, say, warn
 from .trace import Trace
 
 PLAIN_LOADER_NOTE = "data order: a DataLoader not made by run.loader restarts its order on resume"
@@ -290,6 +290,7 @@ class Loop:
         self.clock.step_took(took, evaluated=self._eval_step == step)
         if self.ranks.active and p.loop_steps == 1:
             self.check_replicas(f"after step {step}")
+        self.ckpt.frozen.poll()  # a resume onto another base stops here, once its bytes are hashed
         self._heartbeat()
         if self._dog is not None:
             self._dog.beat(took)
@@ -346,10 +347,10 @@ class Loop:
         rate = p.loop_steps / elapsed if elapsed > 0 else 0.0
         eta = (p.total - p.step) / rate if rate else None
         shown = {k: v for k, v in self.trace.metrics.items() if isinstance(v, (int, float))}
-        print(heartbeat.line(
+        emit(heartbeat.line(
             p.step, p.total, shown, rate, self.data_wait / elapsed if elapsed > 0 else 0.0,
             eta, self.clock.left_s(), self.ckpt.next_in(p.step), ranks=self.ranks.world_size,
-        ), flush=True)
+        ))
 
     def _state_bytes(self) -> int:
         from .publishplan import state_bytes

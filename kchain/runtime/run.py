@@ -107,7 +107,7 @@ class Run:
         self._rung = ladder.Rung(st.micro_auto, halvings)
         self._ckpt = Checkpointer(
             Where(paths.checkpoints, paths.input_root, paths.scratch, paths.working, st.state_slug),
-            Policy(st.job, st.every, st.keep, st.stream, self._manifest_fields()),
+            Policy(st.job, st.every, st.keep, st.stream, self._manifest_fields(), st.checkpoint_frozen),
             self._ranks, st.faults, self._rung)
         if st.micro_auto and self._ranks.is_main:  # the ladder starts from the size that fitted last session
             self._rung.halvings = max(halvings, self._ckpt.halvings_found())
@@ -522,6 +522,8 @@ class Run:
         try:
             self._ckpt.writer.wait()
         finally:
+            for lo in self._loop.loaders:
+                lo.close()  # their workers end now, not seconds later
             self._loop.restore_signals()  # run.should_stop's, if a loop of the user's own set them
             self._ranks.close()
             self._trace.close()

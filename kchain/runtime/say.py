@@ -7,6 +7,7 @@ stay importable without torch.
 from __future__ import annotations
 
 import os
+import sys
 
 GB = 1e9
 
@@ -21,10 +22,17 @@ def gb(n: float) -> str:
 _RANK = os.environ.get("RANK", "0") if os.environ.get("WORLD_SIZE", "1") != "1" else "0"
 
 
+def emit(text: str) -> None:
+    """One whole line in one write: the checkpoint writer's thread warns while the training thread
+    prints its heartbeat, and print()'s separate write of the newline lets them interleave."""
+    sys.stdout.write(text + "\n")
+    sys.stdout.flush()
+
+
 def say(msg: str) -> None:
     if _RANK == "0":
-        print(f"[kchain] {msg}", flush=True)
+        emit(f"[kchain] {msg}")
 
 
 def warn(msg: str) -> None:
-    print(f"[kchain{'' if _RANK == '0' else f' rank {_RANK}'}] WARNING: {msg}", flush=True)
+    emit(f"[kchain{'' if _RANK == '0' else f' rank {_RANK}'}] WARNING: {msg}")

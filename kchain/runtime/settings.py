@@ -84,6 +84,7 @@ class Settings:
     smoke_params: dict = field(default_factory=dict)  # smoke.params, then --set (KCHAIN_SMOKE_PARAMS); smoke only
     faults: Faults = NO_FAULTS
     micro_auto: bool = False  # train.micro_batch: auto, the out-of-memory ladder
+    checkpoint_frozen: bool = False  # train.checkpoint_frozen: the frozen base is saved too
     hang_s: float = 1800.0  # the hung-step watchdog's floor (watchdog.floor_s)
     cache_dataset: str = ""  # the job's staging cache dataset, as the kernel mounts it
     state_slug: str | None = None  # the slug of the job's state dataset (None in a local run)
@@ -126,6 +127,7 @@ class Settings:
             smoke_params=smoke_params,
             faults=Faults.parse(env.get(layout.FAULT_ENV, "")),
             micro_auto=train.micro_batch == "auto",
+            checkpoint_frozen=bool(train.checkpoint_frozen),
             hang_s=watchdog.floor_s(train.hang_timeout_s, env),
             cache_dataset=config.kaggle.cache_dataset or f"{config.job}{layout.CACHE_SUFFIX}",
             state_slug=config.state_slug,

@@ -163,7 +163,8 @@ def stage(name: str, params, build: Callable, cache_dir: Path, input_root: Path,
 
 
 def attached(input_root: Path) -> list[str]:
-    """The slugs of everything attached, e.g. ['mnist', 'owner/state']."""
+    """The slugs of everything attached, e.g. ['mnist', 'owner/state', 'google/gemma/transformers/2b/1']:
+    a Kaggle Model by each of its mounted versions."""
     out: list[str] = []
     if not input_root.is_dir():
         return out
@@ -171,21 +172,30 @@ def attached(input_root: Path) -> list[str]:
         if p.name in layout.INPUT_KINDS and p.is_dir():
             for q in sorted(p.iterdir()):
                 subs = sorted(q.iterdir()) if p.name != "competitions" and q.is_dir() else []
-                out += [f"{q.name}/{s.name}" for s in subs if s.is_dir()] or [q.name]
+                found = []
+                for s in (s for s in subs if s.is_dir()):
+                    versions = layout.model_versions(s, legacy=False) if p.name == "models" else []
+                    found += [f"{q.name}/{v.relative_to(q).as_posix()}" for v in versions] or [f"{q.name}/{s.name}"]
+                out += found or [q.name]
         else:
-            out.append(p.name)
+            versions = layout.model_versions(p, legacy=True) if p.is_dir() else []
+            out += [v.relative_to(input_root).as_posix() for v in versions] or [p.name]
     return out
 
 
 def find_input(slug: str, input_root: Path) -> Path:
-    """The mounted folder of an attached input; `slug` may be 'name' or 'owner/name'.
+    """The mounted folder of an attached input; `slug` may be 'name' or 'owner/name', and a Kaggle
+    Model also 'owner/model/framework/variation/version'.
 
     Only mount points are looked at: <input>/<name>, <input>/competitions/<name>, then
     <input>/<kind>/<owner>/<name> (datasets, notebooks, models; that owner's first when one is
     given). Nothing inside an attached input is listed, so the call costs the same whatever else
-    is attached.
+    is attached. A model's answer is its version folder, where the weights are
+    (<mount>/<framework>/<variation>/<version>, layout.model_versions).
     """
     parts = slug.rstrip("/").split("/")
+    if len(parts) == 5:
+        return _find_model_version(slug, parts, input_root)
     name, owner = parts[-1], parts[0] if len(parts) > 1 else None
     mounted = [m for m in layout.mounts(input_root, layout.OWNED_KINDS) if m.name == name]
     competition = input_root / "competitions" / name
@@ -194,9 +204,42 @@ def find_input(slug: str, input_root: Path) -> Path:
         if owner:  # owner given: prefer the mount under that owner
             tier = [p for p in tier if p.parent.name == owner] or tier
         if tier:
-            return tier[0]
+            return _model_version_or_mount(slug, tier[0], input_root)
     tried = [input_root / name, competition, *(input_root / k / "*" / name for k in layout.OWNED_KINDS)]
-    raise FileNotFoundError(
+    raise _not_attached(slug, tried, input_root)
+
+
+def _model_version_or_mount(slug: str, mount: Path, input_root: Path) -> Path:
+    """A model's one mounted version folder, else the mount itself (a dataset, a competition, a
+    kernel's output, or a model folder without the framework/variation/version levels)."""
+    legacy = mount.parent == input_root
+    if not legacy and mount.parent.parent != input_root / "models":
+        return mount
+    versions = layout.model_versions(mount, legacy)
+    if len(versions) > 1:
+        raise ValueError(f"input {slug!r} is a model attached in {len(versions)} versions "
+                         f"({', '.join(str(v) for v in versions)}); name one in full, "
+                         "e.g. run.input('owner/model/framework/variation/version')")
+    return versions[0] if versions else mount
+
+
+def _find_model_version(slug: str, parts: list[str], input_root: Path) -> Path:
+    """owner/model/framework/variation/version, where Kaggle mounts it: the 2025+ layout, then the
+    legacy one (which has no owner level); the framework as Kaggle matches it (case aside)."""
+    owner, model, framework, variation, version = parts
+    want = (layout.model_framework_key(framework), variation, version)
+    bases = [input_root / "models" / owner / model, input_root / model]
+    for base in bases:
+        for found in layout.model_versions(base, legacy=base.parent == input_root):
+            rel = found.relative_to(base).parts
+            if (layout.model_framework_key(rel[0]), rel[1], rel[2]) == want:
+                return found
+    mount = layout.model_mount("/".join(parts))
+    raise _not_attached(slug, [input_root / mount, input_root / Path(*mount.parts[2:])], input_root)
+
+
+def _not_attached(slug: str, tried: list[Path], input_root: Path) -> FileNotFoundError:
+    return FileNotFoundError(
         f"input {slug!r} is not attached: looked in {', '.join(map(str, tried))}; attached: "
         f"{', '.join(attached(input_root)) or 'nothing'}. Add it to the job's inputs"
     )

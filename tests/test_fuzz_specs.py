@@ -32,7 +32,7 @@ def checked(folder: Path, data: bytes):
     return outcome
 
 
-@settings(max_examples=500, derandomize=True, database=None, deadline=None,
+@settings(max_examples=300, derandomize=True, database=None, deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow,
                                  HealthCheck.data_too_large])
 @given(data=job_files())

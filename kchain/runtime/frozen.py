@@ -70,6 +70,8 @@ class FrozenBase:
                 if found:
                     self._left_out[name] = found
         todo = {(n, k): t for n, keys in self._left_out.items() for k, (t, _) in keys.items()}
+        if not todo:
+            return  # nothing frozen (a run from scratch): no threads, nothing to record
         pool = ThreadPoolExecutor(max_workers=HASH_THREADS, thread_name_prefix="kchain-frozen")
 
         def hash_all() -> dict[tuple[str, str], str]:

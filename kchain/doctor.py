@@ -207,6 +207,7 @@ def _sources(client: KaggleClient, job: Job, owner: str, check: _Checklist, repo
         problem = model_problem(client, source)
         if problem is None:
             check("ok", "sources", f"model {source} exists")
+            good.append(source)  # attached to the probe as a model source: its mount is checked there
         else:
             check("FAIL", "sources", f"{problem[0]}: {problem[1]} (kaggle.models in {job.path})")
     if job.kaggle.competition:

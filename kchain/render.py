@@ -343,8 +343,11 @@ def render_probe(job: Job, ref: str, sources: list[str], state: str | None,
                  secret_labels: tuple[str, ...]) -> tuple[str, dict[str, Any]]:
     """Pure: the doctor's probe notebook (kernel_templates/probe.ipynb.j2, the runtime and
     kchain_probe.py embedded) and its metadata as a dict: kernel ref, accelerator none, the job's
-    internet setting, the given dataset sources and the job's competition."""
+    internet setting, the given dataset and model sources (a model's ref has five parts) and the job's
+    competition."""
     competitions = [job.kaggle.competition] if job.kaggle.competition else []
+    models = [s for s in sources if s.count("/") == 4]
+    datasets = [s for s in sources if s not in models]
     config = {"job": job.name, "sources": sources + competitions, "state_dataset": state,
               "secret_labels": list(secret_labels),
               "internet": job.kaggle.internet}
@@ -354,6 +357,7 @@ def render_probe(job: Job, ref: str, sources: list[str], state: str | None,
         config_json=json.dumps(config, sort_keys=True), payload=base64.b64encode(_zip(files)).decode())
     metadata = {"id": ref, "language": "python", "kernel_type": "notebook", "is_private": True,
                 "enable_gpu": False, "enable_tpu": False, "enable_internet": job.kaggle.internet,
-                "dataset_sources": sources, "competition_sources": competitions, "kernel_sources": [],
+                "dataset_sources": datasets, "competition_sources": competitions, "kernel_sources": [],
+                "model_sources": models,
                 "keywords": [], "docker_image_pinning_type": "original"}
     return _canonical(notebook), metadata

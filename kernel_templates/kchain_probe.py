@@ -62,10 +62,16 @@ def _distribution(name: str) -> str | None:
 
 
 def _mount(input_root: Path, ref: str) -> str | None:
-    """Where an attached dataset owner/slug[/version] or competition slug is mounted, whatever
-    today's layout is (shared/reference/kaggle-api.md 6.2: datasets/<owner>/<slug>, competitions/<slug>,
-    or the legacy <slug>), else found by a shallow walk."""
+    """Where an attached dataset owner/slug[/version], model owner/model/framework/variation/version or
+    competition slug is mounted, whatever today's layout is (shared/reference/kaggle-api.md 6.2:
+    datasets/<owner>/<slug>, models/<owner>/<model>/<framework>/<variation>/<version>,
+    competitions/<slug>, or the legacy <slug> and <model>/...), else found by a shallow walk."""
     parts = ref.split("/")
+    if len(parts) == 5:
+        nested = input_root / layout.model_mount(ref)
+        legacy = input_root / Path(*nested.parts[-4:])  # <model>/<framework>/<variation>/<version>
+        found = [str(p) for p in (nested, legacy) if p.is_dir()]
+        return found[0] if found else None
     slug = parts[1] if len(parts) > 1 else parts[0]
     nested = input_root / "datasets" / parts[0] / slug if len(parts) > 1 else input_root / "competitions" / slug
     for candidate in (nested, input_root / slug):

@@ -26,6 +26,7 @@ NAME = "tinygpt-notes"
 DOCTOR_REF = f"{USER}/{NAME}-doctor"
 DATA = f"{USER}/notes-extra"
 STATE = f"{USER}/{NAME}-state"
+MODEL = "google/gemma/transformers/2b/1"
 
 
 def job_file(tmp_path: Path, **kaggle) -> Path:
@@ -66,7 +67,8 @@ def test_doctor_all_ok_probes_a_cpu_session_and_writes_no_credential(emulator, k
     kaggle_api.dataset_create_new(str(write_dataset(tmp_path / "state", STATE, files)), quiet=True)
     for ref in (DATA, STATE):  # a new dataset is hidden a while, as on Kaggle; the user's are older
         wait_dataset_ready(kaggle_api, ref)
-    job = job_file(tmp_path, datasets=[DATA])
+    emulator.add_model(MODEL, {"config.json": "{}"})
+    job = job_file(tmp_path, datasets=[DATA], models=[MODEL])
 
     result = invoke("doctor", job)
     assert result.exit_code == 0, result.output
@@ -76,11 +78,12 @@ def test_doctor_all_ok_probes_a_cpu_session_and_writes_no_credential(emulator, k
     assert re.search(r"ok    missing      Kaggle answers a lookup of a missing kernel with (403|404), of a missing "
                      r"dataset with (403|404) \(recorded\)", out), out
     assert f"ok    sources      dataset {DATA} exists and is ready" in out
+    assert f"ok    sources      model {MODEL} exists" in out
     assert re.search(rf"ok    metadata     notebook \(\d+ KB\) and kernel-metadata.json accepted: saved as "
                      rf"{DOCTOR_REF} version 1 without running", out), out
     mounts = lines(result, "mounts")
-    assert [m.split(" is mounted at ")[0] for m in mounts] == [f"ok    mounts       {ref}" for ref in (DATA, STATE)]
-    assert all(m.endswith(f"input/datasets/{ref}") for m, ref in zip(mounts, (DATA, STATE), strict=True))
+    assert [m.split(" is mounted at ")[0] for m in mounts] == [f"ok    mounts       {ref}" for ref in (DATA, STATE, MODEL)]
+    assert [m.split("/input/", 1)[1] for m in mounts] == [f"datasets/{DATA}", f"datasets/{STATE}", f"models/{MODEL}"]
     torch_line = lines(result, "torch")[0]
     assert re.match(r"ok    torch        torch \d+\.\d+ on both: checkpoints load both ways", torch_line), out
     assert f"ok    state        state dataset {STATE} exists (attached to the probe)" in out

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 from emulator_helpers import USER, emulator  # noqa: F401  (fixture)
-from helpers import REPO, error_line, invoke
+from helpers import REPO, copy_job, error_line, invoke
 
 from kchain.chain import watch
 from kchain.decide import saved_step
@@ -196,3 +196,17 @@ def test_a_rehearsal_stops_when_sessions_save_nothing(tmp_path):
     assert not result.passed and len(result.sessions) == 2
     assert result.verdict.startswith("stopped: no progress: sessions 1 and 2 both ended without saving a step past 0")
     assert not any("0 steps lost" in line for line in lines)
+
+
+def test_a_lora_fine_tune_chains_identically_through_a_kill_and_a_deadline(tmp_path, monkeypatch):
+    # jobs/finetune as it is (transformers + peft, a frozen base from a folder, offline): every session
+    # restores the adapters onto a base it rebuilds and fingerprints, and the chain matches the
+    # uninterrupted run bit for bit.
+    monkeypatch.setenv(layout.FAULT_ENV, f"{STALL},deadline_after_steps=4")
+    monkeypatch.setenv(layout.CHECKPOINT_EVERY_ENV, "3 steps")
+    path = copy_job("finetune", tmp_path, params={"steps": 9, "n_notes": 400, "eval_every": 4})
+    result = rehearse(path, session_limit_s=GENEROUS_S, kills=1, echo=lambda _: None)
+    assert result.passed, result.verdict
+    assert len(result.killed) == 1 and len(result.sessions) >= 3
+    ends = [s.get("end_status") for s in result.sessions]
+    assert "deadline" in ends and ends[-1] == "finished", ends

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -45,3 +48,15 @@ def test_the_first_parameter_whose_sum_differs_is_named_and_a_nan_everywhere_agr
         b.weight.fill_(float("nan"))
         b.bias.copy_(a.bias)
     assert replicas.differing([replicas.fingerprint(params), replicas.fingerprint(twin)], params) is None
+
+
+def test_fsdp_counts_as_keeping_the_ranks_in_step_once_the_job_imports_it():
+    # The runtime never imports FSDP itself (most of a second per session); a job that wraps a model
+    # in it has imported it, and from then on its modules count as synced and sharded.
+    code = ("import sys; from kchain.runtime import run, replicas; "
+            "assert 'torch.distributed.fsdp' not in sys.modules, 'the runtime imported FSDP'; "
+            "assert replicas._syncing() == (replicas.DistributedDataParallel,); "
+            "from torch.distributed.fsdp import FullyShardedDataParallel as F; "
+            "assert replicas._syncing()[1] is F")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr

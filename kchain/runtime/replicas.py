@@ -18,6 +18,7 @@ model and the resumed run is not the run that was smoked. Two checks, both on ev
 from __future__ import annotations
 
 import gc
+import sys
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
@@ -27,18 +28,14 @@ FIX = ("wrap the model with `model = run.wrap(model)` before making the optimize
 
 
 def _syncing() -> tuple[type, ...]:
-    """The wrappers that keep the ranks' parameters in step: DDP, and FSDP when torch has it."""
+    """The wrappers that keep the ranks' parameters in step: DDP, and FSDP once the job imported it.
+    A model wrapped in FSDP means torch.distributed.fsdp is loaded; importing it here would cost
+    every session most of a second at start-up (it pulls in DTensor)."""
     kinds: list[type] = [DistributedDataParallel]
-    try:
-        from torch.distributed.fsdp import FullyShardedDataParallel
-
-        kinds.append(FullyShardedDataParallel)
-    except ImportError:  # a torch built without distributed support
-        pass
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    if fsdp is not None and hasattr(fsdp, "FullyShardedDataParallel"):
+        kinds.append(fsdp.FullyShardedDataParallel)
     return tuple(kinds)
-
-
-_SYNCING = _syncing()
 
 
 def sharded(params: list[tuple[str, torch.Tensor]]) -> bool:
@@ -46,7 +43,8 @@ def sharded(params: list[tuple[str, torch.Tensor]]) -> bool:
     One pass over the collector's objects: call it once per session."""
     if any(type(p).__name__ in ("DTensor", "FlatParameter") for _, p in params):
         return True
-    return any(issubclass(type(o), _SYNCING[1:]) for o in gc.get_objects()) if len(_SYNCING) > 1 else False
+    syncing = _syncing()
+    return any(issubclass(type(o), syncing[1:]) for o in gc.get_objects()) if len(syncing) > 1 else False
 
 
 class UnsyncedReplicas(RuntimeError):
@@ -77,9 +75,10 @@ def unsynced(optimizers: list[torch.optim.Optimizer], modules: dict[str, torch.n
 
 def _unsynced(optimizers: list[torch.optim.Optimizer], modules: dict[str, torch.nn.Module]) -> str | None:
     # type(o), not isinstance: isinstance reads __class__, which some torch objects warn on.
+    syncing = _syncing()
     found = gc.get_objects()
     live = [o for o in found if issubclass(type(o), torch.optim.Optimizer)]
-    synced = {id(p) for o in found if issubclass(type(o), _SYNCING) for p in o.parameters()}
+    synced = {id(p) for o in found if issubclass(type(o), syncing) for p in o.parameters()}
     del found
     optimizers = list({id(o): o for o in [*optimizers, *live]}.values())
     for opt in optimizers:

@@ -10,8 +10,10 @@ One chain never has two sessions at once: a lock on the laptop and a status chec
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import fcntl
 import functools
+import json
 import random
 import shutil
 import tempfile
@@ -30,18 +32,18 @@ from kchain.datasets import (
     wait_ready,
     write_dataset_metadata,
 )
-from kchain.decide import Decision, Situation, decide, final_weights
+from kchain.decide import Decision, Situation, decide, final_weights, saved_step
 from kchain.errors import ChainStop, CredentialsError, KaggleError
-from kchain.kaggle_api import KaggleClient
+from kchain.kaggle_api import KaggleClient, missing
 from kchain.kernel_states import LIVE
 from kchain.ledger import Ledger, iso, new_run_id, now_utc, state_dir
 from kchain.names import cache_dataset, state_dataset
 from kchain.push import push_session, reconcile, refuse_unpushable
-from kchain.render import render_job
+from kchain.render import Rendered, render_job
 from kchain.runtime import layout
 from kchain.runtime.statefolder import build_cache_folder, build_state_folder, cache_entries
 from kchain.runtime.summary import Status
-from kchain.sessions import PublishFacts, SessionRecord, summary_of
+from kchain.sessions import PublishFacts, SessionRecord, StaleRule, summary_of
 from kchain.spec import Job, load_job
 
 Echo = Callable[[str], None]
@@ -231,10 +233,20 @@ def look(client: KaggleClient, ledger: Ledger, job: Job, owner: str) -> Situatio
     kernel (a session started outside kchain also counts). The code is rendered only when asked."""
     chain = [s for s in sess.refresh(client, ledger, job.name) if s["status"] != "FAILED_TO_PUSH"]
     kernel = f"{owner}/{job.name}"
-    on_kaggle = client.status(kernel, None)[0] if chain else None
+    on_kaggle = _kernel_status(client, kernel) if chain else None
     fingerprint = functools.cache(lambda: render_job(job, owner=owner).fingerprint)
     return Situation(chain, kernel, on_kaggle, fingerprint=fingerprint,
                      smoked=lambda fingerprint: ledger.smoke_passed(fingerprint) is not None)
+
+
+def _kernel_status(client: KaggleClient, kernel: str) -> str | None:
+    """Kaggle's status of the kernel's newest session; None once the kernel is gone (`kchain stop --delete`)."""
+    try:
+        return client.status(kernel, None)[0]
+    except KaggleError as exc:
+        if missing(exc):
+            return None
+        raise
 
 
 def act(decision: Decision, job: Job, ledger: Ledger, client: KaggleClient, owner: str,
@@ -284,10 +296,12 @@ def push_next(job: Job, ledger: Ledger, client: KaggleClient, owner: str, chain:
         sources.append(cache_ref)
     rendered = render_job(job, owner=owner, extra_sources=sources, session=last["session"] + 1,
                           session_facts=session_facts(ledger, job, facts))
+    image = chain[0].get("image") if job.kaggle.image == "pin" else None
     record = push_session(
-        client, job, rendered, ledger, last["session"] + 1, echo,
+        client, job, pin_image(rendered, image) if image else rendered, ledger, last["session"] + 1, echo,
         extra={"state_version": facts["version"], "resumes_at": facts["resumes_at"],
-               "cache_attached": facts.get("cache") or last.get("cache_attached")},
+               "cache_attached": facts.get("cache") or last.get("cache_attached"),
+               **({"image_asked": image} if image else {})},
     )
     ledger.append_run(
         run_id=new_run_id("kaggle"), channel="kaggle", job=job.name, config=rendered.fingerprint[:12],
@@ -296,6 +310,15 @@ def push_next(job: Job, ledger: Ledger, client: KaggleClient, owner: str, chain:
     )
     return Decision("pushed", f"session {record['session']} pushed (kernel version {record['version']}), "
                     f"resuming at step {facts['resumes_at']} from state version {facts['version']}", record)
+
+
+def pin_image(rendered: Rendered, image: str) -> Rendered:
+    """The kernel pinned to the image its chain started on: `docker_image` (session 1's, as `kernels pull
+    -m` named it) beside the `docker_image_pinning_type: original` every push sends, so a kernel deleted
+    and made again (`kchain stop --delete`), whose "original" would be the newest image, keeps it too."""
+    metadata = {**json.loads(rendered.metadata), "docker_image": image}
+    return dataclasses.replace(rendered, metadata=json.dumps(metadata, indent=1, sort_keys=True,
+                                                             ensure_ascii=False) + "\n")
 
 
 def session_facts(ledger: Ledger, job: Job, facts: PublishFacts | None = None) -> dict[str, Any]:
@@ -326,12 +349,13 @@ def _val(record: SessionRecord) -> str:
 
 
 def continue_chain(job_file: Path, retry: bool = False, force: bool = False, skip_smoke: bool = False,
-                   watch_chain: bool = False, echo: Echo = print, from_state: int | None = None) -> Decision:
+                   watch_chain: bool = False, echo: Echo = print, from_state: int | None = None,
+                   delete_stale: bool = False) -> Decision:
     job = load_job(job_file)
     ledger, client = Ledger(state_dir(job.path)), KaggleClient(progress=True)
     if watch_chain:
         return watch(job, ledger, client, retry=retry, force=force, skip_smoke=skip_smoke, echo=echo,
-                     from_state=from_state)
+                     from_state=from_state, delete_stale=delete_stale)
     return decide_and_continue(job, ledger, client, retry=retry, force=force, skip_smoke=skip_smoke, echo=echo,
                                from_state=from_state)
 
@@ -339,12 +363,14 @@ def continue_chain(job_file: Path, retry: bool = False, force: bool = False, ski
 def watch(job: Job, ledger: Ledger, client: KaggleClient, retry: bool = False, force: bool = False,
           skip_smoke: bool = False, echo: Echo = print, poll_s: float = 30.0, max_poll_s: float = 300.0,
           before_each: Callable[[int], None] | None = None, max_failures: int = 8,
-          from_state: int | None = None) -> Decision:
+          from_state: int | None = None, stale: StaleRule | None = None, delete_stale: bool = False) -> Decision:
     """Keep chaining until training is finished, the budget is spent, or a crash needs a human.
 
     A Kaggle failure that outlived the client's own retries (429s, 5xx, a lost answer) is not a
     decision: the watch tries the same step again with backoff, up to max_failures in a row. Every
-    step is safe to repeat (pushes and uploads check Kaggle's versions first)."""
+    step is safe to repeat (pushes and uploads check Kaggle's versions first). A running session that
+    goes stale (sessions.StaleRule; `stale` overrides the job's) ends the watch, naming `kchain stop
+    --delete`; with delete_stale its kernel is deleted (when the chain's state is safe) and the watch goes on."""
     delay = poll_s
     failures = 0
     while True:
@@ -374,23 +400,139 @@ def watch(job: Job, ledger: Ledger, client: KaggleClient, retry: bool = False, f
         else:
             echo(f"[{time.strftime('%H:%M:%S')}] {decision.message}")
             delay = min(delay * 1.5, max_poll_s)
+            if decision.action == "running" and decision.record is not None and stale_session(
+                    job, ledger, client, decision.record, stale or StaleRule.for_job(job), delete_stale, echo):
+                continue  # its kernel was deleted: the next look pushes the next session
         time.sleep(delay)
 
 
-def stop_chain(job_file: Path, wait_s: float = 3600.0, poll_s: float = 10.0, echo: Echo = print) -> SessionRecord:
+def delete_to_stop(ledger: Ledger, client: KaggleClient, job: Job, chain: list[SessionRecord],
+                   record: SessionRecord, confirm: Callable[[str], bool], echo: Echo) -> SessionRecord | None:
+    """`kchain stop --delete`: what deleting the kernel keeps and loses, refused if the chain needs what
+    it loses, then asked; the deleted session's record, or None when the answer was no."""
+    plan = delete_plan(client, job, chain, record)
+    judged = sess.stale(record, StaleRule.for_job(job), time.time())
+    echo(f"session {record['session']} is {record['status'].lower()}"
+         + (f" ({judged.note().lower()})" if judged else "")
+         + f": deleting {plan.kernel} stops it and its GPU time (Kaggle's API cannot cancel a session)")
+    plan.refuse_if_unsafe()
+    echo(f"  kept: {'; '.join(plan.kept)}")
+    echo(f"  lost with the kernel: {'; '.join(plan.lost)}")
+    if not confirm(f"Delete {plan.kernel} and every version's output on Kaggle?"):
+        echo(f"{plan.kernel} not deleted; session {record['session']} is still {record['status'].lower()}")
+        return None
+    return delete_kernel_of(ledger, client, job, record, plan, echo)
+
+
+def stale_session(job: Job, ledger: Ledger, client: KaggleClient, record: SessionRecord, rule: StaleRule,
+                  delete: bool, echo: Echo) -> bool:
+    """watch's look at a running session: a stale one ends the watch (ChainStop naming `kchain stop
+    --delete`), or, with delete, has its kernel deleted once the chain's state is safe; True then."""
+    judged = sess.check_stale(client, ledger, job.name, record, rule, time.time())
+    if judged is None:
+        return False
+    if not delete:
+        raise ChainStop(judged.message(job.path))
+    echo(f"[{time.strftime('%H:%M:%S')}] {judged.message(job.path)}: deleting it")
+    with chain_lock(ledger, job.name):
+        chain = [s for s in ledger.sessions(job.name) if s["status"] != "FAILED_TO_PUSH"]
+        plan = delete_plan(client, job, chain, record)
+        plan.refuse_if_unsafe()
+        delete_kernel_of(ledger, client, job, record, plan, echo)
+    return True
+
+
+@dataclasses.dataclass
+class DeletePlan:
+    """What deleting the chain's kernel keeps, loses, and would lose that the chain needs (blockers)."""
+
+    kernel: str
+    job_file: Path
+    kept: list[str]
+    lost: list[str]
+    blockers: list[str]
+    resumes: str  # the state the next session resumes from, in words
+
+    def refuse_if_unsafe(self) -> None:
+        if self.blockers:
+            raise ChainStop(f"not deleting {self.kernel}: that would lose what the chain needs: "
+                            f"{'; '.join(self.blockers)}; deleting it on its page loses the same")
+
+
+def delete_plan(client: KaggleClient, job: Job, chain: list[SessionRecord], record: SessionRecord) -> DeletePlan:
+    """Check that everything the chain needs outlives the kernel (the state the session resumed from is
+    a version of the state dataset, every ended session's output is on this laptop, the newest checkpoint
+    is in a state version) and say what goes with it."""
+    owner, ref, n = record["kernel"].split("/", 1)[0], record["kernel"], record["session"]
+    ended = [s for s in chain if s.get("version") and s["status"] not in LIVE and not s.get("kernel_deleted")]
+    blockers = [f"session {s['session']}'s output, never downloaded ({s.get('output_error') or 'not fetched'}): "
+                "run `kchain status` to fetch it" for s in ended if not s.get("output")]
+    published = max((s["publish"]["step"] for s in chain if (s.get("publish") or {}).get("version")
+                     and s["publish"].get("step") is not None), default=0)
+    newest = max((saved_step(s) or 0 for s in ended), default=0)
+    if newest > published:
+        blockers.append(f"the checkpoint at step {newest}, which is in no state version yet (only in a download here)")
+    version, step = record.get("state_version"), record.get("resumes_at") or 0
+    resumes = f"state version {version} of {state_dataset(owner, job.name)} (step {step})" if version else "a fresh start"
+    if version:
+        try:
+            if client.dataset_version_number(state_dataset(owner, job.name)) < version:
+                blockers.append(f"{resumes}, which Kaggle does not have")
+        except KaggleError as exc:
+            blockers.append(f"{resumes}, which could not be checked ({exc})")
+    beat = _heartbeat_step(record.get("heartbeat"))
+    lost = [f"session {n}'s work since step {step}" + (f" (it reached step {beat})" if beat else "") + " and its log"]
+    if ended:
+        lost.append(f"Kaggle's copies of the output of session(s) {', '.join(str(s['session']) for s in ended)} "
+                    "and the kernel's version history")
+    if job.kaggle.internet:
+        lost.append(f"the Secrets attached to {ref}: attach them again after the next push, or the laptop relays")
+    kept = [resumes if version else f"nothing to resume yet: session {n} started fresh"]
+    downloads = [Path(s["output"]).parent for s in ended if s.get("output")]
+    if downloads:
+        kept.append(f"every ended session's output and log, downloaded to {downloads[-1]}")
+    return DeletePlan(ref, job.path, kept, lost, blockers, resumes)
+
+
+def delete_kernel_of(ledger: Ledger, client: KaggleClient, job: Job, record: SessionRecord, plan: DeletePlan,
+                     echo: Echo) -> SessionRecord:
+    """Delete the kernel (Kaggle's only stop for a session that stays RUNNING, and its bill) and record it:
+    the live session ended, stopped by the user; every session of that kernel lost its copy on Kaggle."""
+    client.delete_kernel(plan.kernel)  # False: it was gone already (a lost answer retried), as good
+    when = iso_now()
+    for s in ledger.sessions(job.name):
+        if s.get("kernel") == plan.kernel and s.get("version") is not None and not s.get("kernel_deleted"):
+            s["kernel_deleted"] = when
+            if s["status"] in LIVE:
+                s.update(status="CANCEL_ACKNOWLEDGED", ended=when, stopped_by_user=True,
+                         failure_message="stopped by `kchain stop --delete`: its kernel was deleted, with its output")
+            ledger.save_session(job.name, s)
+    echo(f"deleted {plan.kernel}: session {record['session']} ended with it, and its GPU time with it; "
+         f"`kchain continue {plan.job_file}` pushes the next session (a new kernel of the same name) from "
+         f"{plan.resumes}")
+    return next(s for s in ledger.sessions(job.name) if s["session"] == record["session"])
+
+
+def stop_chain(job_file: Path, wait_s: float = 3600.0, poll_s: float = 10.0, echo: Echo = print,
+               delete: bool = False, confirm: Callable[[str], bool] | None = None) -> SessionRecord | None:
     """`kchain stop`: end the running session and record it, so `continue` resumes from the last state.
 
     Kaggle's API cannot stop a session: CancelKernelSession takes a session id that no client call
     returns (Kaggle's maintainers: "not currently exposed outside the server"). So kchain names the
-    session and its page to stop it on, waits until Kaggle reports it ended, and records it."""
+    session and its page to stop it on, waits until Kaggle reports it ended, and records it. With
+    delete, it deletes the kernel instead (the stop Kaggle honours even for a session it keeps RUNNING
+    after its runner died), once the chain's state is safe and `confirm` agrees; None if it did not."""
     job = load_job(job_file)
     ledger, client = Ledger(state_dir(job.path)), KaggleClient()
     with chain_lock(ledger, job.name):
         reconcile(client, ledger, job)
-        live = [s for s in sess.refresh(client, ledger, job.name) if s["status"] in LIVE and s.get("version")]
+        chain = [s for s in sess.refresh(client, ledger, job.name, live_log=delete) if s["status"] != "FAILED_TO_PUSH"]
+        live = [s for s in chain if s["status"] in LIVE and s.get("version")]
         if not live:
             raise ChainStop(f"no session of {job.name} is queued or running; nothing to stop")
         record = live[-1]
+        if delete:
+            return delete_to_stop(ledger, client, job, chain, record, confirm or (lambda _question: False), echo)
         record["stop_requested"] = iso_now()
         ledger.save_session(job.name, record)
         url = record.get("url") or client.kernel_url(record["kernel"])

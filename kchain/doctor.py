@@ -35,7 +35,7 @@ from typing import Any
 import kchain
 from kchain import credentials
 from kchain.errors import CredentialsError, DoctorFailed, KaggleError, ProbeFormatError
-from kchain.kaggle_api import MISSING_CREDENTIALS, KaggleClient
+from kchain.kaggle_api import MISSING_CREDENTIALS, KaggleClient, OutcomeUnknown
 from kchain.kernel_states import TERMINAL
 from kchain.ledger import Ledger, iso, now_utc, state_dir
 from kchain.models import model_problem
@@ -237,6 +237,30 @@ def _kernel_folder(folder: Path, notebook: str, metadata: dict[str, Any], slug: 
     return folder
 
 
+def _save_once(client: KaggleClient, ref: str, folder: Path, attempts: int = 3, settle_s: float = 6.0,
+               poll_s: float = 1.0) -> dict[str, Any]:
+    """The quick save, exactly once, settled as `push` settles a push: after a lost answer the
+    kernel's version is polled for a while; a new one means the save landed (Kaggle's answer, and with
+    it the sources it calls invalid, is lost: `answer_lost`), none means it may be sent again."""
+    before = client.kernel_version(ref)
+    for attempt in range(attempts):
+        try:
+            return client.save_without_running(folder)
+        except OutcomeUnknown:
+            deadline = time.monotonic() + settle_s
+            while True:
+                version = client.kernel_version(ref)
+                if version and version != before:
+                    return {"version": version, "url": client.kernel_url(ref), "error": "", "invalid": {},
+                            "answer_lost": True}
+                if time.monotonic() > deadline:
+                    break
+                time.sleep(poll_s)
+            if attempt == attempts - 1:
+                raise
+    raise AssertionError("unreachable")
+
+
 def _quick_save(client: KaggleClient, job: Job, rendered: Rendered, ref: str, check: _Checklist,
                 report: Report) -> None:
     slug = ref.split("/", 1)[1]
@@ -244,7 +268,7 @@ def _quick_save(client: KaggleClient, job: Job, rendered: Rendered, ref: str, ch
     folder = Path(tempfile.mkdtemp(prefix="kchain-doctor-"))
     try:
         _kernel_folder(folder, rendered.notebook, metadata, slug)
-        answer = client.save_without_running(folder)
+        answer = _save_once(client, ref, folder)
     except KaggleError as exc:
         check("FAIL", "metadata", f"saving the job's notebook as {ref} (no run) failed: {exc}")
         return
@@ -252,6 +276,11 @@ def _quick_save(client: KaggleClient, job: Job, rendered: Rendered, ref: str, ch
         shutil.rmtree(folder, ignore_errors=True)
     report.facts["quick_save"] = answer
     size_kb = len(rendered.notebook.encode()) / 1024
+    if answer.get("answer_lost"):
+        check("warn", "metadata", f"the job's notebook was saved as {ref} version {answer['version']} without "
+                                  "running, but Kaggle's answer was lost: which sources it calls invalid is "
+                                  f"unknown; run `kchain doctor {job.path}` again to see them")
+        return
     if answer["error"]:
         check("FAIL", "metadata", f"Kaggle refused the job's kernel-metadata.json (saved as {ref}, no run): "
                                   f"{answer['error']}")
@@ -482,6 +511,9 @@ def _online(job: Job, probe: bool, probe_timeout_s: float, check: _Checklist, re
         if result is not None:
             report.facts["probe"] = result
             _image(result, report, check)
+            check("ok", "image", f"the probe ran on its own kernel, {ref}, whose image need not be the one the job's "
+                                 "kernel gets (Kaggle updates its images about every two weeks): `kchain status` "
+                                 "names each session's image and warns when one differs from session 1's")
     _publishing(job, result, owner, report, check)
     return result is not None
 

@@ -5,7 +5,10 @@ goes through `KaggleClient._call`: a requests-level timeout on the client's sess
 with exponential backoff and jitter on 429 (honouring Retry-After), 5xx and connection errors.
 Calls that create something (SaveKernel, CreateDataset, CreateDatasetVersion) are never retried
 once the request may have reached Kaggle: an ambiguous failure raises `OutcomeUnknown`, and the
-caller checks the kernel's or dataset's current version before trying again.
+caller checks the kernel's or dataset's current version before trying again. The client's own
+`with_retry`, which would re-send them after a connection reset, is bypassed for them
+(`CREATING_SDK_CALLS`); tests/test_kaggle_internals.py fails loudly if what this module reaches
+into (that method, the SDK's HTTP session, the SDK types it reads) changes shape.
 
 `kaggle` is imported lazily, inside `KaggleClient`, because importing it authenticates and
 creates a config directory.
@@ -17,8 +20,13 @@ import contextlib
 import io
 import json
 import random
+import re
+import shutil
+import tempfile
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from datetime import datetime, timezone
 from email.utils import parsedate_to_datetime
 from pathlib import Path
 from typing import Any, TypeVar
@@ -28,6 +36,8 @@ from requests.adapters import HTTPAdapter
 
 from kchain import credentials
 from kchain.errors import CredentialsError, KaggleError
+from kchain.kernel_states import LIVE
+from kchain.runtime.sendonce import CREATING_SDK_CALLS, sent_once  # noqa: F401 - CREATING_SDK_CALLS: re-exported
 
 T = TypeVar("T")
 
@@ -37,6 +47,13 @@ REJECTED_CREDENTIALS = ("Kaggle rejected the credentials (HTTP 401): check KAGGL
                         "KAGGLE_API_TOKEN, or kaggle.json), or create a new API token on kaggle.com/settings")
 # RPCs that create something: an ambiguous failure after sending them must not be retried blindly.
 CREATING_RPCS = ("/SaveKernel", "/CreateDataset", "/CreateDatasetVersion", "/CreateDatasetVersionById")
+# The same calls as the SDK's client methods. kaggle 2.2.5 passes create_dataset and
+# create_dataset_version[_by_id] through its own `KaggleApi.with_retry` (up to 10 attempts), which
+# re-sends on a connection error even when Kaggle acted before the connection broke: one lost answer,
+# two state versions. kchain's client sends these once (a 429 is still retried in place: nothing
+# was done) and its `_call` turns the lost answer into OutcomeUnknown. save_kernel is not wrapped in
+# 2.2.5; it is listed so that a client which starts wrapping it changes nothing.
+# (CREATING_SDK_CALLS lives in kchain/runtime/sendonce.py, shared with the kernel's publish.)
 
 
 # Kaggle answers 403 for what does not exist or is not visible to the caller, so the namespace cannot
@@ -51,6 +68,20 @@ def missing(exc: BaseException) -> bool:
 
 class OutcomeUnknown(KaggleError):
     """A creating call was sent but its answer was lost: check the current version before retrying."""
+
+
+class SessionCapReached(KaggleError):
+    """SaveKernel answered "Maximum batch GPU session count of N reached": the account already runs N
+    GPU sessions (two on Kaggle, measured). No version was created."""
+
+    def __init__(self, message: str, cap: int | None) -> None:
+        super().__init__(message)
+        self.cap = cap
+
+
+# Kaggle's answer in SaveKernel's `error` (Unsloth's Kaggle CI, 2026-08: "Maximum batch GPU session
+# count of 2 reached.").
+SESSION_CAP = re.compile(r"Maximum batch GPU session count of (\d+) reached")
 
 
 class InvalidSources(KaggleError):
@@ -100,6 +131,23 @@ def _retry_after_s(response: requests.Response) -> float | None:
             return max(0.0, parsedate_to_datetime(value).timestamp() - time.time())
         except (TypeError, ValueError):
             return None
+
+
+@dataclass(frozen=True)
+class Quota:
+    """Kaggle's answer to quota_view: a figure it left out is None (the GPU figures may be missing)."""
+
+    used_s: float | None  # GPU time used in the current weekly window
+    total_s: float | None  # the GPU time this account is allowed per window (accounts differ)
+    refresh: float | None  # epoch seconds at which the window resets
+
+
+def _utc_epoch(moment: datetime | None) -> float | None:
+    """kagglesdk returns times as naive UTC (it strips the `Z`); `.timestamp()` on a naive datetime
+    reads it as the laptop's local time, so the zone is put back first."""
+    if moment is None:
+        return None
+    return (moment if moment.tzinfo is not None else moment.replace(tzinfo=timezone.utc)).timestamp()
 
 
 def _kernel_id(folder: Path) -> str:
@@ -156,6 +204,7 @@ class KaggleClient:
                 return client
 
             api.build_kaggle_client = build_with_timeout
+            api.with_retry = sent_once(api.with_retry, self.attempts, self._delay, lambda s: self.sleep(s))
             self._api = api
         return self._api
 
@@ -260,6 +309,48 @@ class KaggleClient:
         except (requests.RequestException, ValueError) as exc:
             raise self._translate(exc, "log stream") from exc
 
+    def log_so_far(self, ref: str, version: int | None = None, idle_s: float = 3.0) -> list[dict[str, Any]] | None:
+        """The live log's events so far ({stream_name, time, data}), read from kernels_logs_stream until it
+        ends or stays quiet for idle_s (a session that runs never ends the stream; one whose runner died
+        sends nothing more); None when it gave nothing: not served (404), refused this time (429, 5xx), not
+        reachable, or no line yet."""
+        quick = KaggleClient(timeout_s=idle_s, attempts=1)  # its socket timeout is the quiet time
+        events: list[dict[str, Any]] = []
+        try:
+            for event in quick.log_stream(ref, version):
+                events.append(event)
+        except KaggleError as exc:
+            if isinstance(exc, CredentialsError) or _status_code(exc) is not None:
+                return None
+        return events or None
+
+    def kernel_image(self, ref: str, version: int) -> str | None:
+        """The image a kernel version ran on: the `docker_image` that `kaggle kernels pull -m` writes into
+        kernel-metadata.json (ApiKernelMetadata.docker_image), or None when Kaggle names none."""
+        folder = Path(tempfile.mkdtemp(prefix="kchain-pull-"))
+        try:
+            with contextlib.redirect_stdout(io.StringIO()):
+                self._call("pull", lambda: self.api.kernels_pull(f"{ref}/{version}", str(folder), metadata=True))
+            metadata = json.loads((folder / "kernel-metadata.json").read_text())
+        except (OSError, ValueError):
+            return None
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+        return str(metadata.get("docker_image") or "") or None
+
+    def delete_kernel(self, ref: str) -> bool:
+        """Delete the kernel with every version's output (`kaggle kernels delete -y`): the one call that
+        stops a session Kaggle keeps RUNNING after its runner died, and its GPU bill (Unsloth's Kaggle CI,
+        2026-08). True once deleted; False if it was not there (a retry after a lost answer lands here)."""
+        try:
+            with contextlib.redirect_stdout(io.StringIO()):
+                self._call("delete", lambda: self.api.kernels_delete(ref, no_confirm=True))
+        except KaggleError as exc:
+            if _status_code(exc) in MISSING:
+                return False
+            raise
+        return True
+
     def push(self, folder: str | Path, timeout_s: int | None = None, accelerator: str | None = None) -> tuple[int, str]:
         """Push the kernel in folder; return (version_number, url). Refusals raise KaggleError."""
         api = self.api
@@ -269,6 +360,9 @@ class KaggleClient:
                               creating=True)
         kernel = _kernel_id(Path(folder))
         if resp.error:
+            cap = SESSION_CAP.search(str(resp.error))
+            if cap:
+                raise SessionCapReached(f"Kaggle refused the push of {kernel}: {resp.error}", int(cap[1]))
             raise KaggleError(f"Kaggle refused the push of {kernel}: {resp.error}")
         invalid = {"dataset": resp.invalid_dataset_sources, "kernel": resp.invalid_kernel_sources,
                    "competition": resp.invalid_competition_sources, "model": resp.invalid_model_sources}
@@ -278,6 +372,44 @@ class KaggleClient:
                                  f"{resp.version_number})", int(resp.version_number or 0) or None, str(resp.url),
                                  "; ".join(bad))
         return int(resp.version_number), str(resp.url)
+
+    def running_gpu_kernels(self, window_h: float = 13.0, page_size: int = 50, pages: int = 5) -> list[dict[str, Any]]:
+        """The account's kernels that ask for a GPU and whose newest session is queued or running:
+        {ref, version, status}. Kaggle lists no running sessions, so the account's kernels are walked
+        most recently run first and each one's status asked, stopping at the first one last run more
+        than window_h ago (a session lasts 12 h at most: the walk is exhaustive, as in Unsloth's Kaggle
+        CI gate). Kaggle's status answers for a kernel's newest session only, so an older session of a
+        kernel pushed again while it ran is not among them."""
+        cutoff = time.time() - window_h * 3600
+        running: list[dict[str, Any]] = []
+        for page in range(1, pages + 1):
+            listed = self._call("kernels list", lambda p=page: self.api.kernels_list(
+                mine=True, page=p, page_size=page_size, sort_by="dateRun")) or []
+            for kernel in listed:
+                last = _utc_epoch(getattr(kernel, "last_run_time", None))
+                if last is not None and last < cutoff:
+                    return running
+                entry = self._live_gpu_kernel(kernel)
+                if entry is not None:
+                    running.append(entry)
+            if len(listed) < page_size:
+                break
+        return running
+
+    def _live_gpu_kernel(self, kernel: Any) -> dict[str, Any] | None:
+        """{ref, version, status} of a listed kernel whose newest session is live and may hold a GPU
+        (it asks for one, or the listing does not say)."""
+        ref = str(getattr(kernel, "ref", "") or "")
+        gpu = getattr(kernel, "enable_gpu", None)
+        if not ref or (gpu is False and not str(getattr(kernel, "machine_shape", "") or "").startswith("Nvidia")):
+            return None
+        try:
+            status = self.status(ref)[0]
+        except KaggleError:
+            return None  # deleted, or unreadable: one kernel's status is not worth failing the explanation for
+        if status not in LIVE:
+            return None
+        return {"ref": ref, "version": getattr(kernel, "current_version_number", None), "status": status}
 
     def status(self, ref: str, version: int | None = None) -> tuple[str, str]:
         """(status name, failure message) of ref's session at version (default: latest)."""
@@ -294,17 +426,23 @@ class KaggleClient:
         log = log_path.read_text(encoding="utf-8") if log_path.exists() else ""
         return [Path(f) for f in files if Path(f) != log_path], log
 
+    def quota_view(self) -> Quota:
+        """Kaggle's GPU quota answer (GetAcceleratorQuotaStatistics), each figure None when left out."""
+        resp = self._call("quota", lambda: self.api.quota_view())
+        gpu = getattr(resp, "gpu_quota", None)
+        used = getattr(gpu, "time_used", None) if gpu is not None else None
+        total = getattr(gpu, "total_time_allowed", None) if gpu is not None else None
+        return Quota(used_s=used.total_seconds() if used is not None else None,
+                     total_s=total.total_seconds() if total is not None else None,
+                     refresh=_utc_epoch(getattr(resp, "quota_refresh_time", None)))
+
     def quota(self) -> dict[str, float] | None:
         """This week's GPU quota: used_s, total_s, and refresh (epoch seconds); None when Kaggle's
         answer has no GPU figures (it may not), so the caller falls back to its own ledger."""
-        resp = self._call("quota", lambda: self.api.quota_view())
-        gpu = getattr(resp, "gpu_quota", None)
-        if gpu is None or (gpu.time_used is None and gpu.total_time_allowed is None):
+        answer = self.quota_view()
+        if answer.used_s is None and answer.total_s is None:
             return None
-        refresh = resp.quota_refresh_time
-        return {"used_s": gpu.time_used.total_seconds() if gpu.time_used else 0.0,
-                "total_s": gpu.total_time_allowed.total_seconds() if gpu.total_time_allowed else 0.0,
-                "refresh": refresh.timestamp() if refresh else 0.0}
+        return {"used_s": answer.used_s or 0.0, "total_s": answer.total_s or 0.0, "refresh": answer.refresh or 0.0}
 
     # -- datasets -----------------------------------------------------------------------------
 

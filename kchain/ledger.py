@@ -55,9 +55,18 @@ def new_run_id(prefix: str) -> str:
     return f"{prefix}-{now_utc().strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:4]}"
 
 
-def week_start(moment: datetime) -> datetime:
-    """Kaggle's GPU quota week starts on Saturday 00:00 UTC."""
+WEEK = timedelta(days=7)
+
+
+def week_start(moment: datetime, refresh: datetime | None = None) -> datetime:
+    """The start of the GPU quota week holding moment. With Kaggle's refresh time (quota_view's
+    quota_refresh_time, an aware datetime), the week ends there: its start is a whole number of weeks
+    before it. Without one, Saturday 00:00 UTC, kchain's assumption (no public source states the
+    week's start, and accounts may differ)."""
     moment = moment.astimezone(timezone.utc)
+    if refresh is not None:
+        start = refresh.astimezone(timezone.utc) - WEEK
+        return start + WEEK * ((moment - start) // WEEK)
     days_since_saturday = (moment.weekday() - 5) % 7
     start = moment - timedelta(days=days_since_saturday)
     return start.replace(hour=0, minute=0, second=0, microsecond=0)
@@ -160,10 +169,11 @@ class Ledger:
         return data
 
     # -- the GPU-hour week ------------------------------------------------------------------
-    def gpu_hours_this_week(self, moment: datetime | None = None) -> float:
-        """GPU-hours of every GPU session (all jobs) that started in the current quota week."""
+    def gpu_hours_this_week(self, moment: datetime | None = None, start: datetime | None = None) -> float:
+        """GPU-hours of every GPU session (all jobs) that started in the current quota week (from start,
+        e.g. the week Kaggle reports; default: week_start's assumption)."""
         moment = moment or now_utc()
-        start = week_start(moment)
+        start = start or week_start(moment)
         total = 0.0
         for chain in self.all_sessions().values():
             for s in chain:

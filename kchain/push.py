@@ -17,7 +17,7 @@ from kchain.budget import check_budget, plan_for
 from kchain.datasets import ensure_state_dataset
 from kchain.doctor import suggest_doctor
 from kchain.errors import ChainStop, KaggleError, NotSmoked, SpecError
-from kchain.kaggle_api import InvalidSources, KaggleClient, OutcomeUnknown, missing
+from kchain.kaggle_api import InvalidSources, KaggleClient, OutcomeUnknown, SessionCapReached, missing
 from kchain.kernel_states import LIVE
 from kchain.ledger import Ledger, iso, new_run_id, now_utc, state_dir
 from kchain.models import model_problem
@@ -78,6 +78,41 @@ def _new_kernel_version(client: KaggleClient, ref: str, before: int | None, sett
         time.sleep(poll_s)
 
 
+def refuse_a_second_session(client: KaggleClient, ref: str, before: int | None, again: str) -> None:
+    """A push to a kernel whose session still runs starts a second session beside it (Kaggle runs
+    and bills both): refused while the kernel's newest session is queued or running, whoever
+    started it."""
+    if before is None:
+        return
+    status = client.status(ref)[0]
+    if status in LIVE:
+        raise ChainStop(f"{ref} version {before} is {status.lower()} on Kaggle: a push now would start a second "
+                        f"session beside it (Kaggle runs and bills both); let it end, or stop it on its page "
+                        f"({client.kernel_url(ref)}), then run `{again}` again")
+
+
+def explain_cap(client: KaggleClient, exc: SessionCapReached, again: str) -> SessionCapReached:
+    """Kaggle's "Maximum batch GPU session count of N reached" with the sessions that hold the slots
+    (this chain's or not: the account's running GPU kernels) and what to do, in one line."""
+    try:
+        running = client.running_gpu_kernels()
+    except KaggleError:
+        running = None
+    unseen = "an older session of a kernel pushed again while it ran, which Kaggle's status does not show"
+    if running is None:
+        held = "the account's running kernels could not be listed"
+    elif not running:
+        held = f"none of your recently run kernels shows a running GPU session (it may be {unseen})"
+    else:
+        held = "running now: " + ", ".join(f"{r['ref']} v{r['version']} ({r['status'].lower()})" for r in running)
+        hidden = (exc.cap or 0) - len(running)
+        if hidden > 0:
+            held += f" and {hidden} more: {unseen}"
+    where = f" on its page ({client.kernel_url(running[0]['ref'])})" if running else " on its page"
+    return SessionCapReached(f"{str(exc).rstrip('.')}; {held}; wait until one ends, or stop one{where}, then run "
+                             f"`{again}` again", exc.cap)
+
+
 def verify_sources(client: KaggleClient, sources: list[str], job: Job) -> None:
     """Before SaveKernel: every dataset source exists, is visible, is ready, and a pinned version
     exists; Kaggle would otherwise drop it and still start the session without it."""
@@ -121,7 +156,9 @@ def push_session(
 ) -> SessionRecord:
     """Push the rendered kernel as session `session` of the chain, exactly once."""
     ref = kernel_ref(client, job)
+    again = f"kchain push {job.path}" if session == 1 else f"kchain continue {job.path}"
     before = client.kernel_version(ref)
+    refuse_a_second_session(client, ref, before, again)
     record: SessionRecord = {
         "session": session,
         "status": "PUSHING",
@@ -154,6 +191,9 @@ def push_session(
             f"itself in its first minute without it); stop it at {exc.url} (Kaggle's API cannot), fix the "
             "source, then run `kchain continue`"
         ) from exc
+    except SessionCapReached as exc:
+        ledger.save_session(job.name, {**record, "status": "FAILED_TO_PUSH"})  # Kaggle created no version
+        raise explain_cap(client, exc, again) from exc
     except KaggleError:
         ledger.save_session(job.name, {**record, "status": "FAILED_TO_PUSH"})
         raise

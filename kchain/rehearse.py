@@ -439,7 +439,8 @@ def _print(echo: Echo, chain: list[sess.SessionRecord], rows: list[tuple[int, st
         echo(f"{step:>6}  {a:>16.8g} {'missing' if b is None else f'{b:.8g}':>16}{mark}")
 
 
-FAULT_NAMES = {"429": "rate_429", "500": "rate_500", "lost_answer": "rate_lost_answer", "drop_upload": None}
+FAULT_NAMES = {"429": "rate_429", "500": "rate_500", "lost_answer": "rate_lost_answer",
+               "reset_after_acting": "rate_reset_after_acting", "drop_upload": None}
 
 
 def emulator_switches(strict: bool) -> Switches:

@@ -9,16 +9,20 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, TypedDict
 
 from kchain import diagnose
+from kchain.errors import KaggleError
 from kchain.kaggle_api import KaggleClient
 from kchain.kernel_states import LIVE, TERMINAL
 from kchain.ledger import Ledger, iso, now_utc, parse_iso
 from kchain.runtime import layout
+from kchain.runtime.heartbeat import duration
 from kchain.runtime.summary import Summary, read_working
+from kchain.spec import Job, parse_duration
 
 Echo = Callable[[str], None]
 HEARTBEAT = "[kchain] step"
@@ -70,13 +74,18 @@ class SessionRecord(TypedDict, total=False):
     state_version: int | None  # later sessions (chain.push_next): the state dataset version attached
     resumes_at: int  # chain.push_next: the step that state holds
     cache_attached: list[str] | None  # chain.push_next: the staged-data cache entries attached
+    image_asked: str  # chain.push_next: the image it was pinned to (session 1's, as Kaggle named it)
     # Written by push.push_session once Kaggle answered (or by push.reconcile after a lost answer):
     url: str  # the kernel's page
     started: str  # ISO UTC: the push's answer, then the kernel's own clock once it ended (refresh)
     invalid_sources: str  # the sources Kaggle dropped: the session ran without them
     # Written by sessions.refresh while and after the session runs:
     heartbeat: str | None  # the last `[kchain] step` line seen in its log
+    heartbeat_seen: str  # ISO UTC: when this laptop first saw that line (the stale rule's clock)
+    heartbeat_gap_s: float  # the longest time between two heartbeats, by the log's own clock
+    log_seen: str  # ISO UTC: when a live log of it was last read (without one, staleness is not judged)
     running_seen: str  # ISO UTC: when refresh first saw it RUNNING
+    image: str | None  # the image it ran on: the docker_image `kernels pull -m` names (None: Kaggle named none)
     ended: str  # ISO UTC: when it ended (the kernel's own clock when its summary says)
     failure_message: str | None  # Kaggle's failure message for the session
     output_error: str  # why its output could not be fetched (chain.fetch_or_stop retries)
@@ -95,6 +104,8 @@ class SessionRecord(TypedDict, total=False):
     logged: bool  # record_finished: the finished chain's line is in the run log
     stop_requested: str  # stop_chain: ISO UTC, when `kchain stop` was asked for
     stopped_by_user: bool  # stop_chain: the session ended because the user stopped it
+    kernel_deleted: str  # stop_chain --delete: ISO UTC, when the kernel that ran it was deleted (its output
+    #                      on Kaggle went with it; the laptop keeps what it downloaded)
 
 
 def summary_of(record: SessionRecord) -> Summary:
@@ -166,19 +177,21 @@ def fetch_output(client: KaggleClient, ledger: Ledger, job: str, record: Session
     return record
 
 
-def refresh(client: KaggleClient, ledger: Ledger, job: str) -> list[SessionRecord]:
-    """Ask Kaggle about every live session of the chain; fetch the output of those that ended."""
+def refresh(client: KaggleClient, ledger: Ledger, job: str, live_log: bool = False) -> list[SessionRecord]:
+    """Ask Kaggle about every live session of the chain; fetch the output of those that ended.
+    live_log: a running session's heartbeat is also read from the live log stream (`kchain status`),
+    since Kaggle may keep its log only for the end."""
     for record in ledger.sessions(job):
         if record["status"] not in LIVE or record.get("version") is None:
             continue
         status, failure = client.status(record["kernel"], record["version"])
+        changed = status != "QUEUED" and note_image(client, record)
         if status == "RUNNING":
             # Whatever log Kaggle has so far: its last heartbeat says how far the session got.
-            beat = last_heartbeat(log_text(parse_log(client.log(record["kernel"], record["version"]))))
-            if beat and beat != record.get("heartbeat"):
-                record["heartbeat"] = beat
-                ledger.save_session(job, record)
+            changed = read_heartbeat(client, record, live_log) or changed
         if status == record["status"]:
+            if changed:
+                ledger.save_session(job, record)
             continue
         record["status"] = status
         if status == "RUNNING" and not record.get("running_seen"):
@@ -199,6 +212,187 @@ def refresh(client: KaggleClient, ledger: Ledger, job: str) -> list[SessionRecor
     return ledger.sessions(job)
 
 
+def note_image(client: KaggleClient, record: SessionRecord) -> bool:
+    """Record the image the session runs on, once (`kernels pull -m`'s docker_image); True if recorded."""
+    if "image" in record:
+        return False
+    try:
+        record["image"] = client.kernel_image(record["kernel"], int(record["version"] or 0))
+    except KaggleError:
+        return False  # asked again on the next look
+    return True
+
+
+def read_heartbeat(client: KaggleClient, record: SessionRecord, live: bool) -> bool:
+    """Fold the newest heartbeat of a running session's log into its record; True if it changed. Kaggle's
+    kept log first; with `live`, the live stream when that log holds no heartbeat."""
+    entries = parse_log(client.log(record["kernel"], record["version"]))
+    if live and last_heartbeat(log_text(entries)) is None:
+        events = client.log_so_far(record["kernel"], record["version"])
+        if events is not None:
+            entries = events
+            record["log_seen"] = iso(now_utc())
+    return note_heartbeat(record, entries)
+
+
+def note_heartbeat(record: SessionRecord, entries: list[dict[str, Any]]) -> bool:
+    """The newest heartbeat line of a log (its entries' `time`: seconds by the session's clock), when this
+    laptop first saw it, and the longest gap between two heartbeats; True if the record changed."""
+    beats = [(float(e.get("time") or 0.0), line.strip()) for e in entries
+             for line in str(e.get("data", "")).splitlines() if line.strip().startswith(HEARTBEAT)]
+    if not beats:
+        return False
+    changed = False
+    gap = max((later[0] - earlier[0] for earlier, later in zip(beats, beats[1:], strict=False)), default=0.0)
+    if gap > (record.get("heartbeat_gap_s") or 0.0):
+        record["heartbeat_gap_s"], changed = round(gap, 3), True
+    if beats[-1][1] != record.get("heartbeat"):
+        record["heartbeat"], record["heartbeat_seen"], changed = beats[-1][1], iso(now_utc()), True
+    return changed
+
+
+# When a RUNNING session is stale (its runner most likely died while Kaggle keeps it RUNNING, which
+# Kaggle's own time limit does not reliably end: Unsloth's Kaggle CI, 2026-08): no new heartbeat for
+# longer than STALE_BEATS heartbeats (the job's train.heartbeat, or the longest gap seen between two,
+# for steps slower than it) + QUIET_S + the job's margin (the final save and publish), or, before the
+# first heartbeat, that + SETUP_S since it was first seen running; or RUNNING past its time limit + that.
+STALE_BEATS = 3
+QUIET_S = 30 * 60  # the runtime's hung-step watchdog ends a step that hangs this long (its default floor)
+SETUP_S = 30 * 60  # before the first heartbeat: booting, imports, staging the data, loading the checkpoint
+
+
+@dataclass(frozen=True)
+class StaleRule:
+    """The stale rule for one job (StaleRule.for_job); tests shorten quiet_s and setup_s."""
+
+    heartbeat_s: float
+    margin_s: float
+    limit_s: float
+    quiet_s: float = QUIET_S
+    setup_s: float = SETUP_S
+
+    @classmethod
+    def for_job(cls, job: Job) -> StaleRule:
+        return cls(heartbeat_s=parse_duration(job.train.heartbeat), margin_s=parse_duration(job.train.margin),
+                   limit_s=parse_duration(job.train.session_limit))
+
+    def allowed_s(self, record: SessionRecord) -> float:
+        """How long this session may show no new heartbeat before it is stale."""
+        beat = max(self.heartbeat_s, float(record.get("heartbeat_gap_s") or 0.0))
+        setup = 0.0 if record.get("heartbeat") else self.setup_s
+        return STALE_BEATS * beat + self.quiet_s + self.margin_s + setup
+
+    def words(self, record: SessionRecord) -> str:
+        beat = max(self.heartbeat_s, float(record.get("heartbeat_gap_s") or 0.0))
+        setup = "" if record.get("heartbeat") else f" + {duration(self.setup_s)} of set-up before the first one"
+        return (f"{STALE_BEATS} x its {duration(beat)} heartbeat + {duration(self.quiet_s)} for a step the runtime's "
+                f"watchdog would end + the {duration(self.margin_s)} margin{setup}")
+
+
+@dataclass(frozen=True)
+class Stale:
+    """A RUNNING session judged stale: for how long, under which rule, and the GPU time it has burnt."""
+
+    session: int
+    quiet_s: float  # how long it has shown no sign of life (or run past its limit, when overdue)
+    rule: str  # the rule it broke, in words
+    gpu: bool
+    overdue: bool  # no log to judge by, but RUNNING past its time limit + the allowance
+
+    @property
+    def burnt_h(self) -> float:
+        """GPU-hours billed since the heartbeat stopped (at least: it stopped no later than it was seen)."""
+        return self.quiet_s / 3600 if self.gpu else 0.0
+
+    def note(self) -> str:
+        return f"STALE: {'past its time limit' if self.overdue else 'no new heartbeat'} for {duration(self.quiet_s)}"
+
+    def message(self, job_file: Path | str) -> str:
+        what = ("still RUNNING past its time limit" if self.overdue
+                else "Kaggle says RUNNING, but no new heartbeat came")
+        bill = (f"it has burnt at least {self.burnt_h:.2f} GPU-hours since and goes on billing" if self.gpu
+                else "it holds a session slot (no GPU time)")
+        return (f"session {self.session} is stale: {what} for {duration(self.quiet_s)} (more than {self.rule}); its "
+                f"notebook runner has most likely died, and Kaggle's time limit does not reliably end such a session; "
+                f"{bill}; `kchain stop --delete {job_file}` deletes its kernel, the only stop Kaggle honours for it "
+                "(it checks first that the chain's state is safe in a state version)")
+
+
+def _epoch(text: str | None) -> float | None:
+    return parse_iso(text).timestamp() if text else None
+
+
+def stale(record: SessionRecord, rule: StaleRule, now: float) -> Stale | None:
+    """Whether a RUNNING session is stale at `now` (epoch seconds), by the laptop's own clock: since this
+    laptop first saw its newest heartbeat, or, before any, since it first saw it running (judged only once
+    a live log of it was read); None when it is not, or when nothing tells."""
+    if record["status"] != "RUNNING":
+        return None
+    running, seen = _epoch(record.get("running_seen")), _epoch(record.get("heartbeat_seen"))
+    allowed, gpu = rule.allowed_s(record), bool(record.get("gpu"))
+    since = seen if record.get("heartbeat") else (running if record.get("log_seen") else None)
+    if since is not None and now - since > allowed:
+        return Stale(record["session"], now - since, rule.words(record), gpu, overdue=False)
+    if running is not None and now - running > rule.limit_s + allowed:
+        words = (f"the {duration(allowed)} allowed after its {duration(rule.limit_s)} time limit, with no log "
+                 "to read its heartbeat in")
+        return Stale(record["session"], now - running - rule.limit_s, words, gpu, overdue=True)
+    return None
+
+
+def check_stale(client: KaggleClient, ledger: Ledger, job: str, record: SessionRecord, rule: StaleRule,
+                now: float) -> Stale | None:
+    """`continue --watch`'s look at a running session: once it has been quiet for half its allowance,
+    its live log is read again (a read waits for the stream to go quiet, so not on every poll), then
+    the stale rule is applied."""
+    if record["status"] != "RUNNING":
+        return None
+    since = _epoch(record.get("heartbeat_seen") if record.get("heartbeat") else record.get("running_seen"))
+    if since is not None and now - since > rule.allowed_s(record) / 2:
+        read_heartbeat(client, record, live=True)
+        ledger.save_session(job, record)
+    return stale(record, rule, time.time())
+
+
+def short_image(name: str | None) -> str:
+    """An image name with its digest cut to 12 characters, as a line can show it."""
+    if not name:
+        return "an image Kaggle did not name"
+    repo, found, digest = name.partition("@sha256:")
+    return f"{repo}@sha256:{digest[:12]}" if found else name
+
+
+def _runtime(record: SessionRecord) -> tuple[str | None, str | None, str | None]:
+    summary = summary_of(record)
+    return record.get("image"), summary.torch, summary.cuda
+
+
+def _said(runtime: tuple[str | None, str | None, str | None]) -> str:
+    image, torch, cuda = runtime
+    versions = f"torch {torch}, " + (f"CUDA {cuda}" if cuda else "no CUDA") if torch else "torch unknown"
+    return f"{short_image(image)} ({versions})"
+
+
+def image_drift(chain: list[SessionRecord]) -> list[str]:
+    """One warning for each session that ran on another image (or torch, or CUDA build) than session 1."""
+    ran = [s for s in chain if s.get("version") is not None]
+    if not ran:
+        return []
+    first = _runtime(ran[0])
+    lines = []
+    for record in ran[1:]:
+        now = _runtime(record)
+        if not any(a and b and a != b for a, b in zip(first, now, strict=True)):
+            continue
+        asked = (f"kchain asked for session {ran[0]['session']}'s image and Kaggle ran another"
+                 if record.get("image_asked") else "it was pushed without an image pin")
+        lines.append(
+            f"image: session {record['session']} ran on {_said(now)}, session {ran[0]['session']} on {_said(first)}: "
+            f"{asked}; its numerics may differ from the sessions before it, and a checkpoint written under another "
+            "torch may not load")
+    return lines
+
+
 def _duration(record: SessionRecord) -> str:
     if not record.get("started"):
         return "-"
@@ -207,12 +401,15 @@ def _duration(record: SessionRecord) -> str:
     return f"{int(seconds // 3600)}h{int(seconds % 3600 // 60):02d}m{int(seconds % 60):02d}s"
 
 
-def status_table(chain: list[SessionRecord], used_h: float, weekly_h: float) -> list[str]:
+def status_table(chain: list[SessionRecord], used_h: float, weekly_h: float,
+                 stale_now: dict[int, Stale] | None = None) -> list[str]:
     rows = [f"{'session':>7}  {'version':>7}  {'status':<10} {'started':<20} {'duration':>10}  {'steps':>11}  note"]
     for s in chain:
         steps = f"{s.get('step') or 0}/{s.get('total') or '?'}" if s.get("step") is not None else "-"
         note = ""
-        if s["status"] == "PUSHING":
+        if s["session"] in (stale_now or {}):
+            note = (stale_now or {})[s["session"]].note() + " (see below)"
+        elif s["status"] == "PUSHING":
             note = ("outcome unknown: the push was sent and its answer lost; `kchain continue` checks the "
                     "kernel's versions before pushing again")
         elif s.get("invalid_sources"):
@@ -306,10 +503,13 @@ def status_for(job_file: Path) -> list[str]:
     ledger = Ledger(state_dir(job.path))
     chain = ledger.sessions(job.name)
     if chain:
-        chain = refresh(KaggleClient(), ledger, job.name)
+        chain = refresh(KaggleClient(), ledger, job.name, live_log=True)
     else:
         return [f"{job.name} has no session yet: `kchain push {job_file}` starts one"]
-    return status_table(chain, ledger.gpu_hours_this_week(), job.budget.weekly_gpu_hours)
+    rule, now = StaleRule.for_job(job), time.time()
+    found = {s["session"]: judged for s in chain if (judged := stale(s, rule, now)) is not None}
+    return [*status_table(chain, ledger.gpu_hours_this_week(), job.budget.weekly_gpu_hours, found),
+            *(judged.message(job_file) for judged in found.values()), *image_drift(chain)]
 
 
 def logs_for(job_file: Path, number: int | None, follow: bool, poll_s: float, echo: Echo) -> None:
@@ -325,6 +525,14 @@ def logs_for(job_file: Path, number: int | None, follow: bool, poll_s: float, ec
     record = chain[-1] if number is None else next((s for s in chain if s["session"] == number), None)
     if record is None:
         raise KchainError(f"{job.name} has no session {number}; sessions: {', '.join(str(s['session']) for s in chain)}")
+    if record.get("kernel_deleted"):
+        # Its kernel was deleted (`kchain stop --delete`): Kaggle's copy went with it; a newer kernel of the
+        # same name numbers its versions from 1 again.
+        kept = output_dir(ledger, job.name, record["session"]) / "log.json"
+        text = log_text(parse_log(kept.read_text())) if kept.is_file() else ""
+        echo(text.rstrip("\n") if text else f"[kchain] session {record['session']}'s log went with its kernel "
+             f"(deleted {record['kernel_deleted']}) before it was downloaded")
+        return
     client = KaggleClient()
     show_log(client, record, echo, follow=follow, poll_s=poll_s)
     refresh(client, ledger, job.name)

@@ -5,6 +5,11 @@ credential lives only in this process's environment: it is never printed, logged
 a file. Without internet or without a credential it says so and leaves the work to the laptop
 (`kchain continue` relays the state from the session's output).
 
+Each state (and cache) version is created exactly once: the client's own `with_retry` may not
+re-send a creating call (`kchain.runtime.sendonce`), and a send whose answer was lost (a 500, a
+reset connection) is settled by reading the dataset's current version, or by looking a new dataset
+up, before it is sent again; a second send happens only while the session has time for it.
+
     python -m kchain_publish CONFIG_JSON
 """
 
@@ -20,10 +25,16 @@ from pathlib import Path
 
 PROCESS_START = time.monotonic()  # the client's start-up (the kaggle import) is measured from here
 
-from kchain.runtime import layout, summary  # noqa: E402
+from kchain.runtime import layout, publishplan, sendonce, summary  # noqa: E402
 from kchain.runtime.config import RuntimeConfig  # noqa: E402
 
 SECRET_LABELS = ("KAGGLE_USERNAME", "KAGGLE_KEY")
+MISSING = (403, 404)  # Kaggle's answers for a dataset that does not exist, or is not visible yet
+ATTEMPTS = 4  # sends of one version at most, each after the dataset showed the last one did not land
+SETTLE_S = 600.0  # the longest wait for a dataset to be ready again after a lost answer (hidden, processing)
+APPEAR_S = 30.0  # how long a new dataset may stay hidden after its creation
+RESERVE_S = 10.0  # kept back from the session's limit by a wait or a second send: the summary, the notebook's end
+TAKEN = "already in use"  # the client's and Kaggle's words for a dataset slug that exists
 
 
 def say(msg: str) -> None:
@@ -58,36 +69,161 @@ def credential() -> dict[str, str] | None:
         return None
 
 
-def retry(what: str, call, attempts: int = 6):
+def brief(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {str(exc)[:120]}"
+
+
+class Clock:
+    """What the publish may still spend of the session: its time left, by the notebook's clock, against
+    the plan's time for another upload (publishplan), and the deadline of a wait."""
+
+    def __init__(self, config: RuntimeConfig, plan: dict) -> None:
+        self.config, self.plan = config, plan
+
+    def room_to_send(self, nbytes: int) -> bool:
+        left = time_left(self.config)
+        again = publishplan.seconds(self.plan, nbytes) - self.plan["start_s"]  # the client is up already
+        return left is None or left - RESERVE_S >= again
+
+    def until(self, within_s: float) -> float:
+        """The monotonic time a wait of at most within_s must end by."""
+        left = time_left(self.config)
+        room = within_s if left is None else min(within_s, left - RESERVE_S)
+        return time.monotonic() + max(0.0, room)
+
+
+def transient(exc: BaseException) -> bool:
+    """A 429, a 5xx or no answer at all (requests' errors are OSErrors): worth asking again."""
+    code = sendonce.status_code(exc)
+    return code == 429 or (code or 0) >= 500 or (code is None and isinstance(exc, OSError))
+
+
+def read(what: str, call, attempts: int = 6):
+    """A call that changes nothing, asked again after a transient failure; any other answer is raised."""
     for attempt in range(attempts):
         try:
             return call()
-        except Exception as exc:  # noqa: BLE001 - 429/5xx/connection errors: back off and retry
-            if attempt == attempts - 1:
+        except Exception as exc:  # noqa: BLE001 - sorted by transient()
+            if not transient(exc) or attempt == attempts - 1:
                 raise
-            wait = min(30.0, 1.0 * 2**attempt)
-            say(f"{what} failed ({type(exc).__name__}: {str(exc)[:120]}); retrying in {wait:.0f}s")
+            wait = sendonce.retry_delay_s(attempt, exc)
+            say(f"{what} failed ({brief(exc)}); retrying in {wait:.0f}s")
             time.sleep(wait)
 
 
-def publish_folder(api, folder: Path, ref: str, title: str, notes: str, dir_mode: str) -> None:
-    (folder / "dataset-metadata.json").write_text(json.dumps(
-        {"id": ref, "title": title, "licenses": [{"name": "CC0-1.0"}]}))
+def exists(api, ref: str) -> bool:
     try:
-        api.dataset_status(ref)
-        exists = True
-    except Exception:  # noqa: BLE001 - a 404 means it does not exist yet
-        exists = False
-    if exists:
-        result = retry("dataset version", lambda: api.dataset_create_version(
-            str(folder), notes, quiet=True, dir_mode=dir_mode))
-    else:
-        result = retry("dataset create", lambda: api.dataset_create_new(
-            str(folder), public=False, quiet=True, dir_mode=dir_mode))
+        read(f"looking up {ref}", lambda: api.dataset_status(ref))
+    except Exception as exc:  # noqa: BLE001 - 403/404: not there (or not visible to this user)
+        if sendonce.status_code(exc) in MISSING:
+            return False
+        raise
+    return True
+
+
+def appears(api, ref: str, until: float) -> bool:
+    """Whether a dataset whose creation lost its answer turns up before `until` (a new one hides a while)."""
+    wait = 0.5
+    while True:
+        try:
+            api.dataset_status(ref)
+            return True
+        except Exception:  # noqa: BLE001 - hidden, missing or a transient failure: look again
+            pass
+        if time.monotonic() + wait > until:
+            return False
+        time.sleep(wait)
+        wait = min(wait * 1.5, 5.0)
+
+
+def version_number(api, ref: str, until: float) -> int | None:
+    """ref's newest version number once it is ready (a new version is hidden, then processing, and the
+    number lags until then: as datasets.current_version on the laptop); None if this client cannot say."""
+    wait = 0.5
+    while True:
+        try:
+            status = str(api.dataset_status(ref))
+        except Exception as exc:  # noqa: BLE001 - hidden (403/404) or a transient failure: look again
+            status = f"not visible ({brief(exc)})"
+        if status == "ready":
+            try:
+                answer = read(f"reading {ref}'s version", lambda: api.dataset_status(ref, format="json"))
+            except TypeError:  # a client older than dataset_status(format=...)
+                return None
+            return int(json.loads(answer)["current_version_number"])
+        if status in ("failed", "deleted"):
+            raise RuntimeError(f"{ref} is {status}")
+        if time.monotonic() + wait > until:
+            raise RuntimeError(f"{ref} was still {status} when the session's time for the publish ran out")
+        time.sleep(wait)
+        wait = min(wait * 1.5, 10.0)
+
+
+def refused(result, ref: str) -> bool:
+    """Whether Kaggle's answer to a creating call says no (then it created nothing); a refusal other
+    than a taken slug is raised."""
     status = getattr(result, "status", None) or (result.get("status") if isinstance(result, dict) else None)
     error = getattr(result, "error", None) or (result.get("error") if isinstance(result, dict) else None)
-    if str(status).lower() != "ok":
-        raise RuntimeError(f"{ref}: {error or status}")
+    if str(status).lower() == "ok":
+        return False
+    if TAKEN in str(error):
+        return True
+    raise RuntimeError(f"{ref}: {error or status}")
+
+
+def version_once(api, folder: Path, ref: str, notes: str, dir_mode: str, clock: Clock) -> None:
+    """folder as one new version of ref. A send that fails is settled by ref's current version: a new
+    one means it landed; else it is sent again, while the session has time for another upload."""
+    before = version_number(api, ref, clock.until(SETTLE_S))
+    for attempt in range(ATTEMPTS):
+        try:
+            result = api.dataset_create_version(str(folder), notes, quiet=True, dir_mode=dir_mode)
+        except Exception as exc:  # noqa: BLE001 - whatever broke, the dataset's versions say what happened
+            if before is None:
+                raise RuntimeError(f"the upload to {ref} failed ({brief(exc)}) and this kaggle client cannot "
+                                   "read the dataset's version to tell whether it landed") from exc
+            now = version_number(api, ref, clock.until(SETTLE_S))
+            if now != before:
+                say(f"the answer was lost, but {ref} has version {now}: using it")
+                return
+            if attempt == ATTEMPTS - 1 or not clock.room_to_send(publishplan.tree_bytes(folder)):
+                raise RuntimeError(f"the upload to {ref} failed ({brief(exc)}), it has no new version, and "
+                                   f"{'no attempts' if attempt == ATTEMPTS - 1 else 'no time'} are left") from exc
+            say(f"the upload failed ({brief(exc)}) and {ref} has no new version: sending it again")
+            continue
+        if refused(result, ref):  # a taken slug says nothing about a version: Kaggle said no all the same
+            raise RuntimeError(f"{ref}: Kaggle refused the new version: {getattr(result, 'error', '')}")
+        return
+
+
+def create_once(api, folder: Path, ref: str, dir_mode: str, clock: Clock) -> bool:
+    """folder as the first version of the new dataset ref; False if ref existed already. A send that
+    fails is settled by looking ref up (a new dataset hides a while); else it is sent again, while the
+    session has time for another upload."""
+    for attempt in range(ATTEMPTS):
+        try:
+            result = api.dataset_create_new(str(folder), public=False, quiet=True, dir_mode=dir_mode)
+        except Exception as exc:  # noqa: BLE001 - whatever broke, looking the dataset up says what happened
+            if appears(api, ref, clock.until(APPEAR_S)):
+                say(f"the answer was lost, but {ref} exists: using it")
+                return True
+            if attempt == ATTEMPTS - 1 or not clock.room_to_send(publishplan.tree_bytes(folder)):
+                raise RuntimeError(f"creating {ref} failed ({brief(exc)}), it does not exist, and "
+                                   f"{'no attempts' if attempt == ATTEMPTS - 1 else 'no time'} are left") from exc
+            say(f"creating {ref} failed ({brief(exc)}) and it does not exist: sending it again")
+            continue
+        if refused(result, ref):  # the slug is taken: by an earlier send of ours, or before this session
+            return attempt > 0
+        return True
+    raise AssertionError("unreachable")
+
+
+def publish_folder(api, folder: Path, ref: str, title: str, notes: str, dir_mode: str, clock: Clock) -> None:
+    (folder / "dataset-metadata.json").write_text(json.dumps(
+        {"id": ref, "title": title, "licenses": [{"name": "CC0-1.0"}]}))
+    if not exists(api, ref) and create_once(api, folder, ref, dir_mode, clock):
+        return
+    version_once(api, folder, ref, notes, dir_mode, clock)
 
 
 def attached_cache(input_root: Path, marker_name: str) -> list[str] | None:
@@ -110,7 +246,6 @@ def main(config_path: str) -> int:
         return none("the job has no Kaggle owner, so there is no state dataset to publish to")
     # Standard library only (statefolder finds and verifies without torch): a session near its limit
     # must not spend its last seconds importing torch.
-    from kchain.runtime import publishplan
     from kchain.runtime.statefolder import newest_checkpoint
 
     plan = publishplan.figures(config.kaggle)
@@ -129,22 +264,30 @@ def main(config_path: str) -> int:
     # The session token Kaggle mounts would take precedence over the user's key (kagglesdk 1.3).
     os.environ.pop("KAGGLE_API_V1_TOKEN", None)
     os.environ.update(cred)
-    from kaggle.api.kaggle_api_extended import KaggleApi
-
-    api = KaggleApi()
-    api.authenticate()
+    api = client()
     work = Path(tempfile.mkdtemp(prefix="kchain-publish-"))
     try:
-        return publish(api, config, kchain_dir, work)
+        return publish(api, config, kchain_dir, work, Clock(config, plan))
     except Exception as exc:  # noqa: BLE001 - the laptop relay is the fallback; say why
         return none(f"failed: {type(exc).__name__}: {str(exc)[:200]}")
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
 
-def publish(api, config: RuntimeConfig, kchain_dir: Path, work: Path) -> int:
+def client():
+    """The official client, authenticated with the Secrets' key, its creating calls sent once."""
+    from kaggle.api.kaggle_api_extended import KaggleApi
+
+    api = KaggleApi()
+    api.authenticate()
+    if callable(getattr(api, "with_retry", None)):  # kaggle 2.x; a client without it has nothing to bypass
+        api.with_retry = sendonce.sent_once(api.with_retry)
+    return api
+
+
+def publish(api, config: RuntimeConfig, kchain_dir: Path, work: Path, clock: Clock) -> int:
     """The state (and a changed cache) as new dataset versions; the figures into summary.json."""
-    from kchain.runtime.statefolder import CACHE_MARKER, build_cache_folder, build_state_folder, cache_entries
+    from kchain.runtime.statefolder import build_state_folder
 
     kaggle = config.kaggle
     marker = build_state_folder(kchain_dir, work / "state", published="kernel", job=config.job)
@@ -152,26 +295,50 @@ def publish(api, config: RuntimeConfig, kchain_dir: Path, work: Path) -> int:
         return none("no verified checkpoint in this session's output")
     notes = f"kchain session {marker['session']} step {marker['step']}"
     t1 = time.monotonic()
-    publish_folder(api, work / "state", kaggle.state_dataset, f"{config.job} state"[:50], notes, "skip")
+    publish_folder(api, work / "state", kaggle.state_dataset, f"{config.job} state"[:50], notes, "skip", clock)
     uploaded = sum(p.stat().st_size for p in (work / "state").iterdir() if p.is_file())
     # Measured here, planned with by the next session (continue passes them on in its config).
     took = max(time.monotonic() - t1, 1e-3)
-    # The creation's round trips are folded into the rate: sessions of a chain publish similar sizes.
+    # The creation's round trips (and the settling of a lost answer) are folded into the rate: sessions of
+    # a chain publish similar sizes.
     timing = {"start_s": round(t1 - PROCESS_START, 3), "create_s": 0.0,
               "rate_bps": round(uploaded / took, 1), "bytes": uploaded}
-    cache_bytes = 0
-    entries = cache_entries(kchain_dir)
-    if entries and entries != attached_cache(layout.input_root(os.environ), CACHE_MARKER) and kaggle.cache_dataset:
-        cache_bytes = build_cache_folder(kchain_dir, work / "cache")
-        publish_folder(api, work / "cache", kaggle.cache_dataset, f"{config.job} cache"[:50], notes, "zip")
-    summary_path = kchain_dir / layout.SUMMARY
-    ended = summary.read(summary_path) or summary.Summary()
-    ended.published, ended.published_step = "kernel", marker["step"]
-    ended.published_bytes, ended.publish_timing = uploaded + cache_bytes, timing
-    summary.write(summary_path, ended)
+    # Recorded before the cache is tried: the state version exists now, and a summary without it would
+    # have the laptop relay the same state as a second version.
+    record(kchain_dir, marker["step"], uploaded, timing)
+    cache_bytes = publish_cache(api, config, kchain_dir, work, notes, clock)
+    if cache_bytes:
+        record(kchain_dir, marker["step"], uploaded + cache_bytes, timing)
     say(f"state at step {marker['step']} is now a new version of {kaggle.state_dataset} "
         f"({uploaded / 1e6:.1f} MB{f', cache {cache_bytes / 1e6:.1f} MB' if cache_bytes else ''})")
     return 0
+
+
+def record(kchain_dir: Path, step: int, nbytes: int, timing: dict) -> None:
+    """summary.json says the kernel published the state at step (`continue` then relays nothing)."""
+    summary_path = kchain_dir / layout.SUMMARY
+    ended = summary.read(summary_path) or summary.Summary()
+    ended.published, ended.published_step = "kernel", step
+    ended.published_bytes, ended.publish_timing = nbytes, timing
+    summary.write(summary_path, ended)
+
+
+def publish_cache(api, config: RuntimeConfig, kchain_dir: Path, work: Path, notes: str, clock: Clock) -> int:
+    """The staged cache as a version of the job's cache dataset when it changed; its bytes (0: none).
+    A failure is said and left: the state stands, and the next session stages its data again."""
+    from kchain.runtime.statefolder import CACHE_MARKER, build_cache_folder, cache_entries
+
+    entries = cache_entries(kchain_dir)
+    ref = config.kaggle.cache_dataset
+    if not entries or entries == attached_cache(layout.input_root(os.environ), CACHE_MARKER) or not ref:
+        return 0
+    cache_bytes = build_cache_folder(kchain_dir, work / "cache")
+    try:
+        publish_folder(api, work / "cache", ref, f"{config.job} cache"[:50], notes, "zip", clock)
+    except Exception as exc:  # noqa: BLE001 - the cache only saves the next session its staging
+        say(f"the staged-data cache was not published ({brief(exc)}); the next session stages its data again")
+        return 0
+    return cache_bytes
 
 
 if __name__ == "__main__":

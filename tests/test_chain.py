@@ -17,7 +17,7 @@ from pathlib import Path
 from emulator_helpers import emulator  # noqa: F401  (fixture)
 from helpers import copy_job, error_line, invoke
 
-from kchain.emulator import Faults
+from kchain.emulator import Faults, Switches
 from kchain.ledger import Ledger
 from kchain.rehearse import rehearse
 from kchain.runtime import layout
@@ -36,15 +36,23 @@ def test_a_chain_with_a_kill_deadlines_and_flaky_api_equals_the_uninterrupted_ru
     # Every strict switch at once (the emulator's defaults: 403 for missing, lagging and processing
     # versions, ignored version pins, output lost at the limit, queue and boot time, no GPU figures in
     # the quota) and a flaky API: 25% of calls answered 429 or 500, 10% of creating calls act and lose
-    # their answer, every 4th upload dropped, and the killed session's output lost. One `watch`, no rerun.
+    # their answer, 10% act and reset the connection (the client's own retry must not send them again),
+    # every 4th upload dropped, and the killed session's output lost; two GPU sessions at most per account
+    # (the emulator's default cap; the chain's sessions are GPU sessions); Kaggle releases a new image with
+    # every push (the chain must stay on session 1's). One `watch`, no rerun.
     monkeypatch.setenv(layout.FAULT_ENV, f"{STALL},deadline_after_steps=20")
     monkeypatch.setenv(layout.CHECKPOINT_EVERY_ENV, "5 steps")  # the kill comes after a save mid-session
     job = copy_job("tinygpt", tmp_path, params={"steps": 60, "eval_every": 20, "batch": 8, "accumulate": 1})
     faults = Faults(rate_429=0.15, rate_500=0.10, rate_lost_answer=0.1, drop_upload_every=4, processing_s=2.0,
-                    lose_output=True, seed=5)
-    result = rehearse(job, session_limit_s=GENEROUS_S, kills=1, seed=2, faults=faults, echo=lambda _: None, ranks=1)
+                    lose_output=True, rate_reset_after_acting=0.1, seed=5)
+    result = rehearse(job, session_limit_s=GENEROUS_S, kills=1, seed=2, faults=faults, echo=lambda _: None, ranks=1,
+                      switches=Switches(new_image_every=1))
 
     assert result.passed, result.verdict
+    assert faults.resets >= 1 and all(s["gpu"] for s in result.emulator_sessions)  # both were in play
+    # Every session ran on session 1's image, the one its record names, though newer ones came out.
+    assert len({s["image"] for s in result.emulator_sessions}) == 1
+    assert result.sessions[0]["image"] == result.emulator_sessions[0]["image"]
     chain = result.sessions
     assert len(chain) >= 4
     ended_as = [(s.get("summary") or {}).get("status") for s in chain]

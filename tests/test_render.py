@@ -99,3 +99,10 @@ def test_the_fingerprint_does_not_depend_on_who_pushes_or_which_session():
     assert alone.fingerprint == alice.fingerprint == later.fingerprint
     assert "| session | 5 of the chain; state attached: alice/tinygpt-notes-state/4 |" in later.notebook.replace("\\n", "\n")
     assert json.loads(later.metadata)["dataset_sources"] == ["alice/tinygpt-notes-state/4"]
+
+
+def test_kaggle_image_pins_the_first_sessions_image_unless_it_says_latest(tmp_path):
+    pinned = json.loads(render_job(load_job(copy_job("classifier", tmp_path)), owner="alice").metadata)
+    assert pinned["docker_image_pinning_type"] == "original"
+    latest = copy_job("classifier", tmp_path / "b", kaggle={"image": "latest"})
+    assert json.loads(render_job(load_job(latest), owner="alice").metadata)["docker_image_pinning_type"] == "latest"

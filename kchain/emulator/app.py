@@ -45,6 +45,7 @@ class Emulator:
     session_limit_s = _shared("limits", "session_limit_s")
     gpu_quota_s = _shared("limits", "gpu_quota_s")
     max_gpu_sessions = _shared("limits", "max_gpu_sessions")
+    quota_week_offset_s = _shared("limits", "quota_week_offset_s")
     faults = _shared("rpcs", "faults")
     switches = _shared("rpcs", "switches")
 

@@ -28,6 +28,9 @@ class Faults:
     # step-N folder in working/kchain/checkpoints, N above the attached state's step): a kill after
     # real progress, whatever the job's loop prints (an explicit run.save loop prints no heartbeat).
     kill_after_checkpoint: bool = False
+    # The notebook's runner crashes as soon as the session's log shows this text: its process tree dies
+    # (SIGKILL) with no word to Kaggle, and the session then shows what `switches.crashed_runner` says.
+    crash_runner_on_output: str | None = None
     # Upload PUTs that carry bytes are cut off after reading half their body: the 1st, the
     # (N+1)th, ... (1 = every one).
     drop_upload_every: int = 0
@@ -44,11 +47,22 @@ class Faults:
     # That fraction of creating calls (SaveKernel, CreateDataset, CreateDatasetVersion[ById]) act, then
     # answer 500: a lost answer, drawn from the seeded RNG.
     rate_lost_answer: float = 0.0
+    # The next N creating calls act, then reset the connection (a TCP reset, no HTTP answer at all): the
+    # lost answer the official client's own `with_retry` re-sends (it retries connection errors, never a 500).
+    reset_after_acting: int = 0
+    # That fraction of creating calls act, then reset the connection, drawn from the seeded RNG.
+    rate_reset_after_acting: float = 0.0
     seed: int = 0
     _rng: random.Random = field(default=None, init=False, repr=False)  # type: ignore[assignment]
     _rng_seed: int | None = field(default=None, init=False, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
     _uploads_seen: int = field(default=0, init=False, repr=False)
+    _resets: int = field(default=0, init=False, repr=False)
+
+    @property
+    def resets(self) -> int:
+        """How many creating calls acted and then reset the connection (so a test knows the fault fired)."""
+        return self._resets
 
     def _random(self) -> float:
         with self._lock:
@@ -78,6 +92,19 @@ class Faults:
     def lose_answer(self) -> bool:
         """Whether this creating call, which has acted, answers 500 (rate_lost_answer)."""
         return self.rate_lost_answer > 0 and self._random() < self.rate_lost_answer
+
+    def reset_answer(self) -> bool:
+        """Whether this creating call, which has acted, resets the connection instead of answering
+        (reset_after_acting, then the rate)."""
+        with self._lock:
+            reset = self.reset_after_acting > 0
+            if reset:
+                self.reset_after_acting -= 1
+        reset = reset or (self.rate_reset_after_acting > 0 and self._random() < self.rate_reset_after_acting)
+        if reset:
+            with self._lock:
+                self._resets += 1
+        return reset
 
     def drop_this_upload(self) -> bool:
         if self.drop_upload_every <= 0:

@@ -8,6 +8,7 @@ out by name. Shapes follow docs/reference kaggle-api.md section 3.
 from __future__ import annotations
 
 import functools
+import hashlib
 import shutil
 import time
 import zipfile
@@ -18,7 +19,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from kchain.emulator.faults import Faults
-from kchain.emulator.sessions import SessionRunner
+from kchain.emulator.sessions import SessionRunner, remove_tree
 from kchain.emulator.state import Store, iso, model_key, new_secret
 from kchain.emulator.switches import Limits, Switches
 from kchain.kernel_states import LIVE
@@ -26,6 +27,13 @@ from kchain.kernel_states import LIVE
 GPU_SHAPE_PREFIXES = ("Nvidia",)
 TPU_SHAPE_PREFIXES = ("Tpu",)
 SESSION_ID_BASE = 100_000_000
+# Kaggle's images are named by digest (the SDK's ApiSaveKernelRequest.docker_image docstring).
+IMAGE_REPOSITORY = "gcr.io/kaggle-images/python"
+
+
+def image_name(release: int) -> str:
+    """The digest of the emulator's release N of Kaggle's image (the same N, the same name)."""
+    return f"{IMAGE_REPOSITORY}@sha256:{hashlib.sha256(f'kaggle image release {release}'.encode()).hexdigest()}"
 
 
 class ApiError(Exception):
@@ -35,16 +43,27 @@ class ApiError(Exception):
         self.message = message
 
 
+class ResetConnection(Exception):
+    """A creating call acted, and the server resets the connection instead of answering (a fault)."""
+
+
 class Redirect(Exception):
     def __init__(self, location: str) -> None:
         super().__init__(location)
         self.location = location
 
 
-def week_start(now: float) -> float:
-    """Epoch seconds of the last Saturday 00:00 UTC (when Kaggle's GPU quota resets)."""
-    day = datetime.fromtimestamp(now, timezone.utc).replace(hour=0, minute=0, second=0, microsecond=0)
-    return (day - timedelta(days=(day.weekday() - 5) % 7)).timestamp()
+def week_start(now: float, offset_s: float = 0.0) -> float:
+    """Epoch seconds at which the GPU quota week holding `now` began: the last Saturday 00:00 UTC, or
+    offset_s after one for an account whose week starts later (Limits.quota_week_offset_s)."""
+    shifted = now - offset_s
+    day = datetime.fromtimestamp(shifted, timezone.utc).replace(hour=0, minute=0, second=0, microsecond=0)
+    return (day - timedelta(days=(day.weekday() - 5) % 7)).timestamp() + offset_s
+
+
+def refresh_words(refresh: float) -> str:
+    """A refresh time as the quota refusal says it ("Saturday 00:00 UTC")."""
+    return datetime.fromtimestamp(refresh, timezone.utc).strftime("%A %H:%M UTC")
 
 
 def _duration(seconds: float) -> str:
@@ -157,7 +176,7 @@ class Rpcs:
         return versions[-1]
 
     def _gpu_used_s(self, user: str, now: float) -> float:
-        start = week_start(now)
+        start = week_start(now, self.limits.quota_week_offset_s)
         used = 0.0
         for s in self.store.sessions.values():
             if s["owner"] != user or not s["gpu"] or not s.get("started"):
@@ -199,17 +218,21 @@ class Rpcs:
         answered and left out, and the session starts all the same (as on Kaggle)."""
         with self.store.lock:
             save = self._check_save(user, body)
-            refusal = self._refusal(user, save)
+            refusal = self._refusal(user, save) or self._unknown_image(body)
             if refusal:
                 return {"error": refusal}
+            image = self._image(save, body)
             now = time.time()
             kernel = self._upsert_kernel(save, body, now)
             number, session_id = self._add_session(save, kernel, body, now)
+            self.store.session(session_id)["image"] = image
             self.store.save()
         if save.run:
             self.runner.launch(session_id)
         if self.faults.lose_save_answer():
             raise ApiError(500, "Internal error after the version was saved (injected)")
+        if self.faults.reset_answer():
+            raise ResetConnection("SaveKernel acted")
         return {"ref": f"/code/{save.ref}", "url": f"{self.url()}/code/{save.ref}", "versionNumber": number,
                 "kernelId": kernel["id"], "invalidDatasetSources": save.sources["invalid_datasets"],
                 "invalidKernelSources": save.sources["invalid_kernels"],
@@ -271,9 +294,36 @@ class Rpcs:
             return f"Maximum batch GPU session count of {cap} reached"
         used, quota = self._gpu_used_s(user, time.time()), self.limits.gpu_quota_s
         if used >= quota:
+            refresh = week_start(time.time(), self.limits.quota_week_offset_s) + 7 * 86400
             return (f"GPU quota exceeded: {used / 3600:.2f} of {quota / 3600:.2f} hours "
-                    f"used this week; the quota resets Saturday 00:00 UTC")
+                    f"used this week; the quota resets {refresh_words(refresh)}")
         return None
+
+    def _unknown_image(self, body: dict[str, Any]) -> str | None:
+        """The refusal of a `dockerImage` that is not one of Kaggle's images ("must be one of the
+        Kaggle-provided, known images": the SDK's docstring; the wording is the emulator's)."""
+        asked = body.get("dockerImage")
+        if asked and asked not in self.store.images:
+            return f"docker_image {asked} is not one of Kaggle's images"
+        return None
+
+    def _image(self, save: SaveRequest, body: dict[str, Any]) -> str:
+        """The image the new version runs on; under the lock. Kaggle releases a new image every
+        `new_image_every` run pushes; a push runs on the newest unless it pins one: by digest
+        (`dockerImage`) or with pinning type `original` (the image of the kernel's first version).
+        `ignore_image_pin`: pins have no effect."""
+        images, every = self.store.images, self.switches.new_image_every
+        if not images or (save.run and every and self.store.data["runs_pushed"] % every == 0):
+            images.append(image_name(len(images) + 1))
+        self.store.data["runs_pushed"] += int(save.run)
+        newest, versions = images[-1], save.kernel["versions"] if save.kernel else []
+        if self.switches.ignore_image_pin:
+            return newest
+        if body.get("dockerImage"):
+            return str(body["dockerImage"])
+        if body.get("dockerImagePinningType") == "original" and versions:
+            return self.store.session(versions[0]["session"]).get("image") or newest
+        return newest
 
     def _upsert_kernel(self, save: SaveRequest, body: dict[str, Any], now: float) -> dict[str, Any]:
         kernel = save.kernel
@@ -321,6 +371,8 @@ class Rpcs:
             "kill_after_checkpoint": faults.kill_after_checkpoint if run else False,
             "queue_s": switches.queue_s, "boot_s": switches.boot_s, "output_at_limit": switches.output_at_limit,
             "ignore_version_pin": switches.ignore_version_pin, "no_gpu": faults.no_gpu,
+            "crash_runner_on_output": faults.crash_runner_on_output if run else None,
+            "crashed_runner": switches.crashed_runner,
         }
         sdir = self.store.session_dir(session_id)
         sdir.mkdir(parents=True)
@@ -365,7 +417,7 @@ class Rpcs:
         with self.store.lock:
             kernel = self._kernel(user, body)
             session_id = self._kernel_version(kernel, version_label(body))["session"]
-            metadata = self._kernel_metadata(kernel)
+            metadata = self._kernel_metadata(kernel, session_id)
         source = (self.store.session_dir(session_id) / "source").read_text(encoding="utf-8")
         return {"metadata": metadata, "blob": {"source": source, "language": metadata["language"],
                                                "kernelType": metadata["kernelType"], "slug": metadata["slug"]}}
@@ -374,7 +426,7 @@ class Rpcs:
     def GetAcceleratorQuotaStatistics(self, user: str, body: dict[str, Any]) -> dict[str, Any]:
         now = time.time()
         answer = {
-            "quotaRefreshTime": iso(week_start(now) + 7 * 86400),
+            "quotaRefreshTime": iso(week_start(now, self.limits.quota_week_offset_s) + 7 * 86400),
             "tpuQuota": {"timeUsed": _duration(0), "totalTimeAllowed": _duration(20 * 3600)},
         }
         if self.switches.quota_has_gpu:
@@ -393,7 +445,30 @@ class Rpcs:
         self.runner.cancel(session["id"], by="api")
         return {}
 
-    def _kernel_metadata(self, kernel: dict[str, Any]) -> dict[str, Any]:
+    @locked
+    def DeleteKernel(self, user: str, body: dict[str, Any]) -> dict[str, Any]:
+        """`kaggle kernels delete owner/slug`: the kernel and every version's output go; a live session
+        is ended (its GPU time stops counting), as Unsloth's CI measured; its Secrets attachment goes too."""
+        kernel = self._kernel(user, body)
+        self._own(user, kernel["owner"], "kernels")
+        del self.store.kernels[kernel["ref"]]
+        if kernel["ref"] in self.store.secrets_attached:
+            self.store.secrets_attached.remove(kernel["ref"])
+        now = time.time()
+        for version in kernel["versions"]:
+            session = self.store.session(version["session"])
+            session["kernel_deleted"] = now
+            if session["status"] in LIVE:
+                self.runner.delete(session["id"])  # its watcher ends it within 50 ms, output lost
+            else:
+                remove_tree(self.store.session_dir(session["id"]) / "output")
+                session["output_lost"] = True
+        self.store.save()
+        return {}
+
+    def _kernel_metadata(self, kernel: dict[str, Any], session_id: str | None = None) -> dict[str, Any]:
+        """ApiKernelMetadata of a kernel; its dockerImage is the image the session (default: the newest
+        version's) ran on, as `kernels pull -m` reports it."""
         metadata = {
             "id": kernel["id"], "ref": kernel["ref"], "title": kernel["title"], "author": kernel["owner"],
             "slug": kernel["slug"], "language": kernel["language"], "kernelType": kernel["kernel_type"],
@@ -405,8 +480,9 @@ class Rpcs:
         }
         if kernel["machine_shape"]:
             metadata["machineShape"] = kernel["machine_shape"]
-        if kernel["docker_image"]:
-            metadata["dockerImage"] = kernel["docker_image"]
+        image = self.store.session(session_id or kernel["versions"][-1]["session"]).get("image")
+        if image or kernel["docker_image"]:
+            metadata["dockerImage"] = image or kernel["docker_image"]
         return metadata
 
     @locked
@@ -503,6 +579,8 @@ class Rpcs:
     def _maybe_lose_answer(self) -> None:
         if self.faults.lose_answer():
             raise ApiError(500, "Internal error after the version was created (injected)")
+        if self.faults.reset_answer():
+            raise ResetConnection("the dataset call acted")
 
     def _blobs(self, user: str, files: list[dict[str, Any]]) -> list[tuple[Path, str]]:
         """(bytes on disk, file name) of each complete upload the request names; under the lock."""

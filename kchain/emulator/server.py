@@ -19,6 +19,7 @@ import binascii
 import json
 import re
 import socket
+import struct
 import sys
 import time
 from collections.abc import Callable
@@ -28,7 +29,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, unquote, urlsplit
 
-from kchain.emulator.rpcs import ApiError, Redirect, Rpcs
+from kchain.emulator.rpcs import ApiError, Redirect, ResetConnection, Rpcs
 
 RPC_PATH = re.compile(r"^(?:/api)?/v1/(?P<service>[\w.]+)/(?P<rpc>\w+)$")
 LOG_STREAM_PATH = re.compile(r"^(?:/api)?/v1/kernels/logs/stream/(?P<owner>[^/]+)/(?P<slug>[^/]+)$")
@@ -146,7 +147,19 @@ class Handler(BaseHTTPRequestHandler):
             return self._error(e.code, e.message)
         except Redirect as r:
             return self._send(302, b"", "text/plain", {"Location": r.location})
+        except ResetConnection:
+            return self._reset()  # the call acted; its answer never leaves
         self._json(200, answer)
+
+    def _reset(self) -> None:
+        """Drop the connection with a TCP reset and no answer: the client sees a connection error
+        after the server acted (linger 0 turns the close into an RST)."""
+        self.close_connection = True
+        try:
+            self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            self.connection.close()
+        except OSError:
+            pass
 
     def _secret(self, request: dict[str, Any]) -> None:
         secret = self.rpcs.user_secret(str(request.get("JWE", "")), str(request.get("Label", "")))

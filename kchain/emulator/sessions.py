@@ -75,6 +75,10 @@ _SCRUBBED_ENV = ("KAGGLE_USERNAME", "KAGGLE_KEY", "KAGGLE_API_TOKEN", "KAGGLE_CO
 
 # How a session killed by the kill_after_checkpoint fault is described (its failure message).
 CHECKPOINT_KILL = "Session was killed (fault injection after it saved step"
+# A session whose notebook runner crashed (faults.crash_runner_on_output), as `crashed_runner: error` ends it.
+RUNNER_CRASHED = "The notebook runner crashed (fault injection)"
+# Who ended a session whose kernel was deleted (emu.cancellations()' `by`): its output goes with the kernel.
+KERNEL_DELETED = "kernel deleted"
 
 
 def kill_tree(pid: int) -> None:
@@ -170,6 +174,11 @@ class SessionRunner:
     def cancel(self, session_id: str, by: str) -> None:
         """Ask a live session to end as CANCEL_ACKNOWLEDGED; its watcher kills it within 50 ms."""
         self._cancels.setdefault(session_id, by)
+
+    def delete(self, session_id: str) -> None:
+        """The session's kernel was deleted: end it now (CANCEL_ACKNOWLEDGED), its output gone, whatever
+        it was doing; the only end of a session whose runner crashed."""
+        self._cancels[session_id] = KERNEL_DELETED
 
     def expire(self, session_id: str) -> None:
         """Reach the session's time limit now (a clock control: tests need not wait for the limit)."""
@@ -305,6 +314,8 @@ class SessionRunner:
         killed_by = reason if proc is None else self._watch(session_id, proc, deadline, reason, limit_reason)
         if proc is not None:
             kill_tree(proc.pid)  # stray grandchildren of a finished notebook die with the session
+        if killed_by == RUNNER_CRASHED and session.get("crashed_runner") == "running":
+            self._wedged(session_id)
         if self._stopping.is_set():
             return  # stop() killed the tree; the record stays RUNNING and reads as lost on restart
         if session_id in self._cancels:
@@ -326,7 +337,7 @@ class SessionRunner:
         """Start the notebook's process tree in its own process group (its first cell runs now)."""
         notebook = sdir / "kernel.ipynb"
         notebook.write_text(as_notebook((sdir / "source").read_text(encoding="utf-8"), session["kernel_type"]))
-        env = self._env(session, self.store.kernels[session["kernel"]], sdir, root)
+        env = self._env(session, self.store.kernels.get(session["kernel"], {}), sdir, root)  # {}: just deleted
         with open(sdir / "stdout.txt", "wb") as out, open(sdir / "stderr.txt", "wb") as err:
             proc = subprocess.Popen(
                 [self.python, "-m", "kchain.local", "run", str(notebook), "--root", str(root),
@@ -346,15 +357,18 @@ class SessionRunner:
         """Wait for the process; kill its tree at the deadline, on a marker fault, an expiry or a cancel.
         Returns why it was killed, or None if it ended by itself (or the emulator is stopping)."""
         session = self.store.session(session_id)
-        marker = session.get("kill_on_output")
+        marker, crash = session.get("kill_on_output"), session.get("crash_runner_on_output")
         log_jsonl = self.store.session_dir(session_id) / "log.jsonl"
         root = self.store.session_dir(session_id) / "root"
         resumed = attached_state_step(root / layout.INPUT_DIR) if session.get("kill_after_checkpoint") else None
         while proc.poll() is None:
             if self._stopping.is_set():
                 return None
-            if marker and log_jsonl.exists() and marker in log_jsonl.read_text(errors="replace"):
+            text = log_jsonl.read_text(errors="replace") if (marker or crash) and log_jsonl.exists() else ""
+            if marker and marker in text:
                 deadline, reason = time.time(), f"Session was killed (fault injection on output {marker!r})"
+            if crash and crash in text:
+                deadline, reason = time.time(), RUNNER_CRASHED
             saved = new_checkpoint(root, resumed) if resumed is not None else None
             if saved is not None:
                 deadline, reason = time.time(), f"{CHECKPOINT_KILL} {saved})"
@@ -366,6 +380,13 @@ class SessionRunner:
                 return reason
             time.sleep(0.05)
         return None
+
+    def _wedged(self, session_id: str) -> None:
+        """The runner crashed and Kaggle never heard: the session stays RUNNING, its time limit and a
+        cancel ignored, until its kernel is deleted (or the emulator stops)."""
+        self._update(session_id, runner_crashed=time.time())
+        while not self._stopping.is_set() and self._cancels.get(session_id) != KERNEL_DELETED:
+            time.sleep(0.05)
 
     def _capture(self, sdir: Path, root: Path, lose: bool) -> None:
         """Keep ROOT/working as the version's output (or nothing), and the log in Kaggle's format."""
@@ -382,7 +403,8 @@ class SessionRunner:
         if self._stopping.is_set() and session_id not in self._cancels:
             return
         session = self.store.session(session_id)
-        lose = session.get("output_at_limit") == "lost" or session["lose_output"]
+        deleted = self._cancels[session_id] == KERNEL_DELETED
+        lose = deleted or session.get("output_at_limit") == "lost" or session["lose_output"]
         self._capture(sdir, root, lose)
         now = time.time()
         with self.store.lock:

@@ -54,7 +54,8 @@ class Store:
         self.path = self.root / "state.json"
         self.lock = threading.RLock()
         self.data: dict[str, Any] = {"next_id": 1, "kernels": {}, "datasets": {}, "models": {}, "sessions": {},
-                                     "blobs": {}, "cancellations": [], "secrets_attached": []}
+                                     "blobs": {}, "cancellations": [], "secrets_attached": [],
+                                     "images": [], "runs_pushed": 0}
         if self.path.exists():
             self.data.update(json.loads(self.path.read_text()))
 
@@ -115,6 +116,11 @@ class Store:
     @property
     def secrets_attached(self) -> list[str]:
         return self.data["secrets_attached"]
+
+    @property
+    def images(self) -> list[str]:
+        """Kaggle's images so far, oldest first: the last is the newest (switches.new_image_every)."""
+        return self.data["images"]
 
     def version_visible(self, version: dict[str, Any], now: float | None = None) -> bool:
         """A new version is invisible (its dataset reads as missing, its number lags) for a while."""

@@ -12,14 +12,17 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 KEPT, LOST = "kept", "lost"
+RUNNING, ERROR = "running", "error"  # what a session whose runner crashed shows
 
 
 @dataclass
 class Limits:
-    """The account's limits: a session's time limit, the weekly GPU quota, the GPU concurrency cap."""
+    """The account's limits: a session's time limit, the weekly GPU quota, the GPU concurrency cap, and
+    when the account's quota week starts (this long after Saturday 00:00 UTC; accounts may differ)."""
     session_limit_s: float = 12 * 3600
     gpu_quota_s: float = 30 * 3600
     max_gpu_sessions: int = 2
+    quota_week_offset_s: float = 0.0
 
 
 @dataclass
@@ -49,20 +52,33 @@ class Switches:
     tpu_session_limit_s: float = 9 * 3600
     # GetAcceleratorQuotaStatistics answers with a `gpuQuota` (False: no GPU figures at all).
     quota_has_gpu: bool = False
+    # What a session whose notebook runner crashed (faults.crash_runner_on_output) shows: "running" stays
+    # RUNNING, its time limit ignored and its GPU time counted, until its kernel is deleted; "error" ends ERROR.
+    crashed_runner: str = RUNNING
+    # Kaggle releases a new image every N sessions the account pushes to run (0: never). A session runs on
+    # the newest one unless its push pins another (`docker_image`, or `docker_image_pinning_type: original`:
+    # the image of the kernel's first version).
+    new_image_every: int = 1
+    # A push's image pins (`docker_image`, pinning type `original`) are ignored: every session gets the newest.
+    ignore_image_pin: bool = False
 
     def __post_init__(self) -> None:
         if self.missing_status not in (403, 404) or self.lag_status not in (403, 404):
             raise ValueError("missing_status and lag_status are 403 or 404")
         if self.output_at_limit not in (KEPT, LOST):
             raise ValueError(f"output_at_limit is {KEPT!r} or {LOST!r}, not {self.output_at_limit!r}")
+        if self.crashed_runner not in (RUNNING, ERROR):
+            raise ValueError(f"crashed_runner is {RUNNING!r} or {ERROR!r}, not {self.crashed_runner!r}")
+        if self.new_image_every < 0:
+            raise ValueError("new_image_every is 0 (never) or a number of sessions")
 
     @classmethod
     def lenient(cls, **overrides: Any) -> Switches:
         """The kind emulator: 404s, instant versions, pins honoured, no queue, output kept, secrets
-        attached, a GPU quota in every answer."""
+        attached, a GPU quota in every answer, a crashed runner ends its session, one image for ever."""
         kind = {"missing_status": 404, "version_lag_s": 0.0, "ignore_version_pin": False,
                 "secrets_need_attaching": False, "output_at_limit": KEPT, "queue_s": 0.0, "boot_s": 0.0,
-                "quota_has_gpu": True}
+                "quota_has_gpu": True, "crashed_runner": ERROR, "new_image_every": 0}
         return cls(**{**kind, **overrides})
 
     def describe(self) -> dict[str, Any]:

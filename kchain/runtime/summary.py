@@ -63,6 +63,8 @@ class Summary:
     note: str | None = None  # one line when the status needs a why
     not_exact: list[str] | None = None  # what a resume cannot restore exactly, one line each
     world_size: int | None = None  # ranks (kchain ddp)
+    torch: str | None = None  # the session's torch (torch.__version__): the image it ran on, with `cuda`
+    cuda: str | None = None  # the CUDA build of that torch (torch.version.cuda), None for a CPU build
     # Written by the in-kernel publish (kernel_templates/kchain_publish.py), absent until it publishes:
     published_step: int | None = None  # the step of the state it published
     published_bytes: int | None = None  # bytes uploaded (the state and a changed cache)
@@ -81,15 +83,17 @@ class Summary:
         return cls(**values, extra={k: v for k, v in data.items() if k not in known})
 
     def to_dict(self) -> dict[str, Any]:
-        """The JSON of summary.json: every key always, but the publish's only once it published."""
+        """The JSON of summary.json: every key always, but the publish's only once it published and the
+        torch and CUDA versions only when known."""
         out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "extra"}
-        for key in _PUBLISH_KEYS:
+        for key in (*_PUBLISH_KEYS, *_RUNTIME_KEYS):
             if out[key] is None:
                 del out[key]
         return {**out, **self.extra}
 
 
 _PUBLISH_KEYS = ("published_step", "published_bytes", "publish_timing")
+_RUNTIME_KEYS = ("torch", "cuda")  # written once known: an older kernel's summary has neither
 
 
 def reserve_path(path: Path) -> Path:

@@ -1,0 +1,72 @@
+"""The official kaggle client's creating calls, sent once: its own `with_retry` is not let re-send them.
+
+kaggle 2.2.5 wraps CreateDataset and CreateDatasetVersion[ById] in `KaggleApi.with_retry` (up to 10
+attempts), which re-sends on a connection error even when Kaggle acted before the connection broke:
+one lost answer, two dataset versions. `sent_once(api.with_retry, ...)` is a drop-in replacement
+that leaves every other call to the client's own retry and sends a creating call once, retrying
+only a 429 in place (Kaggle did nothing); its caller then settles a lost answer by looking at the
+dataset or the kernel. The laptop's client (`kchain/kaggle_api.py`) and the kernel's publish
+(`kernel_templates/kchain_publish.py`) install the same one.
+
+Standard library only (the exception is read by its attributes, not by importing requests): it is
+embedded into the kernel with the runtime, and the kaggle client there is whichever Kaggle's image has.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable
+from typing import Any
+
+# The SDK client methods that create something, by name. save_kernel is not wrapped in 2.2.5; it is
+# listed so that a client which starts wrapping it changes nothing.
+CREATING_SDK_CALLS = ("save_kernel", "create_dataset", "create_dataset_version", "create_dataset_version_by_id")
+
+Delay = Callable[[int, BaseException], float]
+
+
+def status_code(exc: BaseException | None) -> int | None:
+    """The HTTP status behind exc, from it or the errors it was raised from (None: no answer came)."""
+    for _ in range(5):
+        if exc is None:
+            return None
+        code = getattr(getattr(exc, "response", None), "status_code", None)
+        if isinstance(code, int):
+            return code
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
+def retry_delay_s(attempt: int, exc: BaseException, base_s: float = 1.0, cap_s: float = 30.0) -> float:
+    """Seconds before attempt+1: a 429's Retry-After in seconds when it gives one, else an
+    exponential backoff with equal jitter (a floor, and retries spread apart)."""
+    headers = getattr(getattr(exc, "response", None), "headers", None)
+    after = headers.get("Retry-After") if hasattr(headers, "get") else None
+    try:
+        return min(max(0.0, float(after)), cap_s) + random.uniform(0, 0.25)
+    except (TypeError, ValueError):
+        base = min(cap_s, base_s * 2 ** attempt)
+        return base / 2 + random.uniform(0, base / 2)
+
+
+def sent_once(with_retry: Callable[..., Any], attempts: int = 6, delay: Delay = retry_delay_s,
+              sleep: Callable[[float], None] = time.sleep) -> Callable[..., Any]:
+    """The client's with_retry, except for the creating SDK calls (CREATING_SDK_CALLS): those are
+    retried on a 429 only, so an answer lost after Kaggle acted (a 5xx, a reset connection) reaches
+    the caller instead of being sent again. Install it as `api.with_retry = sent_once(api.with_retry)`."""
+    def choose(func: Callable[..., Any], *args: Any, **kwargs: Any) -> Callable[..., Any]:
+        if getattr(func, "__name__", "") not in CREATING_SDK_CALLS:
+            return with_retry(func, *args, **kwargs)
+
+        def send(*call_args: Any, **call_kwargs: Any) -> Any:
+            for attempt in range(attempts):
+                try:
+                    return func(*call_args, **call_kwargs)
+                except Exception as exc:  # noqa: BLE001 - all but a 429 go to the caller, which settles them
+                    if status_code(exc) != 429 or attempt == attempts - 1:
+                        raise
+                    sleep(delay(attempt, exc))
+            raise AssertionError("unreachable")
+        return send
+    return choose

@@ -1,0 +1,65 @@
+# ruff: noqa: F811  (the shared fixtures are imported, then requested by name)
+"""The kernel publishes its own end state (internet on, the Secrets attached) as exactly one new
+version of the state dataset, whatever happens to the answer.
+
+kchain_publish runs inside the session with the unmodified client. A creating call that Kaggle acted
+on can lose its answer two ways: a 500 (`rate_lost_answer`), which kchain_publish's own retry used
+to send again, or a reset connection (`reset_after_acting`), which the client's `with_retry` sends
+again before kchain sees it. The kernel settles both by reading the dataset's current version.
+"""
+
+from __future__ import annotations
+
+import json
+
+from emulator_helpers import USER, emulator  # noqa: F401
+from helpers import copy_job, invoke
+
+from kchain.kaggle_api import KaggleClient
+from kchain.names import state_dataset
+from kchain.runtime import layout
+
+NAME = "blobs-classifier"
+REF = f"{USER}/{NAME}"
+
+
+def kernel_log(ref: str, version: int) -> str:
+    return "".join(chunk.get("data", "") for chunk in json.loads(KaggleClient().log(ref, version) or "[]"))
+
+
+def test_the_kernel_adds_one_state_version_after_a_reset_and_after_a_lost_answer(emulator, tmp_path, monkeypatch):
+    monkeypatch.setenv(layout.FAULT_ENV, "deadline_after_steps=3")  # each session trains 3 steps, whatever the speed
+    emulator.session_limit_s = 600  # generous: the deadline fault ends the sessions
+    emulator.switches.queue_s = emulator.switches.boot_s = 0.0  # not what this test is about
+    emulator.secrets.update({USER: {"KAGGLE_USERNAME": USER, "KAGGLE_KEY": emulator.users[USER]}})
+    emulator.attach_secrets(REF)  # the user attached them to the notebook in the web UI
+    job = copy_job("classifier", tmp_path, params={"steps": 6, "rows": 4000, "num_workers": 0, "eval_every": 3},
+                   kaggle={"internet": True})
+    state = state_dataset(USER, NAME)
+    assert invoke("push", job, "--skip-smoke").exit_code == 0
+    # The push is done: the next creating call is the kernel's state version, which acts and then
+    # has its connection reset (the cache dataset's creation after it answers normally).
+    emulator.faults.reset_after_acting = 1
+    assert emulator.wait_session(REF, 1, timeout=300)["status"] == "COMPLETE"
+    assert emulator.faults.resets == 1
+    assert [v["notes"] for v in emulator.dataset_versions(state)][1:] == ["kchain session 1 step 3"]
+
+    # From here every creating call acts and answers 500: continue's push of session 2 (settled from
+    # the kernel's versions) and session 2's own state version.
+    emulator.faults.rate_lost_answer = 1.0
+    second = invoke("continue", job, "--skip-smoke")
+    assert second.exit_code == 0, second.output
+    assert f"the kernel published step 3 to {state} itself" in second.output
+    assert emulator.wait_session(REF, 2, timeout=300)["status"] == "COMPLETE"
+    assert emulator.session(REF, 2)["dataset_sources"][0] == f"{state}/2"  # the kernel's version, pinned
+    assert emulator.session(REF, 2)["resumed_from"] == 3
+    assert [v["notes"] for v in emulator.dataset_versions(state)][1:] == ["kchain session 1 step 3",
+                                                                           "kchain session 2 step 6"]
+    # The cache too: created by session 1, versioned again by session 2 only if `continue` did not see
+    # it yet (a new dataset hides a while), each at most once.
+    cache_notes = [v["notes"] for v in emulator.dataset_versions(f"{USER}/{NAME}-cache")]
+    assert cache_notes[0] == "Initial release" and len(cache_notes) == len(set(cache_notes)), cache_notes
+    for version, number in ((1, 2), (2, 3)):
+        log = kernel_log(REF, version)
+        assert f"the answer was lost, but {state} has version {number}: using it" in log, log
+        assert f"is now a new version of {state}" in log, log

@@ -57,18 +57,38 @@ def cli() -> None:
     """
 
 
-@cli.command()
-@click.argument("folder", type=click.Path(path_type=Path), default=".")
-def init(folder: Path) -> None:
-    """Write a commented job.yaml and a train.py skeleton that pass `kchain smoke` (never overwrites).
+class TemplatesHelp(click.Command):
+    """init's help, whose Example block lists the templates present (the folders of
+    kchain/init_templates/), read when the help is shown: importing cli lists no folder."""
 
-    \b
-    Example:
-      kchain init jobs/my-model && kchain smoke jobs/my-model/job.yaml
-    """
+    def format_help_text(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        from kchain.init import DEFAULT, templates
+
+        others = [f"  kchain init --template {name} jobs/my-{name}" for name in templates() if name != DEFAULT]
+        formatter.write_paragraph()
+        with formatter.indentation():
+            formatter.write_text("\n".join([
+                self.help or "",
+                "",
+                f"The default template, {DEFAULT}, is a commented job.yaml and a train.py skeleton; notebook is",
+                "a job.yaml and a train.ipynb written as on Kaggle. The job's name is made from the folder's.",
+                "",
+                "\b",
+                "Example:",
+                "  kchain init jobs/my-model && kchain smoke jobs/my-model/job.yaml",
+                *others,
+            ]))
+
+
+@cli.command(cls=TemplatesHelp)
+@click.argument("folder", type=click.Path(path_type=Path), default=".")
+@click.option("--template", "-t", default="loop", metavar="NAME", show_default=True,
+              help="The template to copy (the Example lists them all).")
+def init(folder: Path, template: str) -> None:
+    """Write a job folder from a template that passes `kchain smoke` as written (never overwrites)."""
     from kchain.init import init_job
 
-    for path in init_job(folder):
+    for path in init_job(folder, template):
         click.echo(f"wrote {path}")
 
 
@@ -196,7 +216,11 @@ def logs(job: Path, number: int | None, follow: bool, poll: float) -> None:
 @click.option("--skip-smoke", is_flag=True, help="Allow code that never passed a smoke run.")
 @click.option("--from-state", type=int, default=None, metavar="N",
               help="Resume from state version N when the last session's output cannot be fetched (loses its steps).")
-def continue_(job: Path, retry: bool, watch_chain: bool, force: bool, skip_smoke: bool, from_state: int | None) -> None:
+@click.option("--delete-stale", is_flag=True,
+              help="With --watch: delete a stale session's kernel (Kaggle keeps it RUNNING) once the chain's "
+                   "state is safe, and chain on.")
+def continue_(job: Path, retry: bool, watch_chain: bool, force: bool, skip_smoke: bool, from_state: int | None,
+              delete_stale: bool) -> None:
     """Chain the next session from the saved state, or say why not.
 
     \b
@@ -206,7 +230,7 @@ def continue_(job: Path, retry: bool, watch_chain: bool, force: bool, skip_smoke
     from kchain.chain import continue_chain
 
     decision = continue_chain(job, retry=retry, force=force, skip_smoke=skip_smoke, watch_chain=watch_chain,
-                              echo=click.echo, from_state=from_state)
+                              echo=click.echo, from_state=from_state, delete_stale=delete_stale)
     click.echo(decision.message)
 
 
@@ -215,16 +239,27 @@ def continue_(job: Path, retry: bool, watch_chain: bool, force: bool, skip_smoke
 @click.option("--wait", "wait_s", type=float, default=3600.0, show_default=True,
               help="Seconds to wait for the session to end once you stopped it on its page.")
 @click.option("--poll", "poll_s", type=float, default=10.0, show_default=True, help="Seconds between status checks.")
-def stop(job: Path, wait_s: float, poll_s: float) -> None:
+@click.option("--delete", is_flag=True,
+              help="Delete the kernel instead: the stop Kaggle honours, also for a session it keeps RUNNING "
+                   "(`kchain status` says stale); only when the chain's state is safe, and it asks first.")
+@click.option("--yes", is_flag=True, help="With --delete: delete without asking (for scripts).")
+def stop(job: Path, wait_s: float, poll_s: float, delete: bool, yes: bool) -> None:
     """Stop the running session and record it; `continue` resumes from the last saved state.
+
+    Kaggle's API cannot cancel a session, so kchain names its page to stop it on and waits for the
+    end. --delete deletes the kernel instead, with every version's output on Kaggle.
 
     \b
     Example:
       kchain stop jobs/tinygpt/job.yaml
+      kchain stop jobs/tinygpt/job.yaml --delete      # a stale session: Kaggle keeps it RUNNING
     """
     from kchain.chain import stop_chain
 
-    stop_chain(job, wait_s=wait_s, poll_s=poll_s, echo=click.echo)
+    if yes and not delete:
+        raise click.UsageError("--yes answers the question --delete asks; give it with --delete")
+    confirm = (lambda _question: True) if yes else (lambda question: click.confirm(question, default=False))
+    stop_chain(job, wait_s=wait_s, poll_s=poll_s, echo=click.echo, delete=delete, confirm=confirm)
 
 
 @cli.command()
@@ -284,7 +319,7 @@ def plot(job: Path, out: Path | None) -> None:
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--set", "sets", multiple=True, metavar="NAME=VALUE", help="Override a param, e.g. --set steps=300.")
 @click.option("--faults", "fault_spec", default="", metavar="SPEC",
-              help="A flaky Kaggle, rates per call: e.g. 429=0.15,500=0.10,lost_answer=0.1,drop_upload=0.1.")
+              help="A flaky Kaggle, rates per call: e.g. 429=0.15,500=0.10,lost_answer=0.1,reset_after_acting=0.1,drop_upload=0.1.")
 @click.option("--strict/--lenient", default=True, show_default=True,
               help="Kaggle's strict behaviour (403s, lagging versions, ignored pins, lost output) or a kind one.")
 def rehearse(job: Path, session_limit: float, kills: int, ranks: int | None, seed: int, sets: tuple[str, ...],
@@ -376,6 +411,8 @@ def _pairs(sep: str) -> Callable[[click.Context, click.Parameter, tuple[str, ...
 @_field("--kill-random", "kill_random_s", type=float, nargs=2, metavar="LOW HIGH",
         help="Fault: kill every session at a time drawn from LOW..HIGH seconds after it starts.")
 @_field("--kill-on-output", "kill_on_output", metavar="TEXT", help="Fault: kill a session as soon as its log shows TEXT.")
+@_field("--crash-runner-on-output", "crash_runner_on_output", metavar="TEXT",
+        help="Fault: the notebook runner crashes as soon as the log shows TEXT (see --crashed-runner).")
 @_field("--kill-after-checkpoint", "kill_after_checkpoint", is_flag=True,
         help="Fault: kill a session as soon as it saved a checkpoint past the state it resumed from.")
 @_field("--drop-upload-every", "drop_upload_every", type=int, metavar="N",
@@ -388,10 +425,15 @@ def _pairs(sep: str) -> Callable[[click.Context, click.Parameter, tuple[str, ...
         help="Fault: the next N SaveKernel calls act, then answer 500 (a lost answer).")
 @_field("--rate-lost-answer", "rate_lost_answer", type=float, metavar="P",
         help="Fault: that fraction of creating calls act, then answer 500.")
+@_field("--reset-after-acting", "reset_after_acting", type=int, metavar="N",
+        help="Fault: the next N creating calls act, then reset the connection (no answer).")
+@_field("--rate-reset-after-acting", "rate_reset_after_acting", type=float, metavar="P",
+        help="Fault: that fraction of creating calls act, then reset the connection (no answer).")
 @_field("--seed", "seed", type=int, metavar="N", help="Seed of the random faults.")
 @click.option("--lenient", is_flag=True,
               help="Start from the kind switches (404s, no lag, pins honoured, no queue, output kept, secrets "
-                   "attached, GPU quota answered); the switch options below still override it.")
+                   "attached, GPU quota answered, a crashed runner ends, one image); the switch options below "
+                   "still override it.")
 @_field("--missing-status", "missing_status", type=click.Choice([403, 404]),
         help="Switch: the answer for a missing or invisible kernel or dataset.")
 @_field("--version-lag", "version_lag_s", type=float, metavar="SECONDS",
@@ -412,6 +454,12 @@ def _pairs(sep: str) -> Callable[[click.Context, click.Parameter, tuple[str, ...
         help="Switch: the time limit of TPU sessions.")
 @_field("--quota-has-gpu/--no-quota-has-gpu", "quota_has_gpu",
         help="Switch: GetAcceleratorQuotaStatistics answers with a gpuQuota.")
+@_field("--crashed-runner", "crashed_runner", type=click.Choice(["running", "error"]),
+        help="Switch: a session whose runner crashed stays RUNNING until its kernel is deleted, or ends ERROR.")
+@_field("--new-image-every", "new_image_every", type=int, metavar="N",
+        help="Switch: Kaggle releases a new image every N pushed sessions (0: never).")
+@_field("--ignore-image-pin/--no-ignore-image-pin", "ignore_image_pin",
+        help="Switch: docker_image and pinning type original have no effect: every session gets the newest image.")
 def serve(state_dir: Path, port: int, users: list[tuple[str, str]], tokens: list[tuple[str, str]],
           secrets: list[tuple[str, str]], competitions: list[tuple[str, str]], lenient: bool, **fields: Any) -> None:
     """Run a local Kaggle for the unmodified `kaggle` client until interrupted; prints the `export`

@@ -23,12 +23,13 @@ import jinja2
 import pathspec
 
 import kchain
+from kchain import notebook_code
 from kchain.credentials import secret_strings
 from kchain.errors import RenderError
 from kchain.names import cache_dataset, state_dataset
 from kchain.runtime import atomic, layout
 from kchain.runtime.config import KaggleConfig
-from kchain.spec import Job, runtime_config
+from kchain.spec import Job, notebook_name, runtime_config
 
 METADATA_FILE = "kernel-metadata.json"
 IGNORE_FILE = ".kchainignore"
@@ -189,10 +190,42 @@ def _mb(size: float) -> str:
     return f"{size / 2**20:.1f} MB" if size >= 2**20 else f"{size / 1024:.1f} KB"
 
 
+def _notebook_modules(job: Job, keep: list[tuple[str, Path, int]], left: list[tuple[str, str]]
+                      ) -> tuple[list[tuple[str, Path, int]], dict[str, bytes]]:
+    """The entry notebook becomes its module, <name>.py (its code cells only: outputs never travel), each
+    line it dropped a left-out line; any other notebook of a code folder is left out whole."""
+    entry = job.entry_notebook
+    out: list[tuple[str, Path, int]] = []
+    made: dict[str, bytes] = {}
+    for name, path, size in keep:
+        if not name.endswith(".ipynb"):
+            out.append((name, path, size))
+        elif path != entry:
+            left.append((name, "a notebook that is not the entry: only the entry notebook's code cells travel"))
+        else:
+            module_name = name.removesuffix(".ipynb") + ".py"
+            try:
+                module = notebook_code.to_module(path.read_bytes(), notebook_name(job, path),
+                                                 job.entry_point.split(":")[1], bool(job.entry))
+            except OSError as exc:
+                raise RenderError(f"{job.path}: code: {name} cannot be read ({exc.strerror}); fix it") from None
+            except notebook_code.NotebookError as exc:
+                raise RenderError(f"{job.path}: code: {exc}") from None
+            made[module_name] = module.text.encode()
+            if any(secret.encode() in made[module_name] for secret in secret_strings()):  # outputs never travel
+                raise RenderError(f"{job.path}: code: a code cell of {notebook_name(job, path)} holds your Kaggle "
+                                  "key; remove it (attach it to the notebook as a Kaggle Secret instead)")
+            out.append((module_name, path, len(made[module_name])))
+            left.append((name, module.summary(module_name)))
+            left.extend((f"{name} {note}", "dropped") for note in module.notes)
+    return out, made
+
+
 def _code_files(job: Job) -> tuple[dict[str, bytes], list[tuple[str, str]]]:
     """The user's code for the payload: only files inside the job's folder, no credential by name
     or by content, nothing .kchainignore lists, and at most MAX_CODE_BYTES."""
     keep, left = _code_candidates(job)
+    keep, made = _notebook_modules(job, keep, left)
     total = sum(size for _, _, size in keep)
     if total > MAX_CODE_BYTES:
         biggest = ", ".join(f"{name} {_mb(size)}" for name, _, size in sorted(keep, key=lambda k: -k[2])[:3])
@@ -204,7 +237,7 @@ def _code_files(job: Job) -> tuple[dict[str, bytes], list[tuple[str, str]]]:
     files: dict[str, bytes] = {}
     for name, path, _ in keep:
         try:
-            data = path.read_bytes()
+            data = made[name] if name in made else path.read_bytes()
         except OSError as exc:
             raise RenderError(f"{job.path}: code: {name} cannot be read ({exc.strerror}); fix or ignore it") from None
         if any(secret in data for secret in secrets):
@@ -326,6 +359,7 @@ def _metadata(env, job: Job, owner: str | None, extra_sources: list[str] | None)
         dataset_sources=list(job.kaggle.datasets) + list(extra_sources or []),
         competition_sources=[job.kaggle.competition] if job.kaggle.competition else [],
         model_sources=list(job.kaggle.models),
+        pinning="original" if job.kaggle.image == "pin" else "latest",
     )
 
 

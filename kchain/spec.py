@@ -91,6 +91,9 @@ class KaggleSpec(_Strict):
     models: list[str] = Field(default_factory=list)
     competition: str | None = None
     local: dict[str, str] = Field(default_factory=dict)
+    # pin: every session runs on the image session 1 ran on (docker_image_pinning_type original, and
+    # session 1's docker_image from session 2 on); latest: each session on Kaggle's newest image.
+    image: Literal["pin", "latest"] = "pin"
 
     @field_validator("owner")
     @classmethod
@@ -259,7 +262,8 @@ class Job(_Strict):
     @classmethod
     def _code(cls, value: str) -> str:
         if "\x00" in value or not value.strip():
-            raise ValueError(f"{shown(value)} is not a path; write the file or folder of your code, e.g. train.py")
+            raise ValueError(f"{shown(value)} is not a path; write the file or folder of your code, e.g. train.py "
+                             "or train.ipynb")
         if len(value) > MAX_PATH_CHARS or any(len(part.encode("utf-8", "replace")) > 255 for part in value.split("/")):
             raise ValueError(f"{shown(value)} is too long for a path; write the file or folder of your code, "
                              "e.g. train.py")
@@ -290,8 +294,25 @@ class Job(_Strict):
     def entry_point(self) -> str:
         if self.entry:
             return self.entry
-        # A folder of code is unpacked as it is, so its train.py is the module to start from.
+        # A folder of code is unpacked as it is, so its train.py (or train.ipynb) is the module to start from.
         return "train:main" if self.code_path.is_dir() else f"{Path(self.code).stem}:main"
+
+    @property
+    def entry_sources(self) -> list[Path]:
+        """The files the entry module can come from that exist: <module>.py, <module>/__init__.py, and
+        <module>.ipynb, a notebook whose code cells render makes the module (kchain/notebook_code.py)."""
+        module = self.entry_point.split(":")[0]
+        base = self.code_path if self.code_path.is_dir() else self.code_path.parent
+        rel = Path(*module.split("."))
+        candidates = (base / rel.with_suffix(".py"), base / rel / "__init__.py", base / rel.with_suffix(".ipynb"))
+        found = [c for c in candidates if c.is_file()]
+        return [c for c in found if c == self.code_path] if self.code_path.is_file() else found
+
+    @property
+    def entry_notebook(self) -> Path | None:
+        """The notebook that becomes the entry module, when the entry comes from one."""
+        sources = self.entry_sources
+        return sources[0] if len(sources) == 1 and sources[0].suffix == ".ipynb" else None
 
     @property
     def gpu(self) -> bool:
@@ -580,18 +601,17 @@ def _check_code_path(job: Job, label: str) -> None:
 def _check_entry(job: Job, label: str) -> None:
     """The entry module is in the code and defines the function: a typo fails here, not on a GPU."""
     module, function = job.entry_point.split(":")
-    base = job.code_path if job.code_path.is_dir() else job.code_path.parent
-    rel = Path(*module.split("."))
-    candidates = [base / rel.with_suffix(".py"), base / rel / "__init__.py"]
-    if job.code_path.is_file():
-        candidates = [c for c in candidates if c == job.code_path]
-    source = next((c for c in candidates if c.is_file()), None)
+    sources = job.entry_sources
     key = "entry" if job.entry else "code"
-    if source is None:
+    if not sources:
         raise SpecError(
             f"{label}: {key}: module {shown(module)} is not in the code {shown(job.code)}; "
-            "write entry: <module>:<function> naming a .py file of the code"
+            "write entry: <module>:<function> naming a .py file or a notebook of the code"
         )
+    if any(c.suffix == ".ipynb" for c in sources):
+        _check_notebook(job, label, key, sources, function)
+        return
+    source = sources[0]
     try:
         text = decode_text(source.read_bytes())
     except ValueError as exc:
@@ -611,6 +631,27 @@ def _check_entry(job: Job, label: str) -> None:
             f"{label}: {key}: {source.name} defines no function {shown(function)}; "
             f"add `def {function}(run):` or set entry: {module}:<your function>"
         )
+
+
+def notebook_name(job: Job, notebook: Path) -> str:
+    """How messages and tracebacks name a notebook of the code: its path from the job's folder."""
+    return notebook.relative_to(job.root.resolve()).as_posix()
+
+
+def _check_notebook(job: Job, label: str, key: str, sources: list[Path], function: str) -> None:
+    """The entry notebook converts (kchain/notebook_code.py: magics, syntax, main(run) or the cells)."""
+    from kchain import notebook_code
+
+    notebook = sources[-1]
+    if len(sources) > 1:
+        raise SpecError(f"{label}: {key}: the code has both {notebook_name(job, sources[0])} and "
+                        f"{notebook_name(job, notebook)} for the entry module; delete or rename one")
+    try:
+        notebook_code.to_module(notebook.read_bytes(), notebook_name(job, notebook), function, bool(job.entry))
+    except OSError as exc:
+        raise SpecError(f"{label}: {key}: {notebook.name} cannot be read ({exc.strerror}); fix it") from None
+    except notebook_code.NotebookError as exc:
+        raise SpecError(f"{label}: {key}: {exc}") from None
 
 
 def parse_overrides(values: tuple[str, ...] | list[str], label: str = "--set") -> dict[str, Any]:

@@ -3,10 +3,12 @@
 import re
 from typing import get_args
 
+import pytest
 import yaml
 from helpers import error_line, invoke
 
 from kchain.errors import SpecError
+from kchain.init import TEMPLATES, init_job, templates
 from kchain.spec import KaggleSpec, load_job
 
 
@@ -32,9 +34,10 @@ def test_init_writes_a_job_that_smoke_passes_and_refuses_to_overwrite(tmp_path):
     assert (folder / "train.py").read_text() == before
 
 
-def test_the_skeletons_comments_state_the_limits_spec_enforces(tmp_path):
+@pytest.mark.parametrize("template", ["loop", "notebook"])
+def test_the_skeletons_comments_state_the_limits_spec_enforces(tmp_path, template):
     folder = tmp_path / ("a-folder-name-" * 5)  # longer than any job name may be
-    assert invoke("init", folder).exit_code == 0
+    assert invoke("init", "--template", template, folder).exit_code == 0
     text = (folder / "job.yaml").read_text()
     lines = text.splitlines()
     name_line = next(line for line in lines if line.startswith("name: "))
@@ -58,3 +61,37 @@ def test_the_skeletons_comments_state_the_limits_spec_enforces(tmp_path):
     listed = accelerator_line.split("# ")[1].split(" (")[0].split(" | ")
     for value in get_args(KaggleSpec.model_fields["accelerator"].annotation):
         assert (value in listed) == loads(accelerator=value), value
+
+
+def test_every_template_is_a_folder_copied_with_the_jobs_name_and_loads(tmp_path):
+    names = templates()
+    assert {"loop", "notebook"} <= set(names)
+    assert names == sorted(p.name for p in TEMPLATES.iterdir() if (p / "job.yaml").is_file())
+    for name in names:
+        folder = tmp_path / f"my-{name}"
+        written = init_job(folder, name)
+        assert folder / "job.yaml" in written
+        for path in written:
+            assert b"@NAME@" not in path.read_bytes(), path
+            source = (TEMPLATES / name / path.relative_to(folder)).read_bytes()
+            assert path.read_bytes() == source.replace(b"@NAME@", folder.name.encode())  # nothing else formatted
+        assert load_job(folder / "job.yaml").name == folder.name  # the entry is in the code, it parses
+
+
+def test_an_unknown_template_is_refused_in_one_line_and_the_help_lists_every_template(tmp_path):
+    result = invoke("init", "--template", "../loop", tmp_path / "job")
+    assert result.exit_code == 2
+    assert error_line(result) == f"Error: --template '../loop': no such template; use one of: {', '.join(templates())}"
+    assert not (tmp_path / "job").exists()
+    help_text = invoke("init", "--help").output
+    examples = [line.strip() for line in help_text.split("Example:\n")[1].split("\n\n")[0].splitlines()]
+    assert examples == ["kchain init jobs/my-model && kchain smoke jobs/my-model/job.yaml"] + [
+        f"kchain init --template {name} jobs/my-{name}" for name in templates() if name != "loop"]
+
+    folder = tmp_path / "nb"
+    assert invoke("init", "-t", "notebook", folder).output.splitlines() == [
+        f"wrote {folder / 'job.yaml'}", f"wrote {folder / 'train.ipynb'}"]
+    again = invoke("init", "--template", "notebook", folder)
+    assert again.exit_code == 2
+    assert error_line(again) == (f"Error: {folder / 'job.yaml'}, {folder / 'train.ipynb'} already exists; kchain "
+                                 "init never overwrites: choose an empty folder")

@@ -56,11 +56,12 @@ def test_a_deadline_saves_the_stop_and_raises_out_of_the_loop_so_no_later_code_r
 
 
 def test_the_session_clock_stops_the_loop_when_a_step_no_longer_fits(tmp_path):
-    loop, ckpt, progress, trace = driver(tmp_path, every={"steps": 100}, limit_s=0.5)
+    # How many steps fit depends on the machine (a loaded one may fit none): only the stop is asserted.
+    loop, ckpt, progress, trace = driver(tmp_path, every={"steps": 100}, limit_s=1.0)
     with pytest.raises(SessionStopped):
         for _ in loop.steps(10**6):
             time.sleep(0.05)
-    assert progress.status == "deadline" and 0 < progress.step < 10**6 and saved_steps(ckpt) == [progress.step]
+    assert progress.status == "deadline" and progress.step < 10**6 and saved_steps(ckpt) == [progress.step]
     trace.close()
 
 

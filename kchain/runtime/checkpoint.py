@@ -1,7 +1,8 @@
 """Checkpoints with torch: write the state in the background, load it back verified, check it fits.
 
 A checkpoint is a directory `checkpoints/step-00000120/` holding state.pt, a copy of the metrics
-trace, and manifest.json (written last) with the sha256 and size of every file. It is written under
+trace, the files a framework wrote for that step if any (moved in, never copied: the Hugging Face
+Trainer's checkpoint folder), and manifest.json (written last) with the sha256 and size of every file. It is written under
 a `.tmp-` name, every file fsynced, then renamed into place and the parent directory fsynced, so a
 process killed at any point leaves either the complete checkpoint or a `.tmp-` directory that the
 next start ignores. Older checkpoints are pruned only after the newer one is in place.
@@ -65,6 +66,9 @@ class CheckpointJob:
     metrics_bytes: int  # the trace's length at this step (later lines belong to the next steps)
     manifest: dict  # what the checkpoint says about itself; the file list and format are added
     keep: int  # how many complete checkpoints stay after this one is in place
+    # (name in the checkpoint, a file on the same disk): moved in and hashed, e.g. the HF Trainer's files
+    attached: tuple[tuple[str, Path], ...] = ()
+    attached_dirs: tuple[Path, ...] = ()  # the folders they came from, removed once they are moved
 
 
 # --- writing ----------------------------------------------------------------------------------
@@ -170,6 +174,9 @@ def _write_into(tmp: Path, final: Path, state: dict, job: CheckpointJob, faults:
 def _write_files(tmp: Path, state: dict, job: CheckpointJob, faults: Faults, pool: ThreadPoolExecutor) -> None:
     """state.pt, the trace and manifest.json (last) into tmp, then every file and tmp itself fsynced."""
     files = {layout.STATE_FILE: _write_state(tmp / layout.STATE_FILE, state, pool)}
+    files.update(_move_in(tmp, job.attached, pool))
+    for folder in job.attached_dirs:
+        shutil.rmtree(folder, ignore_errors=True)
     faults.in_save("after_state")
 
     # The trace up to this step only: the live file may already hold lines of the next step.
@@ -186,6 +193,21 @@ def _write_files(tmp: Path, state: dict, job: CheckpointJob, faults: Faults, poo
     synced = [pool.submit(fsync_path, path) for path in (*(tmp / name for name in files), tmp / layout.MANIFEST, tmp)]
     for done in synced:
         done.result()
+
+
+def _move_in(tmp: Path, attached: tuple[tuple[str, Path], ...], pool: ThreadPoolExecutor) -> dict:
+    """The files a framework wrote, moved into tmp (a rename: their bytes are not copied) and hashed
+    (read once, in parallel); their manifest entries. A file on another disk is copied, then removed."""
+    for name, src in attached:
+        try:
+            os.replace(src, tmp / name)
+        except OSError as e:
+            if e.errno != errno.EXDEV:
+                raise
+            shutil.copyfile(src, tmp / name)
+            os.unlink(src)
+    digests = {name: pool.submit(sha256_of, tmp / name) for name, _ in attached}
+    return {name: {"sha256": d.result(), "size": (tmp / name).stat().st_size} for name, d in digests.items()}
 
 
 def _write_state(path: Path, state, pool: ThreadPoolExecutor) -> dict:

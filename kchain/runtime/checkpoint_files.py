@@ -31,6 +31,10 @@ HASH_CHUNK = 1 << 20  # 1 MiB reads: checkpoints can be gigabytes
 # is 3 levels. Other people's datasets are never walked (see _in_mount).
 SEARCH_DEPTH = 5
 WRITE_SLACK = 1.05  # a checkpoint file is state_bytes plus a little zip overhead (64-byte record alignment)
+# The manifest key of the files a framework wrote (the Hugging Face Trainer's checkpoint folder) that a
+# checkpoint holds beside state.pt: {group: {name in the checkpoint: path inside the framework's folder}}.
+# Each is in "files" too (sha256 and size), so it is verified with the rest.
+ATTACHED_KEY = "attached"
 
 
 class ResumeError(Exception):
@@ -143,6 +147,31 @@ def early_digest(path: Path) -> Future | None:
         return hit[1] if hit and hit[0] == _stamp(path) else None
     except OSError:
         return None
+
+
+# --- files a framework wrote -------------------------------------------------------------------
+
+
+def attached_names(group: str, folder: Path) -> dict[str, str]:
+    """{name in the checkpoint: path under folder} for every file under `folder`, for the manifest.
+
+    A state version is flat (Kaggle keeps only top-level files), so a file in a subfolder
+    (an adapter's, a sharded model's) gets one flat name: `<group>.<path with / as -->`.
+    """
+    names: dict[str, str] = {}
+    for path in sorted(p for p in folder.rglob("*") if p.is_file() or p.is_symlink()):
+        rel = path.relative_to(folder).as_posix()
+        flat = f"{group}.{rel.replace('/', '--')}"
+        while flat in names:  # two paths flattened alike (a--b and a/b): the second gets a mark
+            flat = f"{group}.~{flat.removeprefix(group + '.')}"
+        names[flat] = rel
+    return names
+
+
+def attached_files(ckpt: Path, manifest: dict, group: str) -> dict[str, Path]:
+    """The files of `group` a checkpoint holds: {path inside the framework's folder: file in ckpt}."""
+    names = (manifest.get(ATTACHED_KEY) or {}).get(group) or {}
+    return {rel: ckpt / flat for flat, rel in names.items()}
 
 
 # --- pruning ----------------------------------------------------------------------------------

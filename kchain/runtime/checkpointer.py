@@ -12,6 +12,8 @@ positions are gathered into rank 0's checkpoint, and each rank gets its own back
 
 from __future__ import annotations
 
+import errno
+import os
 import shutil
 import time
 from collections.abc import Callable
@@ -24,9 +26,12 @@ import torch
 from . import distributed, frozen, heartbeat, ladder, layout
 from .checkpoint import CheckpointJob, Writer, check_compatible, find_and_load, load_state
 from .checkpoint_files import (
+    ATTACHED_KEY,
     WRITE_SLACK,
     CheckpointsDamaged,
     CheckpointTooLarge,
+    attached_files,
+    attached_names,
     clean_tmp,
     complete,
     dir_bytes,
@@ -44,6 +49,12 @@ from .trace import Trace
 SNAPSHOT_RAM_FRACTION = 0.25  # a state above this share of free RAM is streamed, not copied
 REUSE_MAX_BYTES = 256 * 2**20  # host copies up to this size are kept for the next save (no page faults)
 PER_RANK = (Loader, torch.Generator, np.random.Generator)  # a rank's data shard and its own RNGs
+
+
+def per_rank(obj) -> bool:
+    """A tracked object each rank holds its own of (gathered into rank 0's checkpoint, given back to
+    each rank on resume): PER_RANK, or one that says so (`kchain_per_rank = True`, e.g. hf.py's)."""
+    return isinstance(obj, PER_RANK) or bool(getattr(obj, "kchain_per_rank", False))
 
 
 def state_of(obj):
@@ -118,6 +129,7 @@ class Checkpointer:
         self.last_save = time.time()
         self.restored = False
         self._snapshots = Snapshotter()
+        self._attached: dict[str, Path] = {}  # group -> a framework's folder the next checkpoint holds (attach)
         self._plan: dict | None = None  # the checkpoint's size and write mode, set at the first save
         self._found: tuple[list[tuple[Path, dict]], list[str]] | None = None  # find(), once
         self._loaded: dict | None = None  # rank 0: the state find() loaded with it, until restore()
@@ -302,7 +314,8 @@ class Checkpointer:
             **({"ranks": per_rank} if per_rank else {}),
         }
         if self._plan is None:
-            self._plan = self._plan_checkpoints(live)
+            # A framework's files (attach) are on the disk already; its next checkpoint needs as much room.
+            self._plan = self._plan_checkpoints(live, sum(dir_bytes(f) for f in self._attached.values()))
         pruned = make_room(self.where.checkpoints, self._plan["bytes"])
         if pruned:
             say(pruned)
@@ -312,8 +325,15 @@ class Checkpointer:
         left_out = self.frozen.record()
         if left_out:
             manifest[frozen.MANIFEST_KEY] = left_out
+        held, self._attached = self._attached, {}
+        names = {group: attached_names(group, folder) for group, folder in held.items()}
+        if names:
+            manifest[ATTACHED_KEY] = names
         job = CheckpointJob(checkpoints=self.where.checkpoints, step=progress.step, metrics_src=trace.path,
-                            metrics_bytes=trace.bytes, manifest=manifest, keep=self.policy.keep)
+                            metrics_bytes=trace.bytes, manifest=manifest, keep=self.policy.keep,
+                            attached=tuple((flat, held[group] / rel) for group, files in names.items()
+                                           for flat, rel in files.items()),
+                            attached_dirs=tuple(held.values()))
         if self._plan["stream"]:
             self.writer.write_now(live, job)  # blocks; no host copy of the state
             return
@@ -325,10 +345,10 @@ class Checkpointer:
 
     def _rank_state(self) -> dict:
         """What differs between ranks (kchain ddp): the global RNGs and the per-rank tracked objects."""
-        private = {n: state_of(o) for n, o in self.tracked.items() if isinstance(o, PER_RANK)}
+        private = {n: state_of(o) for n, o in self.tracked.items() if per_rank(o)}
         return {"rank": self.ranks.rank, "rng": rng_state(), "tracked": private}
 
-    def _plan_checkpoints(self, live: dict) -> dict:
+    def _plan_checkpoints(self, live: dict, attached: int = 0) -> dict:
         """At the first save: the checkpoint's size against the disk and RAM, said in one line.
 
         A state that fits a quarter of the free RAM is copied to host memory and written in the
@@ -337,16 +357,17 @@ class Checkpointer:
         """
         from .publishplan import state_bytes
 
-        size = state_bytes(live)
+        state = state_bytes(live)  # what is copied to RAM or streamed; the attached files are on disk
+        size = state + attached
         checkpoints = self.where.checkpoints
         checkpoints.mkdir(parents=True, exist_ok=True)
         free = shutil.disk_usage(checkpoints).free
-        ours = sum(dir_bytes(p) for p in complete(checkpoints))
+        ours = sum(dir_bytes(p) for p in complete(checkpoints)) + attached
         ram = available_ram()
         forced = self.policy.stream
         if forced in ("0", "1"):
             stream, why = forced == "1", f"{layout.CHECKPOINT_STREAM_ENV}={forced}"
-        elif ram is not None and size > SNAPSHOT_RAM_FRACTION * ram:
+        elif ram is not None and state > SNAPSHOT_RAM_FRACTION * ram:
             stream, why = True, f"more than {SNAPSHOT_RAM_FRACTION:.0%} of the {gb(ram)} of RAM available"
         else:
             stream, why = False, f"fits in RAM ({gb(ram) if ram is not None else 'unknown'} available)"
@@ -363,7 +384,37 @@ class Checkpointer:
                 "does not fit: older checkpoints are pruned before each write, the newest kept until the new one is complete")
         say(f"checkpoint plan: {gb(size)} per checkpoint, keep {self.policy.keep} + 1 being written = {gb(peak)} "
             f"({gb(free + ours)} available) {room}; {mode}: {why}")
-        return {"bytes": size, "stream": stream, "reuse": size <= REUSE_MAX_BYTES}
+        return {"bytes": size, "stream": stream, "reuse": state <= REUSE_MAX_BYTES}
+
+    # --- a framework's own checkpoint files ------------------------------------------------------------
+
+    def attach(self, group: str, folder: Path) -> None:
+        """The next checkpoint also holds every file under `folder` (a framework's own checkpoint, e.g.
+        the Hugging Face Trainer's checkpoint-N), moved in, not copied; rank 0's call (it writes).
+
+        The folder is renamed at once to a `.tmp-` name beside the checkpoints, so neither the
+        framework's own retention (save_total_limit) nor its next save can touch it while the writer
+        moves and hashes its files, and a process killed before that leaves only what the next start
+        removes. Each file gets a flat name and an entry (sha256, size) in the manifest's "files", so it
+        is verified at the restore like state.pt (checkpoint_files.attached_names)."""
+        here = self.where.checkpoints
+        here.mkdir(parents=True, exist_ok=True)
+        held = here / f"{layout.TMP_PREFIX}{group}-{folder.name}-{os.getpid()}"
+        if held.exists():
+            shutil.rmtree(held)
+        try:
+            os.replace(folder, held)
+        except OSError as e:
+            if e.errno != errno.EXDEV:
+                raise
+            shutil.move(folder, held)  # on another disk: copied once, here
+        self._attached[group] = held
+
+    def attached(self, group: str) -> dict[str, Path]:
+        """The resumed checkpoint's files of `group`: {path inside the framework's folder: verified file}."""
+        if self.resumed is None:
+            return {}
+        return attached_files(*self.resumed, group)
 
     # --- where ----------------------------------------------------------------------------------------
 

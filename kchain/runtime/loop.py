@@ -226,9 +226,11 @@ class Loop:
 
     # --- the loop's start and end ------------------------------------------------------------------------
 
-    def start_loop(self) -> None:
+    def start_loop(self, scan_loaders: bool = True) -> None:
+        """`scan_loaders=False`: a framework's loop (lightning.py), whose training loader kchain has already
+        replaced and whose own evaluation loaders restart by design: no DataLoader is looked for."""
         self.progress.looped = True
-        self._note_plain_loaders()
+        self._note_plain_loaders(scan_loaders)
         self.check_one_model()
         self._handlers = self._install_signals()
         self.progress.started_at = time.perf_counter()
@@ -404,7 +406,7 @@ class Loop:
                 f"{when} the ranks hold different weights, first {line}: the gradients were not averaged "
                 f"over the ranks; {replicas.FIX}")
 
-    def _note_plain_loaders(self) -> None:
+    def _note_plain_loaders(self, scan: bool = True) -> None:
         """Name any torch DataLoader the user built (not via run.loader): it restarts on resume."""
         ours = {id(lo.dataloader) for lo in self.loaders}
         tracked = {id(o) for o in self.ckpt.tracked.values()}
@@ -418,7 +420,7 @@ class Loop:
 
         # A DataLoader made for one batch (a preflight check) is garbage, not a loader in use: when
         # there is a candidate, collect (a full pass over torch's objects, ~0.2 s) and look again.
-        plain = plain_loaders()
+        plain = plain_loaders() if scan else []
         if plain:
             del plain
             gc.collect()

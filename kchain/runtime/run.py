@@ -97,6 +97,10 @@ class Run:
         self._clock = SessionClock(st.started, st.limit_s, st.margin_s, st.publish)
         # kchain ddp: the group this process is one rank of (a no-op group of 1 without torchrun).
         self._ranks = distributed.Ranks(env)
+        if self._ranks.backend == "gloo":
+            # Ranks on the CPU standing in for GPUs (a smoke, a rehearsal): accelerate (the HF Trainer's
+            # DDP) then runs over these ranks too, instead of one separate training per process.
+            os.environ.setdefault("ACCELERATE_USE_CPU", "true")
         device, why = precision.choose_device()
         device = self._ranks.device(device)
         say(f"device: {device} ({why}); {self._ranks.describe()}")
@@ -387,7 +391,12 @@ class Run:
 
             train = run.subset(TensorDataset(x, y))   # 2% of the rows under `kchain smoke`
         """
-        return smoke_subset(items, self.fraction) if self.smoke else items
+        if not self.smoke:
+            return items
+        out = smoke_subset(items, self.fraction)
+        if isinstance(out, Dataset):
+            out.kchain_subset = True  # run.hf_resume leaves it as it is (hf.smoke_cut)
+        return out
 
     def check(self, batch=None, x_shape=None, x_dtype=None, num_classes=None, label_dtype=None, splits=None):
         """Check a sample batch and the splits before the loop; a failure is a PreflightError saying what to fix.
@@ -494,6 +503,46 @@ class Run:
         """
         return self._loop.should_stop(step)
 
+    def hf_callback(self):
+        """The `transformers.TrainerCallback` through which kchain owns a Hugging Face Trainer's checkpoints.
+
+        Give it to the Trainer and resume with run.hf_resume: kchain then decides when the Trainer saves
+        (train.checkpoint_every, the deadline guard, SIGTERM, the end; the Trainer's own save_strategy is
+        turned off), moves each checkpoint-N folder it writes into kchain's verified checkpoint, ends a
+        session at a stop (SessionStopped out of trainer.train()), sets run.status and run.total from the
+        Trainer's state, and logs the Trainer's logs with run.log. See docs/runtime.md, "Hugging Face Trainer".
+
+        Example::
+
+            trainer = Trainer(model=model, args=args, train_dataset=train, callbacks=[run.hf_callback()])
+            trainer.train(resume_from_checkpoint=run.hf_resume(trainer))
+        """
+        return self._hf().callback()
+
+    def hf_resume(self, trainer) -> str | None:
+        """Restore the newest checkpoint for `trainer`: the folder for train(resume_from_checkpoint=...), or None.
+
+        Args:
+            trainer: the `transformers.Trainer` about to train; kchain turns its own saves off, cuts its
+                datasets to smoke.fraction in a smoke, collates each batch under an RNG seeded from
+                (seed, the batch, the epoch) so a masking collator resumes exactly, adds
+                run.hf_callback() if it is not in its callbacks,
+                and returns a checkpoint-N folder of links to the verified files of kchain's newest
+                checkpoint (None when the run starts fresh).
+
+        Example::
+
+            trainer.train(resume_from_checkpoint=run.hf_resume(trainer))
+            if run.finished:                     # not after a deadline or SIGTERM stop
+                trainer.save_model()
+        """
+        return self._hf().resume(trainer)
+
+    def _hf(self):
+        from . import hf  # transformers is imported only inside it, only when used
+
+        return hf.bridge(self._loop, self._paths.scratch, self.smoke, self.fraction)
+
     def restore(self) -> int:
         """Load the newest checkpoint into everything tracked; returns the step it resumes at (0 fresh).
 
@@ -516,6 +565,49 @@ class Run:
         The snapshot blocks; the write runs in the background. See run.restore for an example.
         """
         self._loop.save(step)
+
+    def lightning_callback(self):
+        """The Lightning `Callback` through which kchain owns a `trainer.fit`'s checkpoints, stops and data order.
+
+        Give it to the Trainer and keep `trainer.fit(model, datamodule)`: kchain then restores its newest
+        checkpoint into the Trainer at the fit's setup (model, optimizers, schedulers, loops, callbacks),
+        rebuilds the training DataLoader as a run.loader Loader (its position in the checkpoint), saves on
+        train.checkpoint_every between two steps, stops at the deadline guard or on SIGTERM
+        (SessionStopped out of trainer.fit()), sets run.status and run.total from the Trainer's state and
+        logs its losses and validation metrics with run.log. No plugin is needed. See docs/runtime.md,
+        "Lightning Trainer".
+
+        Example::
+
+            trainer = pl.Trainer(max_epochs=10, accelerator="auto", devices="auto",
+                                 callbacks=[run.lightning_callback()])
+            trainer.fit(model, datamodule)
+            if run.finished:                     # not after a deadline or SIGTERM stop
+                trainer.save_checkpoint(run.working / "final.ckpt")
+        """
+        from . import lightning  # Lightning is imported only inside it, only when used
+
+        return lightning.callback(self._loop, self._untracked_loader, self.fraction if self.smoke else None)
+
+    def _untracked_loader(self, dataloader: DataLoader, fraction: float | None = None) -> Loader:
+        """A framework's DataLoader rebuilt as run.loader rebuilds one, not tracked: the framework's own
+        checkpoint holds its position (lightning.py). With `fraction` (a smoke) its dataset is cut as
+        run.subset cuts one, to at least one batch per rank (one that came from run.subset stays as it is)."""
+        dataset, batch_size, shuffle, num_workers, drop_last, collate_fn, sampler, batch_sampler = \
+            _rebuilt(dataloader, True, None, None)
+        if fraction is not None and sampler is None and batch_sampler is None and batch_size \
+                and not getattr(dataset, "kchain_subset", False) \
+                and not isinstance(dataset, torch.utils.data.IterableDataset) and len(dataset):
+            dataset = smoke_subset(dataset, min(1.0, max(fraction, batch_size * self.world_size / len(dataset))))
+        preflight.check_worker_tmpdir(num_workers)
+        lo = Loader(
+            dataset, self._rung.batch(batch_size), shuffle=shuffle, num_workers=num_workers, drop_last=drop_last,
+            collate_fn=collate_fn, seed=int(self._params.get("seed", 0)), pin_memory=self.device.type == "cuda",
+            on_wait=self._loop.add_wait, sampler=sampler, batch_sampler=batch_sampler, rank=self.rank,
+            world_size=self.world_size,
+        )
+        self._loop.loaders.append(lo)
+        return lo
 
     def close(self) -> None:
         """Join the writer (no write is ever left in flight) and close the trace."""
@@ -562,6 +654,7 @@ def summary_of(progress: Progress, trace: Trace, ckpt: Checkpointer, st: Setting
         checkpoint=ckpt.newest_rel(), error=error, started=st.started, ended=time.time(),
         steps_per_s=p.steps_per_s(), fingerprint=st.fingerprint, resumed_from=p.resumed_from, note=p.note,
         not_exact=p.not_exact, world_size=world_size,
+        torch=torch.__version__, cuda=torch.version.cuda,  # the image it ran on (kchain status compares)
     )
 
 

@@ -40,7 +40,7 @@ from kchain.push import push_job
 from kchain.render import render_job, write_rendered
 from kchain.runtime import layout
 from kchain.runtime.summary import Status, Summary, read_working
-from kchain.smoke import kaggle_ranks, ranks_env
+from kchain.smoke import kaggle_ranks, ranks_env, threads_each
 from kchain.smoke import ranks as local_ranks
 from kchain.spec import Job, load_job
 from kchain.traces import compare_traces, read_trace, sandbox_trace
@@ -196,8 +196,11 @@ def rehearse(job_file: Path, session_limit_s: float = 20.0, kills: int = 1, seed
     faults = faults or Faults(seed=seed)
     sources = local_inputs(job, state_dir(base.path) / "inputs", echo=echo)
     emu = start_local_kaggle(job, work, sources, session_limit_s, faults, switches, key, echo)
-    emu.runner.image_env.update(ranks_env(n))  # each session runs the ranks Kaggle gives it, as gloo ranks here
-    reference = ReferenceRun(job, work / "reference", sources, ranks_env(n))
+    # Each session runs the ranks Kaggle gives it, as gloo ranks here; a session and the reference
+    # train at once, so each gets its share of the cores (as the smoke's runs do).
+    ranked = {**ranks_env(n), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS") or str(threads_each(n))}
+    emu.runner.image_env.update(ranked)
+    reference = ReferenceRun(job, work / "reference", sources, ranked)
     kill = Killer(emu, f"{USER}/{job.name}", kills)
     echo(f"kchain rehearse {job_file}: sessions of {session_limit_s:g}s against a local Kaggle at {emu.url}; "
          f"{ranks_said(job, n, ranks)}")

@@ -15,6 +15,11 @@ from pathlib import Path
 import pytest
 
 os.environ["KAGGLE_API_ENVIRONMENT"] = "LOCALHOST"
+# One OpenMP thread per training process: 3 xdist workers each run sessions, smokes and references
+# at once on 2 cores, and torch's default of a thread per core makes OpenMP threads spin-wait for
+# each other (the smoke makes the same choice for its runs: smoke.threads_each). Every run of a
+# comparison gets the same count, so traces stay comparable bit for bit.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 for _var in ("KAGGLE_USERNAME", "KAGGLE_KEY", "KAGGLE_API_TOKEN", "KAGGLE_CONFIG_DIR"):
     os.environ.pop(_var, None)
 

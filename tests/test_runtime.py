@@ -106,7 +106,11 @@ def reference(tmp_path_factory) -> list[tuple[int, float]]:
 def test_two_sigkills_resume_bit_exact(tmp_path, reference):
     seed = random.SystemRandom().randrange(10**6)
     print(f"kill-step seed: {seed}")  # rerun a failure with random.Random(seed)
-    first, second = sorted(random.Random(seed).sample(range(2, TOTAL), 2))
+    # Each kill lands after a checkpoint its run wrote: the first past step EVERY, the second more than
+    # EVERY steps past the first (a kill at step 2 and one at 3, before any save, resume nothing).
+    rng = random.Random(seed)
+    first = rng.randrange(EVERY + 1, 2 * EVERY + 1)
+    second = rng.randrange(first + EVERY + 1, TOTAL)
     for kill in (first, second):
         died = launch(tmp_path, KCHAIN_FAULT=f"kill_at_step={kill}")
         assert died.returncode == KILLED, died.stdout + died.stderr

@@ -278,16 +278,9 @@ class Run:
         if isinstance(dataset, DataLoader):
             dataset, batch_size, shuffle, num_workers, drop_last, collate_fn, sampler, batch_sampler = \
                 _rebuilt(dataset, shuffle, sampler, batch_sampler)
-        preflight.check_worker_tmpdir(num_workers)
         if batch_sampler is None and batch_size is None:
             raise TypeError(f"run.loader({type(dataset).__name__}): give batch_size= (or a batch_sampler=)")
-        lo = Loader(
-            dataset, self._rung.batch(batch_size), shuffle=shuffle, num_workers=num_workers, drop_last=drop_last,
-            collate_fn=collate_fn, seed=int(self._params.get("seed", 0)), pin_memory=self.device.type == "cuda",
-            on_wait=self._loop.add_wait, sampler=sampler, batch_sampler=batch_sampler, rank=self.rank,
-            world_size=self.world_size,
-        )
-        self._loop.loaders.append(lo)
+        lo = self._new_loader(dataset, batch_size, shuffle, num_workers, drop_last, collate_fn, sampler, batch_sampler)
         if lo.iterable:
             self._progress.not_exact.append(
                 f"data order: {name} reads an IterableDataset; a resume replays its epoch and skips the "
@@ -599,6 +592,12 @@ class Run:
                 and not getattr(dataset, "kchain_subset", False) \
                 and not isinstance(dataset, torch.utils.data.IterableDataset) and len(dataset):
             dataset = smoke_subset(dataset, min(1.0, max(fraction, batch_size * self.world_size / len(dataset))))
+        return self._new_loader(dataset, batch_size, shuffle, num_workers, drop_last, collate_fn, sampler,
+                                batch_sampler)
+
+    def _new_loader(self, dataset, batch_size, shuffle, num_workers, drop_last, collate_fn, sampler,
+                    batch_sampler) -> Loader:
+        """A Loader over this run's ranks and seed, counted by the loop (run.loader's and a framework's)."""
         preflight.check_worker_tmpdir(num_workers)
         lo = Loader(
             dataset, self._rung.batch(batch_size), shuffle=shuffle, num_workers=num_workers, drop_last=drop_last,

@@ -1,9 +1,9 @@
-"""Several ranks (one per GPU) through torchrun, made safe for sessions that die.
+"""Several ranks (one per GPU), made safe for sessions that die.
 
 The pieces, each small:
 - `plan_ranks`, `launch_ranks` and the ranks' error files are the launcher's half, in `torchrun.py`
-  (standard library only): how many ranks the job gets, with the granted-accelerator check, and
-  `python -m torch.distributed.run --standalone --nproc_per_node=N -m kchain.runtime.launch CONFIG`.
+  (standard library only): how many ranks the job gets, with the granted-accelerator check, and N
+  processes of `python -m kchain.runtime.launch CONFIG` with torchrun's environment.
 - `Ranks`: the process group seen by one rank (rank, world_size, is_main, its device) and the
   collectives the runtime needs: the per-step agreed flag (stop reason and "save now"), gathering
   every rank's private state for the checkpoint, a barrier, a mean for run.log.
@@ -11,20 +11,21 @@ The pieces, each small:
   one rank of batch N*b sees.
 
 Errors on one rank are not agreed through a collective (the failing rank may be anywhere in its
-step, e.g. inside DDP's gradient all-reduce): the rank records its error in a file and exits, torchrun
-ends the others at once, and the launcher's parent names the first error in the summary.
+step, e.g. inside DDP's gradient all-reduce): the rank records its error in a file and exits, the
+launcher ends the others at once, and the launcher's parent names the first error in the summary.
 """
 
 from __future__ import annotations
 
 import datetime
 import os
+import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from . import faults
+from . import atomic, faults, layout
 from .checkpoint_files import ResumeError
 from .torchrun import (  # noqa: F401  (the launcher's half, standard library only; re-exported)
     KAGGLE_SESSION_ENV,
@@ -46,6 +47,30 @@ STOP_NAMES = {v: k for k, v in STOP_CODES.items()}
 GROUP_TIMEOUT_S = 600
 
 
+def _rendezvous(env, rank: int, world_size: int, timeout: datetime.timedelta):
+    """kchain's launcher: rank 0 binds a store on a port the system picks (none can be taken before it is
+    bound) and leaves the port in the rendezvous folder; the others wait for it there. None under an
+    outer torchrun. MASTER_ADDR/MASTER_PORT are then set as torchrun sets them, for code that reads them."""
+    folder = env.get(layout.RENDEZVOUS_ENV)
+    if not folder:
+        return None
+    path = Path(folder) / "port"
+    if rank == 0:
+        store = dist.TCPStore("127.0.0.1", 0, world_size, True, timeout=timeout, wait_for_workers=False)
+        atomic.write_text(path, str(store.port))
+        port = store.port
+    else:
+        end = time.monotonic() + timeout.total_seconds()
+        while not path.exists():
+            if time.monotonic() > end:
+                raise RuntimeError(f"rank {rank}: rank 0 never opened the group's store ({path})")
+            time.sleep(0.02)
+        port = int(path.read_text())
+        store = dist.TCPStore("127.0.0.1", port, world_size, False, timeout=timeout)
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    return store
+
+
 class Ranks:
     """One rank's view of the group; with world_size 1 every collective is a no-op."""
 
@@ -61,7 +86,13 @@ class Ranks:
             self.backend = "nccl" if use_cuda else "gloo"
             if use_cuda:
                 torch.cuda.set_device(self.local_rank)
-            dist.init_process_group(self.backend, timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S))
+            timeout = datetime.timedelta(seconds=GROUP_TIMEOUT_S)
+            store = _rendezvous(env, self.rank, self.world_size, timeout)
+            if store is None:  # an outer torchrun: its env:// rendezvous
+                dist.init_process_group(self.backend, timeout=timeout)
+            else:
+                dist.init_process_group(self.backend, store=store, rank=self.rank, world_size=self.world_size,
+                                        timeout=timeout)
             self.pids = self.all_gather(os.getpid())
 
     @property
@@ -124,7 +155,7 @@ class Ranks:
             dist.barrier()
 
     def kill_all(self) -> None:
-        """The whole session dies at once (a fault for tests): torchrun, every rank with its workers, this one."""
+        """The whole session dies at once (a fault for tests): the launcher, every rank with its workers, this one."""
         faults.die([os.getppid(), *(p for p in self.pids if p != os.getpid())] if self.active else [])
 
     def close(self) -> None:

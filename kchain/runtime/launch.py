@@ -222,7 +222,7 @@ def _no_accelerator(config: RuntimeConfig, message: str) -> int:
 
 
 def _run_ranks(n: int, why: str, config_path: str, config: RuntimeConfig) -> int:
-    """kchain ddp: run N ranks under torchrun, then make the summary name the first rank's error."""
+    """kchain ddp: run N ranks, then make the summary name the first rank's error."""
     import signal
 
     from . import torchrun
@@ -230,7 +230,7 @@ def _run_ranks(n: int, why: str, config_path: str, config: RuntimeConfig) -> int
     kdir = layout.kchain_dir(os.environ)
     torchrun.clear_errors(kdir)
     (kdir / layout.SUMMARY).unlink(missing_ok=True)
-    print(f"[kchain] launching {n} ranks with torchrun ({why})", flush=True)
+    print(f"[kchain] launching {n} ranks ({why})", flush=True)
     env = {**os.environ, layout.SESSION_START_ENV: os.environ.get(layout.SESSION_START_ENV) or repr(PROCESS_START)}
     code = torchrun.launch_ranks(n, config_path, env)
     if code == -signal.SIGKILL:
@@ -242,7 +242,7 @@ def _run_ranks(n: int, why: str, config_path: str, config: RuntimeConfig) -> int
         ckpts = sorted((kdir / layout.CHECKPOINTS_DIR).glob(f"{layout.CHECKPOINT_PREFIX}*"))
         done = Summary(status=Status.CRASHED, started=PROCESS_START, ended=time.time(),
                        error={"type": "RankFailed", "stage": "step",
-                              "message": f"rank 0 ended without a summary (torchrun exited with code {code})"},
+                              "message": f"rank 0 ended without a summary (the ranks' launcher returned {code})"},
                        step=int(ckpts[-1].name.removeprefix(layout.CHECKPOINT_PREFIX)) if ckpts else 0,
                        checkpoint=str(ckpts[-1].relative_to(kdir.parent)) if ckpts else None,
                        fingerprint=config.fingerprint, world_size=n)

@@ -22,6 +22,8 @@ GATE_ENV = "KCHAIN_GATE"  # PID:PATH, the smoke's early-started resume waits her
 CHECKPOINT_STREAM_ENV = "KCHAIN_CHECKPOINT_STREAM"  # 1: stream saves from live tensors, 0: copy to RAM
 # local only (smoke, rehearse): the rank count the job gets on Kaggle, run here as gloo ranks on the CPU
 RANKS_ENV = "KCHAIN_RANKS"
+# Set by kchain's launcher for its ranks: a folder where rank 0 leaves the port of the store it bound.
+RENDEZVOUS_ENV = "KCHAIN_RENDEZVOUS"
 SMOKE_PARAMS_ENV = "KCHAIN_SMOKE_PARAMS"  # local only: JSON params over the job's, from `kchain smoke --set`
 HANG_ENV = "KCHAIN_HANG_TIMEOUT"  # tests: seconds, the hang watchdog's floor (watchdog.py)
 ACCELERATOR_CHECK_ENV = "KCHAIN_ACCELERATOR_CHECK"  # "off": a CPU stand-in for a Kaggle GPU session (the emulator)
@@ -30,6 +32,12 @@ TEST_IMAGE_TORCH_ENV = "KCHAIN_TEST_IMAGE_TORCH"
 TEST_IMAGE_NUMPY_ENV = "KCHAIN_TEST_IMAGE_NUMPY"
 # The laptop's, never the kernel's: the state folder (run log, sessions, smoke passes), else .kchain/.
 HOME_ENV = "KCHAIN_HOME"
+
+# Exit codes a supervisor (SkyPilot's recover_on_exit_codes, Slurm --requeue, a shell loop) acts on.
+EXIT_SAVED_NOT_DONE = 75  # EX_TEMPFAIL: the state is saved and training is not finished (deadline, SIGTERM)
+EXIT_NO_ACCELERATOR = 69  # EX_UNAVAILABLE: the machine lacks the GPUs the job asked for; nothing trained
+# Targets other than Kaggle: a folder on a mounted bucket that each verified checkpoint is published to.
+STATE_SINK_ENV = "KCHAIN_STATE_SINK"
 
 # The job's datasets on Kaggle: <owner>/<job>-state holds its checkpoints, <owner>/<job>-cache its staging cache.
 STATE_SUFFIX, CACHE_SUFFIX = "-state", "-cache"

@@ -35,6 +35,8 @@ class Status:
     HUNG = "hung"  # the watchdog saw no step complete for too long; nothing new is saved
     NO_CHECKPOINT = "no_checkpoint"  # main returned without a loop kchain drives: nothing to resume
     NO_ACCELERATOR = "no_accelerator"  # a Kaggle session got fewer GPUs than the job asked for
+    # the state version this session was pushed to resume was not mounted within the wait: push again
+    STATE_NOT_MOUNTED = "state_not_mounted"
 
 
 STATUSES = tuple(v for k, v in vars(Status).items() if k.isupper())

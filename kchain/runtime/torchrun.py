@@ -1,16 +1,20 @@
-"""The launcher's half of several ranks: how many, torchrun, and the ranks' error files.
+"""The launcher's half of several ranks: how many, starting them, and the ranks' error files.
 
-Standard library only, so the launcher of a multi-rank session starts torchrun without importing
-torch itself (about 2 s of CPU per session that only its ranks need); `distributed.py` is the
-ranks' half (the process group, DDP, sharding) and re-exports these names.
+Standard library only: the launcher of a multi-rank session starts its ranks itself, as torchrun's
+agent would, without importing torch (torchrun cost about 2 s of CPU a session that only its ranks
+need). `distributed.py` is the ranks' half (the rendezvous, the process group, DDP, sharding) and
+re-exports these names. Under an outer torchrun (several machines) the launcher is one rank and
+starts nothing (`in_ranks`).
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -19,6 +23,8 @@ from .config import RuntimeConfig
 
 RANK_ERRORS_DIR = "rank-errors"  # under the kchain dir: one JSON per rank that failed
 KAGGLE_SESSION_ENV = "KAGGLE_KERNEL_RUN_TYPE"  # set in every Kaggle notebook session
+# After one rank failed, how long the others get to leave on SIGTERM before SIGKILL (torchrun: 30 s).
+RANK_GRACE_S = 30
 
 
 class NoAccelerator(Exception):
@@ -60,25 +66,75 @@ def plan_ranks(config: RuntimeConfig, env, cuda_count: int | None = None) -> tup
     return n, f"train.gpus: {n} on {cuda_count} CUDA device(s): {n} CPU ranks with gloo"
 
 
+def rank_env(env, rank: int, n: int, rendezvous: str) -> dict:
+    """What torchrun gives rank RANK of N on one machine, with kchain's rendezvous folder instead of a port.
+
+    RANK/WORLD_SIZE (torch), LOCAL_RANK (one GPU each), GROUP_RANK/LOCAL_WORLD_SIZE/ROLE_* (Lightning
+    and accelerate recognise a torchrun worker by them). MASTER_PORT is left for rank 0 to choose
+    (distributed.py): a port picked here and bound by rank 0 seconds later could be taken in between.
+    """
+    out = {k: v for k, v in env.items() if k not in ("MASTER_PORT", "TORCHELASTIC_USE_AGENT_STORE")}
+    one = {"RANK": rank, "LOCAL_RANK": rank, "WORLD_SIZE": n, "LOCAL_WORLD_SIZE": n, "GROUP_RANK": 0,
+           "GROUP_WORLD_SIZE": 1, "ROLE_NAME": "default", "ROLE_RANK": rank, "ROLE_WORLD_SIZE": n,
+           "MASTER_ADDR": "127.0.0.1", "TORCHELASTIC_RESTART_COUNT": 0, "TORCHELASTIC_MAX_RESTARTS": 0,
+           layout.RENDEZVOUS_ENV: rendezvous}
+    out.update({k: str(v) for k, v in one.items()})
+    out.setdefault("OMP_NUM_THREADS", "1")  # N ranks on a few cores: no thread oversubscription
+    return out
+
+
 def launch_ranks(n: int, config_path: str, env) -> int:
-    """Run N ranks under torchrun; returns its exit code (negative for a signal, as subprocess does)."""
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}",
-        # Fail fast: one failed rank ends the others at once instead of restarting the group.
-        "--max-restarts=0", "--monitor-interval=0.1", "-m", "kchain.runtime.launch", config_path,
-    ]
-    child_env = dict(env)
-    child_env.setdefault("OMP_NUM_THREADS", "1")  # N ranks on a few cores: no thread oversubscription
-    proc = subprocess.Popen(cmd, env=child_env)
+    """Run N ranks as children of this process; 0 when every rank ended well, else 1 (as torchrun),
+    or the negative signal when this launcher is killed while it waits.
 
-    def forward(signum, frame):  # a SIGTERM to the launcher reaches every rank (torchrun forwards it)
-        proc.send_signal(signum)
+    What torchrun's agent did for kchain, without importing torch (about 2 s of CPU a session): each
+    rank leads a session of its own (so a kill fault takes a rank with its DataLoader workers), a
+    SIGTERM or SIGINT to the launcher reaches every rank, and one rank that fails ends the others:
+    SIGTERM, then SIGKILL after RANK_GRACE_S.
+    """
+    rendezvous = tempfile.mkdtemp(prefix="kchain-ranks-")
+    cmd = [sys.executable, "-u", "-m", "kchain.runtime.launch", config_path]
+    procs = [subprocess.Popen(cmd, env=rank_env(env, r, n, rendezvous), start_new_session=True) for r in range(n)]
 
-    old = signal.signal(signal.SIGTERM, forward)
+    def forward(signum, frame):
+        for p in procs:
+            _signal(p, signum)
+
+    old = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
-        return proc.wait()
+        return _watch(procs)
     finally:
-        signal.signal(signal.SIGTERM, old)
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+        shutil.rmtree(rendezvous, ignore_errors=True)
+
+
+def _signal(proc: subprocess.Popen, signum: int) -> None:
+    if proc.poll() is None:
+        try:
+            proc.send_signal(signum)
+        except ProcessLookupError:
+            pass
+
+
+def _watch(procs: list[subprocess.Popen]) -> int:
+    """Wait for every rank; the first failure (any code but 0 and 'saved, not done') ends the rest."""
+    ok = (0, layout.EXIT_SAVED_NOT_DONE)
+    while True:
+        codes = [p.poll() for p in procs]
+        if any(c is not None and c not in ok for c in codes):
+            for p in procs:
+                _signal(p, signal.SIGTERM)
+            end = time.monotonic() + RANK_GRACE_S
+            while any(p.poll() is None for p in procs) and time.monotonic() < end:
+                time.sleep(0.05)
+            for p in procs:
+                _signal(p, signal.SIGKILL)
+                p.wait()
+            return 1
+        if all(c is not None for c in codes):
+            return 0
+        time.sleep(0.05)
 
 
 def record_error(kchain_dir: Path, rank: int, error: dict) -> None:

@@ -41,6 +41,7 @@ from kchain.names import cache_dataset, state_dataset
 from kchain.push import push_session, reconcile, refuse_unpushable
 from kchain.render import Rendered, render_job
 from kchain.runtime import layout
+from kchain.runtime.nextkernel import resume_for
 from kchain.runtime.statefolder import build_cache_folder, build_state_folder, cache_entries
 from kchain.runtime.summary import Status
 from kchain.sessions import PublishFacts, SessionRecord, StaleRule, summary_of
@@ -257,7 +258,7 @@ def act(decision: Decision, job: Job, ledger: Ledger, client: KaggleClient, owne
     if decision.action == "finished":
         record_finished(ledger, job, chain)
     if decision.action == "push":
-        return push_next(job, ledger, client, owner, chain, force, echo)
+        return push_next(job, ledger, client, owner, chain, force, echo, decision.attempt if decision.again else 1)
     return decision
 
 
@@ -276,8 +277,9 @@ def record_finished(ledger: Ledger, job: Job, chain: list[SessionRecord]) -> Non
 
 
 def push_next(job: Job, ledger: Ledger, client: KaggleClient, owner: str, chain: list[SessionRecord],
-              force: bool, echo: Echo) -> Decision:
-    """The newest checkpoint as a ready state version, the budget, then the next session pinned to it."""
+              force: bool, echo: Echo, attempt: int = 1) -> Decision:
+    """The newest checkpoint as a ready state version, the budget, then the next session pinned to it
+    (attempt: which try of the same state this is, after sessions that did not see it mounted)."""
     last = chain[-1]
 
     def save_publish(progress: PublishFacts) -> None:
@@ -294,12 +296,15 @@ def push_next(job: Job, ledger: Ledger, client: KaggleClient, owner: str, chain:
     if client.dataset_exists(cache_ref):
         wait_ready(client, cache_ref, echo)
         sources.append(cache_ref)
+    unattended = bool(chain[0].get("unattended"))  # the kernels push from here on again, as from session 1
     rendered = render_job(job, owner=owner, extra_sources=sources, session=last["session"] + 1,
-                          session_facts=session_facts(ledger, job, facts))
+                          session_facts=session_facts(ledger, job, facts, last["session"] + 1, attempt),
+                          unattended=unattended)
     image = chain[0].get("image") if job.kaggle.image == "pin" else None
     record = push_session(
         client, job, pin_image(rendered, image) if image else rendered, ledger, last["session"] + 1, echo,
         extra={"state_version": facts["version"], "resumes_at": facts["resumes_at"],
+               **({"unattended": True} if unattended else {}),
                "cache_attached": facts.get("cache") or last.get("cache_attached"),
                **({"image_asked": image} if image else {})},
     )
@@ -321,15 +326,18 @@ def pin_image(rendered: Rendered, image: str) -> Rendered:
                                                              ensure_ascii=False) + "\n")
 
 
-def session_facts(ledger: Ledger, job: Job, facts: PublishFacts | None = None) -> dict[str, Any]:
+def session_facts(ledger: Ledger, job: Job, facts: PublishFacts | None = None, session: int = 2,
+                  attempt: int = 1) -> dict[str, Any]:
     """What the rendered config tells the next session besides the job: the state it must resume
-    (step and state version) and the measured publish figures its deadline guard plans with."""
+    (step and state version, its number in the chain, which try of that state it is) and the measured
+    publish figures its deadline guard plans with. A kernel of an unattended chain writes the same
+    (nextkernel.resume_for) for the session it pushes."""
     out: dict[str, Any] = {}
     figures = ledger.publish_figures(job.name)
     if figures:
         out["publish"] = figures
     if facts is not None:
-        out["resume"] = {"step": facts.get("resumes_at") or 0, "state_version": facts.get("version")}
+        out["resume"] = resume_for(session, facts.get("resumes_at") or 0, facts.get("version"), attempt)
     return out
 
 

@@ -30,6 +30,17 @@ class Seconds(click.FloatRange):
 
 
 JOB = click.argument("job", type=click.Path(path_type=Path), default="job.yaml", required=False)
+# The engines other than Kaggle a job can be smoked, rehearsed or rendered for (kchain/targets/).
+TARGET = click.option("--target", type=click.Choice(["skypilot", "slurm"]), default=None,
+                      help="Run the engine's rendered script here (SkyPilot's run or the sbatch file), with its "
+                           "environment, a local folder as the bucket, a SIGKILL before a publish, a fresh machine.")
+
+
+def job_target(job: Path) -> str:
+    """The job file's target (kaggle, skypilot or slurm): push, status, logs and stop act on its engine."""
+    from kchain.spec import load_job
+
+    return load_job(job).target
 
 
 class KchainGroup(click.Group):
@@ -95,18 +106,27 @@ def init(folder: Path, template: str) -> None:
 @cli.command()
 @JOB
 @click.option("-o", "--out", type=click.Path(path_type=Path), default=None, help="Output folder (default: build/<name>).")
-def render(job: Path, out: Path | None) -> None:
+@click.option("--target", type=click.Choice(["kaggle", "skypilot", "slurm"]), default=None,
+              help="Render for this engine (default: the job's target): a work folder with task.yaml or job.sbatch.")
+def render(job: Path, out: Path | None, target: str | None) -> None:
     """Write the notebook and kernel-metadata.json exactly as a push would send them.
 
     \b
     Example:
       kchain render jobs/tinygpt/job.yaml -o build/tinygpt
+      kchain render jobs/tinygpt/job.yaml --target skypilot   # build/tinygpt-notes-skypilot/task.yaml
     """
     from kchain.credentials import configured_username
     from kchain.render import payload_lines, render_job, write_rendered
     from kchain.spec import load_job
 
     spec = load_job(job)
+    if (target or spec.target) != "kaggle":
+        from kchain.targets.commands import render_lines
+
+        for line in render_lines(spec, target or spec.target, out):
+            click.echo(line)
+        return
     rendered = render_job(spec, owner=spec.kaggle.owner or configured_username())
     paths = write_rendered(rendered, out or Path("build") / spec.name)
     for line in payload_lines(rendered):
@@ -124,18 +144,27 @@ def render(job: Path, out: Path | None) -> None:
               help="A param for this smoke, over params and smoke.params (repeatable).")
 @click.option("--ranks", type=click.IntRange(1, 2), default=None,
               help="Ranks to run (default: as many as the job gets on Kaggle, as gloo ranks on the CPU).")
-def smoke(job: Path, quiet: bool, download: bool, sets: tuple[str, ...], ranks: int | None) -> None:
+@TARGET
+def smoke(job: Path, quiet: bool, download: bool, sets: tuple[str, ...], ranks: int | None,
+          target: str | None) -> None:
     """Run the rendered notebook on this CPU: checks, steps, a stop, checkpoint, kill, exact resume.
 
     \b
     Example:
       kchain smoke jobs/tinygpt/job.yaml
       kchain smoke jobs/nanogpt/job.yaml --set n_layer=2 --set eval_iters=2
+      kchain smoke jobs/tinygpt/job.yaml --target skypilot   # the task's run, as SkyPilot runs it
     """
     from kchain.smoke import smoke as run_smoke
     from kchain.spec import parse_overrides
 
-    click.echo(f"kchain smoke {job}")
+    click.echo(f"kchain smoke {job}" + (f" --target {target}" if target else ""))
+    if target:
+        from kchain.targets.rehearsal import rehearse_target
+
+        result = rehearse_target(job, target, smoke=True, params=parse_overrides(sets), echo=click.echo, quiet=quiet)
+        click.echo(f"smoke passed for {target} (fingerprint {result.fingerprint[:12]}) recorded in the run log")
+        return
     report = run_smoke(job, echo=click.echo, quiet_training=quiet, download=download,
                        sets=parse_overrides(sets), ranks_asked=ranks)
     click.echo(f"smoke passed: {report.run_id} (fingerprint {report.fingerprint[:12]}) recorded in the run log")
@@ -164,16 +193,27 @@ def doctor(job: Path, offline: bool, no_probe: bool, probe_timeout: float) -> No
 @JOB
 @click.option("--skip-smoke", is_flag=True, help="Push code that never passed a smoke run (recorded in the run log).")
 @click.option("--force", is_flag=True, help="Push even if the week's GPU quota cannot cover the session.")
-def push(job: Path, skip_smoke: bool, force: bool) -> None:
+@click.option("--unattended", is_flag=True,
+              help="Each session pushes the next itself (internet and Secrets needed; the doctor must have seen it "
+                   "work): the chain goes on with the laptop shut.")
+def push(job: Path, skip_smoke: bool, force: bool, unattended: bool) -> None:
     """Start session 1 on Kaggle: smoked code only, within the week's quota.
 
     \b
     Example:
       kchain smoke jobs/tinygpt/job.yaml && kchain push jobs/tinygpt/job.yaml
+      kchain push jobs/tinygpt/job.yaml --unattended   # later sessions push themselves
     """
     from kchain.push import push as run_push
 
-    run_push(job, skip_smoke=skip_smoke, force=force, echo=click.echo)
+    if job_target(job) != "kaggle":
+        from kchain.targets.commands import push_target
+
+        if force or unattended:
+            raise click.UsageError("--force and --unattended are for Kaggle; this job's target is another engine")
+        push_target(job, skip_smoke=skip_smoke, echo=click.echo)
+        return
+    run_push(job, skip_smoke=skip_smoke, force=force, echo=click.echo, unattended=unattended)
 
 
 @cli.command()
@@ -187,6 +227,10 @@ def status(job: Path) -> None:
     """
     from kchain.sessions import status_for
 
+    if job_target(job) != "kaggle":
+        from kchain.targets.commands import status_target
+
+        return status_target(job, echo=click.echo)
     for line in status_for(job):
         click.echo(line)
 
@@ -205,6 +249,10 @@ def logs(job: Path, number: int | None, follow: bool, poll: float) -> None:
     """
     from kchain.sessions import logs_for
 
+    if job_target(job) != "kaggle":
+        from kchain.targets.commands import logs_target
+
+        return logs_target(job, follow=follow, echo=click.echo)
     logs_for(job, number, follow=follow, poll_s=poll, echo=click.echo)
 
 
@@ -256,6 +304,10 @@ def stop(job: Path, wait_s: float, poll_s: float, delete: bool, yes: bool) -> No
     """
     from kchain.chain import stop_chain
 
+    if job_target(job) != "kaggle":
+        from kchain.targets.commands import stop_target
+
+        return stop_target(job, echo=click.echo)
     if yes and not delete:
         raise click.UsageError("--yes answers the question --delete asks; give it with --delete")
     confirm = (lambda _question: True) if yes else (lambda question: click.confirm(question, default=False))
@@ -322,8 +374,9 @@ def plot(job: Path, out: Path | None) -> None:
               help="A flaky Kaggle, rates per call: e.g. 429=0.15,500=0.10,lost_answer=0.1,reset_after_acting=0.1,drop_upload=0.1.")
 @click.option("--strict/--lenient", default=True, show_default=True,
               help="Kaggle's strict behaviour (403s, lagging versions, ignored pins, lost output) or a kind one.")
+@TARGET
 def rehearse(job: Path, session_limit: float, kills: int, ranks: int | None, seed: int, sets: tuple[str, ...],
-             fault_spec: str, strict: bool) -> None:
+             fault_spec: str, strict: bool, target: str | None) -> None:
     """The whole chain on this machine against a local Kaggle, compared with one uninterrupted run.
 
     It passes only when the traces are identical, a session resumed from a saved state, the kills
@@ -334,10 +387,17 @@ def rehearse(job: Path, session_limit: float, kills: int, ranks: int | None, see
       kchain rehearse jobs/tinygpt/job.yaml --set steps=300
       kchain rehearse jobs/tinygpt/job.yaml --set steps=300 --faults 429=0.15,500=0.10 --kills 2
       kchain rehearse jobs/tinygpt/job.yaml --set steps=300 --ranks 1
+      kchain rehearse jobs/tinygpt/job.yaml --target slurm    # the sbatch script, its requeue on 75
     """
     from kchain.errors import KchainError
     from kchain.rehearse import emulator_switches, parse_fault_spec, parse_sets
     from kchain.rehearse import rehearse as run_rehearse
+
+    if target:
+        from kchain.targets.rehearsal import rehearse_target
+
+        rehearse_target(job, target, smoke=False, params=parse_sets(sets), echo=click.echo)
+        return
 
     result = run_rehearse(job, session_limit_s=session_limit, kills=kills, seed=seed, params=parse_sets(sets),
                           faults=parse_fault_spec(fault_spec, seed), switches=emulator_switches(strict),
@@ -413,6 +473,8 @@ def _pairs(sep: str) -> Callable[[click.Context, click.Parameter, tuple[str, ...
 @_field("--kill-on-output", "kill_on_output", metavar="TEXT", help="Fault: kill a session as soon as its log shows TEXT.")
 @_field("--crash-runner-on-output", "crash_runner_on_output", metavar="TEXT",
         help="Fault: the notebook runner crashes as soon as the log shows TEXT (see --crashed-runner).")
+@_field("--crash-runner-in", "crash_runner_in", type=int, metavar="N",
+        help="Fault: --crash-runner-on-output only in the Nth session the account pushes to run.")
 @_field("--kill-after-checkpoint", "kill_after_checkpoint", is_flag=True,
         help="Fault: kill a session as soon as it saved a checkpoint past the state it resumed from.")
 @_field("--drop-upload-every", "drop_upload_every", type=int, metavar="N",
@@ -460,6 +522,10 @@ def _pairs(sep: str) -> Callable[[click.Context, click.Parameter, tuple[str, ...
         help="Switch: Kaggle releases a new image every N pushed sessions (0: never).")
 @_field("--ignore-image-pin/--no-ignore-image-pin", "ignore_image_pin",
         help="Switch: docker_image and pinning type original have no effect: every session gets the newest image.")
+@_field("--mount-lag", "mount_lag_s", type=float, metavar="SECONDS",
+        help="Switch: a dataset version ready less than this long ago is mounted in a session only this long after ready.")
+@_field("--kernel-may-push/--no-kernel-may-push", "kernel_may_push",
+        help="Switch: a kernel may push a kernel (SaveKernel from inside a session); off answers it 403.")
 def serve(state_dir: Path, port: int, users: list[tuple[str, str]], tokens: list[tuple[str, str]],
           secrets: list[tuple[str, str]], competitions: list[tuple[str, str]], lenient: bool, **fields: Any) -> None:
     """Run a local Kaggle for the unmodified `kaggle` client until interrupted; prints the `export`

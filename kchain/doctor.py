@@ -34,7 +34,7 @@ from typing import Any
 
 import kchain
 from kchain import credentials
-from kchain.errors import CredentialsError, DoctorFailed, KaggleError, ProbeFormatError
+from kchain.errors import ChainStop, CredentialsError, DoctorFailed, KaggleError, ProbeFormatError
 from kchain.kaggle_api import MISSING_CREDENTIALS, KaggleClient, OutcomeUnknown
 from kchain.kernel_states import TERMINAL
 from kchain.ledger import Ledger, iso, now_utc, state_dir
@@ -311,7 +311,7 @@ def parse_probe(text: str) -> dict[str, Any]:
             raise ProbeFormatError(f"{PROBE_OUTPUT} has no {key!r}")
         if not isinstance(data[key], kind) or (kind is int and isinstance(data[key], bool)):
             raise ProbeFormatError(f"{PROBE_OUTPUT}: {key!r} is a {type(data[key]).__name__}")
-    extra = sorted(set(data) - set(PROBE_KEYS))
+    extra = sorted(set(data) - set(PROBE_KEYS) - {"kernel_push"})  # an older probe has no kernel_push
     if extra:
         raise ProbeFormatError(f"{PROBE_OUTPUT} has unknown keys {extra}")
     for name in ("torch", "numpy"):
@@ -515,7 +515,30 @@ def _online(job: Job, probe: bool, probe_timeout_s: float, check: _Checklist, re
                                  "kernel gets (Kaggle updates its images about every two weeks): `kchain status` "
                                  "names each session's image and warns when one differs from session 1's")
     _publishing(job, result, owner, report, check)
+    if result is not None and result.get("kernel_push"):
+        _kernel_push(result["kernel_push"], ref, check)
     return result is not None
+
+
+def _kernel_push(answer: dict[str, Any], ref: str, check: _Checklist) -> None:
+    """The probe's try at a kernel push from inside a kernel: what `kchain push --unattended` needs."""
+    if answer.get("ok"):
+        check("ok", "unattended", f"a kernel may push a kernel on this account: the probe saved {ref} from inside "
+                                  "itself; `kchain push --unattended` can chain sessions with the laptop shut")
+    else:
+        check("warn", "unattended", f"the probe could not push a kernel from inside itself ({answer.get('error')}): "
+                                    "`kchain push --unattended` is refused; chains go on through `kchain continue`")
+
+
+def refuse_unattended(job: Job) -> None:
+    """`kchain push --unattended` only once the doctor's probe saw a kernel push a kernel on this account."""
+    entry = (_read_json(doctor_file(job), {}) or {}).get("jobs", {}).get(job.name) or {}
+    answer = (entry.get("probe") or {}).get("kernel_push") or {}
+    if not answer.get("ok"):
+        seen = f" (its probe said: {answer['error']})" if answer.get("error") else ""
+        raise ChainStop(f"--unattended: kchain doctor has not seen a kernel push a kernel on this account{seen}; "
+                        f"set kaggle.internet: true, attach the Secrets KAGGLE_USERNAME and KAGGLE_KEY to "
+                        f"{job.name}-doctor, and run `kchain doctor {job.path}`")
 
 
 def run_doctor(job_file: Path, offline: bool = False, probe: bool = True, echo: Echo = print,

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from kchain.budget import check_budget, plan_for
 from kchain.datasets import ensure_state_dataset
-from kchain.doctor import suggest_doctor
+from kchain.doctor import refuse_unattended, suggest_doctor
 from kchain.errors import ChainStop, KaggleError, NotSmoked, SpecError
 from kchain.kaggle_api import InvalidSources, KaggleClient, OutcomeUnknown, SessionCapReached, missing
 from kchain.kernel_states import LIVE
@@ -204,15 +204,20 @@ def push_session(
     return record
 
 
-def push(job_file: Path, skip_smoke: bool = False, force: bool = False, echo: Echo = print) -> SessionRecord:
+def push(job_file: Path, skip_smoke: bool = False, force: bool = False, echo: Echo = print,
+         unattended: bool = False) -> SessionRecord:
     job = load_job(job_file)
+    if unattended:
+        refuse_unattended(job)  # the doctor must have seen a kernel push a kernel on this account
     suggest_doctor(job, echo)  # one line when doctor.json is missing or stale; never blocks
-    return push_job(job, Ledger(state_dir(job.path)), KaggleClient(), skip_smoke=skip_smoke, force=force, echo=echo)
+    return push_job(job, Ledger(state_dir(job.path)), KaggleClient(), skip_smoke=skip_smoke, force=force, echo=echo,
+                    unattended=unattended)
 
 
 def push_job(job: Job, ledger: Ledger, client: KaggleClient, skip_smoke: bool = False, force: bool = False,
-             echo: Echo = print) -> SessionRecord:
-    """Start session 1 of the job's chain (or the next one, if the last push never landed)."""
+             echo: Echo = print, unattended: bool = False) -> SessionRecord:
+    """Start session 1 of the job's chain (or the next one, if the last push never landed). unattended:
+    from then on each session pushes the next itself (kchain/runtime/nextkernel.py)."""
     job_file = job.path
     refuse_unpushable(job)
     owner = job.kaggle.owner or client.username
@@ -229,7 +234,11 @@ def push_job(job: Job, ledger: Ledger, client: KaggleClient, skip_smoke: bool = 
             f"`kchain continue {job_file}`"
         )
     figures = ledger.publish_figures(job.name)
-    rendered = render_job(job, owner=owner, session_facts={"publish": figures} if figures else None)
+    if unattended and not job.kaggle.internet:
+        raise SpecError(f"{job.path}: kaggle.internet: an unattended chain needs it true (each session pushes the "
+                        "next over the internet, with your key attached as Secrets); set kaggle.internet: true")
+    rendered = render_job(job, owner=owner, session_facts={"publish": figures} if figures else None,
+                          unattended=unattended)
     smoked = ledger.smoke_passed(rendered.fingerprint)
     if smoked is None and not skip_smoke:
         raise NotSmoked.for_job(job_file)
@@ -240,7 +249,8 @@ def push_job(job: Job, ledger: Ledger, client: KaggleClient, skip_smoke: bool = 
     check_budget(job, plan, force, job_file)
     ensure_state_dataset(client, owner, job.name, echo)
     record = push_session(client, job, rendered, ledger, 1, echo,
-                          extra={"smoke": smoked["run_id"] if smoked else "skipped"})
+                          extra={"smoke": smoked["run_id"] if smoked else "skipped",
+                                 **({"unattended": True} if unattended else {})})
     note = "session 1 pushed" + ("" if smoked else " (--skip-smoke: never smoke-tested)")
     ledger.append_run(
         run_id=new_run_id("kaggle"), channel="kaggle", job=job.name, config=rendered.fingerprint[:12],

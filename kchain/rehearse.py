@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from kchain import sessions as sess
-from kchain.chain import watch
+from kchain.chain import decide_and_continue, watch
 from kchain.datasets import wait_ready, write_dataset_metadata
 from kchain.emulator import Emulator, Faults
 from kchain.emulator.sessions import CHECKPOINT_KILL, kill_tree
@@ -40,6 +40,7 @@ from kchain.push import push_job
 from kchain.render import render_job, write_rendered
 from kchain.runtime import layout
 from kchain.runtime.summary import Status, Summary, read_working
+from kchain.sessions import StaleRule
 from kchain.smoke import kaggle_ranks, ranks_env, threads_each
 from kchain.smoke import ranks as local_ranks
 from kchain.spec import Job, load_job
@@ -62,6 +63,8 @@ class Rehearsal:
     killed: list[int] = field(default_factory=list)  # kernel versions (sessions) the rehearsal killed
     passed: bool = False  # identical, and it proved a resume: see shortcomings()
     ranks: int = 1  # per session and in the uninterrupted run
+    # unattended: the chain's records rebuilt from Kaggle alone into an empty ledger, or the line that refused
+    rebuilt: list[dict[str, Any]] | str | None = None
 
 
 @contextlib.contextmanager
@@ -184,12 +187,17 @@ def upload_inputs(emu: Emulator, job: Job, sources: dict[tuple[str, str, str], P
 def rehearse(job_file: Path, session_limit_s: float = 20.0, kills: int = 1, seed: int = 0,
              params: dict[str, Any] | None = None, faults: Faults | None = None, internet: bool | None = None,
              echo: Echo = print, poll_s: float = 0.5, key: str | None = None,
-             switches: Switches | None = None, ranks: int | None = None) -> Rehearsal:
+             switches: Switches | None = None, ranks: int | None = None, unattended: bool = False,
+             no_secret_in: int | None = None, stale: StaleRule | None = None) -> Rehearsal:
     """Named stages: the short-session job -> a local Kaggle with the inputs on it -> the reference
     run beside the chain -> the chain with its kills -> the traces compared. ranks: per session and
-    in the reference (default: as many as the job gets on Kaggle)."""
+    in the reference (default: as many as the job gets on Kaggle). unattended: `push --unattended`, then
+    the laptop only watches (each kernel pushes the next; the emulator's kernel_may_push is on), taking
+    over only when a kernel could not push; no_secret_in: that session's kernel finds no Secret (a hand-over).
+    stale: the rule by which the watch judges a RUNNING session stale and deletes its kernel (once the
+    chain's state is safe) to chain on, as `continue --watch --delete-stale` does; None: the job's rule, no delete."""
     base = load_job(job_file)
-    job = rehearsal_job(base, job_file, session_limit_s, params or {}, internet)
+    job = rehearsal_job(base, job_file, session_limit_s, params or {}, True if unattended else internet)
     n = local_ranks(job, ranks)
     work = state_dir(base.path) / "rehearse" / new_run_id("rehearse")
     ledger = Ledger(work / "ledger")
@@ -206,7 +214,12 @@ def rehearse(job_file: Path, session_limit_s: float = 20.0, kills: int = 1, seed
          f"{ranks_said(job, n, ranks)}")
     try:
         reference.start()
-        job, stop = run_chain(emu, job, ledger, kill, session_limit_s, poll_s, echo)
+        rebuilt = None
+        if unattended:
+            emu.switches.kernel_may_push = True  # on Kaggle: what the doctor's probe saw (push --unattended)
+            stop, rebuilt = run_unattended(emu, job, ledger, kill, poll_s, echo, no_secret_in)
+        else:
+            job, stop = run_chain(emu, job, ledger, kill, session_limit_s, poll_s, echo, stale)
         trace, summary = ([], None) if stop is not None else reference.result()
     finally:
         reference.stop()
@@ -214,7 +227,8 @@ def rehearse(job_file: Path, session_limit_s: float = 20.0, kills: int = 1, seed
     chain = ledger.sessions(job.name)
     identical, passed, verdict, chained = judge(trace, summary, chain, sorted(kill.killed), kills, stop, echo)
     return Rehearsal(identical, verdict, chain, trace, chained, emu.sessions(),
-                     emu.dataset_versions(state_dataset(USER, job.name)), work, sorted(kill.killed), passed, n)
+                     emu.dataset_versions(state_dataset(USER, job.name)), work, sorted(kill.killed), passed, n,
+                     rebuilt)
 
 
 def ranks_said(job: Job, n: int, asked: int | None) -> str:
@@ -319,7 +333,7 @@ class Killer:
 
 
 def run_chain(emu: Emulator, job: Job, ledger: Ledger, kill: Killer, session_limit_s: float, poll_s: float,
-              echo: Echo) -> tuple[Job, ChainStop | None]:
+              echo: Echo, stale: StaleRule | None = None) -> tuple[Job, ChainStop | None]:
     """Push session 1, size the sessions from its speed, then `continue --watch` until done; returns
     the job as the chain ran it (its session limit may have grown) and the stop that ended the chain
     before it finished, if any (a crash, sessions without progress)."""
@@ -339,11 +353,60 @@ def run_chain(emu: Emulator, job: Job, ledger: Ledger, kill: Killer, session_lim
         stop = None
         try:
             watch(job, ledger, client, force=True, skip_smoke=True, echo=echo, poll_s=poll_s,
-                  max_poll_s=max(poll_s, 2.0), before_each=kill)
+                  max_poll_s=max(poll_s, 2.0), before_each=kill, stale=stale, delete_stale=stale is not None)
         except ChainStop as exc:
             stop = exc
         kill(0)  # settle the last kill
     return job, stop
+
+
+def run_unattended(emu: Emulator, job: Job, ledger: Ledger, kill: Killer, poll_s: float, echo: Echo,
+                   no_secret_in: int | None = None) -> tuple[ChainStop | None, list[dict[str, Any]] | str | None]:
+    """`push --unattended`, then the laptop waits: only once the chain's newest session has ended without
+    a successor (its kernel could not push, or it was the last) does `continue` look (the records rebuilt
+    from Kaggle) and act; its pushes after session 1 are counted in `ledger`'s records (pushed_by).
+    Returns the stop, if any, and, once finished, the chain rebuilt from Kaggle alone (rebuilt_from_kaggle)."""
+    ref = f"{USER}/{job.name}"
+    with _env({**emu.env(USER), "KCHAIN_HOME": str(ledger.root)}):
+        client = KaggleClient(backoff_s=0.2, max_backoff_s=2.0)
+        emu.attach_secrets(ref)
+        ledger.save_publish_figures(job.name, measure_publish(emu, emu.faults, echo))
+        kill(1)
+        push_job(job, ledger, client, skip_smoke=True, force=True, echo=echo, unattended=True)
+        while True:
+            ours = [s for s in emu.sessions() if s["kernel"] == ref]
+            if no_secret_in is not None and len(ours) >= no_secret_in:
+                with emu.store.lock:  # the user detached the Secrets (or a push reset them) before its end
+                    if ref in emu.store.secrets_attached and len(ours) == no_secret_in:
+                        emu.store.secrets_attached.remove(ref)
+            if not ours or ours[-1]["status"] not in TERMINAL:
+                kill(len(ours))
+                time.sleep(poll_s)
+                continue
+            try:
+                decision = decide_and_continue(job, ledger, client, force=True, skip_smoke=True, echo=echo)
+            except ChainStop as exc:
+                return exc, None
+            except KaggleError:
+                time.sleep(poll_s)
+                continue
+            if decision.action == "finished":
+                return None, rebuilt_from_kaggle(client, job.name, ledger.root.parent / "rebuilt")
+            if decision.action == "pushed":
+                echo(f"  the laptop took over: {decision.message}")
+                emu.attach_secrets(ref)  # the user attached them again
+            time.sleep(poll_s)
+
+
+def rebuilt_from_kaggle(client: KaggleClient, job: str, root: Path) -> list[dict[str, Any]] | str:
+    """What `kchain status` on a laptop with an empty ledger sees (sessions.rebuild): the chain's records
+    from Kaggle's versions and outputs alone, or the one line that refused to rebuild it."""
+    try:
+        chain = sess.refresh(client, Ledger(root), job)
+    except ChainStop as exc:
+        return str(exc)
+    return [{key: record.get(key) for key in ("session", "version", "resumes_at", "state_version", "status")}
+            for record in chain]
 
 
 def judge(reference: list[dict[str, Any]], summary: Summary | None, chain: list[sess.SessionRecord],

@@ -27,9 +27,9 @@ from kchain import notebook_code
 from kchain.credentials import secret_strings
 from kchain.errors import RenderError
 from kchain.names import cache_dataset, state_dataset
-from kchain.runtime import atomic, layout
+from kchain.runtime import atomic, layout, nextkernel
 from kchain.runtime.config import KaggleConfig
-from kchain.spec import Job, notebook_name, runtime_config
+from kchain.spec import Job, notebook_name, parse_duration, runtime_config
 
 METADATA_FILE = "kernel-metadata.json"
 IGNORE_FILE = ".kchainignore"
@@ -282,22 +282,25 @@ def _canonical(text: str) -> str:
 
 
 def render_job(job: Job, owner: str | None = None, extra_sources: list[str] | None = None,
-               session: int = 1, session_facts: dict | None = None) -> Rendered:
+               session: int = 1, session_facts: dict | None = None, unattended: bool = False) -> Rendered:
     """Pure: job (+ the Kaggle owner, the session number, pinned state sources) -> notebook and
     metadata text. The session number and sources only label the notebook: the fingerprint is the
     same for every session of a chain. session_facts (what this session must resume, the measured
-    publish figures) go into config["kaggle"], which the fingerprint leaves out."""
+    publish figures) go into config["kaggle"], which the fingerprint leaves out. unattended: the
+    payload also holds the next session's template (runtime/nextkernel.py), from which this notebook is
+    filled too, so the kernel can push the next session as this function would render it."""
     owner = job.kaggle.owner or owner
     config = _session_config(job, owner, session_facts)
     code, left_out = _code_files(job)
-    payload = _zip({**_runtime_files(), **code})
+    files = {**_runtime_files(), **code}
+    payload = _zip(files)
     config["fingerprint"] = fingerprint = _fingerprint(config, payload)
     env = _environment()
-    notebook = env.get_template("notebook.ipynb.j2").render(
+    values = dict(
         job=job.name,
         job_file=job.path.name,
         session=session,
-        state_sources=", ".join(extra_sources or []) or "none (a fresh start)",
+        state_sources=nextkernel.state_text(extra_sources or []),
         fingerprint=fingerprint,
         entry=job.entry_point,
         version=kchain.__version__,
@@ -307,7 +310,15 @@ def render_job(job: Job, owner: str | None = None, extra_sources: list[str] | No
         internet=job.kaggle.internet,
         gpu=job.kaggle.accelerator == "gpu",
         session_start_env=layout.SESSION_START_ENV,
+        unattended=unattended,
     )
+    if unattended:
+        template = _next_template(env, values, job, owner)
+        payload = _zip({**files, nextkernel.NEXT_FILE: template.encode()})
+        notebook = nextkernel.fill_notebook(json.loads(template)["notebook"], session, extra_sources or [], config,
+                                            base64.b64encode(payload).decode())
+    else:
+        notebook = env.get_template("notebook.ipynb.j2").render(**values)
     rendered = Rendered(
         name=job.name,
         notebook=_canonical(notebook),
@@ -323,6 +334,47 @@ def render_job(job: Job, owner: str | None = None, extra_sources: list[str] | No
     return rendered
 
 
+@dataclass(frozen=True)
+class Payload:
+    """What the notebook embeds, unpacked: the work folder of the other targets (kchain/targets/)."""
+
+    files: dict[str, bytes]  # the runtime and the user's code, by path in the folder
+    config: dict[str, Any]  # the runtime config, its fingerprint included
+    fingerprint: str  # the same as render_job's for this job: a smoke pass counts for every target
+    embedded: tuple[tuple[str, int], ...] = ()
+    left_out: tuple[tuple[str, str], ...] = ()
+
+
+def render_payload(job: Job, accelerator: str) -> Payload:
+    """Pure: the runtime and code files, the config and the fingerprint, with the same guards as
+    render_job (no credential file or key, nothing .kchainignore lists). `accelerator` (gpu or none)
+    is what the runtime checks it was given; config["kaggle"] holds no Kaggle owner or dataset."""
+    config = _session_config(job, None, None)
+    config["kaggle"] = {**config["kaggle"], "accelerator": accelerator}
+    code, left_out = _code_files(job)
+    files = {**_runtime_files(), **code}
+    config["fingerprint"] = fingerprint = _fingerprint(config, _zip(files))
+    if any(secret in json.dumps(config) for secret in secret_strings()):
+        raise RenderError(f"{job.path}: params: a value holds your Kaggle key; remove it")
+    return Payload(files=files, config=config, fingerprint=fingerprint,
+                   embedded=tuple((name, len(data)) for name, data in sorted(code.items())),
+                   left_out=tuple(left_out))
+
+
+def _next_template(env: jinja2.Environment, values: dict[str, Any], job: Job, owner: str | None) -> str:
+    """The unattended chain's template (nextkernel.NEXT_FILE): the notebook with the values that change
+    from session to session as placeholders, the metadata with the job's own sources, and what the
+    kernel needs to push (its ref, the session limit, the budget)."""
+    placeholders = {"session": nextkernel.SESSION, "state_sources": nextkernel.STATES,
+                    "config_json": nextkernel.CONFIG, "payload": nextkernel.PAYLOAD}
+    notebook = _canonical(env.get_template("notebook.ipynb.j2").render(**{**values, **placeholders}))
+    chain = {"kernel": f"{owner}/{job.name}", "session_limit_s": parse_duration(job.train.session_limit),
+             "weekly_gpu_hours": job.budget.weekly_gpu_hours, "gpu": job.gpu, "job_file": job.path.name,
+             "cache_dataset": cache_dataset(owner, job.name) if owner else None, "image": None}
+    return json.dumps({"format": nextkernel.FORMAT, "notebook": notebook, "chain": chain,
+                       "metadata": _canonical(_metadata(env, job, owner, None))}, sort_keys=True)
+
+
 def _session_config(job: Job, owner: str | None, session_facts: dict | None) -> dict:
     """The runtime's config plus who runs it and where its state goes (config["kaggle"]), as the
     notebook embeds it (RuntimeConfig.to_dict)."""
@@ -332,6 +384,7 @@ def _session_config(job: Job, owner: str | None, session_facts: dict | None) -> 
         cache_dataset=cache_dataset(owner, job.name) if owner else None,
         internet=job.kaggle.internet,
         accelerator=job.kaggle.accelerator,
+        mount_wait_s=parse_duration(job.kaggle.mount_wait),
         **(session_facts or {}),
     )
     return dataclasses.replace(runtime_config(job), kaggle=kaggle, kchain_version=kchain.__version__).to_dict()
@@ -384,7 +437,7 @@ def render_probe(job: Job, ref: str, sources: list[str], state: str | None,
     datasets = [s for s in sources if s not in models]
     config = {"job": job.name, "sources": sources + competitions, "state_dataset": state,
               "secret_labels": list(secret_labels),
-              "internet": job.kaggle.internet}
+              "internet": job.kaggle.internet, "kernel": ref}
     files = {**_runtime_files(), "kchain_probe.py": (templates_dir() / "kchain_probe.py").read_bytes()}
     notebook = _environment().get_template("probe.ipynb.j2").render(
         job=job.name, version=kchain.__version__, internet=job.kaggle.internet,

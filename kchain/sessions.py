@@ -15,12 +15,13 @@ from pathlib import Path
 from typing import Any, TypedDict
 
 from kchain import diagnose
-from kchain.errors import KaggleError
+from kchain.errors import ChainStop, KaggleError, KchainError
 from kchain.kaggle_api import KaggleClient
 from kchain.kernel_states import LIVE, TERMINAL
 from kchain.ledger import Ledger, iso, now_utc, parse_iso
 from kchain.runtime import layout
 from kchain.runtime.heartbeat import duration
+from kchain.runtime.nextkernel import NEXT_KEY
 from kchain.runtime.summary import Summary, read_working
 from kchain.spec import Job, parse_duration
 
@@ -75,6 +76,9 @@ class SessionRecord(TypedDict, total=False):
     resumes_at: int  # chain.push_next: the step that state holds
     cache_attached: list[str] | None  # chain.push_next: the staged-data cache entries attached
     image_asked: str  # chain.push_next: the image it was pinned to (session 1's, as Kaggle named it)
+    unattended: bool  # push --unattended (session 1) and every later one: each session pushes the next itself
+    pushed_by: str  # "kernel": adopt_pushed made the record from the previous session's summary (`next`)
+    rebuilt: int  # session 1 of a chain rebuilt from Kaggle alone (rebuild): the kernel's newest version then
     # Written by push.push_session once Kaggle answered (or by push.reconcile after a lost answer):
     url: str  # the kernel's page
     started: str  # ISO UTC: the push's answer, then the kernel's own clock once it ended (refresh)
@@ -180,7 +184,9 @@ def fetch_output(client: KaggleClient, ledger: Ledger, job: str, record: Session
 def refresh(client: KaggleClient, ledger: Ledger, job: str, live_log: bool = False) -> list[SessionRecord]:
     """Ask Kaggle about every live session of the chain; fetch the output of those that ended.
     live_log: a running session's heartbeat is also read from the live log stream (`kchain status`),
-    since Kaggle may keep its log only for the end."""
+    since Kaggle may keep its log only for the end. An empty ledger first rebuilds an unattended chain."""
+    if not ledger.sessions(job):
+        rebuild(client, ledger, job)
     for record in ledger.sessions(job):
         if record["status"] not in LIVE or record.get("version") is None:
             continue
@@ -209,7 +215,75 @@ def refresh(client: KaggleClient, ledger: Ledger, job: str, live_log: bool = Fal
                 record["started"] = iso(datetime.fromtimestamp(summary.started, timezone.utc))
                 record["ended"] = iso(datetime.fromtimestamp(summary.ended, timezone.utc))
         ledger.save_session(job, record)
-    return ledger.sessions(job)
+    if adopt_pushed(ledger, job):
+        return refresh(client, ledger, job, live_log)  # the session a kernel pushed: asked about now
+    chain = ledger.sessions(job)
+    if chain and chain[0].get("rebuilt") and (chain[-1].get("version") or 0) < chain[0]["rebuilt"] \
+            and chain[-1]["status"] in TERMINAL:
+        raise ChainStop(f"the records of {job} were rebuilt from Kaggle up to session {chain[-1]['session']} "
+                        f"(kernel version {chain[-1]['version']}), but {chain[0]['kernel']} has version "
+                        f"{chain[0]['rebuilt']}: a laptop pushed the sessions after it, and their records are on "
+                        "that laptop; copy its .kchain/ folder (or KCHAIN_HOME) here before `kchain continue`")
+    return chain
+
+
+def rebuild(client: KaggleClient, ledger: Ledger, job: str) -> bool:
+    """An empty ledger (another laptop, a lost state folder): session 1 of an unattended chain from Kaggle
+    alone, as its kernel's version 1 (owner: this user) whose output says it chained itself (`next` in its
+    summary); refresh then adopts each session a kernel pushed (adopt_pushed). True if rebuilt. A chain a
+    laptop pushed, or one still in session 1, is left alone (its records are that laptop's)."""
+    try:
+        kernel = f"{client.username}/{job}"
+        newest = client.kernel_version(kernel)
+        status, failure = client.status(kernel, 1) if newest else ("", "")
+    except KchainError:  # no credentials, no answer: nothing to rebuild from
+        return False
+    if status not in TERMINAL:
+        return False
+    record: SessionRecord = {"session": 1, "kernel": kernel, "version": 1, "status": status, "gpu": True,
+                             "failure_message": failure or None, "requested": iso(now_utc()), "unattended": True,
+                             "rebuilt": int(newest or 1)}  # as push_job records session 1
+    try:
+        fetch_output(client, ledger, job, record)
+    except Exception:  # noqa: BLE001 - no output: nothing says the chain was unattended
+        return False
+    summary = summary_of(record)
+    if NEXT_KEY not in summary.extra:
+        return False
+    record["fingerprint"] = summary.fingerprint or ""
+    if isinstance(summary.started, (int, float)) and isinstance(summary.ended, (int, float)):
+        record["started"] = iso(datetime.fromtimestamp(summary.started, timezone.utc))
+        record["ended"] = iso(datetime.fromtimestamp(summary.ended, timezone.utc))
+    ledger.save_session(job, record)
+    return True
+
+
+def adopt_pushed(ledger: Ledger, job: str) -> bool:
+    """An unattended chain: the session the last one pushed from inside its kernel, as that session's
+    summary.json (on Kaggle, in its output) records it (`next`, kchain/runtime/nextkernel.py), becomes the
+    chain's next record; True if one was added. A push whose answer the kernel lost is PUSHING (push.reconcile
+    settles it from the kernel's versions); a kernel that did not push leaves the next step to `continue`."""
+    chain = ledger.sessions(job)
+    if not chain or not chain[0].get("unattended"):
+        return False
+    last = chain[-1]
+    pushed = (last.get("summary") or {}).get(NEXT_KEY) or {}
+    if last["status"] not in TERMINAL or not pushed.get("session") or pushed["session"] <= last["session"]:
+        return False
+    record: SessionRecord = {
+        "session": pushed["session"], "kernel": last["kernel"], "fingerprint": last.get("fingerprint", ""),
+        "gpu": bool(last.get("gpu")), "requested": last.get("ended", iso(now_utc())),
+        "state_version": pushed.get("state_version"), "resumes_at": pushed.get("resumes_at") or 0,
+        "version_before": pushed.get("version_before"), "unattended": True, "pushed_by": "kernel",
+    }
+    if pushed.get("version"):
+        record.update(status="QUEUED", version=pushed["version"], started=record["requested"])
+    elif pushed.get("decision") == "outcome unknown":
+        record.update(status="PUSHING", version=None)
+    else:
+        return False
+    ledger.save_session(job, record)
+    return True
 
 
 def note_image(client: KaggleClient, record: SessionRecord) -> bool:
@@ -501,10 +575,8 @@ def status_for(job_file: Path) -> list[str]:
 
     job = load_job(job_file)
     ledger = Ledger(state_dir(job.path))
-    chain = ledger.sessions(job.name)
-    if chain:
-        chain = refresh(KaggleClient(), ledger, job.name, live_log=True)
-    else:
+    chain = refresh(KaggleClient(), ledger, job.name, live_log=True)  # an empty ledger: rebuilt from Kaggle
+    if not chain:
         return [f"{job.name} has no session yet: `kchain push {job_file}` starts one"]
     rule, now = StaleRule.for_job(job), time.time()
     found = {s["session"]: judged for s in chain if (judged := stale(s, rule, now)) is not None}

@@ -24,6 +24,7 @@ from kchain.names import MAX_NAME
 from kchain.runtime import layout, settings
 from kchain.runtime.config import RuntimeConfig, SmokeConfig, TrainConfig
 from kchain.runtime.settings import parse_cadence, parse_duration
+from kchain.targets.sections import SkyPilotSpec, SlurmSpec
 
 __all__ = ["Job", "SpecError", "load_job", "parse_cadence", "parse_duration", "runtime_config"]
 
@@ -94,6 +95,18 @@ class KaggleSpec(_Strict):
     # pin: every session runs on the image session 1 ran on (docker_image_pinning_type original, and
     # session 1's docker_image from session 2 on); latest: each session on Kaggle's newest image.
     image: Literal["pin", "latest"] = "pin"
+    # How long a session waits for the state it resumes to be mounted: Kaggle has answered a version
+    # "ready" minutes before a session saw it (once 138 s). Then it stops, and continue pushes it again.
+    mount_wait: str | int | float = "5m"
+
+    @field_validator("mount_wait")
+    @classmethod
+    def _mount_wait(cls, value: str | int | float) -> str | int | float:
+        try:
+            _positive_duration(value)
+        except (OverflowError, ValueError):
+            raise ValueError(f"{shown(value)} is not a positive duration; write e.g. 5m or 90s") from None
+        return value
 
     @field_validator("owner")
     @classmethod
@@ -242,6 +255,11 @@ class Job(_Strict):
     train: TrainSpec = Field(default_factory=TrainSpec)
     smoke: SmokeSpec = Field(default_factory=SmokeSpec)
     budget: BudgetSpec = Field(default_factory=BudgetSpec)
+    # Where `kchain push` runs the job: Kaggle (the default), SkyPilot managed jobs or a Slurm cluster;
+    # each other target reads its own section (kchain/targets/sections.py, docs/targets.md).
+    target: Literal["kaggle", "skypilot", "slurm"] = "kaggle"
+    skypilot: SkyPilotSpec = Field(default_factory=SkyPilotSpec)
+    slurm: SlurmSpec = Field(default_factory=SlurmSpec)
     # Where the job file lives; set by load_job, not by the YAML.
     path: Path = Field(default=Path("job.yaml"), exclude=True)
 
@@ -567,6 +585,9 @@ def load_job(path: str | Path) -> Job:
         raise SpecError(f"{label}: " + "; ".join(problems) + more) from None
     _check_code_path(job, label)
     _check_entry(job, label)
+    problem = target_problem(job, job.target)
+    if problem:
+        raise SpecError(f"{label}: {problem}")
     for slug in job.kaggle.local:
         known = {ref.split("/")[1] for ref in job.kaggle.datasets}
         # A model's stand-in is named by its slug, or by its full ref when two attached versions share it.
@@ -631,6 +652,17 @@ def _check_entry(job: Job, label: str) -> None:
             f"{label}: {key}: {source.name} defines no function {shown(function)}; "
             f"add `def {function}(run):` or set entry: {module}:<your function>"
         )
+
+
+def target_problem(job: Job, target: str) -> str | None:
+    """What the job's section for `target` lacks to be rendered (key and fix), or None."""
+    if target == "skypilot" and job.skypilot.bucket is None:
+        return ("skypilot.bucket: required for target skypilot (the checkpoints must outlive the machine); "
+                "add e.g. bucket: {name: my-kchain-state, store: s3}")
+    if target == "slurm" and job.slurm.state_dir is None:
+        return ("slurm.state_dir: required for target slurm (a requeued job may start on another node); "
+                "add a folder on the shared file system, e.g. state_dir: /scratch/me/kchain-state")
+    return None
 
 
 def notebook_name(job: Job, notebook: Path) -> str:

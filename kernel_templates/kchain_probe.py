@@ -137,10 +137,48 @@ def _secrets(labels: list[str]) -> dict:
     return {"visible": visible, "error": error}
 
 
+def _kernel_push(config: dict, secrets: dict) -> dict:
+    """Whether a kernel may push a kernel on this account (an unattended chain needs it; Kaggle documents
+    neither way): a quick save (no run) of this probe's own kernel, from inside it, with the Secrets' key.
+    The key lives in this process's environment only and is never printed or kept."""
+    ref = config["kernel"] if "kernel" in config else None  # a probe rendered by an older kchain has none
+    if not config["internet"] or not ref:
+        return {"tried": False, "ok": False, "error": "internet is off for this kernel"}
+    if not all(secrets["visible"].get(label) for label in ("KAGGLE_USERNAME", "KAGGLE_KEY")):
+        return {"tried": False, "ok": False, "error": "no KAGGLE_USERNAME and KAGGLE_KEY in this kernel's Secrets"}
+    folder = Path(tempfile.mkdtemp(prefix="kchain-probe-push-"))
+    try:
+        from kaggle_secrets import UserSecretsClient
+
+        client = UserSecretsClient()
+        os.environ.pop("KAGGLE_API_V1_TOKEN", None)
+        os.environ.update({label: client.get_secret(label) for label in ("KAGGLE_USERNAME", "KAGGLE_KEY")})
+        from kaggle.api.kaggle_api_extended import KaggleApi
+
+        api = KaggleApi()
+        api.authenticate()
+        cell = {"cell_type": "code", "execution_count": None, "metadata": {}, "outputs": [],
+                "source": "print('kchain doctor: a kernel pushed by a kernel')"}
+        (folder / "probe.ipynb").write_text(json.dumps({"cells": [cell], "metadata": {}, "nbformat": 4,
+                                                        "nbformat_minor": 5}))
+        (folder / "kernel-metadata.json").write_text(json.dumps({
+            "id": ref, "title": ref.split("/", 1)[1], "code_file": "probe.ipynb", "language": "python",
+            "kernel_type": "notebook", "is_private": True, "enable_gpu": False, "enable_internet": True}))
+        answer = api.kernels_push(str(folder), no_run=True)
+    except Exception as exc:  # noqa: BLE001 - the answer, whatever it is, is what the doctor records
+        code = getattr(getattr(exc, "response", None), "status_code", None)  # requests' HTTPError has it
+        said = f"HTTP {code}" if code else type(exc).__name__
+        return {"tried": True, "ok": False, "error": f"{said}: {str(exc)[:200]}"}
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    error = str(getattr(answer, "error", "") or "")
+    return {"tried": True, "ok": not error, "error": error[:200] or None}
+
+
 def probe(config: dict) -> dict:
     input_root, working = layout.input_root(os.environ), layout.working_root(os.environ)
     sources = list(config["sources"])
-    return {
+    report = {
         "format": FORMAT,
         "job": config["job"],
         "python": platform.python_version(),
@@ -156,6 +194,8 @@ def probe(config: dict) -> dict:
         "secrets": _secrets(list(config["secret_labels"])),
         "internet": config["internet"],
     }
+    report["kernel_push"] = _kernel_push(config, report["secrets"])
+    return report
 
 
 def main(argv: list[str]) -> int:

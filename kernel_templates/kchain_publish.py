@@ -25,7 +25,7 @@ from pathlib import Path
 
 PROCESS_START = time.monotonic()  # the client's start-up (the kaggle import) is measured from here
 
-from kchain.runtime import layout, publishplan, sendonce, summary  # noqa: E402
+from kchain.runtime import layout, nextkernel, nextsession, publishplan, sendonce, summary  # noqa: E402
 from kchain.runtime.config import RuntimeConfig  # noqa: E402
 
 SECRET_LABELS = ("KAGGLE_USERNAME", "KAGGLE_KEY")
@@ -41,9 +41,13 @@ def say(msg: str) -> None:
     print(f"[kchain] publish: {msg}", flush=True)
 
 
-def none(why: str) -> int:
-    """The summary keeps `published: null`: `kchain continue` relays the state from the session's output."""
+def none(why: str, unattended: bool = False) -> int:
+    """The summary keeps `published: null`: `kchain continue` relays the state from the session's output.
+    In an unattended chain the summary also says the kernel did not push the next session, and why."""
     print(f"[kchain] published: none ({why}); `kchain continue` will relay the state from the laptop", flush=True)
+    if unattended:
+        nextkernel.record(layout.kchain_dir(os.environ), {"decision": "left to the laptop", "pushed": False,
+                                                          "why": f"the kernel could not publish: {why}"}, say)
     return 0
 
 
@@ -236,42 +240,147 @@ def attached_cache(input_root: Path, marker_name: str) -> list[str] | None:
 
 
 def main(config_path: str) -> int:
-    config = RuntimeConfig.from_dict(json.loads(Path(config_path).read_text()))
+    raw = json.loads(Path(config_path).read_text())
+    config = RuntimeConfig.from_dict(raw)
     kchain_dir = layout.kchain_dir(os.environ)
     if os.environ.get(layout.SMOKE_ENV) == "1":
         return 0  # a smoke run publishes nothing
+    template = nextkernel.load_template(Path(config_path).parent)  # unattended: this kernel pushes the next
+    alone = template is not None
     if not config.kaggle.internet:
-        return none("internet is off for this kernel")
+        return none("internet is off for this kernel", alone)
     if not config.kaggle.state_dataset:
-        return none("the job has no Kaggle owner, so there is no state dataset to publish to")
+        return none("the job has no Kaggle owner, so there is no state dataset to publish to", alone)
     # Standard library only (statefolder finds and verifies without torch): a session near its limit
     # must not spend its last seconds importing torch.
     from kchain.runtime.statefolder import newest_checkpoint
 
     plan = publishplan.figures(config.kaggle)
     found = newest_checkpoint(kchain_dir, config.job)
-    if found is None:
+    resumed = int((config.kaggle.resume or {}).get("step") or 0)
+    if found is None and not alone:
         return none("no verified checkpoint in this session's output")
-    nbytes = publishplan.tree_bytes(found[0])
+    nbytes = publishplan.tree_bytes(found[0]) if found is not None else 0
     need, left = publishplan.seconds(plan, nbytes), time_left(config)
     if left is not None and left < need:
         return none(f"{left:.0f}s left before the session limit, and publishing "
-                    f"{publishplan.size_text(nbytes)} needs about {need:.0f}s")
+                    f"{publishplan.size_text(nbytes)} needs about {need:.0f}s", alone)
     cred = credential()
     if cred is None:
-        return none("no credential in this kernel's Secrets")
+        return none("no credential in this kernel's Secrets", alone)
 
     # The session token Kaggle mounts would take precedence over the user's key (kagglesdk 1.3).
     os.environ.pop("KAGGLE_API_V1_TOKEN", None)
     os.environ.update(cred)
     api = client()
     work = Path(tempfile.mkdtemp(prefix="kchain-publish-"))
+    clock = Clock(config, plan)
     try:
-        return publish(api, config, kchain_dir, work, Clock(config, plan))
+        before = version_number(api, config.kaggle.state_dataset, clock.until(SETTLE_S)) if alone else None
+        if found is not None and (int(found[1].get("step") or 0) > resumed or not alone):
+            publish(api, config, kchain_dir, work, clock)
     except Exception as exc:  # noqa: BLE001 - the laptop relay is the fallback; say why
-        return none(f"failed: {type(exc).__name__}: {str(exc)[:200]}")
+        return none(f"failed: {type(exc).__name__}: {str(exc)[:200]}", alone)
     finally:
         shutil.rmtree(work, ignore_errors=True)
+    if template is not None:
+        chain_next(api, template, raw, config, kchain_dir, Path(config_path).parent, clock, before)
+    return 0
+
+
+def chain_next(api, template: dict, raw: dict, config: RuntimeConfig, kchain_dir: Path, src: Path, clock: Clock,
+               before: int | None) -> None:
+    """An unattended chain's next session from this kernel: wait until the state version is ready, decide
+    with the table `kchain continue` uses, and push it once; the decision goes into summary.json."""
+    t0 = time.monotonic()
+    ended = summary.read(kchain_dir / layout.SUMMARY) or summary.Summary()
+    resume = config.kaggle.resume or {}
+    try:
+        version = ready_version(api, config.kaggle.state_dataset, before, clock)
+    except Exception as exc:  # noqa: BLE001 - the laptop takes over
+        nextkernel.record(kchain_dir, {"decision": "left to the laptop", "pushed": False,
+                                       "why": f"the state version did not become ready: {brief(exc)}"}, say)
+        return
+    waited = round(time.monotonic() - t0, 3)
+    verdict = nextsession.decide(nextsession.Chain(
+        chain_records(config, ended, resume, kchain_dir), template["chain"]["kernel"], None,
+        lambda: str(config.fingerprint), lambda _fp: True), template["chain"]["job_file"])
+    out: dict = {"decision": verdict.action, "pushed": False, "why": verdict.message, "waited_s": waited}
+    if verdict.action == "push":
+        out.update(push_next(api, (template, src), raw, config, ended, resume, version, verdict, clock))
+    out["idle_s"] = round(time.monotonic() - t0, 3)
+    nextkernel.record(kchain_dir, out, say)
+
+
+def ready_version(api, ref: str, before: int | None, clock: Clock) -> int | None:
+    """The state dataset's version once a version newer than `before` is ready (the one just published),
+    or the current one when this session published nothing; bounded by the session's time."""
+    published = (summary.read(layout.kchain_dir(os.environ) / layout.SUMMARY) or summary.Summary()).published
+    until = clock.until(SETTLE_S)
+    while True:
+        now = version_number(api, ref, until)
+        if published != "kernel" or before is None or (now or 0) > before:
+            return now
+        if time.monotonic() + 1.0 > until:
+            raise RuntimeError(f"{ref} still shows version {now} when the session's time ran out")
+        time.sleep(1.0)
+
+
+def chain_records(config: RuntimeConfig, ended: summary.Summary, resume: dict, kchain_dir: Path) -> list[dict]:
+    """The chain's records as this kernel knows them: sessions before it that did not see their state
+    mounted (resume.attempt), then this session, ending now."""
+    from kchain.runtime.statefolder import newest_checkpoint
+
+    n = int(resume.get("session") or 1)
+    found = newest_checkpoint(kchain_dir, config.job)
+    own = {"session": n, "status": "COMPLETE", "fingerprint": config.fingerprint, "summary": ended.to_dict(),
+           "resumes_at": int(resume.get("step") or 0), "state_version": resume.get("state_version"),
+           "saved_step": int(found[1].get("step") or 0) if found is not None else None}
+    if ended.published == "kernel":
+        own["publish"] = {"published": "kernel", "step": ended.published_step}
+    attempt = int(resume.get("attempt") or 1)
+    unmounted = [{**own, "session": n - k, "summary": {"status": summary.Status.STATE_NOT_MOUNTED},
+                  "publish": None, "saved_step": None} for k in range(attempt - 1, 0, -1)]
+    return [*unmounted, own]
+
+
+def push_next(api, unpacked: tuple[dict, Path], raw: dict, config: RuntimeConfig, ended: summary.Summary,
+              resume: dict, version: int | None, verdict, clock: Clock) -> dict:
+    """The budget, then the next session's kernel version (from the template and payload unpacked), once."""
+    template, src = unpacked
+    chain = template["chain"]
+    session_s = float(chain["session_limit_s"])
+    if chain.get("gpu"):
+        spent = (ended.ended or time.time()) - (ended.started or time.time())
+        used, allowed, source = nextkernel.used_s(api, max(0.0, spent))
+        budget = float(chain["weekly_gpu_hours"]) * 3600
+        why = nextsession.afford(session_s, used, allowed if allowed is not None else budget, budget)
+        if why is not None:
+            return {"decision": "stop", "why": f"{why} (by {source}, budget.weekly_gpu_hours "
+                    f"{chain['weekly_gpu_hours']:g})"}
+    step = (resume.get("step") or 0) if verdict.again or ended.published != "kernel" else ended.published_step
+    sources = [f"{config.kaggle.state_dataset}/{version}"]
+    cache = chain.get("cache_dataset")
+    if cache and exists(api, cache):
+        version_number(api, cache, clock.until(SETTLE_S))  # ready before it is attached
+        sources.append(cache)
+    n = int(resume.get("session") or 1) + 1
+    plan = {"session": n, "sources": sources, "publish": ended.publish_timing or config.kaggle.publish,
+            "resume": nextkernel.resume_for(n, int(step or 0), version, verdict.attempt if verdict.again else 1)}
+    t0 = time.monotonic()
+    sent = nextkernel.send_next(api, template, src, raw, plan, clock.until(SETTLE_S * 3))
+    out = {"session": n, "state_version": version, "resumes_at": int(step or 0), "attempt": plan["resume"].get(
+        "attempt", 1), "push_s": round(time.monotonic() - t0, 3), **sent}
+    if sent.get("version"):
+        out.update(decision="pushed", pushed=True,
+                   why=f"pushed session {n} (kernel version {sent['version']}), resuming at step {step or 0} from "
+                       f"state version {version}")
+    elif sent.get("refused"):
+        out.update(decision="left to the laptop", why=f"Kaggle refused the push: {sent['refused']}")
+    else:
+        out.update(decision="outcome unknown", why=f"the push's answer was lost ({sent.get('unknown')}); "
+                   "`kchain continue` settles it from the kernel's versions")
+    return out
 
 
 def client():

@@ -21,10 +21,13 @@ from kchain.emulator import Faults, Switches
 from kchain.ledger import Ledger
 from kchain.rehearse import rehearse
 from kchain.runtime import layout
+from kchain.sessions import StaleRule
 
 STALL = "stall_step=0.05"  # at most 20 steps/s, whatever the machine
 GENEROUS_S = 600  # a session's limit: the deadline fault ends sessions long before it, however loaded
 ROOMY = {"session_limit": "600s", "margin": "30s"}
+# Stale after 20 s without a new heartbeat (the chain's come every step), 90 s of set-up before the first.
+PATIENT = StaleRule(heartbeat_s=0.0, margin_s=0.0, limit_s=600.0, quiet_s=20.0, setup_s=90.0)
 
 
 def no_overlap(sessions: list[dict]) -> bool:
@@ -39,16 +42,24 @@ def test_a_chain_with_a_kill_deadlines_and_flaky_api_equals_the_uninterrupted_ru
     # their answer, 10% act and reset the connection (the client's own retry must not send them again),
     # every 4th upload dropped, and the killed session's output lost; two GPU sessions at most per account
     # (the emulator's default cap; the chain's sessions are GPU sessions); Kaggle releases a new image with
-    # every push (the chain must stay on session 1's). One `watch`, no rerun.
+    # every push (the chain must stay on session 1's); each new state version is mounted seconds after it
+    # is ready (mount_lag_s); the 4th session's notebook runner crashes after its first step and the session
+    # stays RUNNING (crashed_runner): the watch judges it stale and deletes the kernel once the state is
+    # safe (`continue --watch --delete-stale`). One `watch`, no rerun.
     monkeypatch.setenv(layout.FAULT_ENV, f"{STALL},deadline_after_steps=20")
     monkeypatch.setenv(layout.CHECKPOINT_EVERY_ENV, "5 steps")  # the kill comes after a save mid-session
-    job = copy_job("tinygpt", tmp_path, params={"steps": 60, "eval_every": 20, "batch": 8, "accumulate": 1})
+    job = copy_job("tinygpt", tmp_path, params={"steps": 60, "eval_every": 20, "batch": 8, "accumulate": 1},
+                   train={"heartbeat": "0s"})  # a heartbeat every step: the stale rule below is seconds
     faults = Faults(rate_429=0.15, rate_500=0.10, rate_lost_answer=0.1, drop_upload_every=4, processing_s=2.0,
-                    lose_output=True, rate_reset_after_acting=0.1, seed=5)
+                    lose_output=True, rate_reset_after_acting=0.1, seed=5,
+                    crash_runner_on_output="[kchain] step ", crash_runner_in=4)
+    switches = Switches(new_image_every=1, mount_lag_s=3.0)
     result = rehearse(job, session_limit_s=GENEROUS_S, kills=1, seed=2, faults=faults, echo=lambda _: None, ranks=1,
-                      switches=Switches(new_image_every=1))
+                      switches=switches, stale=PATIENT)
 
     assert result.passed, result.verdict
+    wedged = [s for s in result.emulator_sessions if s.get("runner_crashed")]
+    assert len(wedged) == 1 and wedged[0]["status"] == "CANCEL_ACKNOWLEDGED", wedged  # ended by the delete
     assert faults.resets >= 1 and all(s["gpu"] for s in result.emulator_sessions)  # both were in play
     # Every session ran on session 1's image, the one its record names, though newer ones came out.
     assert len({s["image"] for s in result.emulator_sessions}) == 1
@@ -61,18 +72,19 @@ def test_a_chain_with_a_kill_deadlines_and_flaky_api_equals_the_uninterrupted_ru
     assert [s["version"] for s in killed] == result.killed and len(killed) == 1, result.emulator_sessions
     # No two sessions ran at once, and every session Kaggle ran is one of the chain's (no double push).
     assert no_overlap(result.emulator_sessions)
-    assert sorted(s["version"] for s in result.emulator_sessions) == [r["version"] for r in chain]
+    # (Versions count again from 1 once the stale session's kernel is deleted: pair them in push order.)
+    ran = sorted(result.emulator_sessions, key=lambda s: s["queued"])
+    assert [s["version"] for s in ran] == [r["version"] for r in chain]
     # No state was uploaded twice: each step is in one state version only.
     published = [v["notes"] for v in result.dataset_versions if "step" in (v.get("notes") or "")]
     assert len(published) == len({n.rsplit("step", 1)[1] for n in published}), published
     # No session trained from a state other than the one it was pushed for.
-    pushed_for = {r["version"]: r.get("resumes_at", 0) for r in chain}
-    for session in result.emulator_sessions:
+    for session, record in zip(ran, chain, strict=True):
         if session.get("resumed_from") is not None:
-            assert session["resumed_from"] == pushed_for[session["version"]], session
+            assert session["resumed_from"] == record.get("resumes_at", 0), session
     # Every session after the first was pushed only once its pinned state version was ready.
     ready_at = {v["number"]: v["ready_at"] for v in result.dataset_versions}
-    for session in result.emulator_sessions[1:]:
+    for session in ran[1:]:
         pinned = [src for src in session["dataset_sources"] if src.endswith("-state/" + src.rsplit("/", 1)[-1])]
         assert pinned, session["dataset_sources"]
         assert ready_at[int(pinned[0].rsplit("/", 1)[-1])] <= session["queued"]

@@ -125,3 +125,33 @@ def test_continue_decides_row_by_row(chain, on_kaggle, options, action, says):
     early = action in ("running", "finished") or decision.message.startswith(
         ("x has no session", "alice/x has a session", "session 1 wrote no", "session 2 reached its deadline"))
     assert rendered == ([] if early else [CODE])
+
+
+def unmounted(n: int) -> dict:
+    """A session that did not see its state version mounted in time (it trained nothing)."""
+    return session(n, "COMPLETE", summary=summary("state_not_mounted", step=40), resumes_at=40, state_version=3,
+                   saved_step=None)
+
+
+@pytest.mark.parametrize(("tail", "action", "says"), [
+    (1, "push", "push session 3: session 2 again from state version 3 (step 40), which it did not see mounted "
+                "in time (attempt 2 of 4)"),
+    (3, "push", "push session 5: session 4 again from state version 3 (step 40), which it did not see mounted "
+                "in time (attempt 4 of 4)"),
+    (4, "stop", "sessions 2 to 5 (4 in a row) did not see state version 3 mounted within the mount wait"),
+], ids=["once", "three times", "four times: stop"])
+def test_a_state_not_mounted_is_pushed_again_three_times_at_most(tail, action, says):
+    chain = [session(1)] + [unmounted(n) for n in range(2, 2 + tail)]
+    decision = decide(Situation(chain, "alice/x", "COMPLETE", fingerprint=lambda: CODE, smoked=lambda fp: True), JOB)
+    assert decision.action == action and decision.message.startswith(says), decision.message
+    assert decision.again == (action == "push") and decision.attempt == (tail + 1 if action == "push" else 1)
+    if action == "stop":
+        assert type(decision.stop) is ChainStop
+
+
+def test_the_session_after_an_unmounted_one_is_judged_against_the_one_that_trained():
+    # Session 2 trained nothing (not mounted); session 3, pushed again, trained and saved past 40: no
+    # "no progress" from comparing 3 with 2; the next push is a plain one.
+    chain = [session(1), unmounted(2), session(3, resumes_at=40, saved_step=60)]
+    decision = decide(Situation(chain, "alice/x", "ERROR", fingerprint=lambda: CODE, smoked=lambda fp: True), JOB)
+    assert decision.action == "push" and not decision.again and decision.message == "push session 4 from the newest state"

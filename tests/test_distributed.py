@@ -106,7 +106,7 @@ def test_two_ranks_sigkill_at_a_random_step_resume_bit_exact(tmp_path, reference
 
 def test_deadline_on_one_rank_stops_both_with_one_checkpoint(tmp_path):
     done = launch(tmp_path, every=100, KCHAIN_FAULT="deadline_at_step=3,deadline_rank=1")
-    assert done.returncode == 0, out(done)
+    assert done.returncode == layout.EXIT_SAVED_NOT_DONE, out(done)
     s = summary(tmp_path)
     assert (s["status"], s["step"]) == ("deadline", 3)
     assert checkpoints(tmp_path) == [layout.checkpoint_name(3)]
@@ -164,7 +164,7 @@ def test_shards_of_a_global_batch_are_the_one_rank_batch():
 
 def test_a_kaggle_session_without_the_asked_gpu_stops_at_once(tmp_path):
     done = launch(tmp_path, gpus=2, KAGGLE_KERNEL_RUN_TYPE="Batch")
-    assert done.returncode == 1
+    assert done.returncode == layout.EXIT_NO_ACCELERATOR
     lines = [line for line in done.stdout.splitlines() if "no-accelerator" in line]
     assert lines == ["[kchain] no-accelerator: asked for GPU T4 x2 (train.gpus: 2), got no GPU: the weekly GPU "
                      "quota may be spent or the kernel's accelerator setting was lost; stopping instead of "

@@ -92,7 +92,12 @@ def test_doctor_all_ok_probes_a_cpu_session_and_writes_no_credential(emulator, k
     assert runtime.endswith(f"input/datasets/{STATE})")
     assert "Secret labels visible: KAGGLE_USERNAME, KAGGLE_KEY" in out
     assert "ok    publishing   in-kernel publish: internet on and Secrets KAGGLE_USERNAME and KAGGLE_KEY visible" in out
-    assert [ln.split()[1] for ln in out.splitlines() if ln.startswith(("warn", "FAIL"))] == ["smoke"]  # not smoked here
+    # The probe tried a kernel push from inside itself; this emulator says no (kernel_may_push off, the worse case).
+    [unattended] = lines(result, "unattended")
+    assert unattended.startswith("warn  unattended   the probe could not push a kernel from inside itself (HTTP "
+                                 "403: ") and unattended.endswith("`kchain push --unattended` is refused; chains go on "
+                                                         "through `kchain continue`"), unattended
+    assert [ln.split()[1] for ln in out.splitlines() if ln.startswith(("warn", "FAIL"))] == ["smoke", "unattended"]
     assert out.rstrip().endswith("kchain doctor: all checks passed (warnings above)")
 
     # The quick save ran nothing; the probe ran on the CPU; no GPU session at all.
@@ -111,9 +116,29 @@ def test_doctor_all_ok_probes_a_cpu_session_and_writes_no_credential(emulator, k
     assert entry["probe"]["secrets"]["visible"] == {"KAGGLE_USERNAME": True, "KAGGLE_KEY": True}
     pushed = invoke("push", job)  # refused (never smoked), and no hint: the doctor checked exactly this
     assert pushed.exit_code == 4 and "hint:" not in pushed.output
+    assert entry["probe"]["kernel_push"]["tried"] is True and entry["probe"]["kernel_push"]["ok"] is False
+    refused = invoke("push", job, "--unattended", "--skip-smoke")
+    assert refused.exit_code == 8 and refused.output.count("Error:") == 1
+    assert error_line(refused).startswith("Error: --unattended: kchain doctor has not seen a kernel push a kernel on "
+                                          "this account (its probe said: "), refused.output
+
+    # A Kaggle that lets a kernel push a kernel: the probe's quick save from inside itself lands, the doctor
+    # says so, and `push --unattended` goes ahead.
+    emulator.switches.kernel_may_push = True
+    again = invoke("doctor", job)
+    assert again.exit_code == 0, again.output
+    assert lines(again, "unattended") == [
+        f"ok    unattended   a kernel may push a kernel on this account: the probe saved {DOCTOR_REF} from inside "
+        "itself; `kchain push --unattended` can chain sessions with the laptop shut"]
+    assert doctor_entry()["probe"]["kernel_push"] == {"tried": True, "ok": True, "error": None}
+    versions = emulator.store.kernels[DOCTOR_REF]["versions"]
+    assert [emulator.store.session(v["session"])["run"] for v in versions] == [False, True, False, True, False]
     # The key the probe read is nowhere: not in doctor.json, the fetched output, the job, the session.
     assert files_holding(key, tmp_path) == []
     assert files_holding(DATA, Path(os.environ["KCHAIN_HOME"]))  # the search does find what is there
+    pushed = invoke("push", job, "--unattended", "--skip-smoke")
+    assert pushed.exit_code == 0 and "Error:" not in pushed.output, pushed.output
+    assert [s["version"] for s in emulator.sessions() if s["kernel"] == f"{USER}/{NAME}"] == [1]
 
 
 def test_doctor_warns_for_another_torch_and_numpy_and_says_relay_without_secrets(emulator, tmp_path):

@@ -99,7 +99,7 @@ def test_a_deadline_stop_saves_the_state_at_the_stop_and_runs_no_code_after_it(t
     ref = launch(tmp_path / "ref", "epoch_eval", EPOCHS)
     assert ref.returncode == 0, ref.stdout + ref.stderr
     stopped = launch(tmp_path / "run", "epoch_eval", EPOCHS, KCHAIN_FAULT=f"deadline_at_step={stop_at}")
-    assert stopped.returncode == 0, stopped.stdout + stopped.stderr
+    assert stopped.returncode == layout.EXIT_SAVED_NOT_DONE, stopped.stdout + stopped.stderr
     assert (summary(tmp_path / "run")["status"], summary(tmp_path / "run")["step"]) == ("deadline", stop_at)
     # The epoch's own code (scheduler step, evaluation) ran only for a finished epoch: mid-epoch, no
     # val_loss yet; at the epoch's end, exactly one.
@@ -150,7 +150,7 @@ def test_a_loop_of_its_own_stops_at_the_deadline_with_should_stop_and_resumes_ex
     ref = launch(tmp_path / "ref", "explicit", params)
     assert ref.returncode == 0, ref.stdout + ref.stderr
     stopped = launch(tmp_path / "run", "explicit", params, KCHAIN_FAULT="deadline_after_steps=5")
-    assert stopped.returncode == 0, stopped.stdout + stopped.stderr
+    assert stopped.returncode == layout.EXIT_SAVED_NOT_DONE, stopped.stdout + stopped.stderr
     got = summary(tmp_path / "run")
     assert (got["status"], got["step"], got["checkpoint"]) == ("deadline", 5, f"kchain/checkpoints/{layout.checkpoint_name(5)}")
     assert not any("after_the_loop" in r for r in rows(tmp_path / "run"))  # nothing after the stop ran

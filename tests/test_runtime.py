@@ -203,7 +203,7 @@ def test_damaged_newest_checkpoint_falls_back_with_a_warning(tmp_path, reference
 def test_deadline_stops_saves_and_resumes_exactly(tmp_path, reference):
     # 6 s session, 20% margin, each step stalled 0.5 s: the run cannot reach TOTAL steps.
     done = launch(tmp_path, KCHAIN_SESSION_LIMIT="6", KCHAIN_FAULT="stall_step=0.5")
-    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.returncode == layout.EXIT_SAVED_NOT_DONE, done.stdout + done.stderr  # saved, not done
     first = summary(tmp_path)
     assert first["status"] == "deadline"
     assert first["step"] < TOTAL
@@ -250,7 +250,7 @@ def test_kill_after_first_checkpoint_leaves_it_complete(tmp_path):
     assert run.resumed_from == 2
 
 
-def test_sigterm_stops_after_the_step_saves_and_exits_0(tmp_path):
+def test_sigterm_stops_after_the_step_saves_and_exits_75(tmp_path):
     # Popen by hand: the test signals the child while it runs (each step stalled 0.2 s).
     (tmp_path / "cfg.json").write_text(json.dumps(config({"workers": 0, "steps": 200})))
     env = {k: v for k, v in os.environ.items() if not k.startswith("KCHAIN_")}
@@ -263,7 +263,7 @@ def test_sigterm_stops_after_the_step_saves_and_exits_0(tmp_path):
                 child.send_signal(signal.SIGTERM)
                 break
         rest = child.stdout.read()
-        assert child.wait(timeout=CHILD_TIMEOUT_S) == 0
+        assert child.wait(timeout=CHILD_TIMEOUT_S) == layout.EXIT_SAVED_NOT_DONE  # saved, not done
     assert "received SIGTERM" in rest
     got = summary(tmp_path)
     assert got["status"] == "interrupted" and 2 <= got["step"] < 200

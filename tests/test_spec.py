@@ -165,6 +165,8 @@ def test_merge_keys_work_and_dates_stay_text(tmp_path):
     ('{datasets: ["alice/notes-data\\n"]}', "kaggle.datasets: 'notes-data\\n' is not a Kaggle dataset slug; use "
                                             "lowercase letters, digits and single dashes inside"),
     ("{accelerator: tpu}", "kaggle.accelerator: the runtime does not support TPUs yet; use gpu or none"),
+    ("{mount_wait: soon}", "kaggle.mount_wait: 'soon' is not a positive duration; write e.g. 5m or 90s"),
+    ("{mount_wait: 0}", "kaggle.mount_wait: 0 is not a positive duration; write e.g. 5m or 90s"),
 ])
 def test_kaggle_refs_follow_kaggles_rules(tmp_path, kaggle, message):
     path = write(tmp_path, GOOD + f"kaggle: {kaggle}\n")

@@ -133,7 +133,7 @@ def test_a_working_dir_summary_is_searched_below_only_when_asked(tmp_path):
 def test_the_launchers_fallbacks_are_summaries_with_every_key(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv(layout.ROOT_ENV, str(tmp_path))
     path = layout.kchain_dir({layout.ROOT_ENV: str(tmp_path)}) / layout.SUMMARY
-    assert launch._no_accelerator(RuntimeConfig(fingerprint="f"), "asked for GPU T4 x2") == 1
+    assert launch._no_accelerator(RuntimeConfig(fingerprint="f"), "asked for GPU T4 x2") == layout.EXIT_NO_ACCELERATOR
     got = json.loads(path.read_text())
     assert list(got) == RUN_KEYS
     assert (got["status"], got["step"], got["fingerprint"], got["error"]["type"]) == (

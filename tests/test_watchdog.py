@@ -56,11 +56,23 @@ def test_a_hung_step_ends_the_run_with_every_stack_and_nothing_new_saved(tmp_pat
 
 
 def test_a_session_without_its_expected_state_stops_before_training(tmp_path):
-    done = launch(tmp_path, config(resume={"step": 40, "state_version": 5}))
+    # Nothing attached after the mount wait: state_not_mounted (75, "saved, not done"; the chain pushes
+    # the same session again), nothing trained, the step it was pushed for kept.
+    late = launch(tmp_path / "late", config(resume={"step": 40, "state_version": 5}, mount_wait_s=1.0))
+    assert late.returncode == layout.EXIT_SAVED_NOT_DONE, late.stdout + late.stderr
+    assert ("[kchain] state-not-mounted: state version 5 (step 40) was not mounted within 1 s "
+            "(kaggle.mount_wait)") in late.stdout
+    assert (summary(tmp_path / "late")["status"], summary(tmp_path / "late")["step"]) == ("state_not_mounted", 40)
+    # A state that says step 40 is mounted, but holds no checkpoint: the wrong state, not a late one.
+    marker = tmp_path / "wrong" / layout.INPUT_DIR / "datasets" / "alice" / "tiny-state" / layout.STATE_MARKER
+    marker.parent.mkdir(parents=True)
+    marker.write_text(json.dumps({"step": 40}))
+    done = launch(tmp_path / "wrong", config(resume={"step": 40, "state_version": 5}))
     assert done.returncode == 1
     assert ("[kchain] crashed in build: WrongState: this session was pushed to resume step 40 from state "
             "version 5, but the attached input holds no checkpoint; stopping before training from the wrong "
             "state") in done.stdout
-    assert summary(tmp_path)["status"] == "crashed"
-    assert not (tmp_path / layout.WORKING_DIR / layout.KCHAIN_DIR / layout.CHECKPOINTS_DIR).exists() or \
-        checkpoints(tmp_path) == []
+    assert summary(tmp_path / "wrong")["status"] == "crashed"
+    for root in (tmp_path / "late", tmp_path / "wrong"):
+        assert not (root / layout.WORKING_DIR / layout.KCHAIN_DIR / layout.CHECKPOINTS_DIR).exists() or \
+            checkpoints(root) == []

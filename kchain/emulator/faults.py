@@ -31,6 +31,9 @@ class Faults:
     # The notebook's runner crashes as soon as the session's log shows this text: its process tree dies
     # (SIGKILL) with no word to Kaggle, and the session then shows what `switches.crashed_runner` says.
     crash_runner_on_output: str | None = None
+    # Only in the Nth session the account pushes to run (1-based, counted over every kernel, so a
+    # kernel deleted and pushed again keeps counting); None: in every session pushed while it is set.
+    crash_runner_in: int | None = None
     # Upload PUTs that carry bytes are cut off after reading half their body: the 1st, the
     # (N+1)th, ... (1 = every one).
     drop_upload_every: int = 0

@@ -371,8 +371,9 @@ class Rpcs:
             "kill_after_checkpoint": faults.kill_after_checkpoint if run else False,
             "queue_s": switches.queue_s, "boot_s": switches.boot_s, "output_at_limit": switches.output_at_limit,
             "ignore_version_pin": switches.ignore_version_pin, "no_gpu": faults.no_gpu,
-            "crash_runner_on_output": faults.crash_runner_on_output if run else None,
-            "crashed_runner": switches.crashed_runner,
+            "crash_runner_on_output": faults.crash_runner_on_output if run and faults.crash_runner_in in (
+                None, self.store.data["runs_pushed"]) else None,
+            "crashed_runner": switches.crashed_runner, "mount_lag_s": switches.mount_lag_s,
         }
         sdir = self.store.session_dir(session_id)
         sdir.mkdir(parents=True)

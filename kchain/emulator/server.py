@@ -111,6 +111,15 @@ class Handler(BaseHTTPRequestHandler):
             return self.server.tokens.get(value.strip())
         return None
 
+    def _from_kernel(self) -> bool:
+        """Whether the call comes from inside a session: its proxy credentials are a session's token."""
+        scheme, _, value = (self.headers.get("Proxy-Authorization") or "").partition(" ")
+        try:
+            token = base64.b64decode(value).decode().partition(":")[2] if scheme.lower() == "basic" else ""
+        except (binascii.Error, UnicodeDecodeError):
+            return False
+        return bool(token) and token in self.rpcs.runner.secret_tokens
+
     # -- verbs --------------------------------------------------------------------------------
 
     def do_POST(self) -> None:
@@ -138,6 +147,9 @@ class Handler(BaseHTTPRequestHandler):
         user = self._user()
         if user is None:
             return self._error(401, "Unauthenticated: missing or invalid Kaggle credentials")
+        if rpc == "SaveKernel" and not self.rpcs.switches.kernel_may_push and self._from_kernel():
+            self.server.count("SaveKernel_from_kernel_refused")
+            return self._error(403, "Permission denied: a kernel may not push a kernel (switches.kernel_may_push)")
         handler = getattr(self.rpcs, rpc, None)
         if handler is None or not rpc[:1].isupper():  # RPCs are the CamelCase methods
             return self._error(404, f"Unknown RPC {match['service']}/{rpc}")

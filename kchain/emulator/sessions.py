@@ -107,6 +107,24 @@ def _make_read_only(top: Path) -> None:
         os.chmod(dirpath, stat.S_IRUSR | stat.S_IXUSR | stat.S_IRGRP | stat.S_IXGRP | stat.S_IROTH | stat.S_IXOTH)
 
 
+def _mount(files: Path, dest: Path) -> None:
+    """A dataset version appears in a session's input whole (copied beside it, then renamed), read-only."""
+    part = dest.with_name(f".mounting-{dest.name}")
+    shutil.copytree(files, part)
+    _make_read_only(part)
+    part.rename(dest)
+
+
+def _mount_late(files: Path, dest: Path, root: Path, stopping: threading.Event) -> None:
+    """The lagging mount arrives, if the session's sandbox is still there."""
+    if stopping.is_set() or not (root / layout.INPUT_DIR).is_dir():
+        return
+    try:
+        _mount(files, dest)
+    except OSError:  # the session ended (its sandbox went) while this copied
+        pass
+
+
 def remove_tree(top: Path) -> None:
     """rmtree that first makes read-only inputs writable again."""
     if not top.exists():
@@ -224,8 +242,10 @@ class SessionRunner:
             # granted-accelerator check would otherwise stop every session on this GPU-less machine.
             env[layout.ACCELERATOR_CHECK_ENV] = "off"
         if kernel.get("enable_internet", True):
-            proxy = self.proxy_url()
             token = new_secret()
+            # The session's calls carry its token as proxy credentials (Proxy-Authorization), so the local
+            # Kaggle tells a call from inside a kernel (switches.kernel_may_push) from the laptop's.
+            proxy = self.proxy_url().replace("://", f"://kernel:{token}@", 1)
             self.secret_tokens[token] = (session["owner"], session["kernel"])
             env.update({"HTTP_PROXY": proxy, "http_proxy": proxy, "NO_PROXY": "", "no_proxy": "",
                         "KAGGLE_API_ENVIRONMENT": "LOCALHOST", "KAGGLE_USER_SECRETS_TOKEN": token,
@@ -255,8 +275,14 @@ class SessionRunner:
                 continue
             version = ready[-1]
             dest = root / layout.INPUT_DIR / "datasets" / ref
-            shutil.copytree(self.store.version_files_dir(ref, version["number"]), dest)
-            _make_read_only(dest)
+            files = self.store.version_files_dir(ref, version["number"])
+            late = version["ready_at"] + session.get("mount_lag_s", 0.0) - time.time()
+            if late > 0:  # ready, not yet mounted (switches.mount_lag_s)
+                timer = threading.Timer(late, _mount_late, args=(files, dest, root, self._stopping))
+                timer.daemon = True
+                timer.start()
+            else:
+                _mount(files, dest)
             mounted.append(f"{ref}/{version['number']}")
         for source in session.get("model_sources", []):
             parts = source.split("/")

@@ -61,6 +61,14 @@ class Switches:
     new_image_every: int = 1
     # A push's image pins (`docker_image`, pinning type `original`) are ignored: every session gets the newest.
     ignore_image_pin: bool = False
+    # "Ready" is not "mounted": a dataset version that became ready less than this long before a session
+    # started appears in the session's input only this long after it became ready (until then the
+    # dataset's folder is absent). A 2026 measurement saw 138 s once (docs/emulator.md); in the
+    # emulator's compressed time, seconds.
+    mount_lag_s: float = 3.0
+    # A kernel may push a kernel (SaveKernel sent from inside a running session, with the user's key from
+    # Secrets). Kaggle documents neither way: False, the worse case, answers such a SaveKernel 403.
+    kernel_may_push: bool = False
 
     def __post_init__(self) -> None:
         if self.missing_status not in (403, 404) or self.lag_status not in (403, 404):
@@ -69,6 +77,8 @@ class Switches:
             raise ValueError(f"output_at_limit is {KEPT!r} or {LOST!r}, not {self.output_at_limit!r}")
         if self.crashed_runner not in (RUNNING, ERROR):
             raise ValueError(f"crashed_runner is {RUNNING!r} or {ERROR!r}, not {self.crashed_runner!r}")
+        if self.mount_lag_s < 0:
+            raise ValueError("mount_lag_s is 0 (mounted once ready) or a number of seconds")
         if self.new_image_every < 0:
             raise ValueError("new_image_every is 0 (never) or a number of sessions")
 
@@ -78,7 +88,7 @@ class Switches:
         attached, a GPU quota in every answer, a crashed runner ends its session, one image for ever."""
         kind = {"missing_status": 404, "version_lag_s": 0.0, "ignore_version_pin": False,
                 "secrets_need_attaching": False, "output_at_limit": KEPT, "queue_s": 0.0, "boot_s": 0.0,
-                "quota_has_gpu": True, "crashed_runner": ERROR, "new_image_every": 0}
+                "quota_has_gpu": True, "crashed_runner": ERROR, "new_image_every": 0, "mount_lag_s": 0.0, "kernel_may_push": True}
         return cls(**{**kind, **overrides})
 
     def describe(self) -> dict[str, Any]:

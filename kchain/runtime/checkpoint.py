@@ -246,6 +246,7 @@ class Writer:
         self.last_path: Path | None = None
         self.last_write_s = 0.0  # how long the last background write took (for the deadline)
         self.die: Callable[[], None] | None = None  # kchain ddp: how kill_after_checkpoint ends every rank
+        self.on_written: Callable[[Path], None] | None = None  # each complete checkpoint (the state sink's queue)
 
     def submit(self, state: dict, job: CheckpointJob) -> None:
         self.wait()
@@ -263,6 +264,7 @@ class Writer:
             try:
                 self.last_path = write_checkpoint(*item, faults=self.faults)
                 self.last_write_s = time.perf_counter() - t0
+                self._written(self.last_path)
                 if self.faults.kill_after_checkpoint:
                     (self.die or die)()
             except BaseException as e:  # re-raised in the training thread by wait()
@@ -283,8 +285,13 @@ class Writer:
             warn(str(e))
             raise
         self.last_write_s = time.perf_counter() - t0
+        self._written(self.last_path)
         if self.faults.kill_after_checkpoint:
             (self.die or die)()
+
+    def _written(self, path: Path) -> None:
+        if self.on_written is not None:
+            self.on_written(path)
 
     def wait(self) -> None:
         self._idle.wait()
@@ -331,14 +338,20 @@ def load_verified(ckpt: Path, manifest: dict) -> dict:
 
 
 def find_and_load(checkpoints: Path, input_root: Path, scratch: Path, job: str | None,
-                  state_slug: str | None = None) -> tuple[tuple[Path, dict, dict] | None, list[str]]:
+                  state_slug: str | None = None, sink: list[Path] | None = None,
+                  sink_only: bool = False) -> tuple[tuple[Path, dict, dict] | None, list[str]]:
     """((path, manifest, state) of the newest checkpoint that verifies and loads, or None; one line
     per damaged one). Each state.pt is read once (load_verified); older checkpoints are not read
     at all once one loads. One that verifies but does not load (e.g. written by another torch) is
-    skipped like a damaged one.
+    skipped like a damaged one. `sink`: the state sink's whole copies (sink.candidates), searched
+    with the rest (at equal steps the local one first); `sink_only`: those alone (several nodes: the
+    one path every node reads).
     """
     damaged: list[str] = []
-    for path in newest_first(checkpoints, input_root, scratch, state_slug):
+    paths = [] if sink_only else newest_first(checkpoints, input_root, scratch, state_slug)
+    if sink:
+        paths = sorted([*paths, *sink], key=lambda p: (_claimed_step(p), p.parent == checkpoints), reverse=True)
+    for path in paths:
         try:
             manifest = read_manifest(path)
             if other_job(path, manifest, job):
@@ -350,6 +363,14 @@ def find_and_load(checkpoints: Path, input_root: Path, scratch: Path, job: str |
             warn(f"checkpoint {path} verifies but does not load ({type(e).__name__}: {e}); trying the previous one")
             damaged.append(f"{path / layout.STATE_FILE}: does not load ({type(e).__name__})")
     return None, damaged
+
+
+def _claimed_step(path: Path) -> int:
+    """The step a checkpoint's manifest claims (-1 if unreadable: it sorts last, and fails verification)."""
+    try:
+        return int(json.loads((path / layout.MANIFEST).read_text())["step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return -1
 
 
 # --- resuming into live objects ---------------------------------------------------------------

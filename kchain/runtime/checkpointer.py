@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from . import distributed, frozen, heartbeat, ladder, layout
+from . import distributed, frozen, heartbeat, ladder, layout, sink
 from .checkpoint import CheckpointJob, Writer, check_compatible, find_and_load, load_state
 from .checkpoint_files import (
     ATTACHED_KEY,
@@ -101,6 +101,8 @@ class Where:
     scratch: Path  # where an attached archive is unpacked
     working: Path  # checkpoints are named relative to it in the summary
     state_slug: str | None  # the job's state dataset, as mounted (None in a local run)
+    sink: Path | None = None  # KCHAIN_STATE_SINK: a bucket folder each complete checkpoint is published to
+    sink_only: bool = False  # several nodes: resume from the sink alone, the one path every node reads
 
 
 @dataclass(frozen=True)
@@ -125,6 +127,14 @@ class Checkpointer:
         self.tracked: dict[str, object] = {}  # name -> object with state_dict/load_state_dict (or a generator)
         self.writer = Writer(faults)
         self.writer.die = ranks.kill_all  # kchain ddp: a kill fault ends every rank at once
+        # rank 0 publishes each complete checkpoint to the state sink (a bucket), in the background
+        self.sink = sink.Sink(where.sink, policy.keep, policy.job, faults, ranks.kill_all) \
+            if where.sink is not None and ranks.is_main else None
+        self.writer.on_written = self.sink.publish if self.sink is not None else None
+        if where.sink_only and where.sink is None and ranks.is_main:
+            warn(f"the ranks span several machines and {layout.STATE_SINK_ENV} is not set: a resume needs the "
+                 "checkpoints at one path every node reads (a mounted bucket folder)")
+        self._lost: str | None = None  # the resume guard's reason to stop (sink.behind_pointer), set by find()
         self.stalls: list[float] = []  # seconds the training thread spent blocked in each save
         self.last_save = time.time()
         self.restored = False
@@ -204,9 +214,12 @@ class Checkpointer:
         if self._found is None:
             w = self.where
             hit, damaged = find_and_load(w.checkpoints, w.input_root, w.scratch, self.policy.job,
-                                         state_slug=w.state_slug)
+                                         state_slug=w.state_slug, sink=sink.candidates(w.sink) if w.sink else None,
+                                         sink_only=w.sink_only and w.sink is not None)
             self._loaded = hit[2] if hit else None
             self._found = ([(hit[0], hit[1])] if hit else [], damaged)
+            if w.sink is not None:
+                self._lost = sink.behind_pointer(w.sink, int(hit[1]["step"]) if hit else None, damaged)
         return self._found
 
     def restore(self, progress: Progress, trace: Trace, params: dict) -> Path | None:
@@ -242,8 +255,11 @@ class Checkpointer:
         kchain ddp: rank 0 finds, verifies and loads (and sets damaged ones aside); the other ranks
         learn what it found and load that file.
         """
-        mine = self.find() if self.ranks.is_main else None
-        found, damaged = self.ranks.all_gather(mine)[0]
+        mine = (*self.find(), self._lost) if self.ranks.is_main else None
+        found, damaged, lost = self.ranks.all_gather(mine)[0]
+        if lost:
+            self._loaded = None
+            raise sink.StateLost(lost)  # the sink says newer state existed: never train from older state
         if not found:
             if damaged:
                 # Starting over would silently redo (and overwrite) the chain's work: stop and say why.
@@ -256,6 +272,10 @@ class Checkpointer:
         saved = self._loaded if self.ranks.is_main else load_state(path)
         self._loaded = None  # the live objects hold it from here on
         self.resumed = (path, manifest)
+        if self.sink is not None and path.parent == self.where.checkpoints:
+            pointer = sink.read_pointer(self.sink.folder)
+            if pointer is None or int(pointer["step"]) < int(manifest["step"]):
+                self.sink.publish(path)  # a local checkpoint the bucket never got (killed before its publish)
         progress.session = int(manifest.get("session", 0)) + 1
         # One continuous history: the trace as it was at the checkpoint (later lines are replayed),
         # then whatever this process logged before its loop started.
@@ -415,6 +435,14 @@ class Checkpointer:
         if self.resumed is None:
             return {}
         return attached_files(*self.resumed, group)
+
+    def close(self) -> None:
+        """No write left in flight, and every complete checkpoint published to the sink (if any)."""
+        try:
+            self.writer.wait()
+        finally:
+            if self.sink is not None:
+                self.sink.flush()
 
     # --- where ----------------------------------------------------------------------------------------
 

@@ -52,6 +52,7 @@ class KaggleConfig:
     accelerator: str = "gpu"  # gpu, tpu or none
     resume: dict | None = None  # {'step', 'state_version'}: what `kchain continue` pushed this session to resume
     publish: dict | None = None  # measured publish figures (publishplan.py); None: assumed ones
+    mount_wait_s: float = 300.0  # how long a session waits for the state it resumes to be mounted (kaggle.mount_wait)
 
 
 @dataclass(frozen=True)

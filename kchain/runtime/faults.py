@@ -27,6 +27,10 @@ from dataclasses import dataclass, fields
 
 # Where kill_in_save can end the writer, in the order a write passes them (checkpoint.py).
 SAVE_POINTS = ("after_state", "after_metrics", "before_manifest", "before_rename", "after_rename", "in_prune")
+# Where sink_kill can end a publish to the state sink, in the order a publish passes them (sink.py):
+# saved locally and nothing published yet, between two files, before the manifest, before the
+# `latest` pointer moves, before the older copies are pruned.
+SINK_POINTS = ("after_local", "mid_files", "before_manifest", "before_pointer", "before_prune")
 
 
 class FaultSpecError(ValueError):
@@ -55,6 +59,14 @@ class Faults:
     deadline_after_steps: int = 0
     # The first step raises torch.OutOfMemoryError while a run.loader batch is larger than N (ladder.py).
     oom_above: int | None = None
+    # SIGKILL inside the first publish to the state sink that reaches this point (one of SINK_POINTS).
+    sink_kill: str | None = None
+    # Seconds each publish to the state sink sleeps before it starts: a slow bucket, which falls behind.
+    sink_stall: float = 0.0
+    # SIGKILL the training process tree alone (the notebook lives on: the OOM killer, a segfault) right after
+    # the first checkpoint at a step >= N is complete, in a process that started below N (so a chain, which
+    # resumes from that checkpoint, is killed there once). An unattended chain publishes and pushes on.
+    kill_training_at_step: int | None = None
 
     @classmethod
     def parse(cls, text: str) -> Faults:
@@ -68,12 +80,15 @@ class Faults:
             given[key] = _value(key, value, known[key].type)
         if given.get("kill_in_save") not in (None, *SAVE_POINTS):
             raise FaultSpecError(f"KCHAIN_FAULT: kill_in_save={given['kill_in_save']} is not one of {', '.join(SAVE_POINTS)}")
+        if given.get("sink_kill") not in (None, *SINK_POINTS):
+            raise FaultSpecError(f"KCHAIN_FAULT: sink_kill={given['sink_kill']} is not one of {', '.join(SINK_POINTS)}")
         return cls(**given)  # type: ignore[arg-type]
 
     @property
     def kills(self) -> bool:
         """A real death is asked for somewhere: the launcher then leads a process group (lead())."""
-        return self.kill_at_step is not None or self.kill_after_checkpoint or self.kill_in_save is not None
+        return (self.kill_at_step is not None or self.kill_after_checkpoint or self.kill_in_save is not None
+                or self.sink_kill is not None or self.kill_training_at_step is not None)
 
     def deadline_line(self, step: int, loop_steps: int, rank: int) -> str | None:
         """The line to say when a test's deadline clock has run out at `step`, else None."""
@@ -87,6 +102,7 @@ class Faults:
 
     def at_step_end(self, step: int, kill_all) -> None:
         """The faults of a step's end, in order: a stall, a kill (of every rank), a hang."""
+        _FIRST_STEP.setdefault("step", step)  # where this process started (kill_training_at_step)
         if self.stall_step:
             time.sleep(self.stall_step)
         if step == self.kill_at_step:
@@ -98,9 +114,29 @@ class Faults:
         """kill_in_save=<point>: this process (and its group) dies here, inside the writer."""
         if self.kill_in_save == point:
             die()
+        if point == "after_rename" and self.kill_training_at_step is not None:
+            n, first = self.kill_training_at_step, _FIRST_STEP.get("step")
+            if first is not None and first <= n and (_newest_step() or 0) >= n:
+                die()  # this process and the group it leads (the launcher's tree), not the notebook
+
+    def in_sink(self, point: str, kill_all=None) -> None:
+        """sink_kill=<point>: the session dies here, inside a publish to the state sink (every rank)."""
+        if self.sink_kill == point:
+            (kill_all or die)()
 
 
 NO_FAULTS = Faults()
+_FIRST_STEP: dict[str, int] = {}  # the first step this process ran (at_step_end's first call)
+
+
+def _newest_step() -> int | None:
+    """The step of the newest complete checkpoint in this session's working dir (kill_training_at_step)."""
+    from . import layout
+
+    folder = layout.kchain_dir(os.environ) / layout.CHECKPOINTS_DIR
+    steps = [int(p.name.removeprefix(layout.CHECKPOINT_PREFIX)) for p in folder.glob(f"{layout.CHECKPOINT_PREFIX}*")
+             if p.name.removeprefix(layout.CHECKPOINT_PREFIX).isdigit()]
+    return max(steps, default=None)
 
 
 def wanted(text: str) -> bool:

@@ -1,7 +1,9 @@
 """The training child: `python -m kchain.runtime.launch CONFIG_JSON`.
 
 Builds a Run, imports the entry (`module:function`), calls it, and writes summary.json in every
-outcome but a SIGKILL. Exit code 0 for finished, deadline or interrupted; 1 for a crash.
+outcome but a SIGKILL. Its exit code is the contract a supervisor acts on (`exit_code`; SkyPilot's
+recover_on_exit_codes, Slurm's --requeue, a shell loop, the Kaggle notebook): 0 done, 75 saved and
+not done (run again to go on), 69 no accelerator, 1 anything else.
 """
 
 from __future__ import annotations
@@ -31,6 +33,10 @@ from . import faults, layout, summary  # noqa: E402  (after the clock on purpose
 from .config import RuntimeConfig  # noqa: E402
 from .summary import Status, Summary  # noqa: E402
 
+# The statuses after which another session resumes where this one saved: "saved, not done".
+RESUMABLE = (Status.DEADLINE, Status.INTERRUPTED, Status.STATE_NOT_MOUNTED)
+DONE = (Status.FINISHED, Status.STOPPED, Status.NO_CHECKPOINT)  # nothing for a supervisor to run again
+EXIT_CODE_FLAG = "--exit-code"  # after an outer torchrun: the code from this node's summary (after_outer_launcher)
 GATE_POLL_S = 0.01  # how often a gated start looks for its release (a stat call; no measurable CPU)
 GATE_NOTE = "smoke: started beside the run to resume, held until its kill before reading the working dir"
 
@@ -54,6 +60,34 @@ atexit.register(_quick_teardown)
 def _first_line(e: BaseException) -> str:
     text = str(e).strip()
     return text.splitlines()[0] if text else ""
+
+
+def exit_code(status: str | None) -> int:
+    """The process's exit code for a session status (docs/runtime.md, "Exit codes").
+
+    0: finished, stopped, or main returned without a loop (nothing to run again); 75
+    (layout.EXIT_SAVED_NOT_DONE, EX_TEMPFAIL): saved and not finished, another session resumes
+    (deadline, SIGTERM/SIGINT, the state not mounted yet); 69 (layout.EXIT_NO_ACCELERATOR,
+    EX_UNAVAILABLE): the machine lacks the GPUs asked for; 1: crashed, and anything else.
+    """
+    if status in DONE:
+        return 0
+    if status in RESUMABLE:
+        return layout.EXIT_SAVED_NOT_DONE
+    if status == Status.NO_ACCELERATOR:
+        return layout.EXIT_NO_ACCELERATOR
+    return 1
+
+
+def after_outer_launcher(launcher_code: int) -> int:
+    """`python -m kchain.runtime.launch --exit-code $?` after an outer torchrun (several nodes): this
+    node's exit code for a supervisor. torchrun itself returns only 0 or 1; on the node of rank 0 the
+    summary this run wrote says the status (75 after a SIGTERM stop), elsewhere torchrun's code stands."""
+    done = summary.read(layout.kchain_dir(os.environ) / layout.SUMMARY)
+    code = launcher_code if done is None else exit_code(done.status)
+    why = f"summary status {done.status}" if done is not None else "no summary on this node: the launcher's code"
+    print(f"[kchain] exit code {code} ({why})", flush=True)
+    return code
 
 
 def released(env) -> bool:
@@ -87,19 +121,28 @@ def released(env) -> bool:
 
 def main(argv: list[str]) -> int:
     """Plan the ranks, run the entry (retrying down the out-of-memory ladder), write the summary."""
+    if len(argv) == 3 and argv[1] == EXIT_CODE_FLAG:
+        return after_outer_launcher(int(argv[2]))
     if len(argv) != 2:
-        print("usage: python -m kchain.runtime.launch CONFIG_JSON", file=sys.stderr)
+        print(f"usage: python -m kchain.runtime.launch CONFIG_JSON | {EXIT_CODE_FLAG} LAUNCHER_CODE", file=sys.stderr)
         return 2
     config = RuntimeConfig.from_dict(json.loads(Path(argv[1]).read_text()))
     if faults.wanted(os.environ.get(layout.FAULT_ENV, "")):
         faults.lead()  # a kill fault takes this process's workers with it, as a session's end does
     from . import torchrun  # no torch yet: a launcher of several ranks never needs it
 
+    if torchrun.in_ranks(os.environ) and os.environ.get("RANK") == "0":
+        # An outer torchrun's rank 0 (or kchain's): a summary left from an earlier run on this disk is
+        # never read as this one's (after_outer_launcher); this run writes its own at the end.
+        (layout.kchain_dir(os.environ) / layout.SUMMARY).unlink(missing_ok=True)
     if not torchrun.in_ranks(os.environ):  # kchain ddp: how many ranks, and is the GPU there?
         try:
             n, why = torchrun.plan_ranks(config, os.environ)
         except torchrun.NoAccelerator as e:
             return _no_accelerator(config, str(e))
+        late = _await_state(config)
+        if late is not None:
+            return late
         if n > 1:
             return _run_ranks(n, why, argv[1], config)
     current = SimpleNamespace(run=None)  # the Run in use: the ladder replaces it, a crash names its stage
@@ -166,7 +209,7 @@ def _crashed(run, e: BaseException) -> dict:
         rank = int(os.environ["RANK"])
         if run is not None:
             try:
-                run._ckpt.writer.wait()  # never leave rank 0's checkpoint write half done
+                run._ckpt.close()  # never leave rank 0's checkpoint write half done (and the sink flushed)
             except BaseException:
                 pass
         torchrun.record_error(layout.kchain_dir(os.environ), rank, error)
@@ -202,9 +245,12 @@ def _report(config: RuntimeConfig, run, error: dict | None) -> int:
                        fingerprint=config.fingerprint)
         path = layout.kchain_dir(os.environ) / layout.SUMMARY
     summary.write(path, done)
-    if not torchrun.in_ranks(os.environ):  # under torchrun the launcher's parent prints the final one
-        _say_summary(done)
-    return 1 if done.status == Status.CRASHED else 0
+    if torchrun.in_ranks(os.environ):
+        # A rank: the launcher's parent prints the final summary and exits with its code; a rank's own
+        # code stays 0 or 1, so a launcher's fail-fast (any non-zero rank ends the others) means a crash.
+        return 1 if done.status == Status.CRASHED else 0
+    _say_summary(done)
+    return exit_code(done.status)
 
 
 def _say_summary(done: Summary) -> None:
@@ -218,7 +264,27 @@ def _no_accelerator(config: RuntimeConfig, message: str) -> int:
     summary.write(layout.kchain_dir(os.environ) / layout.SUMMARY, Summary(
         status=Status.NO_ACCELERATOR, error={"type": "NoAccelerator", "message": message, "stage": "start"},
         started=PROCESS_START, ended=time.time(), step=0, fingerprint=config.fingerprint))
-    return 1
+    return layout.EXIT_NO_ACCELERATOR
+
+
+def _await_state(config: RuntimeConfig) -> int | None:
+    """A Kaggle session pushed to resume a state waits for it to be mounted (resumecheck.await_state),
+    before any rank starts; the exit code of a session that stops because it never was, else None."""
+    from . import resumecheck
+
+    if os.environ.get(layout.SMOKE_ENV) == "1":
+        return None
+    resume = config.kaggle.resume
+    try:
+        resumecheck.await_state(resume, layout.input_root(os.environ), config.kaggle.mount_wait_s,
+                                lambda text: print(f"[kchain] {text}", flush=True))
+    except resumecheck.StateNotMounted as e:
+        print(f"[kchain] state-not-mounted: {e}", flush=True)
+        summary.write(layout.kchain_dir(os.environ) / layout.SUMMARY, Summary(
+            status=Status.STATE_NOT_MOUNTED, error={"type": "StateNotMounted", "message": str(e), "stage": "start"},
+            started=PROCESS_START, ended=time.time(), step=int(resume["step"]), fingerprint=config.fingerprint))
+        return exit_code(Status.STATE_NOT_MOUNTED)
+    return None
 
 
 def _run_ranks(n: int, why: str, config_path: str, config: RuntimeConfig) -> int:
@@ -254,7 +320,7 @@ def _run_ranks(n: int, why: str, config_path: str, config: RuntimeConfig) -> int
               flush=True)
     summary.write(path, done)
     _say_summary(done)
-    return 1 if done.status == Status.CRASHED else 0
+    return exit_code(done.status)
 
 
 if __name__ == "__main__":

@@ -5,9 +5,20 @@ config (`kaggle.resume`). If the checkpoint the runtime found does not match (an
 pin mounted another version, the mount path changed, a relay left an empty state), training from
 it would silently burn the session on a run that is not the user's: the runtime raises WrongState
 before the first step instead, in its first minute.
+
+Before that, the launcher waits (await_state, bounded by kaggle.mount_wait) for the expected state to
+appear at all: "ready" is not "mounted". A state still missing after the wait ends the session as
+`state_not_mounted`, which `kchain continue` answers by pushing the same session again.
 """
 
 from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from . import layout
 
 
 class WrongState(RuntimeError):
@@ -33,3 +44,46 @@ def check(resume: dict | None, found_step: int | None, found_where: str | None) 
         f"this session was pushed to resume step {step} from state version {version}, but the attached "
         f"input holds {found}; stopping before training from the wrong state"
     )
+
+
+class StateNotMounted(RuntimeError):
+    """The state version this session was pushed to resume did not appear in its input in time."""
+
+
+def attached_step(input_root: Path) -> int | None:
+    """The newest step any attached kchain state says it holds (its marker), or None when none is there."""
+    steps = []
+    for mount in layout.mounts(input_root, layout.STATE_KINDS):
+        try:
+            steps.append(int(json.loads((mount / layout.STATE_MARKER).read_text()).get("step") or 0))
+        except (OSError, ValueError, TypeError, AttributeError):
+            continue
+    return max(steps, default=None)
+
+
+def await_state(resume: dict | None, input_root: Path, wait_s: float, say: Callable[[str], None],
+                every_s: float = 30.0, poll_s: float = 0.5) -> None:
+    """Wait until the state this session was pushed to resume is in its input: Kaggle has answered a
+    dataset version "ready" minutes before a session saw it mounted (docs/emulator.md, mount_lag_s).
+
+    Returns at once without an expected state (a fresh chain, a local run) or when it is there; says a
+    line every `every_s` while it waits; raises StateNotMounted after `wait_s`. A different step found
+    is left to check() once the checkpoint is read (a wrong version, not a late one, is WrongState)."""
+    want = expected(resume)
+    if want is None:
+        return
+    step, version = int(want["step"]), want.get("state_version")
+    start = time.monotonic()
+    said = start
+    while attached_step(input_root) != step:
+        waited = time.monotonic() - start
+        if waited >= wait_s:
+            raise StateNotMounted(
+                f"state version {version} (step {step}) was not mounted within {wait_s:g} s "
+                f"(kaggle.mount_wait); stopping without training so the chain pushes this session again")
+        if time.monotonic() - said >= every_s:
+            said = time.monotonic()
+            say(f"waiting for state version {version} (step {step}) to be mounted: {waited:.0f} s of {wait_s:g} s")
+        time.sleep(poll_s)
+    if time.monotonic() - start > poll_s:
+        say(f"state version {version} (step {step}) mounted after {time.monotonic() - start:.0f} s")

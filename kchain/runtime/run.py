@@ -110,7 +110,8 @@ class Run:
         self._progress = Progress()
         self._rung = ladder.Rung(st.micro_auto, halvings)
         self._ckpt = Checkpointer(
-            Where(paths.checkpoints, paths.input_root, paths.scratch, paths.working, st.state_slug),
+            Where(paths.checkpoints, paths.input_root, paths.scratch, paths.working, st.state_slug,
+                  sink=Path(st.sink) if st.sink else None, sink_only=st.multi_node),
             Policy(st.job, st.every, st.keep, st.stream, self._manifest_fields(), st.checkpoint_frozen),
             self._ranks, st.faults, self._rung)
         if st.micro_auto and self._ranks.is_main:  # the ladder starts from the size that fitted last session
@@ -611,7 +612,7 @@ class Run:
     def close(self) -> None:
         """Join the writer (no write is ever left in flight) and close the trace."""
         try:
-            self._ckpt.writer.wait()
+            self._ckpt.close()  # the writer joined, and the state sink flushed
         finally:
             for lo in self._loop.loaders:
                 lo.close()  # their workers end now, not seconds later

@@ -92,6 +92,8 @@ class Settings:
     resume: dict | None = None  # the step `kchain continue` pushed this session to resume (resumecheck)
     fingerprint: str | None = None
     kchain_version: str | None = None
+    sink: str | None = None  # KCHAIN_STATE_SINK: a mounted bucket folder each complete checkpoint is published to
+    multi_node: bool = False  # the ranks span machines (an outer torchrun with --nnodes > 1): no disk is shared
 
     @classmethod
     def parse(cls, config: RuntimeConfig, env: Mapping[str, str], started: float | None = None) -> Settings:
@@ -135,4 +137,6 @@ class Settings:
             resume=config.kaggle.resume,
             fingerprint=config.fingerprint,
             kchain_version=config.kchain_version,
+            sink=env.get(layout.STATE_SINK_ENV) or None,
+            multi_node=int(env.get("LOCAL_WORLD_SIZE") or env.get("WORLD_SIZE") or 1) < int(env.get("WORLD_SIZE") or 1),
         )

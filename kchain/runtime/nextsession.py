@@ -1,0 +1,263 @@
+"""What comes after a session, decided from the chain's records alone: one table for the laptop and the kernel.
+
+`kchain continue` (through `kchain/decide.py`, a thin adapter that turns a stop into its KchainError)
+and a kernel that chains itself (`kchain push --unattended`, `runtime/nextkernel.py`) decide with this
+same code, over plain records (the session records of `kchain/sessions.py`, JSON objects). No I/O, no
+Kaggle call, standard library only (it is embedded into the kernel). The table, first match wins:
+
+  no session yet                                  -> stop: push first
+  Kaggle runs a session kchain did not start      -> stop: wait for it
+  the last session is queued or running           -> running (its last heartbeat)
+  finished                                        -> finished (the final weights)
+  stopped (the loop left run.steps on purpose)    -> finished: no further session
+  no_checkpoint                                   -> stop: nothing to resume
+  deadline without training a step                -> stop: start-up fills the session
+  state_not_mounted more than REMOUNTS in a row   -> stop: the state version never appeared in the input
+  no accelerator                                  -> stop unless --retry
+  crashed or hung, the same error as before       -> stop: fix the code
+  crashed or hung, the same code, no --retry      -> stop: fix it, or --retry
+  ended, but its output could not be fetched      -> refetch (then decide again)
+  two sessions in a row saved no step past the    -> stop: no progress; raise the margin or save
+    one they resumed at, same code, no --retry         more often, or --retry
+  code that never passed a smoke run              -> stop unless --skip-smoke
+  state_not_mounted (at most REMOUNTS in a row)   -> push the same session again (same state version and step)
+  otherwise (deadline, killed, timed out, ...)    -> push the next session from the newest state
+
+The kernel adds what only it must check before it pushes (the laptop's `continue` checks the same
+through `kchain/budget.py`): `afford` (the week's GPU quota from Kaggle's quota_view, else the chain's
+own hours, against the job's budget).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import PurePath
+from typing import Any
+
+from kchain.runtime import layout
+from kchain.runtime.summary import Status, Summary
+
+Record = Mapping[str, Any]  # a session record (kchain/sessions.py SessionRecord), a plain JSON object
+
+# Session ends that another identical session would repeat: each needs --retry (or a code change).
+NEEDS_A_PERSON = (Status.CRASHED, Status.HUNG, Status.NO_ACCELERATOR)
+# A session that did not see its state version mounted is pushed again without a person this many
+# times in a row at most (ready is not mounted: a 2026 measurement saw a mount 138 s late).
+REMOUNTS = 3
+# Kaggle's session states (kchain/kernel_states.py holds the same names for the laptop; the kernel has only this).
+TERMINAL = ("COMPLETE", "ERROR", "CANCEL_ACKNOWLEDGED")
+LIVE = ("PUSHING", "QUEUED", "RUNNING", "CANCEL_REQUESTED", "NEW_SCRIPT")
+# The kind of a stop: the adapter on the laptop raises ChainStop or NotSmoked for it.
+CHAIN_STOP, NOT_SMOKED = "chain_stop", "not_smoked"
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What comes next: action running | finished | stop | refetch | push; for a push, `again` is True
+    when it is the same session pushed again (a state not mounted), with `attempt` its number."""
+
+    action: str
+    message: str
+    record: Record | None = None  # the session the verdict is about (the chain's last)
+    stop: str | None = None  # CHAIN_STOP or NOT_SMOKED for a stop
+    again: bool = False
+    attempt: int = 1
+
+
+@dataclass(frozen=True)
+class Chain:
+    """Everything `decide` reads: the records, oldest first, and Kaggle's word on the kernel."""
+
+    records: list[Record]
+    kernel: str  # owner/name
+    on_kaggle: str | None  # Kaggle's status of the kernel's newest session (None: not asked, or no kernel)
+    fingerprint: Callable[[], str]  # the code's fingerprint now (asked only when needed)
+    smoked: Callable[[str], bool]  # whether code with that fingerprint passed a smoke run
+
+
+def summary_of(record: Record) -> Summary:
+    return Summary.from_dict(record.get("summary"))
+
+
+def decide(now: Chain, job_file: str, retry: bool = False, skip_smoke: bool = False,
+           output_settled: bool = False) -> Verdict:
+    """The next step of the chain; output_settled: the last session's lost output was fetched again
+    or given up with --from-state, so it is not asked for again."""
+    if not now.records:
+        name = now.kernel.split("/", 1)[-1]
+        return _stop(f"{name} has no session yet: start it with `kchain push {job_file}`")
+    chain, last = now.records, now.records[-1]
+    verdict = _while_live(now, last) or _after_end(chain, job_file)
+    if verdict is not None:
+        return verdict
+    fingerprint = now.fingerprint()
+    verdict = _after_crash(chain, fingerprint, job_file, retry)
+    if verdict is not None:
+        return verdict
+    if last["status"] in TERMINAL and not last.get("output") and last.get("output_error") and not output_settled:
+        return Verdict("refetch", f"the output of session {last['session']} could not be fetched", last)
+    verdict = _without_progress(chain, fingerprint, job_file, retry)
+    if verdict is not None:
+        return verdict
+    if not now.smoked(fingerprint) and not skip_smoke:
+        return _stop(f"this code has never passed a smoke run: run `kchain smoke {job_file}` first "
+                     "(or --skip-smoke, recorded in the run log)", NOT_SMOKED)
+    unmounted = not_mounted_in_a_row(chain)
+    if unmounted:
+        state = f"state version {last.get('state_version')} (step {last.get('resumes_at') or 0})"
+        return Verdict("push", f"push session {last['session'] + 1}: session {last['session']} again from {state}, "
+                       f"which it did not see mounted in time (attempt {unmounted + 1} of {REMOUNTS + 1})", last,
+                       again=True, attempt=unmounted + 1)
+    return Verdict("push", f"push session {last['session'] + 1} from the newest state", last)
+
+
+def _stop(message: str, kind: str = CHAIN_STOP) -> Verdict:
+    return Verdict("stop", message, stop=kind)
+
+
+def _while_live(now: Chain, last: Record) -> Verdict | None:
+    if now.on_kaggle in LIVE and last["status"] not in LIVE:
+        return _stop(f"{now.kernel} has a session {now.on_kaggle.lower()} on Kaggle that kchain did not "
+                     "start; wait for it to end, then run `kchain continue` again")
+    if last["status"] in LIVE:
+        beat = last.get("heartbeat") or "no heartbeat yet"  # refresh() just read the log
+        return Verdict("running", f"session {last['session']} is {last['status'].lower()}: {beat}", last)
+    return None
+
+
+def not_mounted_in_a_row(chain: list[Record]) -> int:
+    """How many sessions at the chain's end ended state_not_mounted, one after the other."""
+    count = 0
+    for record in reversed(chain):
+        if summary_of(record).status != Status.STATE_NOT_MOUNTED:
+            break
+        count += 1
+    return count
+
+
+def _after_end(chain: list[Record], job_file: str) -> Verdict | None:
+    """The session ended in a way that another session cannot or should not follow."""
+    last = chain[-1]
+    summary = summary_of(last)
+    status = summary.status
+    if status == Status.FINISHED:
+        best = summary.best or {}
+        best_text = f", best {best['name']} {best['value']:.6g} at step {best['step']}" if best.get("name") else ""
+        return Verdict("finished", f"training is complete: {summary.step}/{summary.total} steps"
+                       f"{best_text}; final weights in {final_weights(last)}", last)
+    if status == Status.STOPPED:
+        # The code left its loop on purpose (early stopping): another session would be the user's
+        # decision, not the chain's.
+        return Verdict("finished", f"training stopped early on purpose at step {summary.step}/"
+                       f"{summary.total} (the loop left run.steps); no further session is pushed", last)
+    if status == Status.NO_CHECKPOINT:
+        return _stop(f"session {last['session']} wrote no checkpoint: the loop did not use run.steps, "
+                     f"run.epochs or run.save, so there is nothing to resume; see `kchain smoke {job_file}`")
+    if status == Status.DEADLINE and summary.step == last.get("resumes_at", 0):
+        # Another session would burn its quota the same way: start-up filled the whole session.
+        return _stop(
+            f"session {last['session']} reached its deadline without training a step (it resumed at "
+            f"step {summary.step}): loading and start-up take the whole session; stage the data "
+            "with run.stage so later sessions load a cache, or raise train.session_limit"
+        )
+    unmounted = not_mounted_in_a_row(chain)
+    if unmounted > REMOUNTS:
+        first = chain[-unmounted]["session"]
+        return _stop(
+            f"sessions {first} to {last['session']} ({unmounted} in a row) did not see state version "
+            f"{last.get('state_version')} mounted within the mount wait, so none of them trained: check the state "
+            f"dataset on Kaggle (`kchain status {job_file}`), then run `kchain continue {job_file}` to push again"
+        )
+    return None
+
+
+def _after_crash(chain: list[Record], fingerprint: str, job_file: str, retry: bool) -> Verdict | None:
+    """A crash, a hang or a missing accelerator: repeated only with --retry, never the same crash twice."""
+    last = chain[-1]
+    crash = crash_of(last)
+    if crash is None:
+        return None
+    no_gpu = summary_of(last).status == Status.NO_ACCELERATOR
+    if no_gpu and not retry:
+        return _stop(f"session {last['session']} got no accelerator: {crash.get('message')}; check the GPU "
+                     "quota (`kchain budget`) and kaggle.accelerator, then pass --retry to push again")
+    earlier = [s for s in chain[:-1] if _same_error(crash_of(s), crash)]
+    if earlier and not no_gpu:
+        return _stop(f"the same error as session {earlier[-1]['session']}: {crash.get('type')}: "
+                     f"{crash.get('message')}; fix the code, run `kchain smoke {job_file}`")
+    if fingerprint == last.get("fingerprint") and not retry:
+        return _stop(
+            f"session {last['session']} crashed: {crash.get('type')}: {crash.get('message')}; "
+            f"fix the code and run `kchain smoke {job_file}`, or pass --retry to run it again as it is"
+        )
+    return None
+
+
+def _without_progress(chain: list[Record], fingerprint: str, job_file: str, retry: bool) -> Verdict | None:
+    """Two sessions in a row saved no step past the one they resumed at: the next would lose its
+    work the same way (stopped before its first save, its output lost to an overrun), quota and all.
+    A session that did not see its state mounted trained nothing on purpose: it is not counted."""
+    trained = [s for s in chain if summary_of(s).status != Status.STATE_NOT_MOUNTED]
+    if summary_of(chain[-1]).status == Status.STATE_NOT_MOUNTED or len(trained) < 2 or retry \
+            or fingerprint != chain[-1].get("fingerprint"):
+        return None
+    before, last = trained[-2], trained[-1]
+    step = last.get("resumes_at") or 0
+    if step > (before.get("resumes_at") or 0) or (saved_step(last) or 0) > step:
+        return None
+    summary = summary_of(last)
+    if summary.status:
+        how = f"session {last['session']} ended {summary.status} at step {summary.step}"
+    else:
+        how = f"session {last['session']}: {last.get('failure_message') or last['status']}"
+    return _stop(
+        f"no progress: sessions {before['session']} and {last['session']} both ended without saving a step past "
+        f"{step} ({how}), and the next would lose its work the same way: raise train.session_limit or "
+        "train.margin so a session saves before it is stopped, or save more often (train.checkpoint_every), then "
+        f"run `kchain continue {job_file}`, or pass --retry to push one more session as it is"
+    )
+
+
+def saved_step(record: Record) -> int | None:
+    """The step of the newest checkpoint a session left: the state published from it, else what its
+    downloaded output holds, else the checkpoint its summary names (which may be the one it resumed)."""
+    publish = record.get("publish") or {}
+    if publish.get("published") and publish.get("step") is not None:
+        return int(publish["step"])
+    if "saved_step" in record:
+        return record["saved_step"]
+    name = PurePath(summary_of(record).checkpoint or "").name
+    number = name.removeprefix(layout.CHECKPOINT_PREFIX)
+    return int(number) if name != number and number.isdigit() else None
+
+
+def crash_of(record: Record) -> dict[str, Any] | None:
+    """The error of a session that crashed, hung or got no accelerator (not a kill, not a timeout), if any."""
+    summary = summary_of(record)
+    if summary.status in NEEDS_A_PERSON:
+        return record.get("error") or summary.error or {"type": summary.status, "message": ""}
+    if record["status"] == "ERROR" and record.get("error") and record["error"].get("type") not in (
+        "SessionError", "TrainingFailed",
+    ):
+        return record["error"]
+    return None
+
+
+def _same_error(a: Mapping[str, Any] | None, b: Mapping[str, Any]) -> bool:
+    return a is not None and a.get("type") == b.get("type") and a.get("message") == b.get("message")
+
+
+def final_weights(record: Record) -> PurePath:
+    """Where a finished session's last checkpoint is, in its downloaded output."""
+    return PurePath(record.get("output") or "") / layout.KCHAIN_DIR / (summary_of(record).checkpoint or "")
+
+
+def afford(session_s: float, used_s: float, allowed_s: float, budget_s: float | None) -> str | None:
+    """Why another session of session_s does not fit the week (None: it fits): used_s of allowed_s
+    (Kaggle's allowance when its quota answer has one) and of the job's own budget_s."""
+    weekly = min(allowed_s, budget_s) if budget_s is not None else allowed_s
+    if used_s + session_s <= weekly:
+        return None
+    return (f"another session of up to {session_s / 3600:.2f} GPU-hours does not fit the week: "
+            f"{used_s / 3600:.2f} of {weekly / 3600:.2f} used")

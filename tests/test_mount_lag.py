@@ -1,0 +1,77 @@
+# ruff: noqa: F811  (the shared fixtures are imported, then requested by name)
+""""Ready" is not "mounted": a session waits for the state it resumes, and one that never saw it is pushed again.
+
+A 2026 measurement saw a kernel miss its attached dataset for 138 s after the dataset API had said
+"ready" (docs/emulator.md, `mount_lag_s`). The emulator mounts such a version only that long after it
+became ready; the session's launcher waits for the expected state (kaggle.mount_wait), and a session
+whose state never came ends `state_not_mounted`, which `kchain continue` answers by pushing the same
+session again, without a person. The unmodified client, the local Kaggle, real notebook processes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import yaml
+from emulator_helpers import emulator  # noqa: F401
+from helpers import copy_job, invoke
+
+from kchain.ledger import Ledger
+from kchain.runtime import layout
+
+NAME = "tinygpt-notes"
+REF = f"alice/{NAME}"
+
+
+def set_mount_wait(path: Path, wait: str) -> None:
+    data = yaml.safe_load(path.read_text())
+    data["kaggle"] = {**data.get("kaggle", {}), "mount_wait": wait}
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+
+
+def log_of(session: int) -> str:
+    root = Ledger(Path(os.environ["KCHAIN_HOME"])).root
+    return "".join(e["data"] for e in json.loads((root / "sessions" / NAME / str(session) / "log.json").read_text()))
+
+
+def test_a_late_mount_is_waited_for_and_a_missing_one_is_pushed_again(tmp_path, emulator, monkeypatch):
+    monkeypatch.setenv(layout.FAULT_ENV, "stall_step=0.05,deadline_after_steps=10")
+    emulator.session_limit_s = 600
+    path = copy_job("tinygpt", tmp_path, params={"steps": 25, "eval_every": 25, "batch": 8, "accumulate": 1},
+                    train={"session_limit": "600s", "margin": "30s"})
+    set_mount_wait(path, "2s")
+    assert invoke("push", path, "--skip-smoke").exit_code == 0
+    emulator.wait_session(REF, 1, timeout=120)
+
+    # Session 2: its state version is ready, and stays unmounted far longer than the session waits.
+    emulator.switches.mount_lag_s = 1000.0
+    second = invoke("continue", path, "--skip-smoke")
+    assert second.exit_code == 0, second.output
+    emulator.wait_session(REF, 2, timeout=120)
+    # Session 3 (pushed by continue without --retry): the same state arrives seconds into it.
+    version = emulator.dataset_versions(f"alice/{NAME}-state")[-1]
+    emulator.switches.mount_lag_s = time.time() - version["ready_at"] + 15.0
+    set_mount_wait(path, "5m")
+    third = invoke("continue", path, "--skip-smoke")
+    assert third.exit_code == 0, third.output
+    emulator.wait_session(REF, 3, timeout=120)
+    assert invoke("continue", path, "--skip-smoke").exit_code == 0  # session 4 finishes the run
+    emulator.wait_session(REF, 4, timeout=120)
+    done = invoke("continue", path, "--skip-smoke")
+    assert done.exit_code == 0, done.output
+
+    chain = Ledger(Path(os.environ["KCHAIN_HOME"])).sessions(NAME)
+    ended_as = [(r.get("summary") or {}).get("status") for r in chain]
+    assert ended_as == ["deadline", "state_not_mounted", "deadline", "finished"], ended_as
+    # Session 2 trained nothing and said why in one line; session 3 was pushed for the same state.
+    assert chain[1]["summary"]["step"] == chain[0]["summary"]["step"] == 10
+    assert chain[2]["resumes_at"] == chain[1]["resumes_at"] == 10
+    assert "[kchain] state-not-mounted: state version" in log_of(2) and "(kaggle.mount_wait)" in log_of(2)
+    assert emulator.session(REF, 2)["status"] == "COMPLETE"  # a stop, not a failed notebook
+    # Session 3 waited for the mount, then resumed exactly where session 1 stopped.
+    assert "[kchain] state version" in log_of(3) and "mounted after" in log_of(3)
+    assert emulator.session(REF, 3)["resumed_from"] == 10
+    assert chain[3]["summary"]["step"] == 25

@@ -1,0 +1,94 @@
+"""An unattended chain (`kchain push --unattended`): each session pushes the next from inside its kernel.
+
+The laptop side does nothing after session 1 but watch; the records are rebuilt from Kaggle's outputs
+alone (each session's summary says what it decided and which kernel version it pushed). Sessions are
+real notebook processes against the local Kaggle with the unmodified client, its kernel_may_push switch on.
+"""
+
+import secrets
+
+from kchain.emulator import Faults, Switches
+from kchain.rehearse import rehearse
+from kchain.runtime import layout
+
+STALL = "stall_step=0.05"  # at most 20 steps/s, whatever the machine
+GENEROUS_S = 600
+
+
+def trained_at_once(emulator_sessions: list[dict]) -> int:
+    """Pairs of sessions whose training (first cell to the summary's end) overlapped, from the emulator's records."""
+    spans = sorted((s["first_cell"], (s.get("summary") or {}).get("ended") or s["ended"])
+                   for s in emulator_sessions if s.get("first_cell"))
+    return sum(1 for a, b in zip(spans, spans[1:], strict=False) if b[0] < a[1])
+
+
+def test_an_unattended_chain_under_the_fault_set_equals_the_uninterrupted_run(tmp_path, monkeypatch):
+    # Session 2's training process alone is SIGKILLed right after its checkpoint at step 40 (the OOM killer: the
+    # notebook lives on); its launch cell publishes that checkpoint and pushes session 3 as after a deadline.
+    monkeypatch.setenv(layout.FAULT_ENV, f"{STALL},deadline_after_steps=20,kill_training_at_step=30")
+    from helpers import copy_job
+
+    job = copy_job("tinygpt", tmp_path, params={"steps": 60, "eval_every": 20, "batch": 8, "accumulate": 1})
+    faults = Faults(rate_429=0.15, rate_500=0.10, rate_lost_answer=0.1, drop_upload_every=4, processing_s=2.0,
+                    rate_reset_after_acting=0.1, seed=5)
+    result = rehearse(job, session_limit_s=GENEROUS_S, kills=0, seed=2, faults=faults, echo=lambda _: None, ranks=1,
+                      key=secrets.token_hex(16), unattended=True, switches=Switches(new_image_every=1))
+    assert result.passed, result.verdict
+    chain = result.sessions
+    assert len(chain) >= 3
+    # After session 1 every session was pushed by the kernel before it, none by the laptop.
+    assert [s.get("pushed_by") for s in chain[1:]] == ["kernel"] * (len(chain) - 1), chain
+    for before, after in zip(chain, chain[1:], strict=False):
+        told = before["summary"]["next"]
+        assert told["decision"] == "pushed" and told["version"] == after["version"], told
+        assert after["resumes_at"] == before["summary"]["published_step"]
+    assert chain[-1]["summary"]["next"]["decision"] == "finished"
+    ended = {s["version"]: s for s in result.emulator_sessions}
+    killed = [r["session"] for r in chain if "(killed)" in (ended[r["version"]].get("failure_message") or "")]
+    assert killed == [2] and chain[1]["summary"]["published_step"] == 40, [ended[r["version"]] for r in chain]
+    # An empty ledger (another laptop) rebuilds the same chain from Kaggle's versions and outputs alone.
+    keys = ("session", "version", "resumes_at", "state_version", "status")
+    assert result.rebuilt == [{k: r.get(k) for k in keys} for r in chain], result.rebuilt
+    # Zero double sessions, zero duplicate versions (kernel and state), from the emulator's records.
+    assert trained_at_once(result.emulator_sessions) == 0
+    assert sorted(s["version"] for s in result.emulator_sessions) == [r["version"] for r in chain]
+    published = [v["notes"] for v in result.dataset_versions if "step" in (v.get("notes") or "")]
+    assert len(published) == len(set(published)), published
+
+
+def test_when_a_kernel_cannot_push_the_laptop_takes_the_chain_over_from_kaggles_records(tmp_path, monkeypatch):
+    # Session 2's kernel finds no Secret: it cannot publish or push, and says so in its summary; the
+    # laptop's `continue` (its records rebuilt from Kaggle's outputs: it pushed only session 1) relays and
+    # pushes session 3, once, and the kernels chain on from there.
+    monkeypatch.setenv(layout.FAULT_ENV, f"{STALL},deadline_after_steps=15")
+    from helpers import copy_job
+
+    job = copy_job("tinygpt", tmp_path, params={"steps": 60, "eval_every": 20, "batch": 8, "accumulate": 1})
+    result = rehearse(job, session_limit_s=GENEROUS_S, kills=0, seed=1, echo=lambda _: None, ranks=1,
+                      key=secrets.token_hex(16), unattended=True, no_secret_in=2)
+    assert result.passed, result.verdict
+    chain = result.sessions
+    told = chain[1]["summary"]["next"]
+    assert told["decision"] == "left to the laptop" and "no credential" in told["why"], told
+    assert chain[1]["pushed_by"] == "kernel" and chain[1]["publish"]["published"] == "relay"
+    assert "pushed_by" not in chain[2] and all(s.get("pushed_by") == "kernel" for s in chain[3:])
+    # An empty ledger rebuilds sessions 1 and 2 from Kaggle alone, then refuses in one line rather than push
+    # again: session 3 was pushed by a laptop, whose records only it holds.
+    assert result.rebuilt == (
+        f"the records of {chain[0]['kernel'].split('/')[1]} were rebuilt from Kaggle up to session 2 (kernel version "
+        f"2), but {chain[0]['kernel']} has version {chain[-1]['version']}: a laptop pushed the sessions after it, and "
+        "their records are on that laptop; copy its .kchain/ folder (or KCHAIN_HOME) here before `kchain continue`")
+    assert trained_at_once(result.emulator_sessions) == 0
+    assert sorted(s["version"] for s in result.emulator_sessions) == [r["version"] for r in chain]
+
+
+def test_unattended_is_refused_in_one_line_until_the_doctor_saw_a_kernel_push_a_kernel(tmp_path):
+    from helpers import copy_job, error_line, invoke
+
+    path = copy_job("tinygpt", tmp_path, params={"steps": 10}, kaggle={"internet": True})
+    refused = invoke("push", path, "--unattended", "--skip-smoke")
+    assert refused.exit_code == 8
+    assert error_line(refused) == (
+        "Error: --unattended: kchain doctor has not seen a kernel push a kernel on this account; set "
+        "kaggle.internet: true, attach the Secrets KAGGLE_USERNAME and KAGGLE_KEY to tinygpt-notes-doctor, "
+        f"and run `kchain doctor {path}`")

@@ -83,13 +83,18 @@ def relay_state(client: KaggleClient, job: Job, owner: str, record: SessionRecor
         uploaded = sum(p.stat().st_size for p in (work / "state").iterdir() if p.is_file())
         notes = f"kchain session {record['session']} step {marker['step']}"
         pending = dict((record.get("publish") or {}).get("pending") or {})
+        sent = (record.get("summary") or {}).get(layout.PUBLISH_SENT_KEY) or {}
+        by_kernel = not pending and sent.get("step") == marker["step"] and sent.get("before") is not None
+        if by_kernel:  # the kernel sent this state and ended before it could tell whether it landed
+            pending = {"step": sent["step"], "before": sent["before"]}
         version = pending.get("version") if pending.get("step") == marker["step"] else None
         if version is None and pending.get("step") == marker["step"]:
             now = current_version(client, state_ref, echo)
             if now != pending["before"]:
                 version = now
-                echo(f"  step {marker['step']} reached {state_ref} in an earlier run (version {now}): "
-                     "not uploading it again")
+                where = "from the kernel, which could not settle its send" if by_kernel else "in an earlier run"
+                echo(f"  step {marker['step']} reached {state_ref} {where} (version {now}): not uploading it again")
+                uploaded = 0 if by_kernel else uploaded
         if version is None:
             before = current_version(client, state_ref, echo)  # also: never upload while one processes
             pending = {"step": marker["step"], "before": before}

@@ -290,7 +290,7 @@ def render_job(job: Job, owner: str | None = None, extra_sources: list[str] | No
     payload also holds the next session's template (runtime/nextkernel.py), from which this notebook is
     filled too, so the kernel can push the next session as this function would render it."""
     owner = job.kaggle.owner or owner
-    config = _session_config(job, owner, session_facts)
+    config = _session_config(job, owner, session_facts, unattended)
     code, left_out = _code_files(job)
     files = {**_runtime_files(), **code}
     payload = _zip(files)
@@ -375,7 +375,7 @@ def _next_template(env: jinja2.Environment, values: dict[str, Any], job: Job, ow
                        "metadata": _canonical(_metadata(env, job, owner, None))}, sort_keys=True)
 
 
-def _session_config(job: Job, owner: str | None, session_facts: dict | None) -> dict:
+def _session_config(job: Job, owner: str | None, session_facts: dict | None, unattended: bool = False) -> dict:
     """The runtime's config plus who runs it and where its state goes (config["kaggle"]), as the
     notebook embeds it (RuntimeConfig.to_dict)."""
     kaggle = KaggleConfig(
@@ -385,6 +385,7 @@ def _session_config(job: Job, owner: str | None, session_facts: dict | None) -> 
         internet=job.kaggle.internet,
         accelerator=job.kaggle.accelerator,
         mount_wait_s=parse_duration(job.kaggle.mount_wait),
+        unattended=unattended,
         **(session_facts or {}),
     )
     return dataclasses.replace(runtime_config(job), kaggle=kaggle, kchain_version=kchain.__version__).to_dict()

@@ -21,6 +21,7 @@ import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 PROCESS_START = time.monotonic()  # the client's start-up (the kaggle import) is measured from here
@@ -35,6 +36,7 @@ SETTLE_S = 600.0  # the longest wait for a dataset to be ready again after a los
 APPEAR_S = 30.0  # how long a new dataset may stay hidden after its creation
 RESERVE_S = 10.0  # kept back from the session's limit by a wait or a second send: the summary, the notebook's end
 TAKEN = "already in use"  # the client's and Kaggle's words for a dataset slug that exists
+SENT_KEY = layout.PUBLISH_SENT_KEY
 
 
 def say(msg: str) -> None:
@@ -175,10 +177,15 @@ def refused(result, ref: str) -> bool:
     raise RuntimeError(f"{ref}: {error or status}")
 
 
-def version_once(api, folder: Path, ref: str, notes: str, dir_mode: str, clock: Clock) -> None:
+def version_once(api, folder: Path, ref: str, notes: str, dir_mode: str, clock: Clock,
+                 on_send: Callable[[int | None], None] | None = None) -> None:
     """folder as one new version of ref. A send that fails is settled by ref's current version: a new
-    one means it landed; else it is sent again, while the session has time for another upload."""
+    one means it landed; else it is sent again, while the session has time for another upload.
+    on_send(version before) is called before the first send: a send the session cannot settle in time
+    is then settled by the laptop from that record, never sent a second time by its relay."""
     before = version_number(api, ref, clock.until(SETTLE_S))
+    if on_send is not None:
+        on_send(before)
     for attempt in range(ATTEMPTS):
         try:
             result = api.dataset_create_version(str(folder), notes, quiet=True, dir_mode=dir_mode)
@@ -222,12 +229,13 @@ def create_once(api, folder: Path, ref: str, dir_mode: str, clock: Clock) -> boo
     raise AssertionError("unreachable")
 
 
-def publish_folder(api, folder: Path, ref: str, title: str, notes: str, dir_mode: str, clock: Clock) -> None:
+def publish_folder(api, folder: Path, ref: str, title: str, notes: str, dir_mode: str, clock: Clock,
+                   on_send: Callable[[int | None], None] | None = None) -> None:
     (folder / "dataset-metadata.json").write_text(json.dumps(
         {"id": ref, "title": title, "licenses": [{"name": "CC0-1.0"}]}))
     if not exists(api, ref) and create_once(api, folder, ref, dir_mode, clock):
         return
-    version_once(api, folder, ref, notes, dir_mode, clock)
+    version_once(api, folder, ref, notes, dir_mode, clock, on_send)
 
 
 def attached_cache(input_root: Path, marker_name: str) -> list[str] | None:
@@ -404,7 +412,8 @@ def publish(api, config: RuntimeConfig, kchain_dir: Path, work: Path, clock: Clo
         return none("no verified checkpoint in this session's output")
     notes = f"kchain session {marker['session']} step {marker['step']}"
     t1 = time.monotonic()
-    publish_folder(api, work / "state", kaggle.state_dataset, f"{config.job} state"[:50], notes, "skip", clock)
+    publish_folder(api, work / "state", kaggle.state_dataset, f"{config.job} state"[:50], notes, "skip", clock,
+                   lambda before: record_sent(kchain_dir, marker["step"], before))
     uploaded = sum(p.stat().st_size for p in (work / "state").iterdir() if p.is_file())
     # Measured here, planned with by the next session (continue passes them on in its config).
     took = max(time.monotonic() - t1, 1e-3)
@@ -421,6 +430,16 @@ def publish(api, config: RuntimeConfig, kchain_dir: Path, work: Path, clock: Clo
     say(f"state at step {marker['step']} is now a new version of {kaggle.state_dataset} "
         f"({uploaded / 1e6:.1f} MB{f', cache {cache_bytes / 1e6:.1f} MB' if cache_bytes else ''})")
     return 0
+
+
+def record_sent(kchain_dir: Path, step: int, before: int | None) -> None:
+    """summary.json says the state at step is being sent as the version after `before`, before it is: if
+    this session ends before the send is settled, `continue` reads the dataset's versions instead of
+    relaying the same state as a second version (chain.relay_state)."""
+    summary_path = kchain_dir / layout.SUMMARY
+    ended = summary.read(summary_path) or summary.Summary()
+    ended.extra[SENT_KEY] = {"step": step, "before": before}
+    summary.write(summary_path, ended)
 
 
 def record(kchain_dir: Path, step: int, nbytes: int, timing: dict) -> None:

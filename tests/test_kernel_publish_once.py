@@ -11,11 +11,14 @@ again before kchain sees it. The kernel settles both by reading the dataset's cu
 from __future__ import annotations
 
 import json
+import os
+from pathlib import Path
 
 from emulator_helpers import USER, emulator  # noqa: F401
 from helpers import copy_job, invoke
 
 from kchain.kaggle_api import KaggleClient
+from kchain.ledger import Ledger
 from kchain.names import state_dataset
 from kchain.runtime import layout
 
@@ -63,3 +66,35 @@ def test_the_kernel_adds_one_state_version_after_a_reset_and_after_a_lost_answer
         log = kernel_log(REF, version)
         assert f"the answer was lost, but {state} has version {number}: using it" in log, log
         assert f"is now a new version of {state}" in log, log
+
+
+def test_a_send_the_kernel_cannot_settle_in_time_is_settled_by_the_laptop_never_sent_twice(emulator, tmp_path,
+                                                                                           monkeypatch):
+    # The kernel's state version lands, its answer is lost, and the version is still processing when the
+    # session's time runs out: the summary says what was sent (step, the version before), so `continue`
+    # finds the kernel's version instead of relaying the same state as a second one.
+    monkeypatch.setenv(layout.FAULT_ENV, "deadline_after_steps=3")
+    emulator.session_limit_s = 600  # Kaggle's limit; the job's own 60 s is what the kernel plans with
+    emulator.switches.queue_s = emulator.switches.boot_s = 0.0
+    emulator.secrets.update({USER: {"KAGGLE_USERNAME": USER, "KAGGLE_KEY": emulator.users[USER]}})
+    emulator.attach_secrets(REF)
+    job = copy_job("classifier", tmp_path, params={"steps": 6, "rows": 4000, "num_workers": 0, "eval_every": 3},
+                   kaggle={"internet": True}, train={"session_limit": "60s", "margin": "20s"})
+    # Measured figures of a quick publish, so the kernel does try it within its 60 s.
+    Ledger(Path(os.environ["KCHAIN_HOME"])).save_publish_figures(
+        NAME, {"start_s": 1.0, "create_s": 1.0, "rate_bps": 1e7, "processing_s": 1.0})
+    state = state_dataset(USER, NAME)
+    assert invoke("push", job, "--skip-smoke").exit_code == 0
+    emulator.faults.rate_lost_answer = 1.0  # the kernel's version acts, then answers 500
+    emulator.faults.processing_s = 90.0  # and processes past the kernel's 60 s
+    assert emulator.wait_session(REF, 1, timeout=300)["status"] == "COMPLETE"
+    emulator.faults.rate_lost_answer, emulator.faults.processing_s = 0.0, 0.0
+    log = kernel_log(REF, 1)
+    assert "[kchain] published: none (failed: RuntimeError: " in log and "time for the publish ran out" in log, log
+
+    second = invoke("continue", job, "--skip-smoke")
+    assert second.exit_code == 0, second.output
+    assert (f"step 3 reached {state} from the kernel, which could not settle its send (version 2): "
+            "not uploading it again") in second.output
+    assert [v["notes"] for v in emulator.dataset_versions(state)][1:] == ["kchain session 1 step 3"]
+    assert emulator.session(REF, 2)["dataset_sources"][0] == f"{state}/2"

@@ -40,7 +40,7 @@ def log_of(session: int) -> str:
 def test_a_late_mount_is_waited_for_and_a_missing_one_is_pushed_again(tmp_path, emulator, monkeypatch):
     monkeypatch.setenv(layout.FAULT_ENV, "stall_step=0.05,deadline_after_steps=10")
     emulator.session_limit_s = 600
-    path = copy_job("tinygpt", tmp_path, params={"steps": 25, "eval_every": 25, "batch": 8, "accumulate": 1},
+    path = copy_job("tinygpt", tmp_path, params={"steps": 20, "eval_every": 20, "batch": 8, "accumulate": 1},
                     train={"session_limit": "600s", "margin": "30s"})
     set_mount_wait(path, "2s")
     assert invoke("push", path, "--skip-smoke").exit_code == 0
@@ -57,15 +57,13 @@ def test_a_late_mount_is_waited_for_and_a_missing_one_is_pushed_again(tmp_path, 
     set_mount_wait(path, "5m")
     third = invoke("continue", path, "--skip-smoke")
     assert third.exit_code == 0, third.output
-    emulator.wait_session(REF, 3, timeout=120)
-    assert invoke("continue", path, "--skip-smoke").exit_code == 0  # session 4 finishes the run
-    emulator.wait_session(REF, 4, timeout=120)
+    emulator.wait_session(REF, 3, timeout=120)  # it finishes the run
     done = invoke("continue", path, "--skip-smoke")
     assert done.exit_code == 0, done.output
 
     chain = Ledger(Path(os.environ["KCHAIN_HOME"])).sessions(NAME)
     ended_as = [(r.get("summary") or {}).get("status") for r in chain]
-    assert ended_as == ["deadline", "state_not_mounted", "deadline", "finished"], ended_as
+    assert ended_as == ["deadline", "state_not_mounted", "finished"], ended_as
     # Session 2 trained nothing and said why in one line; session 3 was pushed for the same state.
     assert chain[1]["summary"]["step"] == chain[0]["summary"]["step"] == 10
     assert chain[2]["resumes_at"] == chain[1]["resumes_at"] == 10
@@ -74,4 +72,4 @@ def test_a_late_mount_is_waited_for_and_a_missing_one_is_pushed_again(tmp_path, 
     # Session 3 waited for the mount, then resumed exactly where session 1 stopped.
     assert "[kchain] state version" in log_of(3) and "mounted after" in log_of(3)
     assert emulator.session(REF, 3)["resumed_from"] == 10
-    assert chain[3]["summary"]["step"] == 25
+    assert chain[2]["summary"]["step"] == 20

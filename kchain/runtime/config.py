@@ -53,6 +53,7 @@ class KaggleConfig:
     resume: dict | None = None  # {'step', 'state_version'}: what `kchain continue` pushed this session to resume
     publish: dict | None = None  # measured publish figures (publishplan.py); None: assumed ones
     mount_wait_s: float = 300.0  # how long a session waits for the state it resumes to be mounted (kaggle.mount_wait)
+    unattended: bool = False  # each session pushes the next itself (push --unattended): the plan keeps time for it
 
 
 @dataclass(frozen=True)

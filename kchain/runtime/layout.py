@@ -24,6 +24,8 @@ CHECKPOINT_STREAM_ENV = "KCHAIN_CHECKPOINT_STREAM"  # 1: stream saves from live 
 RANKS_ENV = "KCHAIN_RANKS"
 # Set by kchain's launcher for its ranks: a folder where rank 0 leaves the port of the store it bound.
 RENDEZVOUS_ENV = "KCHAIN_RENDEZVOUS"
+# local only: "0" spawns each local rank (as on Kaggle) instead of forking them from one that imported torch
+FORK_RANKS_ENV = "KCHAIN_FORK_RANKS"
 SMOKE_PARAMS_ENV = "KCHAIN_SMOKE_PARAMS"  # local only: JSON params over the job's, from `kchain smoke --set`
 HANG_ENV = "KCHAIN_HANG_TIMEOUT"  # tests: seconds, the hang watchdog's floor (watchdog.py)
 ACCELERATOR_CHECK_ENV = "KCHAIN_ACCELERATOR_CHECK"  # "off": a CPU stand-in for a Kaggle GPU session (the emulator)
@@ -55,6 +57,7 @@ MANIFEST = "manifest.json"
 STATE_FILE = "state.pt"
 METRICS = "metrics.jsonl"
 SUMMARY = "summary.json"
+PUBLISH_SENT_KEY = "publish_sent"  # in summary.json: the kernel's state send {step, before}, before it settles
 CACHE_DIR = "cache"
 
 # The marker file of a state dataset version (and of the state dataset's first, empty version).

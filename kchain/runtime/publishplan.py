@@ -2,7 +2,8 @@
 
 When the kernel publishes its own state (internet on, a credential in Secrets), the session must
 still be alive after the final save for: starting the kaggle client, creating the dataset version,
-uploading the checkpoint, and Kaggle's processing of it. The figures come from the rendered config
+uploading the checkpoint, and Kaggle's processing of it (and, in an unattended chain, pushing the next
+session). The figures come from the rendered config
 (`kaggle.publish`: measured by an earlier session's publish or by the rehearsal) or, without them,
 from the assumptions below. The deadline guard keeps max(train.margin, save + publish) back.
 
@@ -26,6 +27,9 @@ ASSUMED = {
     "rate_bps": 20e6,  # upload rate from a kernel, bytes per second
     "processing_s": 30.0,  # Kaggle's processing of the new version while the session is still up
 }
+# An unattended chain's kernel also pushes the next session (SaveKernel, and settling a lost answer by
+# the kernel's version number) once its state version is ready: kept on top of the publish.
+PUSH_S = 20.0
 
 
 def figures(kaggle: KaggleConfig) -> dict | None:
@@ -39,13 +43,15 @@ def figures(kaggle: KaggleConfig) -> dict | None:
         if isinstance(value, (int, float)) and value >= 0:
             out[key] = float(value)
     out["measured"] = bool(given)
+    if kaggle.unattended:
+        out["push_s"] = float(given["push_s"]) if isinstance(given.get("push_s"), (int, float)) else PUSH_S
     return out
 
 
 def seconds(plan: dict, nbytes: int) -> float:
     """Seconds the publish of nbytes takes by the plan."""
     rate = max(plan["rate_bps"], 1.0)
-    return plan["start_s"] + plan["create_s"] + nbytes / rate + plan["processing_s"]
+    return plan["start_s"] + plan["create_s"] + nbytes / rate + plan["processing_s"] + plan.get("push_s", 0.0)
 
 
 def tree_bytes(path: Path | None) -> int:

@@ -36,13 +36,23 @@ def in_ranks(env) -> bool:
     return "RANK" in env and "WORLD_SIZE" in env
 
 
+def _on_kaggle(env) -> bool:
+    smoke = env.get(layout.SMOKE_ENV) == "1"
+    return bool(env.get(KAGGLE_SESSION_ENV)) and not smoke and env.get(layout.ACCELERATOR_CHECK_ENV) != "off"
+
+
+def local_ranks(env) -> int | None:
+    """The ranks a local run starts as Kaggle would give them (KCHAIN_RANKS: smoke, rehearse), or None."""
+    local = env.get(layout.RANKS_ENV)
+    return int(local) if local and not _on_kaggle(env) else None
+
+
 def plan_ranks(config: RuntimeConfig, env, cuda_count: int | None = None) -> tuple[int, str]:
     """(number of ranks, why) for this machine; raises NoAccelerator when Kaggle gave too little."""
-    local = env.get(layout.RANKS_ENV)
-    smoke = env.get(layout.SMOKE_ENV) == "1"
-    on_kaggle = bool(env.get(KAGGLE_SESSION_ENV)) and not smoke and env.get(layout.ACCELERATOR_CHECK_ENV) != "off"
-    if local and not on_kaggle:  # smoke / rehearse: the ranks Kaggle would give, on this machine (no torch here)
-        return int(local), f"{local} ranks, as on Kaggle ({layout.RANKS_ENV})"
+    on_kaggle = _on_kaggle(env)
+    local = local_ranks(env)
+    if local is not None:  # smoke / rehearse: the ranks Kaggle would give, on this machine (no torch here)
+        return local, f"{local} ranks, as on Kaggle ({layout.RANKS_ENV})"
     if cuda_count is None:
         import torch  # the GPUs this machine has: only now, so the launcher of a local run never imports torch
 
@@ -85,28 +95,50 @@ def rank_env(env, rank: int, n: int, rendezvous: str) -> dict:
 
 def launch_ranks(n: int, config_path: str, env) -> int:
     """Run N ranks as children of this process; 0 when every rank ended well, else 1 (as torchrun),
-    or the negative signal when this launcher is killed while it waits.
+    or the negative signal of a process that was killed while this launcher waited.
 
     What torchrun's agent did for kchain, without importing torch (about 2 s of CPU a session): each
     rank leads a session of its own (so a kill fault takes a rank with its DataLoader workers), a
     SIGTERM or SIGINT to the launcher reaches every rank, and one rank that fails ends the others:
-    SIGTERM, then SIGKILL after RANK_GRACE_S.
+    SIGTERM, then SIGKILL after RANK_GRACE_S. Local CPU ranks (smoke, rehearse) are forked from one
+    process that imported torch once (forkranks.py); Kaggle's GPU ranks are each spawned.
     """
     rendezvous = tempfile.mkdtemp(prefix="kchain-ranks-")
-    cmd = [sys.executable, "-u", "-m", "kchain.runtime.launch", config_path]
-    procs = [subprocess.Popen(cmd, env=rank_env(env, r, n, rendezvous), start_new_session=True) for r in range(n)]
+    try:
+        if forks_ranks(env):
+            zygote = subprocess.Popen(
+                [sys.executable, "-u", "-m", "kchain.runtime.forkranks", str(n), config_path, rendezvous],
+                env={**env, "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS") or "1"})
+            return _forwarding([zygote], zygote.wait)
+        cmd = [sys.executable, "-u", "-m", "kchain.runtime.launch", config_path]
+        procs = [subprocess.Popen(cmd, env=rank_env(env, r, n, rendezvous), start_new_session=True)
+                 for r in range(n)]
+        return watch_ranks(procs)
+    finally:
+        shutil.rmtree(rendezvous, ignore_errors=True)
 
+
+def forks_ranks(env) -> bool:
+    """Whether this run's ranks are local CPU stand-ins (KCHAIN_RANKS off Kaggle), forked from one process."""
+    return local_ranks(env) is not None and env.get(layout.FORK_RANKS_ENV) != "0"
+
+
+def watch_ranks(procs: list) -> int:
+    """_watch with SIGTERM and SIGINT passed on to every rank while it waits."""
+    return _forwarding(procs, lambda: _watch(procs))
+
+
+def _forwarding(procs: list, wait) -> int:
     def forward(signum, frame):
         for p in procs:
             _signal(p, signum)
 
     old = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
-        return _watch(procs)
+        return wait()
     finally:
         for sig, handler in old.items():
             signal.signal(sig, handler)
-        shutil.rmtree(rendezvous, ignore_errors=True)
 
 
 def _signal(proc: subprocess.Popen, signum: int) -> None:

@@ -49,3 +49,13 @@ def make_run(root: Path, params: dict | None = None, env: dict | None = None, **
 
     config = {"job": "unit", "params": params or {}, "train": {"heartbeat_s": 0, **train}}
     return Run(config, {layout.ROOT_ENV: str(root), **(env or {})})
+
+
+def loss_trace(root: Path) -> list[tuple[int, float]]:
+    """(step, loss) for every training step in the metrics trace of the run under root (KCHAIN_ROOT)."""
+    import json
+
+    from kchain.runtime import layout
+
+    lines = (root / layout.WORKING_DIR / layout.KCHAIN_DIR / layout.METRICS).read_text().splitlines()
+    return [(r["step"], r["loss"]) for r in map(json.loads, lines) if "loss" in r]

@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import loss_trace as trace
 
 from kchain.runtime import layout
 from kchain.runtime.checkpoint_files import ResumeError
@@ -75,12 +76,6 @@ def in_process(root: Path, params: dict | None = None, every: int = EVERY) -> Ru
     finally:
         run.close()
     return run
-
-
-def trace(root: Path) -> list[tuple[int, float]]:
-    """(step, loss) for every training step in the continuous metrics trace."""
-    lines = (root / layout.WORKING_DIR / layout.KCHAIN_DIR / layout.METRICS).read_text().splitlines()
-    return [(r["step"], r["loss"]) for r in map(json.loads, lines) if "loss" in r]
 
 
 def summary(root: Path) -> dict:

@@ -16,6 +16,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from helpers import loss_trace as trace
+
 from kchain.runtime import layout, sink
 from kchain.runtime.faults import SINK_POINTS, Faults
 from kchain.runtime.run import Run
@@ -54,11 +56,6 @@ def in_process(root: Path, bucket: Path | None, keep: int = 2) -> Run:
     finally:
         run.close()
     return run
-
-
-def trace(root: Path) -> list[tuple[int, float]]:
-    rows = (root / layout.WORKING_DIR / layout.KCHAIN_DIR / layout.METRICS).read_text().splitlines()
-    return [(r["step"], r["loss"]) for r in map(json.loads, rows) if "loss" in r]
 
 
 def in_bucket(bucket: Path) -> dict[str, list[str]]:

@@ -223,7 +223,7 @@ def push_job(job: Job, ledger: Ledger, client: KaggleClient, skip_smoke: bool = 
     owner = job.kaggle.owner or client.username
     chain = reconcile(client, ledger, job)
     if not chain:
-        chain = unrecorded_chain(client, ledger, job, f"{owner}/{job.name}")
+        chain = unrecorded_chain(client, ledger, job)
     live = [s for s in chain if s["status"] in LIVE]
     if live:
         raise ChainStop(
@@ -262,19 +262,10 @@ def push_job(job: Job, ledger: Ledger, client: KaggleClient, skip_smoke: bool = 
     return record
 
 
-def unrecorded_chain(client: KaggleClient, ledger: Ledger, job: Job, kernel: str) -> list[SessionRecord]:
-    """This laptop has no record of the job (another laptop pushed it, or its state folder is new): Kaggle's
-    word first. A session live on the kernel is refused (a push would start a second one beside it); an
-    unattended chain is rebuilt from Kaggle's records (sessions.rebuild), so the refusal below names it."""
-    newest = client.kernel_version(kernel)
-    if not newest:
-        return []
-    status, _ = client.status(kernel, newest)
-    if status in LIVE:
-        raise ChainStop(
-            f"{kernel} version {newest} is {status.lower()} on Kaggle and this laptop has no record of it (another "
-            f"laptop's push, or an unattended chain): pushing now would start a second session beside it; run "
-            f"`kchain status {job.path}` (an unattended chain is rebuilt from Kaggle), or wait for it to end")
+def unrecorded_chain(client: KaggleClient, ledger: Ledger, job: Job) -> list[SessionRecord]:
+    """This laptop has no record of the job (another laptop pushed it, or its state folder is new): an
+    unattended chain is rebuilt from Kaggle's records (sessions.rebuild), so that the refusal below names
+    it; a session live on the kernel is refused at the push itself (refuse_a_second_session)."""
     rebuild(client, ledger, job.name)
     return [s for s in ledger.sessions(job.name) if s["status"] != "FAILED_TO_PUSH"]
 

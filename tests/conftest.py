@@ -43,15 +43,3 @@ def isolated_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     yield home
     shutil.rmtree(tmp, ignore_errors=True)
 
-
-# The modules whose tests run whole chains of sessions (minutes of wall time each, much of it waiting on the
-# local Kaggle's queue, lags and stale rules): collected first, so that pytest-xdist starts them while every
-# other test is still to come, and the suite does not end on one of them running alone.
-LONG_FIRST = ("test_chain.py", "test_selfchain.py", "test_hf_trainer.py", "test_rehearse.py", "test_lightning.py",
-              "test_mount_lag.py", "test_kernel_publish_once.py", "test_stale_running.py", "test_inputs.py",
-              "test_rehearse_faults.py", "test_distributed.py", "test_doctor.py")
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    rank = {name: i for i, name in enumerate(LONG_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(LONG_FIRST)))  # stable: the rest keep their order

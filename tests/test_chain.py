@@ -39,7 +39,8 @@ def test_a_chain_with_a_kill_deadlines_and_flaky_api_equals_the_uninterrupted_ru
     # Every strict switch at once (the emulator's defaults: 403 for missing, lagging and processing
     # versions, ignored version pins, output lost at the limit, queue and boot time, no GPU figures in
     # the quota) and a flaky API: 25% of calls answered 429 or 500, 10% of creating calls act and lose
-    # their answer, 10% act and reset the connection (the client's own retry must not send them again),
+    # their answer, 10% act and reset the connection, and the first one surely (the client's own retry must
+    # not send them again),
     # every 4th upload dropped, and the killed session's output lost; two GPU sessions at most per account
     # (the emulator's default cap; the chain's sessions are GPU sessions); Kaggle releases a new image with
     # every push (the chain must stay on session 1's); each new state version is mounted seconds after it
@@ -51,7 +52,7 @@ def test_a_chain_with_a_kill_deadlines_and_flaky_api_equals_the_uninterrupted_ru
     job = copy_job("tinygpt", tmp_path, params={"steps": 60, "eval_every": 20, "batch": 8, "accumulate": 1},
                    train={"heartbeat": "0s"})  # a heartbeat every step: the stale rule below is seconds
     faults = Faults(rate_429=0.15, rate_500=0.10, rate_lost_answer=0.1, drop_upload_every=4, processing_s=2.0,
-                    lose_output=True, rate_reset_after_acting=0.1, seed=5,
+                    lose_output=True, rate_reset_after_acting=0.1, reset_after_acting=1, seed=5,
                     crash_runner_on_output="[kchain] step ", crash_runner_in=4)
     switches = Switches(new_image_every=1, mount_lag_s=3.0)
     result = rehearse(job, session_limit_s=GENEROUS_S, kills=1, seed=2, faults=faults, echo=lambda _: None, ranks=1,

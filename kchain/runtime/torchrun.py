@@ -100,8 +100,8 @@ def launch_ranks(n: int, config_path: str, env) -> int:
     What torchrun's agent did for kchain, without importing torch (about 2 s of CPU a session): each
     rank leads a session of its own (so a kill fault takes a rank with its DataLoader workers), a
     SIGTERM or SIGINT to the launcher reaches every rank, and one rank that fails ends the others:
-    SIGTERM, then SIGKILL after RANK_GRACE_S. Local CPU ranks (smoke, rehearse) are forked from one
-    process that imported torch once (forkranks.py); Kaggle's GPU ranks are each spawned.
+    SIGTERM, then SIGKILL after RANK_GRACE_S. With KCHAIN_FORK_RANKS=1, local CPU ranks (smoke,
+    rehearse) are forked from one process that imported torch once (forkranks.py, opt-in).
     """
     rendezvous = tempfile.mkdtemp(prefix="kchain-ranks-")
     try:
@@ -119,8 +119,10 @@ def launch_ranks(n: int, config_path: str, env) -> int:
 
 
 def forks_ranks(env) -> bool:
-    """Whether this run's ranks are local CPU stand-ins (KCHAIN_RANKS off Kaggle), forked from one process."""
-    return local_ranks(env) is not None and env.get(layout.FORK_RANKS_ENV) != "0"
+    """Whether this run's ranks are local CPU stand-ins (KCHAIN_RANKS off Kaggle) forked from one process:
+    only when KCHAIN_FORK_RANKS=1 asks for it. Off by default: one 2-rank reference run hung in it once
+    (rank 1 gone, rank 0 waiting in a collective), and the cause is not found yet."""
+    return local_ranks(env) is not None and env.get(layout.FORK_RANKS_ENV) == "1"
 
 
 def watch_ranks(procs: list) -> int:

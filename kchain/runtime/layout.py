@@ -24,8 +24,6 @@ CHECKPOINT_STREAM_ENV = "KCHAIN_CHECKPOINT_STREAM"  # 1: stream saves from live 
 RANKS_ENV = "KCHAIN_RANKS"
 # Set by kchain's launcher for its ranks: a folder where rank 0 leaves the port of the store it bound.
 RENDEZVOUS_ENV = "KCHAIN_RENDEZVOUS"
-# local only, opt-in: "1" forks the local CPU ranks from one process that imported torch (forkranks.py)
-FORK_RANKS_ENV = "KCHAIN_FORK_RANKS"
 SMOKE_PARAMS_ENV = "KCHAIN_SMOKE_PARAMS"  # local only: JSON params over the job's, from `kchain smoke --set`
 HANG_ENV = "KCHAIN_HANG_TIMEOUT"  # tests: seconds, the hang watchdog's floor (watchdog.py)
 ACCELERATOR_CHECK_ENV = "KCHAIN_ACCELERATOR_CHECK"  # "off": a CPU stand-in for a Kaggle GPU session (the emulator)

@@ -16,6 +16,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from . import atomic, layout
@@ -94,22 +95,15 @@ def rank_env(env, rank: int, n: int, rendezvous: str) -> dict:
 
 
 def launch_ranks(n: int, config_path: str, env) -> int:
-    """Run N ranks as children of this process; 0 when every rank ended well, else 1 (as torchrun),
-    or the negative signal of a process that was killed while this launcher waited.
+    """Run N ranks as children of this process; 0 when every rank ended well, else 1 (as torchrun).
 
     What torchrun's agent did for kchain, without importing torch (about 2 s of CPU a session): each
     rank leads a session of its own (so a kill fault takes a rank with its DataLoader workers), a
     SIGTERM or SIGINT to the launcher reaches every rank, and one rank that fails ends the others:
-    SIGTERM, then SIGKILL after RANK_GRACE_S. With KCHAIN_FORK_RANKS=1, local CPU ranks (smoke,
-    rehearse) are forked from one process that imported torch once (forkranks.py, opt-in).
+    SIGTERM, then SIGKILL after RANK_GRACE_S.
     """
     rendezvous = tempfile.mkdtemp(prefix="kchain-ranks-")
     try:
-        if forks_ranks(env):
-            zygote = subprocess.Popen(
-                [sys.executable, "-u", "-m", "kchain.runtime.forkranks", str(n), config_path, rendezvous],
-                env={**env, "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS") or "1"})
-            return _forwarding([zygote], zygote.wait)
         cmd = [sys.executable, "-u", "-m", "kchain.runtime.launch", config_path]
         procs = [subprocess.Popen(cmd, env=rank_env(env, r, n, rendezvous), start_new_session=True)
                  for r in range(n)]
@@ -118,19 +112,12 @@ def launch_ranks(n: int, config_path: str, env) -> int:
         shutil.rmtree(rendezvous, ignore_errors=True)
 
 
-def forks_ranks(env) -> bool:
-    """Whether this run's ranks are local CPU stand-ins (KCHAIN_RANKS off Kaggle) forked from one process:
-    only when KCHAIN_FORK_RANKS=1 asks for it. Off by default: one 2-rank reference run hung in it once
-    (rank 1 gone, rank 0 waiting in a collective), and the cause is not found yet."""
-    return local_ranks(env) is not None and env.get(layout.FORK_RANKS_ENV) == "1"
-
-
 def watch_ranks(procs: list) -> int:
     """_watch with SIGTERM and SIGINT passed on to every rank while it waits."""
     return _forwarding(procs, lambda: _watch(procs))
 
 
-def _forwarding(procs: list, wait) -> int:
+def _forwarding(procs: list, wait: Callable[[], int]) -> int:
     def forward(signum, frame):
         for p in procs:
             _signal(p, signum)

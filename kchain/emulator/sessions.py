@@ -25,7 +25,7 @@ from typing import Any
 import psutil
 
 from kchain.emulator.state import Store, model_key, new_secret
-from kchain.runtime import layout
+from kchain.runtime import layout, resumecheck
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -444,14 +444,9 @@ class SessionRunner:
 
 
 def attached_state_step(input_root: Path) -> int:
-    """The step of the kchain state attached to a session (0 when none): its marker's step."""
-    steps = [0]
-    for mount in layout.mounts(input_root, layout.STATE_KINDS):
-        try:
-            steps.append(int(json.loads((mount / layout.STATE_MARKER).read_text()).get("step") or 0))
-        except (OSError, ValueError, TypeError, AttributeError):
-            continue
-    return max(steps)
+    """The step of the kchain state attached to a session (0 when none): its marker's step, read as the
+    session's launcher reads it (resumecheck.attached_step)."""
+    return resumecheck.attached_step(input_root) or 0
 
 
 def new_checkpoint(root: Path, resumed: int) -> int | None:

@@ -104,3 +104,10 @@ def wait_dataset_ready(api: Any, ref: str, timeout: float = 60) -> None:
         if time.time() > deadline:
             raise TimeoutError(f"dataset {ref} not ready after {timeout} s")
         time.sleep(0.1)
+
+
+def wait_dataset_mounted(api: Any, ref: str, emu: Emulator) -> None:
+    """Ready, then the emulator's mount lag (switches.mount_lag_s): a session started now gets it mounted.
+    "Ready" is not "mounted" on Kaggle either (docs/emulator.md); a test not about the lag waits it out."""
+    wait_dataset_ready(api, ref)
+    time.sleep(emu.switches.mount_lag_s)

@@ -20,6 +20,7 @@ from emulator_helpers import (  # noqa: F401
     emulator,
     fake_key,
     kaggle_api,
+    wait_dataset_mounted,
     wait_dataset_ready,
     write_dataset,
     write_kernel,
@@ -37,7 +38,7 @@ def _status(api, ref: str, version: int | None = None) -> str:
 def test_push_runs_the_notebook_and_its_output_and_log_download(emulator, kaggle_api, tmp_path):
     write_dataset(tmp_path / "ds", "alice/input-data", {"a.txt": "hello"})
     kaggle_api.dataset_create_new(str(tmp_path / "ds"), quiet=True)
-    wait_dataset_ready(kaggle_api, "alice/input-data")
+    wait_dataset_mounted(kaggle_api, "alice/input-data", emulator)
     cell = (
         "import os, json, pathlib\n"
         "inp = pathlib.Path(os.environ['KCHAIN_ROOT']) / 'input/datasets/alice/input-data/a.txt'\n"

@@ -21,6 +21,7 @@ from emulator_helpers import (  # noqa: F401
     emulator,
     fake_key,
     kaggle_api,
+    wait_dataset_mounted,
     wait_dataset_ready,
     write_dataset,
     write_kernel,
@@ -38,10 +39,13 @@ LIST_INPUTS = ("import os, json, pathlib\nroot = pathlib.Path(os.environ['KCHAIN
                "pathlib.Path('inputs.json').write_text(json.dumps(found))")
 
 
-def _dataset(api, tmp_path: Path, ref: str, files: dict[str, str], ready: bool = True) -> Path:
+def _dataset(api, tmp_path: Path, ref: str, files: dict[str, str], ready: bool = True, emu=None) -> Path:
+    """A new dataset; ready: waited for; emu: and its mount lag waited out."""
     folder = write_dataset(tmp_path / ref.replace("/", "_"), ref, files)
     assert api.dataset_create_new(str(folder), quiet=True).status == "ok"
-    if ready:
+    if ready and emu is not None:
+        wait_dataset_mounted(api, ref, emu)
+    elif ready:
         wait_dataset_ready(api, ref)
     return folder
 
@@ -119,7 +123,7 @@ def test_a_new_version_is_invisible_for_a_while_then_ready(emulator, kaggle_api,
 
 
 def test_invalid_sources_are_answered_and_the_session_still_runs_without_them(emulator, kaggle_api, tmp_path):
-    _dataset(kaggle_api, tmp_path, "alice/good-data", {"g.txt": "good"})
+    _dataset(kaggle_api, tmp_path, "alice/good-data", {"g.txt": "good"}, emu=emulator)
     emulator.faults.processing_s = 600
     _dataset(kaggle_api, tmp_path, "alice/slow-data", {"s.txt": "slow"}, ready=False)
     emulator.faults.processing_s = 0
@@ -142,7 +146,7 @@ def test_the_version_pin_is_ignored_unless_switched(emulator, kaggle_api, tmp_pa
     folder = _dataset(kaggle_api, tmp_path, "alice/pinned-data", {"v.txt": "one"})
     (folder / "v.txt").write_text("two")
     kaggle_api.dataset_create_version(str(folder), "v2", quiet=True)
-    wait_dataset_ready(kaggle_api, "alice/pinned-data")
+    wait_dataset_mounted(kaggle_api, "alice/pinned-data", emulator)
     write_kernel(tmp_path / "k", "alice/pin-reader", [LIST_INPUTS], dataset_sources=["alice/pinned-data/1"])
 
     assert kaggle_api.kernels_push(str(tmp_path / "k")).invalid_dataset_sources == []

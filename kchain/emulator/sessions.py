@@ -388,7 +388,9 @@ class SessionRunner:
         root = self.store.session_dir(session_id) / "root"
         resumed = attached_state_step(root / layout.INPUT_DIR) if session.get("kill_after_checkpoint") else None
         while proc.poll() is None:
-            if self._stopping.is_set():
+            if self._stopping.is_set():  # stop() may have looked at the live sessions before this one started
+                kill_tree(proc.pid)
+                proc.wait()
                 return None
             text = log_jsonl.read_text(errors="replace") if (marker or crash) and log_jsonl.exists() else ""
             if marker and marker in text:

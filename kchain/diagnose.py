@@ -18,6 +18,12 @@ _HINTS: list[tuple[re.Pattern[str], str]] = [
         "two ranks (Kaggle's T4 x2) would train two models: use model = run.wrap(model) and call the wrapped model",
     ),
     (
+        re.compile(r"UntrackedState"),
+        "state the checkpoint does not hold changes as training goes on (a model wrapped but not tracked, an "
+        "EMA or AveragedModel kept beside the model, a generator the code draws from): a resume would start "
+        "it over, so pass each to run.track(...) before the loop",
+    ),
+    (
         re.compile(r"PreflightError"),
         "a preflight check failed before training: fix the data or the model so the check holds",
     ),

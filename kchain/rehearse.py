@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from kchain import sessions as sess
+from kchain import statecheck
 from kchain.chain import decide_and_continue, watch
 from kchain.datasets import wait_ready, write_dataset_metadata
 from kchain.emulator import Emulator, Faults
@@ -225,7 +226,8 @@ def rehearse(job_file: Path, session_limit_s: float = 20.0, kills: int = 1, seed
         reference.stop()
         emu.stop()
     chain = ledger.sessions(job.name)
-    identical, passed, verdict, chained = judge(trace, summary, chain, sorted(kill.killed), kills, stop, echo)
+    state = compare_state(work / "reference", chain) if stop is None else None
+    identical, passed, verdict, chained = judge(trace, summary, chain, sorted(kill.killed), kills, stop, echo, state)
     return Rehearsal(identical, verdict, chain, trace, chained, emu.sessions(),
                      emu.dataset_versions(state_dataset(USER, job.name)), work, sorted(kill.killed), passed, n,
                      rebuilt)
@@ -409,23 +411,39 @@ def rebuilt_from_kaggle(client: KaggleClient, job: str, root: Path) -> list[dict
             for record in chain]
 
 
+def compare_state(reference_root: Path, chain: list[sess.SessionRecord]) -> statecheck.Comparison:
+    """The uninterrupted run's checkpoints against those the chain's sessions left, at every step both
+    saved (statecheck.py)."""
+    return statecheck.compare(
+        statecheck.saved([statecheck.checkpoints_of(reference_root / layout.WORKING_DIR)]),
+        statecheck.saved(statecheck.checkpoints_of(Path(s["output"])) for s in chain if s.get("output")))
+
+
 def judge(reference: list[dict[str, Any]], summary: Summary | None, chain: list[sess.SessionRecord],
           killed: list[int], kills: int, stop: ChainStop | None,
-          echo: Echo) -> tuple[bool, bool, str, list[dict[str, Any]]]:
-    """The chained trace against the reference, step by step, and what the chain proved:
-    (identical, passed, the verdict, the chained trace)."""
+          echo: Echo, state: statecheck.Comparison | None = None) -> tuple[bool, bool, str, list[dict[str, Any]]]:
+    """The chained trace and the chain's checkpoints against the reference's, step by step, and what the
+    chain proved: (identical, passed, the verdict, the chained trace)."""
     trace_path = newest_trace(chain)
     chained = read_trace(trace_path) if trace_path else []
     rows, first = compare_traces(reference, chained)
     identical = first is None and bool(rows) and all(r[3] is not None for r in rows)
     problems = shortcomings(identical, first, summary, chain, killed, kills, stop)
+    if state is not None and state.first is not None:
+        diff = state.first
+        first_resume = min((s.get("resumes_at") or 0 for s in chain if (s.get("resumes_at") or 0) > 0), default=0)
+        line = statecheck.describe(diff, statecheck.largest(diff), traces_agree=identical)
+        problems.insert(0, f"the state differs: {line}: {statecheck.cause(state, first_resume, identical)}")
+        identical = False
     if problems:
         verdict = problems[0]
     else:
         steps = max((r["step"] for r in reference), default=0)
         resumed = sum(1 for s in chain if (s.get("resumes_at") or 0) > 0)
+        compared = (f"; the state equal at step{'s' if len(state.steps) > 1 else ''} "
+                    f"{', '.join(map(str, state.steps))} ({state.values} values)") if state and state.steps else ""
         verdict = (f"identical: {len(rows)} values over {steps} steps, {len(chain)} sessions ({resumed} resumed, "
-                   f"{len(killed)} killed), largest difference 0.0")
+                   f"{len(killed)} killed), largest difference 0.0{compared}")
     _print(echo, chain, rows, set(killed))
     for problem in problems[1:]:
         echo(f"  and: {problem}")

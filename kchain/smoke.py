@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kchain import diagnose, traces
+from kchain import diagnose, statecheck, traces
 from kchain.credentials import configured_username
 from kchain.errors import SmokeFailed
 from kchain.inputs import local_inputs, mount_inputs
@@ -384,6 +384,7 @@ def judge(prep: Prepared, reference: Child, killed: Child, resumed: Child | None
             report.reference, report.resumed, prep.steps, 2 * prep.steps, not_exact,
         )
         traces.print_traces(echo, rows, prep.steps)
+        report.failure, report.verdict = judge_state(prep, reference, killed, resumed, report, echo)
     report.passed = report.failure is None
     summary = (resumed.summary if resumed else None) or killed.summary or Summary()
     report.checkpoint = summary.checkpoint
@@ -391,6 +392,31 @@ def judge(prep: Prepared, reference: Child, killed: Child, resumed: Child | None
         echo("  note       no preflight checks ran: hand a batch and the splits to run.check(...) so shape, "
              "dtype, label and split bugs stop before the loop")
     return report
+
+
+def judge_state(prep: Prepared, reference: Child, killed: Child, resumed: Child | None, report: SmokeReport,
+                echo: Echo) -> tuple[diagnose.Failure | None, str]:
+    """The checkpoints compared value by value (statecheck.py) at every step the reference and the
+    killed or resumed run both saved: a trace that agrees with a state that does not is a failure."""
+    runs = [killed.root, *([resumed.root] if resumed else [])]
+    comparison = statecheck.compare(
+        statecheck.saved([statecheck.checkpoints_of(reference.root / layout.WORKING_DIR)]),
+        statecheck.saved(statecheck.checkpoints_of(root / layout.WORKING_DIR) for root in runs))
+    failure, verdict = report.failure, report.verdict
+    diff = comparison.first
+    if diff is None:
+        if failure is None and comparison.steps:
+            echo(f"  state      {comparison.values} values equal at step{'s' if len(comparison.steps) > 1 else ''} "
+                 f"{', '.join(map(str, comparison.steps))} (every tracked tensor, the RNGs, the loader positions)")
+            verdict = verdict.replace("bit for bit (", "bit for bit, state and trace (", 1)
+        return failure, verdict
+    line = statecheck.describe(diff, statecheck.largest(diff), traces_agree=failure is None)
+    echo(f"  state      {line}")
+    if failure is None:
+        return diagnose.Failure("StateMismatch", line, "resume", statecheck.cause(comparison, prep.steps)), ""
+    if failure.type == "ResumeMismatch":  # the state names what the trace could only guess
+        return diagnose.Failure(failure.type, f"{failure.message}; {line}", failure.stage, failure.hint), verdict
+    return failure, verdict
 
 
 def record(prep: Prepared, report: SmokeReport, killed: Child, resumed: Child | None, echo: Echo) -> SmokeReport:

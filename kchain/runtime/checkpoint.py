@@ -45,6 +45,7 @@ from .checkpoint_files import (
 from .faults import NO_FAULTS, Faults, die
 from .publishplan import state_bytes  # the checkpoint size estimate, one for the runtime and the publish
 from .say import gb, warn
+from .statedigest import digest_state
 
 # Blocks torch.save writes from this size up are hashed in a second thread while they go to the
 # file; smaller ones (zip headers, the pickle) cost less to hash than to hand over.
@@ -173,7 +174,12 @@ def _write_into(tmp: Path, final: Path, state: dict, job: CheckpointJob, faults:
 
 def _write_files(tmp: Path, state: dict, job: CheckpointJob, faults: Faults, pool: ThreadPoolExecutor) -> None:
     """state.pt, the trace and manifest.json (last) into tmp, then every file and tmp itself fsynced."""
+    # Every value's digest (statedigest.py), hashed from the same host copy while torch.save writes it.
+    digests = pool.submit(digest_state, state)
     files = {layout.STATE_FILE: _write_state(tmp / layout.STATE_FILE, state, pool)}
+    text = json.dumps(digests.result(), indent=0, sort_keys=True).encode()
+    (tmp / layout.DIGESTS).write_bytes(text)
+    files[layout.DIGESTS] = {"sha256": hashlib.sha256(text).hexdigest(), "size": len(text)}
     files.update(_move_in(tmp, job.attached, pool))
     for folder in job.attached_dirs:
         shutil.rmtree(folder, ignore_errors=True)

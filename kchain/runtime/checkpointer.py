@@ -44,11 +44,14 @@ from .loader import Loader
 from .progress import Progress
 from .say import gb, say, warn
 from .snapshot import Snapshotter, available_ram, restore_rng, rng_state
+from .statedigest import digest_state
 from .trace import Trace
 
 SNAPSHOT_RAM_FRACTION = 0.25  # a state above this share of free RAM is streamed, not copied
 REUSE_MAX_BYTES = 256 * 2**20  # host copies up to this size are kept for the next save (no page faults)
 PER_RANK = (Loader, torch.Generator, np.random.Generator)  # a rank's data shard and its own RNGs
+# What DDP and the optimizer step keep equal on every rank (replicas.py checks the weights).
+REPLICATED = (torch.nn.Module, torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler, torch.amp.GradScaler)
 
 
 def per_rank(obj) -> bool:
@@ -125,6 +128,8 @@ class Checkpointer:
         self.rung = rung  # the out-of-memory ladder's: every manifest says how many halvings it trained with
         self.frozen = FrozenBase(enabled=not policy.checkpoint_frozen)  # what a fine-tune's checkpoint leaves out
         self.tracked: dict[str, object] = {}  # name -> object with state_dict/load_state_dict (or a generator)
+        self._differ: set[str] = set()  # tracked objects found to differ between ranks: saved per rank from then on
+        self.covered: list[object] = []  # what a framework's own checkpoint holds (the Trainer's model): cover()
         self.writer = Writer(faults)
         self.writer.die = ranks.kill_all  # kchain ddp: a kill fault ends every rank at once
         # rank 0 publishes each complete checkpoint to the state sink (a bucket), in the background
@@ -172,6 +177,12 @@ class Checkpointer:
                 "give each object its own name (e.g. run.optimize(opt, name='disc_opt'))"
             )
         self.tracked[name] = obj
+
+    def cover(self, obj) -> None:
+        """`obj`'s state is saved by a framework's own checkpoint, which this one holds (hf.py, lightning.py):
+        not untracked state (untracked.py)."""
+        if obj is not None and all(o is not obj for o in self.covered):
+            self.covered.append(obj)
 
     def free_name(self, base: str) -> str:
         """base, base2, base3, ...: the first not tracked yet (stable while the code is the same)."""
@@ -364,9 +375,22 @@ class Checkpointer:
         self.writer.submit(state, job)
 
     def _rank_state(self) -> dict:
-        """What differs between ranks (kchain ddp): the global RNGs and the per-rank tracked objects."""
-        private = {n: state_of(o) for n, o in self.tracked.items() if per_rank(o)}
+        """What differs between ranks (kchain ddp): the global RNGs and the per-rank tracked objects:
+        PER_RANK ones, and any other whose state differs between the ranks (found at each save)."""
+        self._differ.update(self._differing())
+        private = {n: state_of(o) for n, o in self.tracked.items() if per_rank(o) or n in self._differ}
         return {"rank": self.ranks.rank, "rng": rng_state(), "tracked": private}
+
+    def _differing(self) -> set[str]:
+        """The tracked objects of the user's own (not a model, an optimizer, a scheduler or a scaler, which
+        DDP keeps equal) whose state differs between the ranks: one digest each, gathered (kchain ddp)."""
+        own = {n: o for n, o in self.tracked.items() if not per_rank(o) and n not in self._differ
+               and not isinstance(distributed.unwrap(o), REPLICATED)}
+        if not own:
+            return set()
+        mine = {n: "".join(digest_state({"s": state_of(o)}).values()) for n, o in own.items()}
+        every = self.ranks.all_gather(mine)
+        return {n for n in own if len({d.get(n) for d in every}) > 1}
 
     def _plan_checkpoints(self, live: dict, attached: int = 0) -> dict:
         """At the first save: the checkpoint's size against the disk and RAM, said in one line.

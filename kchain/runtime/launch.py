@@ -164,7 +164,9 @@ def _train(config: RuntimeConfig, current: SimpleNamespace) -> None:
     """Build the Run, import the entry and call it; after an out-of-memory error, again one rung down."""
     from . import ladder
     from .run import Run, SessionStopped
+    from .snapshot import seed_globals
 
+    seed_globals()  # before the code is imported: a seed of its own, set at import or later, wins
     current.run = Run(config, os.environ, started=PROCESS_START)
     summary.reserve(current.run._paths.summary)
     module_name, _, func_name = config.entry.partition(":")

@@ -54,6 +54,7 @@ CORRUPT_PREFIX = ".corrupt-"  # a checkpoint that failed verification, set aside
 MANIFEST = "manifest.json"
 STATE_FILE = "state.pt"
 METRICS = "metrics.jsonl"
+DIGESTS = "digests.json"  # in a checkpoint: every value of its state, digested (statedigest.py), for the judges
 SUMMARY = "summary.json"
 PUBLISH_SENT_KEY = "publish_sent"  # in summary.json: the kernel's state send {step, before}, before it settles
 CACHE_DIR = "cache"

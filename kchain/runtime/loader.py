@@ -92,6 +92,31 @@ class _Descriptors:
         return len(self.loader) - self.loader.position
 
 
+def dataloader_options(cuda: bool, num_workers: int, pin_memory: bool | None, *, persistent_workers: bool | None,
+                       prefetch_factor: int | None, pin_memory_device: str, timeout: float, worker_init_fn,
+                       multiprocessing_context, generator, in_order: bool) -> tuple[bool, dict, list[str]]:
+    """Every DataLoader argument run.loader takes, honoured where it applies and harmless where it does
+    not (the code written for Kaggle's GPUs runs as it is on the laptop's CPU): (pin_memory, the
+    DataLoader options, lines that say what was set aside and why).
+
+    Pinned memory only helps a copy to CUDA (the default: pinned on CUDA); workers are persistent
+    whenever there are any (the loader keeps them across epochs itself); prefetch_factor needs workers;
+    the order comes from params.seed and the epoch, never a generator (so a resume is exact)."""
+    pin = cuda if pin_memory is None else bool(pin_memory) and cuda
+    options: dict = {"timeout": timeout, "worker_init_fn": worker_init_fn, "in_order": in_order}
+    if num_workers > 0:
+        options["multiprocessing_context"] = multiprocessing_context
+        options["prefetch_factor"] = prefetch_factor
+    if pin and pin_memory_device:
+        options["pin_memory_device"] = pin_memory_device
+    notes = []
+    if generator is not None:
+        notes.append("generator= is not used: the order is drawn from params.seed and the epoch, so a resume "
+                     "goes on with the same shuffle")
+    del persistent_workers  # workers are kept across epochs whenever there are any
+    return pin, options, notes
+
+
 def _identity(batch):
     return batch
 
@@ -160,6 +185,7 @@ class Loader:
         batch_sampler=None,
         rank: int = 0,
         world_size: int = 1,
+        options: dict | None = None,
     ):
         self.dataset = dataset
         self.rank, self.world_size = rank, world_size  # kchain ddp: batch_size is per rank
@@ -187,14 +213,17 @@ class Loader:
         # Its own generator: DataLoader draws a base seed per iterator, which must not come from
         # (and shift) the global torch RNG that dropout uses. Reseeded per epoch (see _fetch).
         self._gen = torch.Generator().manual_seed(seed)
-        self.dataloader = self._build_dataloader(collate_fn or default_collate, num_workers, pin_memory)
+        self.dataloader = self._build_dataloader(collate_fn or default_collate, num_workers, pin_memory, options or {})
 
-    def _build_dataloader(self, collate_fn: Callable, num_workers: int, pin_memory: bool) -> DataLoader:
-        """The torch DataLoader underneath: fed batch descriptors by _Descriptors, or the stream itself."""
+    def _build_dataloader(self, collate_fn: Callable, num_workers: int, pin_memory: bool,
+                          options: dict) -> DataLoader:
+        """The torch DataLoader underneath: fed batch descriptors by _Descriptors, or the stream itself.
+        `options`: the DataLoader arguments that apply here (dataloader_options)."""
         if self.iterable:
             return DataLoader(
                 self.dataset, batch_size=self.batch_size, num_workers=num_workers, drop_last=self.drop_last,
                 collate_fn=collate_fn, pin_memory=pin_memory, persistent_workers=False, generator=self._gen,
+                **options,
             )
         return DataLoader(
             _Batches(self.dataset, collate_fn, self.seed, in_main_process=num_workers == 0),
@@ -206,6 +235,7 @@ class Loader:
             # Workers live across epochs (no fork per epoch); the sampler is re-read at each reset.
             persistent_workers=num_workers > 0,
             generator=self._gen,
+            **options,
         )
 
     def __len__(self):

@@ -21,7 +21,7 @@ from collections.abc import Callable
 
 from torch.utils.data import DataLoader, SequentialSampler
 
-from . import heartbeat, ladder, replicas, watchdog
+from . import heartbeat, ladder, replicas, untracked, watchdog
 from .checkpointer import Checkpointer
 from .clock import SessionClock
 from .distributed import Ranks
@@ -49,7 +49,7 @@ class Loop:
 
     def __init__(self, progress: Progress, clock: SessionClock, checkpointer: Checkpointer, trace: Trace,
                  ranks: Ranks, faults: Faults, params: dict, *, heartbeat_s: float, hang_s: float | None,
-                 on_hang: Callable[[float, float], None], cap: int | None):
+                 on_hang: Callable[[float, float], None], cap: int | None, watch_untracked: bool = False):
         self.progress, self.clock, self.ckpt, self.trace = progress, clock, checkpointer, trace
         self.ranks, self.faults = ranks, faults
         self.params = params  # the job's: a resume checks they match the checkpoint's
@@ -67,6 +67,8 @@ class Loop:
         self._sharded: bool | None = None  # kchain ddp: FSDP or DTensor parameters (found once)
         self._eval_step: int | None = None  # the step that ran run.every's evaluation
         self._t0 = 0.0  # the running step's start
+        # A smoke: modules and generators that change between steps but no checkpoint holds (untracked.py)
+        self._untracked = untracked.Watch() if watch_untracked else None
 
     # --- the two loops ------------------------------------------------------------------------------
 
@@ -182,6 +184,7 @@ class Loop:
         if step is not None:
             p.step = p.current = step
         p.loop_steps += 1
+        self.watch_untracked()
         if self._handlers is None:
             self._handlers = self._install_signals()
         if p.started_at is None:
@@ -293,6 +296,7 @@ class Loop:
         if self.ranks.active and p.loop_steps == 1:
             self.check_replicas(f"after step {step}")
         self.ckpt.frozen.poll()  # a resume onto another base stops here, once its bytes are hashed
+        self.watch_untracked()
         self._heartbeat()
         if self._dog is not None:
             self._dog.beat(took)
@@ -333,6 +337,11 @@ class Loop:
         p.stop_reason = "deadline"
         say(line)
         return True
+
+    def watch_untracked(self) -> None:
+        """A smoke: stop with UntrackedState when something untracked changed since the first step."""
+        if self._untracked is not None:
+            self._untracked.check([*self.ckpt.tracked.values(), *self.ckpt.covered])
 
     def _heartbeat(self) -> None:
         if not self._planned:

@@ -30,7 +30,7 @@ from .checkpointer import Checkpointer, Policy, Where
 from .clock import SessionClock
 from .config import RuntimeConfig
 from .layout import Paths
-from .loader import Loader
+from .loader import Loader, dataloader_options
 from .loader import subset as smoke_subset
 from .loop import Loop, SessionStopped
 from .progress import Progress
@@ -122,7 +122,8 @@ class Run:
         self._loop = Loop(self._progress, self._clock, self._ckpt, self._trace, self._ranks, st.faults,
                           dict(self._params), heartbeat_s=st.heartbeat_s, hang_s=None if st.smoke else st.hang_s,
                           on_hang=functools.partial(_hung, self._progress, summarize, paths.summary),
-                          cap=st.total_cap if st.total_cap is not None else (st.smoke_steps if st.smoke else None))
+                          cap=st.total_cap if st.total_cap is not None else (st.smoke_steps if st.smoke else None),
+                          watch_untracked=st.smoke)
         if not st.smoke and self._ranks.is_main and resumecheck.expected(st.resume):
             # The chain said which step this session resumes: check it now, in the session's first
             # minute, not after the data is staged (resumecheck.WrongState ends the run).
@@ -255,8 +256,16 @@ class Run:
 
     def loader(self, dataset, batch_size: int | None = None, shuffle: bool = True, num_workers: int = 0,
                drop_last: bool = False, collate_fn: Callable | None = None, sampler=None,
-               batch_sampler=None, name: str | None = None):
+               batch_sampler=None, name: str | None = None, *, pin_memory: bool | None = None,
+               persistent_workers: bool | None = None, prefetch_factor: int | None = None,
+               pin_memory_device: str = "", timeout: float = 0, worker_init_fn: Callable | None = None,
+               multiprocessing_context=None, generator=None, in_order: bool = True):
         """A DataLoader whose position is checkpointed, tracked as `name` (else loader, loader2, ...).
+
+        Every other DataLoader argument is taken by keyword, honoured where it applies and harmless where
+        it does not, so code written for the GPU runs as it is on the laptop (loader.dataloader_options):
+        pin_memory only on CUDA (the default there), workers always persistent, prefetch_factor with
+        workers, the order always from params.seed and the epoch (a generator= is set aside).
 
         `next(loader)` gives the next batch and moves into the next epoch by itself (for run.steps);
         `for batch in loader` reads the rest of this epoch (for run.epochs). Each epoch's order is
@@ -281,7 +290,15 @@ class Run:
                 _rebuilt(dataset, shuffle, sampler, batch_sampler)
         if batch_sampler is None and batch_size is None:
             raise TypeError(f"run.loader({type(dataset).__name__}): give batch_size= (or a batch_sampler=)")
-        lo = self._new_loader(dataset, batch_size, shuffle, num_workers, drop_last, collate_fn, sampler, batch_sampler)
+        pin, options, notes = dataloader_options(
+            self.device.type == "cuda", num_workers, pin_memory, persistent_workers=persistent_workers,
+            prefetch_factor=prefetch_factor, pin_memory_device=pin_memory_device, timeout=timeout,
+            worker_init_fn=worker_init_fn, multiprocessing_context=multiprocessing_context, generator=generator,
+            in_order=in_order)
+        for line in notes:
+            say(f"run.loader({name}): {line}")
+        lo = self._new_loader(dataset, batch_size, shuffle, num_workers, drop_last, collate_fn, sampler, batch_sampler,
+                              pin, options)
         if lo.iterable:
             self._progress.not_exact.append(
                 f"data order: {name} reads an IterableDataset; a resume replays its epoch and skips the "
@@ -597,14 +614,15 @@ class Run:
                                 batch_sampler)
 
     def _new_loader(self, dataset, batch_size, shuffle, num_workers, drop_last, collate_fn, sampler,
-                    batch_sampler) -> Loader:
+                    batch_sampler, pin_memory: bool | None = None, options: dict | None = None) -> Loader:
         """A Loader over this run's ranks and seed, counted by the loop (run.loader's and a framework's)."""
         preflight.check_worker_tmpdir(num_workers)
         lo = Loader(
             dataset, self._rung.batch(batch_size), shuffle=shuffle, num_workers=num_workers, drop_last=drop_last,
-            collate_fn=collate_fn, seed=int(self._params.get("seed", 0)), pin_memory=self.device.type == "cuda",
+            collate_fn=collate_fn, seed=int(self._params.get("seed", 0)),
+            pin_memory=self.device.type == "cuda" if pin_memory is None else pin_memory,
             on_wait=self._loop.add_wait, sampler=sampler, batch_sampler=batch_sampler, rank=self.rank,
-            world_size=self.world_size,
+            world_size=self.world_size, options=options,
         )
         self._loop.loaders.append(lo)
         return lo

@@ -79,6 +79,19 @@ def snapshot(obj):
     return Snapshotter().take(obj)
 
 
+# torch starts its CPU generator from a fixed seed in every process; python's and numpy's global RNGs
+# start from the OS's entropy. The launcher starts those two from a fixed seed as well, so two processes
+# of the same code draw the same numbers: the smoke's and rehearse's uninterrupted and resumed runs are
+# then comparable value by value (an unseeded stream the code never draws from would otherwise differ
+# in every checkpoint). Code that seeds them itself (at import or later) overrides this.
+GLOBAL_SEED = 67280421310721  # torch's own default seed
+
+
+def seed_globals() -> None:
+    random.seed(GLOBAL_SEED)
+    np.random.seed(GLOBAL_SEED % 2**32)
+
+
 def rng_state() -> dict:
     """The global RNGs: always saved, so dropout and augmentation replay exactly."""
     return {

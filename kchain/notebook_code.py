@@ -130,6 +130,21 @@ def to_module(data: bytes, name: str, function: str = "main", named: bool = Fals
     return Module(text=text, entry=entry, code_cells=len(cells), other_cells=other, notes=tuple(notes))
 
 
+def script_module(source: str, name: str) -> str:
+    """The module text of a training script written at module level (nanoGPT's train.py shape: no
+    main(run), the training in the file's own body): the file runs as a notebook's one cell runs, with
+    `run` bound, under its own name so a traceback names its lines."""
+    tree = ast.parse(source, filename=name)
+    if any(_binds(node, "run") for node in tree.body):
+        raise NotebookError(f"{name} binds `run` itself, which hides the run kchain gives the script; rename it")
+    return _module_text(name, [(name, source)], "cells", [])
+
+
+def runs_at_module_level(tree: ast.Module, function: str) -> bool:
+    """A script that trains in its own body: it defines no `function` and uses `run` outside functions."""
+    return not any(_binds(node, function) for node in tree.body) and any(True for _ in _module_scope_runs(tree))
+
+
 def _read(data: bytes, name: str) -> tuple[list[tuple[int, str]], int]:
     """The code cells (number, source) in the file's order, and how many other cells it has."""
     import nbformat
@@ -358,6 +373,10 @@ def _entry(cells: list[tuple[_Cell, ast.Module]], name: str, function: str, name
         raise NotebookError(f"{name}: defines no function {function!r}; add `def {function}(run):` in a cell, "
                             "or remove entry: to make the cells the training")
     uses = any(isinstance(n, ast.Name) and n.id == "run" for _, tree in cells for n in ast.walk(tree))
+    shadow = next(((cell, node) for cell, tree in cells for node in tree.body if _binds(node, "run")), None)
+    if uses and shadow is not None:  # the cells run with kchain's `run` bound: their own would hide it
+        raise shadow[0].refuse(shadow[1].lineno, ("binds `run` itself, which hides the run kchain gives the cells",
+                                                  "rename it (or define main(run))"))
     if not uses:
         raise NotebookError(f"{name}: no cell uses run and none defines {function}(run); train in a cell with "
                             "`for step in run.steps(N):` (kchain binds run), or define main(run)")

@@ -29,7 +29,7 @@ from kchain.errors import RenderError
 from kchain.names import cache_dataset, state_dataset
 from kchain.runtime import atomic, layout, nextkernel
 from kchain.runtime.config import KaggleConfig
-from kchain.spec import Job, notebook_name, parse_duration, runtime_config
+from kchain.spec import Job, decode_text, notebook_name, parse_duration, runtime_config
 
 METADATA_FILE = "kernel-metadata.json"
 IGNORE_FILE = ".kchainignore"
@@ -197,8 +197,16 @@ def _notebook_modules(job: Job, keep: list[tuple[str, Path, int]], left: list[tu
     entry = job.entry_notebook
     out: list[tuple[str, Path, int]] = []
     made: dict[str, bytes] = {}
+    script = job.entry_script
     for name, path, size in keep:
-        if not name.endswith(".ipynb"):
+        if script is not None and path == script:  # a script that trains at module level: main(run) runs it
+            try:
+                made[name] = notebook_code.script_module(decode_text(path.read_bytes()), notebook_name(job, path)).encode()
+            except (OSError, ValueError, notebook_code.NotebookError) as exc:
+                raise RenderError(f"{job.path}: code: {exc}") from None
+            out.append((name, path, len(made[name])))
+            left.append((name, f"trains at module level: run as one cell with run bound, as main(run) ({name})"))
+        elif not name.endswith(".ipynb"):
             out.append((name, path, size))
         elif path != entry:
             left.append((name, "a notebook that is not the entry: only the entry notebook's code cells travel"))

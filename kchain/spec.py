@@ -333,6 +333,21 @@ class Job(_Strict):
         return sources[0] if len(sources) == 1 and sources[0].suffix == ".ipynb" else None
 
     @property
+    def entry_script(self) -> Path | None:
+        """The entry .py file when it trains at module level (no main(run), `run` used in its body, no
+        entry: named): render makes it a module whose main(run) runs the file (notebook_code.script_module)."""
+        sources = self.entry_sources
+        if self.entry or len(sources) != 1 or sources[0].suffix != ".py":
+            return None
+        from kchain import notebook_code
+
+        try:
+            tree = ast.parse(decode_text(sources[0].read_bytes()))
+        except (OSError, ValueError, SyntaxError, RecursionError, MemoryError):
+            return None
+        return sources[0] if notebook_code.runs_at_module_level(tree, self.entry_point.split(":")[1]) else None
+
+    @property
     def gpu(self) -> bool:
         return self.kaggle.accelerator == "gpu"
 
@@ -647,6 +662,14 @@ def _check_entry(job: Job, label: str) -> None:
     names = {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
     names |= {t.id for n in tree.body if isinstance(n, ast.Assign) for t in n.targets if isinstance(t, ast.Name)}
     names |= {a.asname or a.name for n in tree.body if isinstance(n, ast.ImportFrom) for a in n.names}
+    from kchain import notebook_code
+
+    if function not in names and not job.entry and notebook_code.runs_at_module_level(tree, function):
+        try:  # a script that trains at module level: rendered as a one-cell notebook (entry_script)
+            notebook_code.script_module(text, notebook_name(job, source))
+        except notebook_code.NotebookError as exc:
+            raise SpecError(f"{label}: {key}: {exc}") from None
+        return
     if function not in names:
         raise SpecError(
             f"{label}: {key}: {source.name} defines no function {shown(function)}; "

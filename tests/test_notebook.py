@@ -170,6 +170,9 @@ def test_a_traceback_names_the_notebooks_cell_and_line():
     (["x = 1", "print(x)"], "main", False,
      "nb.ipynb: no cell uses run and none defines main(run); train in a cell with `for step in run.steps(N):` "
      "(kchain binds run), or define main(run)"),
+    (["def run(x):\n    return x", "for step in run.steps(3):\n    pass"], "main", False,
+     "nb.ipynb cell 1, line 1 `def run(x):`: binds `run` itself, which hides the run kchain gives the cells; "
+     "rename it (or define main(run))"),
     (["for step in run.steps(3):\n    pass"], "fit", True,
      "nb.ipynb: defines no function 'fit'; add `def fit(run):` in a cell, or remove entry: to make the cells "
      "the training"),
@@ -227,3 +230,44 @@ def test_a_code_folder_runs_its_entry_notebook_and_never_sends_another(tmp_path,
         load_job(tmp_path / "job.yaml")
     assert str(err.value) == (f"{tmp_path / 'job.yaml'}: code: the code has both src/train.py and src/train.ipynb "
                               "for the entry module; delete or rename one")
+
+
+# --- a script that trains at module level (issue 39) ------------------------------------------------
+
+SCRIPT = """import torch
+import torch.nn.functional as F
+from torch import nn
+
+torch.manual_seed(0)
+model = run.wrap(nn.Linear(4, 2))
+stepper = run.optimize(torch.optim.SGD(model.parameters(), lr=0.1))
+run.track(model=model)
+loader = run.loader(torch.utils.data.TensorDataset(torch.randn(32, 4), torch.randint(0, 2, (32,))), batch_size=4)
+for step in run.steps(run.params.steps):
+    x, y = next(loader)
+    loss = F.cross_entropy(model(x), y)
+    stepper.backward(loss)
+    stepper.step()
+    run.log(loss=loss.item())
+"""
+
+
+def _script_job(tmp_path, script: str):
+    (tmp_path / "train.py").write_text(script)
+    job = tmp_path / "job.yaml"
+    job.write_text("name: module-script\ncode: train.py\nparams: {steps: 6}\nkaggle: {accelerator: none}\n"
+                   "smoke: {steps: 2}\n")
+    return job
+
+
+def test_a_script_that_trains_at_module_level_smokes_as_it_is(tmp_path):
+    # nanoGPT's train.py shape: no main(run), the loop in the file's body; kchain runs it with run bound.
+    result = invoke("smoke", _script_job(tmp_path, SCRIPT), "--quiet")
+    assert result.exit_code == 0, result.output
+    assert "bit for bit, state and trace" in result.output
+
+
+def test_a_script_or_notebook_that_binds_run_itself_is_refused_in_one_line(tmp_path):
+    result = invoke("render", _script_job(tmp_path, "def run():\n    pass\n\n" + SCRIPT), "-o", str(tmp_path / "out"))
+    assert result.exit_code != 0
+    assert "train.py binds `run` itself, which hides the run kchain gives the script; rename it" in result.output

@@ -129,7 +129,7 @@ class Checkpointer:
         self.frozen = FrozenBase(enabled=not policy.checkpoint_frozen)  # what a fine-tune's checkpoint leaves out
         self.tracked: dict[str, object] = {}  # name -> object with state_dict/load_state_dict (or a generator)
         self._differ: set[str] = set()  # tracked objects found to differ between ranks: saved per rank from then on
-        self.covered: list[object] = []  # what a framework's own checkpoint holds (the Trainer's model): cover()
+        self.covered: dict[str, object] = {}  # what a framework's own checkpoint holds (the Trainer's model): cover()
         self.writer = Writer(faults)
         self.writer.die = ranks.kill_all  # kchain ddp: a kill fault ends every rank at once
         # rank 0 publishes each complete checkpoint to the state sink (a bucket), in the background
@@ -178,11 +178,16 @@ class Checkpointer:
             )
         self.tracked[name] = obj
 
-    def cover(self, obj) -> None:
+    def cover(self, name: str, obj) -> None:
         """`obj`'s state is saved by a framework's own checkpoint, which this one holds (hf.py, lightning.py):
-        not untracked state (untracked.py)."""
-        if obj is not None and all(o is not obj for o in self.covered):
-            self.covered.append(obj)
+        not untracked state (untracked.py); its frozen base is fingerprinted under `name` like a tracked
+        model's (frozen.py), so a resume onto another base stops there too."""
+        if obj is not None:
+            self.covered[name] = obj
+
+    def fingerprinted(self) -> dict:
+        """The modules whose frozen parameters the manifest records: the tracked ones and the covered ones."""
+        return {**self.covered, **self.tracked}
 
     def free_name(self, base: str) -> str:
         """base, base2, base3, ...: the first not tracked yet (stable while the code is the same)."""
@@ -241,18 +246,18 @@ class Checkpointer:
         found = self._load_found(progress, trace)
         if found is None:
             say(f"session 1 of {self.policy.job}: no checkpoint found, starting fresh")
-            self.frozen.mark(self.tracked)
+            self.frozen.mark(self.fingerprinted())
             return None
         path, manifest, saved = found
         distributed.check_world_size(path, manifest, self.ranks.world_size)
         left_out = manifest.get(frozen.MANIFEST_KEY) or {}
-        self.frozen.check_shapes(path, left_out, self.tracked)  # never a resume onto another base (bytes: later)
+        self.frozen.check_shapes(path, left_out, self.fingerprinted())  # never a resume onto another base (bytes: later)
         if self.ranks.active:  # kchain ddp: this rank's own RNGs and loader positions
             mine = saved["ranks"][self.ranks.rank]
             saved["rng"] = mine["rng"]
             saved["tracked"] = {**saved["tracked"], **mine["tracked"]}
         self._apply(path, manifest, saved["tracked"], params, left_out)
-        self.frozen.mark(self.tracked, path, left_out)
+        self.frozen.mark(self.fingerprinted(), path, left_out)
         restore_rng(saved["rng"])
         progress.step = progress.saved_step = progress.resumed_from = int(saved["step"])
         trace.restore(saved.get("metrics"), saved.get("best"))

@@ -300,7 +300,7 @@ class TrainerBridge:
         self._note_not_exact(trainer)
         self._seed_collation(trainer)
         lp.ckpt.track(WINDOW, self.window)
-        lp.ckpt.cover(trainer.model)  # the Trainer's checkpoint-N (attached to kchain's) holds the model
+        lp.ckpt.cover("hf_model", trainer.model)  # the Trainer's checkpoint-N (attached to kchain's) holds it
         lp.restore()
         lp.progress.looped = True
         lp.check_one_model()

@@ -196,7 +196,7 @@ class Bridge:
             raise LightningSetupError("run.lightning_callback() serves one trainer.fit() per session: the "
                                       "checkpoint holds one Trainer's state; fit once in main(run)")
         self.state.trainer = trainer
-        self.loop.ckpt.cover(pl_module)  # the Trainer's checkpoint (tracked as `lightning`) holds the module
+        self.loop.ckpt.cover("lightning_module", pl_module)  # the Trainer's checkpoint (tracked as `lightning`) holds it
         _check_ranks(trainer, self.loop.ranks.world_size)
         _drop_default_checkpoint(trainer, self.pl.callbacks.ModelCheckpoint)
         _serve(trainer.fit_loop._data_source, self._train_data)

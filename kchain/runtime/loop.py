@@ -341,7 +341,7 @@ class Loop:
     def watch_untracked(self) -> None:
         """A smoke: stop with UntrackedState when something untracked changed since the first step."""
         if self._untracked is not None:
-            self._untracked.check([*self.ckpt.tracked.values(), *self.ckpt.covered])
+            self._untracked.check([*self.ckpt.tracked.values(), *self.ckpt.covered.values()])
 
     def _heartbeat(self) -> None:
         if not self._planned:

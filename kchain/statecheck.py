@@ -160,7 +160,11 @@ def cause(comparison: Comparison, resume_step: int, traces_agree: bool = True) -
     what = objects(diff.keys)
     optimizers = objects(k for k in _all_keys(comparison) if ".param_groups." in k or ".state." in k)
     differing_optimizers = [o for o in what if o in optimizers]
-    modules = [o for o in what if o not in optimizers and o != "RNGs" and not o.startswith("loader")]
+    if what == ["files"]:
+        return ("the framework's own checkpoint files differ (the Trainer's model, optimizer, scheduler or RNG "
+                f"file: {', '.join(k.removeprefix('files.') for k in diff.keys[:3])}): the training after the "
+                "resume is not the uninterrupted one though kchain's own state agrees")
+    modules = [o for o in what if o not in optimizers and o not in ("RNGs", "files") and not o.startswith("loader")]
     if modules and not differing_optimizers and traces_agree:
         return (f"{', '.join(modules)} differ{'s' if len(modules) == 1 else ''} while the optimizer's state agrees: "
                 "an object updated outside the optimizer (an EMA, an AveragedModel, a running statistic) is updated "

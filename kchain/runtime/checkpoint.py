@@ -51,6 +51,7 @@ from .statedigest import digest_state
 # file; smaller ones (zip headers, the pickle) cost less to hash than to hand over.
 OVERLAP_BYTES = 64 << 10
 SYNC_EVERY = 8 << 20  # bytes of state.pt between background syncs while it is written
+COMPARED_FILES = (".safetensors", ".pt", ".pth")  # a framework's files whose bytes two exact runs share
 
 
 class CheckpointWriteFailed(Exception):
@@ -177,10 +178,15 @@ def _write_files(tmp: Path, state: dict, job: CheckpointJob, faults: Faults, poo
     # Every value's digest (statedigest.py), hashed from the same host copy while torch.save writes it.
     digests = pool.submit(digest_state, state)
     files = {layout.STATE_FILE: _write_state(tmp / layout.STATE_FILE, state, pool)}
-    text = json.dumps(digests.result(), indent=0, sort_keys=True).encode()
+    moved = _move_in(tmp, job.attached, pool)
+    files.update(moved)
+    # A framework's own files (the HF Trainer's model, optimizer, scheduler, RNGs) by their checksums; its
+    # JSON and arguments files hold paths and times that differ between two runs of the same training.
+    values = {**digests.result(), **{f"files.{name}": entry["sha256"][:32] for name, entry in moved.items()
+                                     if name.endswith(COMPARED_FILES)}}
+    text = json.dumps(values, indent=0, sort_keys=True).encode()
     (tmp / layout.DIGESTS).write_bytes(text)
     files[layout.DIGESTS] = {"sha256": hashlib.sha256(text).hexdigest(), "size": len(text)}
-    files.update(_move_in(tmp, job.attached, pool))
     for folder in job.attached_dirs:
         shutil.rmtree(folder, ignore_errors=True)
     faults.in_save("after_state")

@@ -11,8 +11,8 @@ resume (released once the killed run is dead: a fresh process that reads the che
 while the reference may still be running) -> judge (traces.judge) -> record (the run log, and the
 smoke pass for push).
 
-The resume starts early because its kernel, its Python and torch imports and the torch._dynamo import
-of its first optimizer take seconds that would otherwise follow the kill. Its training process waits
+The resume starts early because its kernel, its Python and torch imports take seconds that would
+otherwise follow the kill. Its training process waits
 at the gate (runtime/launch.py `released`) before it builds the Run, so nothing of the killed run's
 working dir is read before the kill; what it has done by then is start up, as on Kaggle.
 """

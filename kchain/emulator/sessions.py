@@ -414,6 +414,8 @@ class SessionRunner:
         cancel ignored, until its kernel is deleted (or the emulator stops)."""
         self._update(session_id, runner_crashed=time.time())
         while not self._stopping.is_set() and self._cancels.get(session_id) != KERNEL_DELETED:
+            if session_id in self._expired and "limit_ignored" not in self.store.session(session_id):
+                self._update(session_id, limit_ignored=time.time())  # its time limit came: still RUNNING
             time.sleep(0.05)
 
     def _capture(self, sdir: Path, root: Path, lose: bool) -> None:

@@ -29,7 +29,7 @@ PROCESS_START = time.time()
 for _knob in ("MKL_DYNAMIC", "OMP_DYNAMIC"):
     os.environ.setdefault(_knob, "FALSE")
 
-from . import faults, layout, summary  # noqa: E402  (after the clock on purpose)
+from . import faults, layout, lazydynamo, summary  # noqa: E402  (after the clock on purpose)
 from .config import RuntimeConfig  # noqa: E402
 from .summary import Status, Summary  # noqa: E402
 
@@ -44,8 +44,8 @@ GATE_NOTE = "smoke: started beside the run to resume, held until its kill before
 def _quick_teardown() -> None:
     """The last exit handler (registered first, run last): collect once, then freeze what is left.
 
-    The interpreter's own teardown after torch (and torch._dynamo, which the first optimizer
-    imports) costs about 1 s of CPU in repeated full collections; every checkpoint and the summary
+    The interpreter's own teardown after torch (and torch._dynamo, where DDP or a compile imports
+    it) costs about 1 s of CPU in repeated full collections; every checkpoint and the summary
     are on disk by then. One collection still finalizes the code's own garbage cycles (their
     __del__ runs, as in a plain exit); what is left is reachable (torch's modules), and the OS
     frees it at exit.
@@ -96,9 +96,8 @@ def released(env) -> bool:
     `kchain smoke` starts the resume's notebook while the run to be killed is still training, with
     KCHAIN_GATE=PID:PATH; this process then holds here, before it reads anything of the working
     dir, until PATH says `go` (the kill has happened) or `stop` (nothing to resume), or process
-    PID (the smoke) is gone. While it waits it imports what main() imports (torch, the runtime) and
-    torch._dynamo, which the code's first optimizer would import anyway (torch/_compile.py): about
-    4 s that would otherwise follow the kill.
+    PID (the smoke) is gone. While it waits it imports what main() imports (torch, the runtime):
+    about 2.5 s that would otherwise follow the kill.
     """
     spec = env.pop(layout.GATE_ENV, None)  # the code's own processes (torchrun's ranks) never wait
     if not spec:
@@ -107,8 +106,6 @@ def released(env) -> bool:
     gate = Path(path)
     print(f"[kchain] {GATE_NOTE}", flush=True)
     if not gate.exists() and int(env.get(layout.RANKS_ENV) or 1) == 1:  # several ranks: they import it themselves
-        import torch._dynamo  # noqa: F401
-
         from . import run  # noqa: F401
     while not gate.exists():
         try:
@@ -326,4 +323,5 @@ def _run_ranks(n: int, why: str, config_path: str, config: RuntimeConfig) -> int
 
 
 if __name__ == "__main__":
+    lazydynamo.install()  # before anything imports torch: its optimizers no longer import torch._dynamo
     sys.exit(main(sys.argv) if released(os.environ) else 0)

@@ -90,15 +90,17 @@ def after_outer_launcher(launcher_code: int) -> int:
     return code
 
 
-def released(env) -> bool:
+def released(env, argv: list[str] | None = None) -> bool:
     """Wait at the smoke's gate when there is one: True to go on, False to leave untouched.
 
     `kchain smoke` starts the resume's notebook while the run to be killed is still training, with
     KCHAIN_GATE=PID:PATH; this process then holds here, before it reads anything of the working
     dir, until PATH says `go` (the kill has happened) or `stop` (nothing to resume), or process
-    PID (the smoke) is gone. While it waits it imports what main() imports (torch, the runtime) and
-    torch._dynamo, which the code's first optimizer would import anyway (torch/_compile.py): about
-    4 s that would otherwise follow the kill.
+    PID (the smoke) is gone. While it waits it imports what main() imports (torch, the runtime),
+    torch._dynamo, which the code's first optimizer would import anyway (torch/_compile.py), and the
+    frameworks the job's entry module imports (transformers, peft, Lightning: `warm_frameworks`),
+    which its import would pay after the kill: seconds, tens of them on a busy machine. The state is
+    still read only after the gate, by the Run, as in a fresh session.
     """
     spec = env.pop(layout.GATE_ENV, None)  # the code's own processes (torchrun's ranks) never wait
     if not spec:
@@ -110,6 +112,8 @@ def released(env) -> bool:
         import torch._dynamo  # noqa: F401
 
         from . import run  # noqa: F401
+
+        warm_frameworks(argv or [])
     while not gate.exists():
         try:
             os.kill(int(pid), 0)
@@ -117,6 +121,65 @@ def released(env) -> bool:
             return False
         time.sleep(GATE_POLL_S)
     return gate.read_text().strip() == "go"
+
+
+# The frameworks kchain drives (runtime/hf.py, runtime/lightning.py) and their companions: libraries whose
+# import costs seconds and reads nothing of a session's state, so a held resume may import them early.
+FRAMEWORKS = ("transformers", "peft", "accelerate", "tokenizers", "datasets", "pytorch_lightning", "lightning")
+
+
+def warm_frameworks(argv: list[str]) -> list[str]:
+    """Import the FRAMEWORKS the entry module's top-level imports name (read with ast: none of the job's
+    code runs), with the environment variables its top level sets before them (`os.environ[K] = "v"`,
+    `os.environ.setdefault(K, "v")`: huggingface_hub reads HF_HUB_OFFLINE once, at its import), so the
+    entry's own import after the gate finds them loaded. Returns the modules imported."""
+    import ast
+    import importlib.util
+
+    try:
+        config = RuntimeConfig.from_dict(json.loads(Path(argv[1]).read_text()))
+        spec = importlib.util.find_spec(config.entry.partition(":")[0])
+        tree = ast.parse(Path(spec.origin).read_text(encoding="utf-8")) if spec and spec.origin else None
+    except (IndexError, OSError, ValueError, SyntaxError, ImportError):
+        return []
+    warmed = []
+    for node in tree.body if tree else []:
+        if isinstance(node, (ast.Assign, ast.Expr)):
+            _set_env(node)
+        names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+            [node.module] if isinstance(node, ast.ImportFrom) and node.module and not node.level else []
+        for name in names:
+            if name.split(".")[0] in FRAMEWORKS and name not in sys.modules:
+                try:
+                    importlib.import_module(name)
+                except Exception:  # noqa: BLE001 - the entry's own import reports it, after the gate
+                    continue
+                warmed.append(name)
+    return warmed
+
+
+def _set_env(node) -> None:
+    """`os.environ["K"] = "v"` or `os.environ.setdefault("K", "v")` at the entry's top level, done here too."""
+    import ast
+
+    def environ(target) -> bool:
+        return isinstance(target, ast.Attribute) and target.attr == "environ" and \
+            isinstance(target.value, ast.Name) and target.value.id == "os"
+
+    def text(value) -> str | None:
+        return value.value if isinstance(value, ast.Constant) and isinstance(value.value, str) else None
+
+    if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Subscript) \
+            and environ(node.targets[0].value):
+        key, value = text(node.targets[0].slice), text(node.value)
+        if key is not None and value is not None:
+            os.environ[key] = value
+    elif isinstance(node, ast.Expr) and isinstance(node.value, ast.Call) and \
+            isinstance(node.value.func, ast.Attribute) and node.value.func.attr == "setdefault" and \
+            environ(node.value.func.value) and len(node.value.args) == 2:
+        key, value = text(node.value.args[0]), text(node.value.args[1])
+        if key is not None and value is not None:
+            os.environ.setdefault(key, value)
 
 
 def main(argv: list[str]) -> int:
@@ -324,4 +387,4 @@ def _run_ranks(n: int, why: str, config_path: str, config: RuntimeConfig) -> int
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv) if released(os.environ) else 0)
+    sys.exit(main(sys.argv) if released(os.environ, sys.argv) else 0)

@@ -81,14 +81,15 @@ class Unattended:
     """An unattended chain as the local Kaggle recorded it: what must be zero for it to pass."""
 
     laptop_pushes: int  # sessions after the first pushed by the laptop (a SaveKernel from outside a session)
-    overlapping: int  # pairs of sessions that ran at once (a first cell before the previous session ended)
+    overlapping: int  # pairs of sessions that trained at once (a second session of the chain pushed too early)
     duplicate_versions: int  # state dataset versions of a step another version already holds
 
     @classmethod
     def counted(cls, sessions: list[dict[str, Any]], versions: list[dict[str, Any]]) -> Unattended:
-        """From the emulator's session records (one kernel's) and the state dataset's versions."""
+        """From the emulator's session records (one kernel's) and the state dataset's versions. A kernel
+        pushes the next session before its own ends, by design: only training at once counts (training_span)."""
         ours = sorted(sessions, key=lambda s: s["version"])
-        spans = sorted((s["first_cell"], s["ended"] or float("inf")) for s in ours if s.get("first_cell"))
+        spans = sorted(training_span(s) for s in ours if s.get("first_cell"))
         notes = [v["notes"] for v in versions if "step" in (v.get("notes") or "")]
         return cls(laptop_pushes=sum(1 for s in ours[1:] if s.get("pushed_from") != "kernel"),
                    overlapping=sum(1 for a, b in zip(spans, spans[1:], strict=False) if b[0] < a[1]),
@@ -105,6 +106,15 @@ class Unattended:
                 (self.overlapping, "{n} pairs of sessions ran at once (a session pushed before the previous ended)"),
                 (self.duplicate_versions, "{n} state versions hold a step another version already held")]
         return [text.format(n=n) for n, text in said if n]
+
+
+def training_span(session: dict[str, Any]) -> tuple[float, float]:
+    """When an emulator session trained: from its first cell to its summary's end (the training's), else to
+    the kill of its training process (kill_training_only), else to the session's end (or now)."""
+    ended = (session.get("summary") or {}).get("ended")
+    if not isinstance(ended, (int, float)):
+        ended = session.get("training_killed_at") or session.get("ended") or float("inf")
+    return session["first_cell"], float(ended)
 
 
 @contextlib.contextmanager
@@ -226,9 +236,8 @@ def upload_inputs(emu: Emulator, job: Job, sources: dict[tuple[str, str, str], P
         echo(f"  input {owner}/{slug}: the local copy {source} is on the local Kaggle")
 
 
-def rehearse(job_file: Path, sessions: int | None = SESSIONS, session_limit_s: float | None = None, kills: int = 1,
-             seed: int = 0,
-             params: dict[str, Any] | None = None, faults: Faults | None = None, internet: bool | None = None,
+def rehearse(job_file: Path, sessions: int | None = SESSIONS, session_limit_s: float | None = None,
+             kills: int = 1, seed: int = 0, params: dict[str, Any] | None = None, faults: Faults | None = None, internet: bool | None = None,
              echo: Echo = print, poll_s: float = 0.5, key: str | None = None,
              switches: Switches | None = None, ranks: int | None = None, unattended: bool = False,
              no_secret_in: int | None = None, stale: StaleRule | None = None) -> Rehearsal:
@@ -274,7 +283,6 @@ def rehearse(job_file: Path, sessions: int | None = SESSIONS, session_limit_s: f
             # so the chain stays unattended; a session's own death is the hand-over (no_secret_in's test).
             emu.faults.kill_training_only = True
             stop, rebuilt = run_unattended(emu, job, ledger, kill, poll_s, echo, no_secret_in)
-            stop = in_rehearsal_terms(stop, by_time, session_limit_s)
         else:
             job, stop = run_chain(emu, job, ledger, kill, session_limit_s if by_time else None, poll_s, echo, stale)
         stop = in_rehearsal_terms(stop, by_time, session_limit_s)

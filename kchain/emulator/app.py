@@ -125,7 +125,8 @@ class Emulator:
         """Every session: id, kernel ref, version, pushed_from (kernel | laptop), status, failure_message,
         gpu/tpu, queued/started/first_cell/ended times, requested_sources / dataset_sources (valid) /
         invalid_sources, model_sources (valid) / invalid_model_sources, mounted (owner/slug/N and model refs actually attached), resumed_from and
-        summary (if the session's output or log shows them)."""
+        summary (status, step, total, resumed_from, and the training's started and ended times, if the
+        session's output or log shows them)."""
         with self.store.lock:
             return [dict(s) for s in sorted(self.store.sessions.values(), key=lambda s: int(s["id"]))]
 

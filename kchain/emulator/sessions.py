@@ -426,7 +426,7 @@ class SessionRunner:
             saved = new_checkpoint(root, resumed) if resumed is not None else None
             if saved is not None and session.get("kill_training_only"):
                 kill_training(proc.pid)  # the notebook lives on: it reports the death, publishes, pushes
-                self._update(session_id, training_killed=saved)
+                self._update(session_id, training_killed=saved, training_killed_at=time.time())
                 resumed = None
             elif saved is not None:
                 deadline, reason = time.time(), f"{CHECKPOINT_KILL} {saved})"
@@ -507,7 +507,8 @@ def _resumed(sdir: Path) -> dict[str, Any]:
         except (OSError, ValueError):
             continue
         if isinstance(summary, dict):
-            fields["summary"] = {k: summary.get(k) for k in ("status", "step", "total", "resumed_from")}
+            keys = ("status", "step", "total", "resumed_from", "started", "ended")  # started/ended: its training's
+            fields["summary"] = {k: summary.get(k) for k in keys}
             fields["resumed_from"] = summary.get("resumed_from")
             return fields
     log = sdir / "log.jsonl"

@@ -196,6 +196,10 @@ def test_a_rehearsal_stops_when_sessions_save_nothing(tmp_path):
         safety.cancel()
     assert not result.passed and len(result.sessions) == 2
     assert result.verdict.startswith("stopped: no progress: sessions 1 and 2 both ended without saving a step past 0")
+    # The fix is said in rehearse's own flags, not the job's train.session_limit or `kchain continue`.
+    assert result.verdict.endswith(", and the next would lose its work the same way: raise --session-limit (now "
+                                   "600s) so a session trains and saves before its limit, or leave out --by-time "
+                                   "to plan the sessions in steps"), result.verdict
     assert not any("0 steps lost" in line for line in lines)
 
 

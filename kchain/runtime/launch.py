@@ -100,15 +100,20 @@ def released(env, argv: list[str] | None = None) -> bool:
     torch._dynamo, which the code's first optimizer would import anyway (torch/_compile.py), and the
     frameworks the job's entry module imports (transformers, peft, Lightning: `warm_frameworks`),
     which its import would pay after the kill: seconds, tens of them on a busy machine. The state is
-    still read only after the gate, by the Run, as in a fresh session.
+    still read only after the gate, by the Run, as in a fresh session. With several ranks the launcher
+    goes on (it reads no state: the ranks' start) and each rank waits here, warmed up, instead.
     """
-    spec = env.pop(layout.GATE_ENV, None)  # the code's own processes (torchrun's ranks) never wait
+    from . import torchrun  # standard library only
+
+    if not torchrun.in_ranks(env) and int(env.get(layout.RANKS_ENV) or 1) > 1:
+        return True  # the launcher of several ranks: launch_ranks passes the gate on to each rank
+    spec = env.pop(layout.GATE_ENV, None)  # the code's own processes (DataLoader workers, ...) never wait
     if not spec:
         return True
     pid, _, path = spec.partition(":")
     gate = Path(path)
     print(f"[kchain] {GATE_NOTE}", flush=True)
-    if not gate.exists() and int(env.get(layout.RANKS_ENV) or 1) == 1:  # several ranks: they import it themselves
+    if not gate.exists():
         import torch._dynamo  # noqa: F401
 
         from . import run  # noqa: F401
@@ -180,6 +185,15 @@ def _set_env(node) -> None:
         key, value = text(node.value.args[0]), text(node.value.args[1])
         if key is not None and value is not None:
             os.environ.setdefault(key, value)
+
+
+def gate_opened(env) -> bool:
+    """Whether the smoke's gate (if any) said `go`: a launcher of held ranks reports nothing otherwise."""
+    spec = env.get(layout.GATE_ENV)
+    if not spec:
+        return True
+    gate = Path(spec.partition(":")[2])
+    return gate.exists() and gate.read_text().strip() == "go"
 
 
 def main(argv: list[str]) -> int:
@@ -362,6 +376,8 @@ def _run_ranks(n: int, why: str, config_path: str, config: RuntimeConfig) -> int
     print(f"[kchain] launching {n} ranks ({why})", flush=True)
     env = {**os.environ, layout.SESSION_START_ENV: os.environ.get(layout.SESSION_START_ENV) or repr(PROCESS_START)}
     code = torchrun.launch_ranks(n, config_path, env)
+    if not gate_opened(os.environ):
+        return 0  # the smoke sent its held resume away (or is gone): the ranks left untouched, nothing to say
     if code == -signal.SIGKILL:
         faults.die()  # the session died (a kill fault): die the same way
     path = kdir / layout.SUMMARY

@@ -81,7 +81,7 @@ def show(name: str, rows: list[dict[str, Any]]) -> float:
 
 def one(job: Path, unattended: bool, per_session: int) -> Rehearsal:
     os.environ[layout.FAULT_ENV] = f"stall_step=0.05,deadline_after_steps={per_session}"
-    result = rehearse(job, session_limit_s=600, kills=0, seed=2, echo=lambda _: None, ranks=1,
+    result = rehearse(job, sessions=None, session_limit_s=600, kills=0, seed=2, echo=lambda _: None, ranks=1,
                       key=secrets.token_hex(16), unattended=unattended, internet=True)
     print(f"{'unattended' if unattended else 'laptop-relayed'} rehearsal: {result.verdict}")
     return result

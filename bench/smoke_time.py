@@ -1,11 +1,17 @@
-"""Wall time of `kchain smoke` for each example job, split by stage, next to its floor, in one run.
+"""Wall time of `kchain smoke` for each example job and framework template, split by stage, next to
+its own floor, in one run.
 
-    python bench/smoke_time.py            # target: tinygpt smoke <= 1.3 x the floor, at 1 and 2 ranks
+    python bench/smoke_time.py                    # every job, 1 and 2 ranks, 3 rounds; target <= 1.3 x floor
+    python bench/smoke_time.py 1 --ranks 2 --only tinygpt hf-trainer lightning finetune
 
-The floor is what the smoke's design cannot go below on this machine, measured here, in this run:
-the killed run and the reference start side by side, and the resume starts when the killed run is
-dead, each a notebook run by `python -m kchain.local` whose one cell starts a Python child that
-imports torch (the training child's start) and does nothing else; the child exits the way the
+The jobs: those in jobs/ and the HF Trainer and Lightning templates (`kchain init --template
+hf-trainer|lightning`); jobs/finetune is the LoRA one (transformers + peft).
+
+The floor is what the smoke's design cannot go below on this machine, measured here, in this run,
+for each job: the killed run and the reference start side by side, and the resume starts when the
+killed run is dead, each a notebook run by `python -m kchain.local` whose one cell starts a Python
+child that imports torch and the job's own top-level imports (its frameworks: transformers, peft,
+Lightning; the training child's start, each rank's with 2 ranks) and does nothing else; the child exits the way the
 runtime's training child does (one collection, then the rest frozen: runtime/launch.py), so no exit
 cost the smoke avoids is left in the floor. So the floor holds 3 notebook executors, 3 kernel starts
 and 3 torch imports, 2 of each on the critical path. The smoke itself starts the resume's notebook
@@ -20,6 +26,9 @@ the held resume, right after the kill, to its end). Each job is copied to a scra
 
 from __future__ import annotations
 
+import argparse
+import ast
+import importlib.util
 import os
 import shutil
 import statistics
@@ -32,26 +41,49 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from kchain.init import init_job  # noqa: E402
 from kchain.runtime import layout  # noqa: E402
 from kchain.smoke import smoke  # noqa: E402
 
 STAGES = ["render", "executor start", "preflight", "steps", "kill and resume"]
-CELL = ("import subprocess, sys\n"
-        "subprocess.run([sys.executable, '-c', 'import gc, torch; gc.collect(); gc.freeze()'], check=True)\n")
-# The floor of a 2-rank smoke: each session's training child imports torch and starts torchrun, whose
-# two ranks import torch and join a gloo group, then leave (what the launcher of a 2-rank job does).
-RANK = "import torch.distributed as dist; dist.init_process_group('gloo'); dist.destroy_process_group()\n"
-CELL_2 = ("import subprocess, sys, pathlib\n"
-          f"pathlib.Path('rank.py').write_text({RANK!r})\n"
-          "subprocess.run([sys.executable, '-c', 'import subprocess, sys, torch; subprocess.run([sys.executable, "
-          "\"-m\", \"torch.distributed.run\", \"--standalone\", \"--nproc_per_node=2\", \"rank.py\"], check=True)'], "
-          "check=True)\n")
+TEMPLATES = ("hf-trainer", "lightning")  # the framework templates, made with `kchain init --template`
 
 
-def _notebook(path: Path, ranks: int = 1) -> Path:
+def _cell(imports: str) -> str:
+    """The floor's one cell at 1 rank: a child that imports torch and the job's imports, then exits."""
+    child = f"import gc, torch\n{imports}gc.collect(); gc.freeze()\n"
+    return f"import subprocess, sys\nsubprocess.run([sys.executable, '-c', {child!r}], check=True)\n"
+
+
+def _cell_2(imports: str) -> str:
+    """The floor of a 2-rank smoke: each session's training child imports torch and starts torchrun, whose
+    two ranks import torch and the job's imports and join a gloo group, then leave (what the launcher of a
+    2-rank job does)."""
+    rank = f"import torch.distributed as dist\n{imports}dist.init_process_group('gloo'); dist.destroy_process_group()\n"
+    return ("import subprocess, sys, pathlib\n"
+            f"pathlib.Path('rank.py').write_text({rank!r})\n"
+            "subprocess.run([sys.executable, '-c', 'import subprocess, sys, torch; subprocess.run([sys.executable, "
+            "\"-m\", \"torch.distributed.run\", \"--standalone\", \"--nproc_per_node=2\", \"rank.py\"], check=True)'], "
+            "check=True)\n")
+
+
+def job_imports(code: Path) -> str:
+    """The top-level imports of a job's training file that name installed packages (its frameworks), as
+    source lines: what its training child imports before it trains (the job's own modules left out)."""
+    lines = []
+    for node in ast.parse(code.read_text(encoding="utf-8")).body:
+        if isinstance(node, (ast.Import, ast.ImportFrom)) and getattr(node, "level", 0) == 0:
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+            if all(importlib.util.find_spec(n.split(".")[0]) is not None for n in names) and \
+                    not any((code.parent / f"{n.split('.')[0]}.py").exists() for n in names):
+                lines.append(ast.unparse(node) + "\n")
+    return "".join(lines)
+
+
+def _notebook(path: Path, ranks: int = 1, imports: str = "") -> Path:
     import nbformat
 
-    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(CELL if ranks == 1 else CELL_2)])
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(_cell(imports) if ranks == 1 else _cell_2(imports))])
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
     nbformat.write(nb, str(path))
     return path
@@ -62,9 +94,9 @@ def _executor(notebook: Path, root: Path) -> subprocess.Popen:
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
-def floor_s(scratch: Path, ranks: int = 1) -> float:
+def floor_s(scratch: Path, ranks: int = 1, imports: str = "", name: str = "") -> float:
     """(reference || killed run), then the resume after the killed run, all doing nothing but start."""
-    nb = _notebook(scratch / f"floor-{ranks}.ipynb", ranks)
+    nb = _notebook(scratch / f"floor-{name}-{ranks}.ipynb", ranks, imports)
     t0 = time.perf_counter()
     reference, killed = _executor(nb, scratch / "f-ref"), _executor(nb, scratch / "f-run")
     killed.wait()
@@ -73,32 +105,47 @@ def floor_s(scratch: Path, ranks: int = 1) -> float:
     return time.perf_counter() - t0
 
 
-def main(rounds: int = 3) -> None:
+def jobs(scratch: Path) -> dict[str, Path]:
+    """name -> a job folder: each of jobs/, and each framework template as `kchain init` writes it."""
+    found = {p.name: p for p in sorted((REPO / "jobs").iterdir()) if (p / "job.yaml").exists()}
+    for template in TEMPLATES:
+        init_job(scratch / "templates" / template, template=template)
+        found[template] = scratch / "templates" / template
+    return found
+
+
+def main(rounds: int = 3, ranks_list: tuple[int, ...] = (1, 2), only: list[str] | None = None) -> None:
     scratch = Path(tempfile.mkdtemp(prefix="kchain-bench-"))
     os.environ[layout.HOME_ENV] = str(scratch / "home")
-    print(f"{'job':<12} {'ranks':>5} {'total':>7} " + " ".join(f"{s:>15}" for s in STAGES))
-    ratios: dict[int, list[float]] = {1: [], 2: []}
+    chosen = {name: path for name, path in jobs(scratch).items() if not only or name in only}
+    print(f"{'job':<12} {'ranks':>5} {'total':>7} " + " ".join(f"{s:>15}" for s in STAGES) + f" {'floor':>7} {'ratio':>6}")
+    ratios: dict[tuple[str, int], list[float]] = {}
     try:
         for i in range(rounds):
-            for ranks in (1, 2):  # --ranks 1, and the 2 ranks a GPU job gets on Kaggle (the default)
-                floor = floor_s(scratch, ranks)
-                for job_dir in sorted(p for p in (REPO / "jobs").iterdir() if (p / "job.yaml").exists()):
-                    target = scratch / f"{job_dir.name}-{i}-{ranks}"
+            for ranks in ranks_list:  # --ranks 1, and the 2 ranks a GPU job gets on Kaggle (the default)
+                for name, job_dir in chosen.items():
+                    imports = job_imports(job_dir / "train.py") if (job_dir / "train.py").exists() else ""
+                    floor = floor_s(scratch, ranks, imports, name)
+                    target = scratch / f"{name}-{i}-{ranks}"
                     shutil.copytree(job_dir, target, ignore=shutil.ignore_patterns(".kchain", "__pycache__"))
                     t0 = time.perf_counter()
                     report = smoke(target / "job.yaml", echo=lambda _: None, quiet_training=True, ranks_asked=ranks)
                     total = time.perf_counter() - t0
+                    ratios.setdefault((name, ranks), []).append(total / floor)
                     cells = " ".join(f"{report.timings.get(s, 0.0):>14.2f}s" for s in STAGES)
-                    print(f"{job_dir.name:<12} {ranks:>5} {total:>6.1f}s {cells}   {'PASS' if report.passed else 'FAIL'}")
-                    if job_dir.name == "tinygpt":
-                        ratios[ranks].append(total / floor)
-                        print(f"{'':<12} floor ({ranks} rank(s)) {floor:.1f}s; tinygpt smoke / floor = {total / floor:.2f}")
-        for ranks, got in ratios.items():
-            print(f"tinygpt smoke / floor, {ranks} rank(s), median of {rounds}: {statistics.median(got):.2f} "
+                    print(f"{name:<12} {ranks:>5} {total:>6.1f}s {cells} {floor:>6.1f}s {total / floor:>6.2f}"
+                          f"   {'PASS' if report.passed else 'FAIL'}", flush=True)
+        for (name, ranks), got in ratios.items():
+            print(f"{name} smoke / its floor, {ranks} rank(s), median of {len(got)}: {statistics.median(got):.2f} "
                   "(target <= 1.3)")
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]) if len(sys.argv) > 1 else 3)
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("rounds", nargs="?", type=int, default=3)
+    parser.add_argument("--ranks", type=int, nargs="+", choices=(1, 2), default=[1, 2])
+    parser.add_argument("--only", nargs="+", metavar="JOB", help="these jobs only (a folder of jobs/ or a template)")
+    args = parser.parse_args()
+    main(args.rounds, tuple(args.ranks), args.only)

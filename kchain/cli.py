@@ -361,10 +361,18 @@ def plot(job: Path, out: Path | None) -> None:
 
 @cli.command()
 @JOB
-@click.option("--session-limit", type=Seconds(1.0, 12 * 3600.0), default=20.0, show_default=True,
-              help="Seconds per emulated session (longer when session 1 shows the chain would need many).")
+@click.option("--sessions", type=click.IntRange(1, 100), default=3, show_default=True,
+              help="The run's total cut into this many spans: each session stops at a planned step, the same on any "
+                   "machine (more with the kills).")
+@click.option("--by-time", is_flag=True, help="Plan the sessions in seconds instead (--session-limit each).")
+@click.option("--session-limit", type=Seconds(1.0, 12 * 3600.0), default=None,
+              help="Seconds per emulated session: with --by-time their length (default 20, longer when session 1 "
+                   "shows the chain would need many); else only a safety net (default 3600).")
 @click.option("--kills", type=click.IntRange(0, 100), default=1, show_default=True,
-              help="Sessions killed (a SIGKILL once they saved a checkpoint past their resume), exactly.")
+              help="Sessions killed (a SIGKILL right after their first checkpoint past their resume), exactly.")
+@click.option("--unattended", is_flag=True,
+              help="Rehearse `push --unattended`: each session pushes the next; passes only with zero laptop pushes "
+                   "after session 1, zero overlapping sessions and zero duplicate state versions.")
 @click.option("--ranks", type=click.IntRange(1, 2), default=None,
               help="Ranks per session and in the uninterrupted run (default: as many as the job gets on Kaggle, "
                    "as gloo ranks on the CPU).")
@@ -375,18 +383,21 @@ def plot(job: Path, out: Path | None) -> None:
 @click.option("--strict/--lenient", default=True, show_default=True,
               help="Kaggle's strict behaviour (403s, lagging versions, ignored pins, lost output) or a kind one.")
 @TARGET
-def rehearse(job: Path, session_limit: float, kills: int, ranks: int | None, seed: int, sets: tuple[str, ...],
-             fault_spec: str, strict: bool, target: str | None) -> None:
+def rehearse(job: Path, sessions: int, by_time: bool, session_limit: float | None, kills: int, unattended: bool,
+             ranks: int | None, seed: int, sets: tuple[str, ...], fault_spec: str, strict: bool,
+             target: str | None) -> None:
     """The whole chain on this machine against a local Kaggle, compared with one uninterrupted run.
 
-    It passes only when the traces are identical, a session resumed from a saved state, the kills
+    Sessions are planned in steps, so a slow or busy machine gives the same chain and verdict. It
+    passes only when the traces are identical, a session resumed from a saved state, the kills
     asked for happened, and the chain trained every step it asked for.
 
     \b
     Example:
-      kchain rehearse jobs/tinygpt/job.yaml --set steps=300
-      kchain rehearse jobs/tinygpt/job.yaml --set steps=300 --faults 429=0.15,500=0.10 --kills 2
-      kchain rehearse jobs/tinygpt/job.yaml --set steps=300 --ranks 1
+      kchain rehearse jobs/tinygpt/job.yaml
+      kchain rehearse jobs/tinygpt/job.yaml --sessions 4 --kills 2 --faults 429=0.15,500=0.10
+      kchain rehearse jobs/tinygpt/job.yaml --unattended      # each session pushes the next
+      kchain rehearse jobs/tinygpt/job.yaml --by-time --session-limit 60 --set steps=300
       kchain rehearse jobs/tinygpt/job.yaml --target slurm    # the sbatch script, its requeue on 75
     """
     from kchain.errors import KchainError
@@ -399,9 +410,9 @@ def rehearse(job: Path, session_limit: float, kills: int, ranks: int | None, see
         rehearse_target(job, target, smoke=False, params=parse_sets(sets), echo=click.echo)
         return
 
-    result = run_rehearse(job, session_limit_s=session_limit, kills=kills, seed=seed, params=parse_sets(sets),
-                          faults=parse_fault_spec(fault_spec, seed), switches=emulator_switches(strict),
-                          echo=click.echo, ranks=ranks)
+    result = run_rehearse(job, sessions=None if by_time else sessions, session_limit_s=session_limit, kills=kills,
+                          seed=seed, params=parse_sets(sets), faults=parse_fault_spec(fault_spec, seed),
+                          switches=emulator_switches(strict), echo=click.echo, ranks=ranks, unattended=unattended)
     if not result.passed:
         raise KchainError(f"rehearsal: the chained run {result.verdict}")
 
@@ -477,6 +488,8 @@ def _pairs(sep: str) -> Callable[[click.Context, click.Parameter, tuple[str, ...
         help="Fault: --crash-runner-on-output only in the Nth session the account pushes to run.")
 @_field("--kill-after-checkpoint", "kill_after_checkpoint", is_flag=True,
         help="Fault: kill a session as soon as it saved a checkpoint past the state it resumed from.")
+@_field("--kill-training-only", "kill_training_only", is_flag=True,
+        help="Fault: --kill-after-checkpoint kills the training process alone (the OOM killer); the notebook lives on.")
 @_field("--drop-upload-every", "drop_upload_every", type=int, metavar="N",
         help="Fault: cut off the 1st, (N+1)th, ... upload half-way through its body.")
 @_field("--processing", "processing_s", type=float, metavar="SECONDS",

@@ -1,8 +1,12 @@
 """`kchain rehearse`: the whole chain on this machine, against the local Kaggle, before any quota.
 
-The job is pushed to a private emulator with a short session limit (the runtime's deadline guard is
-set from it, as on Kaggle), chosen sessions are killed once they saved a checkpoint past where they
-resumed, and `continue` chains session after session until training is done. Sessions and the
+The job is pushed to a private emulator and its sessions are planned in steps: the run's total is cut
+into `sessions` spans, each session stops through the runtime's deadline path at the end of its span
+(`KCHAIN_SESSION_PLAN`, runtime/sessionplan.py) and the sessions chosen to die are killed right after
+their first checkpoint past where they resumed, so the same job gives the same chain and verdict on any
+machine, loaded or not; a wall-clock session limit stays only as a safety net. `by_time` plans them in
+seconds instead (a short session limit that the runtime's deadline guard is set from, as on Kaggle).
+`continue` chains session after session until training is done. Sessions and the
 uninterrupted run beside them get the ranks the job gets on Kaggle. The two metrics traces are
 compared step by step; the verdict is a pass only when they match, a session really resumed, the
 kills asked for happened and the chain trained every step it asked for.
@@ -49,6 +53,9 @@ from kchain.traces import compare_traces, read_trace, sandbox_trace
 
 Echo = Callable[[str], None]
 USER = "rehearsal"
+SESSIONS = 3  # the default plan: the total in 3 spans, so 4 sessions with the one kill
+SAFETY_LIMIT_S = 3600.0  # sessions planned in steps: a wall-clock limit only a stuck session meets
+BY_TIME_LIMIT_S = 20.0  # sessions planned in seconds (--by-time): their limit unless --session-limit
 
 
 @dataclass
@@ -66,6 +73,50 @@ class Rehearsal:
     ranks: int = 1  # per session and in the uninterrupted run
     # unattended: the chain's records rebuilt from Kaggle alone into an empty ledger, or the line that refused
     rebuilt: list[dict[str, Any]] | str | None = None
+    # unattended: what the local Kaggle's records count (Unattended.counted); None for an attended chain
+    unattended: Unattended | None = None
+
+
+@dataclass(frozen=True)
+class Unattended:
+    """An unattended chain as the local Kaggle recorded it: what must be zero for it to pass."""
+
+    laptop_pushes: int  # sessions after the first pushed by the laptop (a SaveKernel from outside a session)
+    overlapping: int  # pairs of sessions that trained at once (a second session of the chain pushed too early)
+    duplicate_versions: int  # state dataset versions of a step another version already holds
+
+    @classmethod
+    def counted(cls, sessions: list[dict[str, Any]], versions: list[dict[str, Any]]) -> Unattended:
+        """From the emulator's session records (one kernel's) and the state dataset's versions. A kernel
+        pushes the next session before its own ends, by design: only training at once counts (training_span)."""
+        ours = sorted(sessions, key=lambda s: s["version"])
+        spans = sorted(training_span(s) for s in ours if s.get("first_cell"))
+        notes = [v["notes"] for v in versions if "step" in (v.get("notes") or "")]
+        return cls(laptop_pushes=sum(1 for s in ours[1:] if s.get("pushed_from") != "kernel"),
+                   overlapping=sum(1 for a, b in zip(spans, spans[1:], strict=False) if b[0] < a[1]),
+                   duplicate_versions=len(notes) - len(set(notes)))
+
+    def line(self) -> str:
+        return (f"unattended, from the local Kaggle's records: {self.laptop_pushes} laptop pushes after session 1, "
+                f"{self.overlapping} overlapping sessions, {self.duplicate_versions} duplicate state versions")
+
+    def problems(self, handovers: int = 0) -> list[str]:
+        """Why the unattended chain is not a pass ([] when every count is zero); handovers: laptop pushes the
+        rehearsal caused on purpose (a kernel left without its Secret: no_secret_in)."""
+        said = [(self.laptop_pushes - handovers, "the laptop pushed {n} of the sessions after the first (a kernel "
+                 "could not push the next: its session's summary says why)"),
+                (self.overlapping, "{n} pairs of sessions ran at once (a session pushed before the previous ended)"),
+                (self.duplicate_versions, "{n} state versions hold a step another version already held")]
+        return [text.format(n=n) for n, text in said if n > 0]
+
+
+def training_span(session: dict[str, Any]) -> tuple[float, float]:
+    """When an emulator session trained: from its first cell to its summary's end (the training's), else to
+    the kill of its training process (kill_training_only), else to the session's end (or now)."""
+    ended = (session.get("summary") or {}).get("ended")
+    if not isinstance(ended, (int, float)):
+        ended = session.get("training_killed_at") or session.get("ended") or float("inf")
+    return session["first_cell"], float(ended)
 
 
 @contextlib.contextmanager
@@ -82,13 +133,14 @@ def _env(values: dict[str, str]) -> Iterator[None]:
                 os.environ[key] = value
 
 
-def short_session_job(job: Job, session_limit_s: float, params: dict[str, Any]) -> Job:
-    """The job with the rehearsal's session limit (the margin and cadence scaled to it)."""
+def short_session_job(job: Job, session_limit_s: float, params: dict[str, Any], by_time: bool = True) -> Job:
+    """The job with the rehearsal's session limit (by time: the margin and cadence scaled to it; planned in
+    steps: the limit is a safety net, and the plan replaces the cadence in the kernel)."""
     margin = max(3.0, round(session_limit_s * 0.25, 1))  # start-up and shutdown under load need room
-    train = job.train.model_copy(update={
-        "session_limit": f"{session_limit_s}s", "margin": f"{margin}s",
-        "checkpoint_every": f"{max(1.0, round(session_limit_s / 6, 1))}s", "heartbeat": "2s",
-    })
+    update = {"session_limit": f"{session_limit_s}s", "margin": f"{margin}s", "heartbeat": "2s"}
+    if by_time:
+        update["checkpoint_every"] = f"{max(1.0, round(session_limit_s / 6, 1))}s"
+    train = job.train.model_copy(update=update)
     kaggle = job.kaggle.model_copy(update={"owner": USER})
     return job.model_copy(update={"train": train, "kaggle": kaggle, "params": {**job.params, **params}})
 
@@ -150,6 +202,7 @@ def run_reference(job: Job, root: Path, sources: dict[tuple[str, str, str], Path
     mount_inputs(root, sources)
     env = {**os.environ, layout.SESSION_LIMIT_ENV: str(30 * 24 * 3600), **extra_env}
     env.pop(layout.FAULT_ENV, None)  # a test's session clock and kills are the sessions', not this run's
+    env.pop(layout.SESSION_PLAN_ENV, None)  # so is the rehearsal's plan
     notebook = root.parent / "reference-kernel" / rendered.notebook_file
     with open(root.parent / "reference.log", "w") as log:
         proc = subprocess.Popen([sys.executable, "-m", "kchain.local", "run", str(notebook), "--root", str(root)],
@@ -185,20 +238,26 @@ def upload_inputs(emu: Emulator, job: Job, sources: dict[tuple[str, str, str], P
         echo(f"  input {owner}/{slug}: the local copy {source} is on the local Kaggle")
 
 
-def rehearse(job_file: Path, session_limit_s: float = 20.0, kills: int = 1, seed: int = 0,
-             params: dict[str, Any] | None = None, faults: Faults | None = None, internet: bool | None = None,
+def rehearse(job_file: Path, sessions: int | None = SESSIONS, session_limit_s: float | None = None,
+             kills: int = 1, seed: int = 0, params: dict[str, Any] | None = None, faults: Faults | None = None, internet: bool | None = None,
              echo: Echo = print, poll_s: float = 0.5, key: str | None = None,
              switches: Switches | None = None, ranks: int | None = None, unattended: bool = False,
              no_secret_in: int | None = None, stale: StaleRule | None = None) -> Rehearsal:
-    """Named stages: the short-session job -> a local Kaggle with the inputs on it -> the reference
-    run beside the chain -> the chain with its kills -> the traces compared. ranks: per session and
+    """Named stages: the rehearsal's job -> a local Kaggle with the inputs on it -> the reference
+    run beside the chain -> the chain with its kills -> the traces compared. sessions: the run's total
+    in that many spans, each session stopped at a planned step (None: sessions by time, of session_limit_s
+    seconds, BY_TIME_LIMIT_S unless given); session_limit_s: the wall-clock limit (planned in steps, a
+    safety net of SAFETY_LIMIT_S unless given). ranks: per session and
     in the reference (default: as many as the job gets on Kaggle). unattended: `push --unattended`, then
     the laptop only watches (each kernel pushes the next; the emulator's kernel_may_push is on), taking
-    over only when a kernel could not push; no_secret_in: that session's kernel finds no Secret (a hand-over).
+    over only when a kernel could not push (its counts, Unattended, must all be zero to pass); no_secret_in:
+    that session's kernel finds no Secret (a hand-over).
     stale: the rule by which the watch judges a RUNNING session stale and deletes its kernel (once the
     chain's state is safe) to chain on, as `continue --watch --delete-stale` does; None: the job's rule, no delete."""
     base = load_job(job_file)
-    job = rehearsal_job(base, job_file, session_limit_s, params or {}, True if unattended else internet)
+    by_time = sessions is None
+    session_limit_s = session_limit_s or (BY_TIME_LIMIT_S if by_time else SAFETY_LIMIT_S)
+    job = rehearsal_job(base, job_file, session_limit_s, params or {}, True if unattended else internet, by_time)
     n = local_ranks(job, ranks)
     work = state_dir(base.path) / "rehearse" / new_run_id("rehearse")
     ledger = Ledger(work / "ledger")
@@ -209,18 +268,26 @@ def rehearse(job_file: Path, session_limit_s: float = 20.0, kills: int = 1, seed
     # train at once, so each gets its share of the cores (as the smoke's runs do).
     ranked = {**ranks_env(n), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS") or str(threads_each(n))}
     emu.runner.image_env.update(ranked)
+    if sessions is not None:
+        emu.runner.image_env[layout.SESSION_PLAN_ENV] = str(sessions)  # every session's, not the reference's
     reference = ReferenceRun(job, work / "reference", sources, ranked)
     kill = Killer(emu, f"{USER}/{job.name}", kills)
-    echo(f"kchain rehearse {job_file}: sessions of {session_limit_s:g}s against a local Kaggle at {emu.url}; "
-         f"{ranks_said(job, n, ranks)}")
+    planned = (f"sessions of {session_limit_s:g}s" if by_time else
+               f"sessions planned in steps (the total in {sessions} spans, kills after a planned checkpoint; "
+               f"a {session_limit_s:g}s limit only as a safety net)")
+    echo(f"kchain rehearse {job_file}: {planned} against a local Kaggle at {emu.url}; {ranks_said(job, n, ranks)}")
     try:
         reference.start()
         rebuilt = None
         if unattended:
             emu.switches.kernel_may_push = True  # on Kaggle: what the doctor's probe saw (push --unattended)
+            # A kill takes the training process alone (the OOM killer): the kernel lives on to publish and push,
+            # so the chain stays unattended; a session's own death is the hand-over (no_secret_in's test).
+            emu.faults.kill_training_only = True
             stop, rebuilt = run_unattended(emu, job, ledger, kill, poll_s, echo, no_secret_in)
         else:
-            job, stop = run_chain(emu, job, ledger, kill, session_limit_s, poll_s, echo, stale)
+            job, stop = run_chain(emu, job, ledger, kill, session_limit_s if by_time else None, poll_s, echo, stale)
+        stop = in_rehearsal_terms(stop, by_time, session_limit_s)
         trace, summary = ([], None) if stop is not None else reference.result()
     finally:
         reference.stop()
@@ -228,9 +295,37 @@ def rehearse(job_file: Path, session_limit_s: float = 20.0, kills: int = 1, seed
     chain = ledger.sessions(job.name)
     state = compare_state(work / "reference", chain) if stop is None else None
     identical, passed, verdict, chained = judge(trace, summary, chain, sorted(kill.killed), kills, stop, echo, state)
-    return Rehearsal(identical, verdict, chain, trace, chained, emu.sessions(),
-                     emu.dataset_versions(state_dataset(USER, job.name)), work, sorted(kill.killed), passed, n,
-                     rebuilt)
+    ours = [s for s in emu.sessions() if s["kernel"] == f"{USER}/{job.name}"]
+    versions = emu.dataset_versions(state_dataset(USER, job.name))
+    counts = Unattended.counted(ours, versions) if unattended else None
+    if counts is not None:  # the verdict's rules, then the unattended chain's own
+        echo(counts.line())
+        problems = counts.problems(handovers=1 if no_secret_in is not None else 0)
+        if problems and passed:
+            verdict, passed = problems.pop(0), False
+            echo(f"verdict: {verdict}")
+        for problem in problems:
+            echo(f"  and: {problem}")
+    return Rehearsal(identical, verdict, chain, trace, chained, emu.sessions(), versions, work, sorted(kill.killed),
+                     passed, n, rebuilt, counts)
+
+
+NO_PROGRESS = ", and the next would lose its work the same way"
+
+
+def in_rehearsal_terms(stop: ChainStop | None, by_time: bool, limit_s: float) -> ChainStop | None:
+    """A chain that stopped without progress, its fix said with rehearse's own flags (`continue` names the
+    job's train.session_limit and itself, which a rehearsal does not use)."""
+    if stop is None or NO_PROGRESS not in str(stop):
+        return stop
+    head = str(stop).split(NO_PROGRESS)[0]
+    if by_time:
+        fix = (f"raise --session-limit (now {limit_s:g}s) so a session trains and saves before its limit, or leave "
+               "out --by-time to plan the sessions in steps")
+    else:
+        fix = (f"the sessions ended before their planned stop: if they met the safety limit, raise --session-limit "
+               f"(now {limit_s:g}s); if the job's loop has no total (run.should_stop), plan them by time (--by-time)")
+    return ChainStop(f"{head}{NO_PROGRESS}: {fix}")
 
 
 def ranks_said(job: Job, n: int, asked: int | None) -> str:
@@ -243,12 +338,12 @@ def ranks_said(job: Job, n: int, asked: int | None) -> str:
 
 
 def rehearsal_job(base: Job, job_file: Path, session_limit_s: float, params: dict[str, Any],
-                  internet: bool | None) -> Job:
-    """The job with the rehearsal's short sessions, params and internet setting; a competition is refused."""
+                  internet: bool | None, by_time: bool = True) -> Job:
+    """The job with the rehearsal's sessions, params and internet setting; a competition is refused."""
     if base.kaggle.competition:
         raise KchainError(f"{job_file}: kaggle.competition: competitions are not emulated; to rehearse, "
                           "attach a small copy of the data as a dataset")
-    job = short_session_job(base, session_limit_s, params)
+    job = short_session_job(base, session_limit_s, params, by_time)
     if internet is not None:
         job = job.model_copy(update={"kaggle": job.kaggle.model_copy(update={"internet": internet})})
     return job
@@ -329,16 +424,18 @@ class Killer:
     def __call__(self, _session: int) -> None:
         ours = [s for s in self.emu.sessions() if s["kernel"] == self.kernel]
         armed = [s for s in ours if s.get("kill_after_checkpoint")]
-        self.killed.update(s["version"] for s in armed if (s.get("failure_message") or "").startswith(CHECKPOINT_KILL))
+        self.killed.update(s["version"] for s in armed if s.get("training_killed")
+                           or (s.get("failure_message") or "").startswith(CHECKPOINT_KILL))
         pending = [s for s in armed if s["status"] not in TERMINAL]
         self.emu.faults.kill_after_checkpoint = bool(ours) and not pending and len(self.killed) < self.kills
 
 
-def run_chain(emu: Emulator, job: Job, ledger: Ledger, kill: Killer, session_limit_s: float, poll_s: float,
+def run_chain(emu: Emulator, job: Job, ledger: Ledger, kill: Killer, session_limit_s: float | None, poll_s: float,
               echo: Echo, stale: StaleRule | None = None) -> tuple[Job, ChainStop | None]:
-    """Push session 1, size the sessions from its speed, then `continue --watch` until done; returns
-    the job as the chain ran it (its session limit may have grown) and the stop that ended the chain
-    before it finished, if any (a crash, sessions without progress)."""
+    """Push session 1, then `continue --watch` until done; returns the job as the chain ran it and the
+    stop that ended the chain before it finished, if any (a crash, sessions without progress).
+    session_limit_s: sessions by time, sized from session 1's speed (their limit may grow); None: the
+    sessions are planned in steps, and nothing is sized."""
     with _env({**emu.env(USER), "KCHAIN_HOME": str(ledger.root)}):
         client = KaggleClient(backoff_s=0.2, max_backoff_s=2.0)
         if job.kaggle.internet:
@@ -347,8 +444,10 @@ def run_chain(emu: Emulator, job: Job, ledger: Ledger, kill: Killer, session_lim
             ledger.save_publish_figures(job.name, measure_publish(emu, emu.faults, echo))
         kill(1)
         push_job(job, ledger, client, skip_smoke=True, force=True, echo=echo)
-        first = wait_first(client, ledger, job, poll_s)
-        longer = sized_limit(first, session_limit_s, echo)
+        longer = None
+        if session_limit_s is not None:
+            first = wait_first(client, ledger, job, poll_s)
+            longer = sized_limit(first, session_limit_s, echo)
         if longer is not None:
             job = resized(job, longer)
             emu.session_limit_s = longer * 1.05
@@ -477,14 +576,18 @@ def shortcomings(identical: bool, first: tuple[int, str] | None, summary: Summar
         problems.append("incomplete: the chained trace is missing steps the reference has")
     if stop is None and not any((s.get("resumes_at") or 0) > 0 for s in chain):
         problems.append(f"proves nothing about resuming: the chain finished in {len(chain)} session"
-                        f"{'s' if len(chain) != 1 else ''} and no session resumed from a saved state; lower "
-                        "--session-limit or raise the steps (--set steps=N) so the chain needs several sessions")
+                        f"{'s' if len(chain) != 1 else ''} and no session resumed from a saved state; {MORE_SESSIONS} "
+                        "so the chain needs several sessions")
     elif stop is None and len(killed) < kills:
         problems.append(f"had {len(killed)} of the {kills} kills asked (--kills {kills}): the chain finished in "
                         f"session {len(chain)} before {'another' if killed else 'a'} session saved a checkpoint past "
-                        "its resume to be killed after; raise the steps (--set steps=N) or lower --session-limit "
-                        "so the chain needs more sessions, or ask fewer --kills")
+                        f"its resume to be killed after; {MORE_SESSIONS} so the chain needs more sessions, or ask "
+                        "fewer --kills")
     return problems
+
+
+# What makes a chain of more sessions, in rehearse's own flags (planned in steps, or by time).
+MORE_SESSIONS = "plan more sessions (--sessions N; with --by-time, a lower --session-limit) or raise the steps (--set steps=N)"
 
 
 def measure_publish(emu: Emulator, faults: Faults, echo: Echo) -> dict[str, float]:

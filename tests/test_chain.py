@@ -55,7 +55,8 @@ def test_a_chain_with_a_kill_deadlines_and_flaky_api_equals_the_uninterrupted_ru
                     lose_output=True, rate_reset_after_acting=0.1, reset_after_acting=1, seed=5,
                     crash_runner_on_output="[kchain] step ", crash_runner_in=4)
     switches = Switches(new_image_every=1, mount_lag_s=3.0)
-    result = rehearse(job, session_limit_s=GENEROUS_S, kills=1, seed=2, faults=faults, echo=lambda _: None, ranks=1,
+    result = rehearse(job, sessions=None, session_limit_s=GENEROUS_S,
+                      kills=1, seed=2, faults=faults, echo=lambda _: None, ranks=1,
                       switches=switches, stale=PATIENT)
 
     assert result.passed, result.verdict
@@ -104,7 +105,8 @@ def test_the_kernel_publishes_its_own_state_when_it_has_internet_and_a_secret(tm
     job = copy_job("tinygpt", tmp_path, params={"steps": 50, "eval_every": 25, "batch": 8, "accumulate": 1})
     key = secrets.token_hex(16)
     lines: list[str] = []
-    result = rehearse(job, session_limit_s=GENEROUS_S, kills=0, seed=1, internet=True, echo=lines.append, key=key,
+    result = rehearse(job, sessions=None, session_limit_s=GENEROUS_S,
+                      kills=0, seed=1, internet=True, echo=lines.append, key=key,
                       ranks=1)
     assert result.passed, result.verdict
     # The credential reached the kernel through Secrets and was never written anywhere.

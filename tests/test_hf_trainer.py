@@ -62,7 +62,7 @@ def test_a_rehearsal_chains_through_a_deadline_mid_epoch_and_a_kill(tmp_path, mo
     monkeypatch.setenv(layout.FAULT_ENV, "deadline_after_steps=8")
     monkeypatch.setenv(layout.CHECKPOINT_EVERY_ENV, "4 steps")
     path = template_job(tmp_path)
-    result = rehearse(path, session_limit_s=600, kills=1, ranks=1, params={"steps": 16, "log_every": 5},
+    result = rehearse(path, sessions=None, session_limit_s=600, kills=1, ranks=1, params={"steps": 16, "log_every": 5},
                       echo=lambda _: None)
     assert result.passed, result.verdict
     assert result.verdict.startswith("identical: ")

@@ -66,6 +66,7 @@ def test_a_rehearsal_puts_the_inputs_on_the_local_kaggle(tmp_path, monkeypatch):
     (path.parent / "data" / "notes.txt").write_text("DN-10001 12 x pallets of flour\n")
     # Sessions end by a deadline after 30 steps (a clock for tests), never by racing a short limit.
     monkeypatch.setenv(layout.FAULT_ENV, "deadline_after_steps=30")
-    result = rehearse(path, session_limit_s=600, kills=0, params={"steps": 60}, echo=lambda _: None, ranks=1)
+    result = rehearse(path, sessions=None, session_limit_s=600,
+                      kills=0, params={"steps": 60}, echo=lambda _: None, ranks=1)
     assert result.passed and len(result.sessions) == 2, result.verdict
     assert all("carol/delivery-notes" in s["dataset_sources"] for s in result.emulator_sessions)

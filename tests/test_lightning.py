@@ -69,7 +69,7 @@ def test_a_chain_matches_the_uninterrupted_fit_through_a_deadline_mid_epoch_and_
     monkeypatch.setenv(layout.FAULT_ENV, f"{STALL},deadline_after_steps=4")
     monkeypatch.setenv(layout.CHECKPOINT_EVERY_ENV, "3 steps")
     path = lightning_job(tmp_path, rows=120, batch=32, epochs=3, num_workers=0)
-    result = rehearse(path, session_limit_s=600, kills=1, ranks=1, echo=lambda _: None)
+    result = rehearse(path, sessions=None, session_limit_s=600, kills=1, ranks=1, echo=lambda _: None)
     assert result.passed, result.verdict
     assert result.verdict.startswith("identical: ")
     assert result.killed == [2]

@@ -48,14 +48,14 @@ def chain_job(tmp_path: Path, shape: str, **params) -> Path:
 
 
 def test_a_chain_that_never_resumed_proves_nothing_and_fails(tmp_path, monkeypatch):
-    # The whole run fits session 1: nothing is killed or resumed, so identical traces prove nothing.
+    # One planned session holds the whole run: nothing is killed or resumed, so identical traces prove nothing.
     path = chain_job(tmp_path, "steps", steps=6)
-    result = invoke("rehearse", path, "--session-limit", GENEROUS_S, "--ranks", 1)
+    result = invoke("rehearse", path, "--sessions", 1, "--ranks", 1)
     assert result.exit_code == 1, result.output
     assert error_line(result) == (
         "Error: rehearsal: the chained run proves nothing about resuming: the chain finished in 1 session and no "
-        "session resumed from a saved state; lower --session-limit or raise the steps (--set steps=N) so the chain "
-        "needs several sessions"
+        "session resumed from a saved state; plan more sessions (--sessions N; with --by-time, a lower "
+        "--session-limit) or raise the steps (--set steps=N) so the chain needs several sessions"
     )
     assert "1 rank per session and in the uninterrupted run (--ranks 1; on Kaggle the job gets 2)" in result.output
     assert "verdict: proves nothing about resuming" in result.output
@@ -63,16 +63,18 @@ def test_a_chain_that_never_resumed_proves_nothing_and_fails(tmp_path, monkeypat
 
 def test_an_explicit_save_loop_is_killed_exactly_as_often_as_asked(tmp_path):
     # run.restore()/run.save(step) and no heartbeat: the kill follows a checkpoint, not a log line. The
-    # loop never stops for the deadline, so a session ends at its limit (output kept: --lenient); at
-    # 5 steps/s at most, session 1 cannot train 160 steps in a 30-second session.
-    path = chain_job(tmp_path, "explicit", steps=160, save_every=5, sleep_s=0.2)
-    result = rehearse(path, session_limit_s=30, kills=1, ranks=1, switches=Switches.lenient(), echo=lambda _: None)
+    # loop never asks run.should_stop, so no plan can stop it: a session ends at its limit (sessions by
+    # time; output kept: --lenient); at 4 steps/s at most, session 1 cannot train 320 steps in a 60-second
+    # session. (60 s, not 30: a start-up on a loaded machine took 30 s, and no session saved a step.)
+    path = chain_job(tmp_path, "explicit", steps=320, save_every=5, sleep_s=0.25)
+    result = rehearse(path, sessions=None, session_limit_s=60, kills=1, ranks=1, switches=Switches.lenient(),
+                      echo=lambda _: None)
     assert result.passed, result.verdict
     assert result.verdict.startswith("identical: ")
     killed = [s for s in result.emulator_sessions if s["failure_message"].startswith(CHECKPOINT_KILL)]
     assert [s["version"] for s in killed] == result.killed == [2], result.emulator_sessions
     assert result.sessions[-1]["summary"]["status"] == "finished"
-    assert result.sessions[-1]["summary"]["step"] == 160
+    assert result.sessions[-1]["summary"]["step"] == 320
 
 
 def test_fewer_kills_than_asked_are_named_and_fail(tmp_path, monkeypatch):
@@ -81,14 +83,15 @@ def test_fewer_kills_than_asked_are_named_and_fail(tmp_path, monkeypatch):
     monkeypatch.setenv(layout.FAULT_ENV, f"{STALL},deadline_after_steps=20")
     monkeypatch.setenv(layout.CHECKPOINT_EVERY_ENV, "1000 steps")
     path = chain_job(tmp_path, "steps", steps=30)
-    result = rehearse(path, session_limit_s=GENEROUS_S, kills=3, ranks=1, echo=lambda _: None)
+    result = rehearse(path, sessions=None, session_limit_s=GENEROUS_S, kills=3, ranks=1, echo=lambda _: None)
     assert result.identical and not result.passed
     n = len(result.killed)
     assert n <= 1
     assert result.verdict == (
         f"had {n} of the 3 kills asked (--kills 3): the chain finished in session {len(result.sessions)} before "
-        f"{'another' if n else 'a'} session saved a checkpoint past its resume to be killed after; raise the steps "
-        "(--set steps=N) or lower --session-limit so the chain needs more sessions, or ask fewer --kills"
+        f"{'another' if n else 'a'} session saved a checkpoint past its resume to be killed after; plan more sessions "
+        "(--sessions N; with --by-time, a lower --session-limit) or raise the steps (--set steps=N) so the chain "
+        "needs more sessions, or ask fewer --kills"
     )
 
 
@@ -99,7 +102,7 @@ def test_two_ranks_as_on_kaggle_in_the_sessions_and_the_reference(tmp_path, monk
     monkeypatch.setenv(layout.CHECKPOINT_EVERY_ENV, "4 steps")
     path = chain_job(tmp_path, "steps", steps=16)  # 0 -> 8 (deadline), 8 -> 12 (killed after its save), 12 -> 16
     lines: list[str] = []
-    result = rehearse(path, session_limit_s=GENEROUS_S, kills=1, echo=lines.append)
+    result = rehearse(path, sessions=None, session_limit_s=GENEROUS_S, kills=1, echo=lines.append)
     assert result.passed, result.verdict
     assert result.ranks == 2 and len(result.killed) == 1
     assert "2 ranks per session and in the uninterrupted run, as on Kaggle" in lines[0]
@@ -115,7 +118,7 @@ def test_a_loop_that_trains_fewer_steps_than_it_asks_for_fails(tmp_path):
     # Every other epoch trains nothing (a Lightning Trainer.fit over run.loader did this): 4 epochs of
     # 8 batches ask for 32 steps, 16 are trained; the chain and the uninterrupted run agree.
     path = chain_job(tmp_path, "skipped_epochs", epochs=4)
-    result = rehearse(path, session_limit_s=GENEROUS_S, kills=0, ranks=1, echo=lambda _: None)
+    result = rehearse(path, sessions=None, session_limit_s=GENEROUS_S, kills=0, ranks=1, echo=lambda _: None)
     assert result.identical and not result.passed
     assert result.verdict == (
         "trained 16 of the 32 steps asked (its last session ended finished at step 16/32), and on Kaggle it would "
@@ -190,11 +193,16 @@ def test_a_rehearsal_stops_when_sessions_save_nothing(tmp_path):
     safety.start()
     lines: list[str] = []
     try:
-        result = rehearse(path, session_limit_s=GENEROUS_S, kills=0, ranks=1, faults=faults, echo=lines.append)
+        result = rehearse(path, sessions=None, session_limit_s=GENEROUS_S,
+                          kills=0, ranks=1, faults=faults, echo=lines.append)
     finally:
         safety.cancel()
     assert not result.passed and len(result.sessions) == 2
     assert result.verdict.startswith("stopped: no progress: sessions 1 and 2 both ended without saving a step past 0")
+    # The fix is said in rehearse's own flags, not the job's train.session_limit or `kchain continue`.
+    assert result.verdict.endswith(", and the next would lose its work the same way: raise --session-limit (now "
+                                   "600s) so a session trains and saves before its limit, or leave out --by-time "
+                                   "to plan the sessions in steps"), result.verdict
     assert not any("0 steps lost" in line for line in lines)
 
 
@@ -205,8 +213,33 @@ def test_a_lora_fine_tune_chains_identically_through_a_kill_and_a_deadline(tmp_p
     monkeypatch.setenv(layout.FAULT_ENV, f"{STALL},deadline_after_steps=4")
     monkeypatch.setenv(layout.CHECKPOINT_EVERY_ENV, "3 steps")
     path = copy_job("finetune", tmp_path, params={"steps": 9, "n_notes": 400, "eval_every": 4})
-    result = rehearse(path, session_limit_s=GENEROUS_S, kills=1, echo=lambda _: None)
+    result = rehearse(path, sessions=None, session_limit_s=GENEROUS_S, kills=1, echo=lambda _: None)
     assert result.passed, result.verdict
     assert len(result.killed) == 1 and len(result.sessions) >= 3
     ends = [s.get("end_status") for s in result.sessions]
     assert "deadline" in ends and ends[-1] == "finished", ends
+
+
+def test_sessions_planned_in_steps_give_the_same_chain_at_any_speed(tmp_path):
+    # No speed cap and no test clock: the rehearsal's own plan (the 30 steps in 3 spans) stops session 1 at
+    # step 10, kills session 2 right after its mid-span checkpoint of step 15, and stops session 3 at 20:
+    # the same sessions, resumes and kill on any machine, loaded or not.
+    path = chain_job(tmp_path, "steps", steps=30)
+    result = rehearse(path, kills=1, ranks=1, echo=lambda _: None)
+    assert result.passed, result.verdict
+    assert [s.get("resumes_at") or 0 for s in result.sessions] == [0, 10, 15, 20]
+    assert result.killed == [2]
+    ended = [(s["summary"] or {}).get("step") for s in result.emulator_sessions]
+    assert ended == [10, None, 20, 30], result.emulator_sessions  # the killed session left no summary
+    assert [s.get("end_status") for s in result.sessions][::2] == ["deadline", "deadline"]
+
+
+def test_an_unattended_rehearsal_from_the_cli_counts_what_the_laptop_did(tmp_path):
+    # `rehearse --unattended`: each kernel publishes its state and pushes the next; the kill takes the training
+    # process alone (the kernel lives on to push), so the laptop pushes nothing after session 1.
+    path = chain_job(tmp_path, "steps", steps=20)
+    result = invoke("rehearse", path, "--unattended", "--sessions", 2, "--ranks", 1)
+    assert result.exit_code == 0, result.output
+    assert ("unattended, from the local Kaggle's records: 0 laptop pushes after session 1, 0 overlapping sessions, "
+            "0 duplicate state versions") in result.output
+    assert "verdict: identical: " in result.output and "1 killed" in result.output

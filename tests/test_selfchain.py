@@ -31,7 +31,8 @@ def test_an_unattended_chain_under_the_fault_set_equals_the_uninterrupted_run(tm
     job = copy_job("tinygpt", tmp_path, params={"steps": 60, "eval_every": 20, "batch": 8, "accumulate": 1})
     faults = Faults(rate_429=0.15, rate_500=0.10, rate_lost_answer=0.1, drop_upload_every=4, processing_s=2.0,
                     rate_reset_after_acting=0.1, seed=5)
-    result = rehearse(job, session_limit_s=GENEROUS_S, kills=0, seed=2, faults=faults, echo=lambda _: None, ranks=1,
+    result = rehearse(job, sessions=None, session_limit_s=GENEROUS_S,
+                      kills=0, seed=2, faults=faults, echo=lambda _: None, ranks=1,
                       key=secrets.token_hex(16), unattended=True, switches=Switches(new_image_every=1))
     assert result.passed, result.verdict
     chain = result.sessions
@@ -64,7 +65,8 @@ def test_when_a_kernel_cannot_push_the_laptop_takes_the_chain_over_from_kaggles_
     from helpers import copy_job
 
     job = copy_job("tinygpt", tmp_path, params={"steps": 60, "eval_every": 20, "batch": 8, "accumulate": 1})
-    result = rehearse(job, session_limit_s=GENEROUS_S, kills=0, seed=1, echo=lambda _: None, ranks=1,
+    result = rehearse(job, sessions=None, session_limit_s=GENEROUS_S,
+                      kills=0, seed=1, echo=lambda _: None, ranks=1,
                       key=secrets.token_hex(16), unattended=True, no_secret_in=2)
     assert result.passed, result.verdict
     chain = result.sessions

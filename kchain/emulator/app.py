@@ -122,10 +122,11 @@ class Emulator:
             self.calls[rpc] += 1
 
     def sessions(self) -> list[dict[str, Any]]:
-        """Every session: id, kernel ref, version, status, failure_message, gpu/tpu, queued/started/first_cell/ended
-        times, requested_sources / dataset_sources (valid) / invalid_sources, model_sources (valid) /
-        invalid_model_sources, mounted (owner/slug/N and model refs actually attached), resumed_from and
-        summary (if the session's output or log shows them)."""
+        """Every session: id, kernel ref, version, pushed_from (kernel | laptop), status, failure_message,
+        gpu/tpu, queued/started/first_cell/ended times, requested_sources / dataset_sources (valid) /
+        invalid_sources, model_sources (valid) / invalid_model_sources, mounted (owner/slug/N and model refs actually attached), resumed_from and
+        summary (status, step, total, resumed_from, and the training's started and ended times, if the
+        session's output or log shows them)."""
         with self.store.lock:
             return [dict(s) for s in sorted(self.store.sessions.values(), key=lambda s: int(s["id"]))]
 

@@ -28,6 +28,9 @@ class Faults:
     # step-N folder in working/kchain/checkpoints, N above the attached state's step): a kill after
     # real progress, whatever the job's loop prints (an explicit run.save loop prints no heartbeat).
     kill_after_checkpoint: bool = False
+    # With kill_after_checkpoint: SIGKILL the training process tree alone (the OOM killer, a segfault), not the
+    # session: the notebook lives on, and an unattended kernel publishes that checkpoint and pushes the next.
+    kill_training_only: bool = False
     # The notebook's runner crashes as soon as the session's log shows this text: its process tree dies
     # (SIGKILL) with no word to Kaggle, and the session then shows what `switches.crashed_runner` says.
     crash_runner_on_output: str | None = None

@@ -213,9 +213,10 @@ class Rpcs:
         model = self._model(user, model_key(*parts[:4]))
         return model is not None and int(parts[4]) in model["versions"]
 
-    def SaveKernel(self, user: str, body: dict[str, Any]) -> dict[str, Any]:
+    def SaveKernel(self, user: str, body: dict[str, Any], from_kernel: bool = False) -> dict[str, Any]:
         """Checks, then the kernel's upsert, then its new version's session; invalid sources are
-        answered and left out, and the session starts all the same (as on Kaggle)."""
+        answered and left out, and the session starts all the same (as on Kaggle). from_kernel: the
+        call came from inside a session (its proxy token), kept as the session's `pushed_from`."""
         with self.store.lock:
             save = self._check_save(user, body)
             refusal = self._refusal(user, save) or self._unknown_image(body)
@@ -225,7 +226,7 @@ class Rpcs:
             now = time.time()
             kernel = self._upsert_kernel(save, body, now)
             number, session_id = self._add_session(save, kernel, body, now)
-            self.store.session(session_id)["image"] = image
+            self.store.session(session_id).update(image=image, pushed_from="kernel" if from_kernel else "laptop")
             self.store.save()
         if save.run:
             self.runner.launch(session_id)
@@ -369,6 +370,7 @@ class Rpcs:
             "kill_at": faults.kill_at() if run else None, "lose_output": faults.lose_output,
             "kill_on_output": faults.kill_on_output if run else None,
             "kill_after_checkpoint": faults.kill_after_checkpoint if run else False,
+            "kill_training_only": faults.kill_training_only,
             "queue_s": switches.queue_s, "boot_s": switches.boot_s, "output_at_limit": switches.output_at_limit,
             "ignore_version_pin": switches.ignore_version_pin, "no_gpu": faults.no_gpu,
             "crash_runner_on_output": faults.crash_runner_on_output if run and faults.crash_runner_in in (

@@ -154,7 +154,9 @@ class Handler(BaseHTTPRequestHandler):
         if handler is None or not rpc[:1].isupper():  # RPCs are the CamelCase methods
             return self._error(404, f"Unknown RPC {match['service']}/{rpc}")
         try:
-            answer = handler(user, request)  # each takes the store's lock for what needs it
+            # each takes the store's lock for what needs it; a push is told whether a kernel sent it
+            answer = handler(user, request, from_kernel=self._from_kernel()) if rpc == "SaveKernel" \
+                else handler(user, request)
         except ApiError as e:
             return self._error(e.code, e.message)
         except Redirect as r:

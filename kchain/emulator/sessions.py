@@ -100,6 +100,28 @@ def kill_tree(pid: int) -> None:
     psutil.wait_procs(procs, timeout=5)
 
 
+def kill_training(pid: int) -> None:
+    """SIGKILL the training process trees (`python -m kchain.runtime.launch`, with their ranks and workers)
+    under a session's process `pid`, and nothing else of the session: the OOM killer's kill."""
+    try:
+        procs = psutil.Process(pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return
+    launched = {}
+    for proc in procs:
+        try:
+            if "kchain.runtime.launch" in proc.cmdline():
+                launched[proc.pid] = proc
+        except psutil.NoSuchProcess:
+            continue
+    for proc in launched.values():
+        try:
+            if proc.ppid() not in launched:  # the top of its tree: its ranks and workers go with it
+                kill_tree(proc.pid)
+        except psutil.NoSuchProcess:
+            continue
+
+
 def _make_read_only(top: Path) -> None:
     for dirpath, _dirnames, filenames in os.walk(top, topdown=False):
         for name in filenames:
@@ -256,6 +278,10 @@ class SessionRunner:
                                                 "http_proxy", "https_proxy", "all_proxy")})
             env.pop("KAGGLE_API_ENVIRONMENT", None)
         env.update(self.image_env)
+        if session.get("kill_after_checkpoint"):
+            # The kill follows the session's first checkpoint past its resume: the kernel waits after each
+            # save, so the kill lands right after that checkpoint however fast it trains (never a later one).
+            env[layout.FAULT_ENV] = ",".join(filter(None, [env.get(layout.FAULT_ENV), "hold_after_save=1"]))
         return env
 
     def _mount_inputs(self, session: dict[str, Any], root: Path) -> list[str]:
@@ -398,7 +424,11 @@ class SessionRunner:
             if crash and crash in text:
                 deadline, reason = time.time(), RUNNER_CRASHED
             saved = new_checkpoint(root, resumed) if resumed is not None else None
-            if saved is not None:
+            if saved is not None and session.get("kill_training_only"):
+                kill_training(proc.pid)  # the notebook lives on: it reports the death, publishes, pushes
+                self._update(session_id, training_killed=saved, training_killed_at=time.time())
+                resumed = None
+            elif saved is not None:
                 deadline, reason = time.time(), f"{CHECKPOINT_KILL} {saved})"
             if session_id in self._expired:
                 deadline, reason = time.time(), limit_reason
@@ -479,7 +509,8 @@ def _resumed(sdir: Path) -> dict[str, Any]:
         except (OSError, ValueError):
             continue
         if isinstance(summary, dict):
-            fields["summary"] = {k: summary.get(k) for k in ("status", "step", "total", "resumed_from")}
+            keys = ("status", "step", "total", "resumed_from", "started", "ended")  # started/ended: its training's
+            fields["summary"] = {k: summary.get(k) for k in keys}
             fields["resumed_from"] = summary.get("resumed_from")
             return fields
     log = sdir / "log.jsonl"

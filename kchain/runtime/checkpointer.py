@@ -43,6 +43,7 @@ from .frozen import FrozenBase
 from .loader import Loader
 from .progress import Progress
 from .say import gb, say, warn
+from .sessionplan import SessionPlan
 from .snapshot import Snapshotter, available_ram, restore_rng, rng_state
 from .statedigest import digest_state
 from .trace import Trace
@@ -118,6 +119,7 @@ class Policy:
     stream: str | None  # KCHAIN_CHECKPOINT_STREAM: '1' stream, '0' copy, None by size
     manifest: dict  # what every manifest says besides step, time and session (fingerprint, params, ...)
     checkpoint_frozen: bool = False  # the frozen base is saved too (else left out: frozen.py)
+    plan: SessionPlan | None = None  # a rehearsal's plan: its mid-span saves replace the cadence
 
 
 class Checkpointer:
@@ -202,14 +204,20 @@ class Checkpointer:
 
     # --- when -------------------------------------------------------------------------------------
 
-    def due(self, step: int) -> bool:
-        """The cadence says save after `step`."""
+    def due(self, step: int, total: int | None = None) -> bool:
+        """The cadence says save after `step` (a rehearsal's plan, when the loop has a total)."""
+        if self.policy.plan is not None and total:
+            return self.policy.plan.saves_at(step, total)
         if "steps" in self.policy.every:
             return step % int(self.policy.every["steps"]) == 0
         return time.time() - self.last_save >= float(self.policy.every["seconds"])
 
-    def next_in(self, step: int) -> str:
+    def next_in(self, step: int, total: int | None = None) -> str:
         """How far the next save is, for the heartbeat."""
+        if self.policy.plan is not None and total:
+            plan, ends = self.policy.plan, self.policy.plan.ends(total)  # a planned stop saves too
+            after = next((s for s in range(step + 1, total) if plan.saves_at(s, total) or s in ends), total)
+            return f"{after - step} steps"
         if "steps" in self.policy.every:
             n = int(self.policy.every["steps"])
             return f"{n - step % n} steps"

@@ -67,6 +67,10 @@ class Faults:
     # the first checkpoint at a step >= N is complete, in a process that started below N (so a chain, which
     # resumes from that checkpoint, is killed there once). An unattended chain publishes and pushes on.
     kill_training_at_step: int | None = None
+    # After each save this process makes, it waits there until it is killed: the local Kaggle's kill after a
+    # checkpoint (its kill_after_checkpoint sets this in the session) then lands right after that checkpoint,
+    # whatever the machine's speed, never after a later one.
+    hold_after_save: bool = False
 
     @classmethod
     def parse(cls, text: str) -> Faults:
@@ -109,6 +113,11 @@ class Faults:
             kill_all()  # a real death: nothing after this runs
         if step == self.hang_at_step:
             time.sleep(10**9)  # a step that never returns: the watchdog ends the run
+
+    def hold(self) -> None:
+        """hold_after_save: wait to be killed (the session's limit ends a wait no kill comes to)."""
+        while True:
+            time.sleep(3600)
 
     def in_save(self, point: str) -> None:
         """kill_in_save=<point>: this process (and its group) dies here, inside the writer."""

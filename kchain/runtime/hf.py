@@ -396,8 +396,8 @@ class TrainerBridge:
         lp, step = self.loop, state.global_step
         lp.faults.at_step_end(step, lp.ranks.kill_all)
         stop = lp.should_stop(step)  # deadline guard, SIGTERM/SIGINT, a test's deadline
-        due = lp.ckpt.due(step)
-        if lp.ranks.active and "seconds" in lp.ckpt.policy.every:
+        due = lp.ckpt.due(step, lp.progress.total)
+        if lp.ranks.active and "seconds" in lp.ckpt.policy.every and lp.ckpt.policy.plan is None:
             _, due = lp.ranks.agree(None, due)  # a clock-based cadence: every rank saves at the same step
         if self.smoke:
             control.should_log = True  # a smoke's few steps each compared

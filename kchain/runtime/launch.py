@@ -90,23 +90,33 @@ def after_outer_launcher(launcher_code: int) -> int:
     return code
 
 
-def released(env) -> bool:
+def released(env, argv: list[str] | None = None) -> bool:
     """Wait at the smoke's gate when there is one: True to go on, False to leave untouched.
 
     `kchain smoke` starts the resume's notebook while the run to be killed is still training, with
     KCHAIN_GATE=PID:PATH; this process then holds here, before it reads anything of the working
     dir, until PATH says `go` (the kill has happened) or `stop` (nothing to resume), or process
-    PID (the smoke) is gone. While it waits it imports what main() imports (torch, the runtime):
-    about 2.5 s that would otherwise follow the kill.
+    PID (the smoke) is gone. While it waits it imports what main() imports (torch, the runtime) and
+    the frameworks the job's entry module imports (transformers, peft, Lightning: `warm_frameworks`),
+    which its import would pay after the kill: seconds, tens of them on a busy machine. torch._dynamo
+    is not imported: the optimizers no longer need it (lazydynamo.py). The state is still read only
+    after the gate, by the Run, as in a fresh session. With several ranks the launcher goes on (it
+    reads no state: the ranks' start) and each rank waits here, warmed up, instead.
     """
-    spec = env.pop(layout.GATE_ENV, None)  # the code's own processes (torchrun's ranks) never wait
+    from . import torchrun  # standard library only
+
+    if not torchrun.in_ranks(env) and int(env.get(layout.RANKS_ENV) or 1) > 1:
+        return True  # the launcher of several ranks: launch_ranks passes the gate on to each rank
+    spec = env.pop(layout.GATE_ENV, None)  # the code's own processes (DataLoader workers, ...) never wait
     if not spec:
         return True
     pid, _, path = spec.partition(":")
     gate = Path(path)
     print(f"[kchain] {GATE_NOTE}", flush=True)
-    if not gate.exists() and int(env.get(layout.RANKS_ENV) or 1) == 1:  # several ranks: they import it themselves
+    if not gate.exists():
         from . import run  # noqa: F401
+
+        warm_frameworks(argv or [])
     while not gate.exists():
         try:
             os.kill(int(pid), 0)
@@ -114,6 +124,74 @@ def released(env) -> bool:
             return False
         time.sleep(GATE_POLL_S)
     return gate.read_text().strip() == "go"
+
+
+# The frameworks kchain drives (runtime/hf.py, runtime/lightning.py) and their companions: libraries whose
+# import costs seconds and reads nothing of a session's state, so a held resume may import them early.
+FRAMEWORKS = ("transformers", "peft", "accelerate", "tokenizers", "datasets", "pytorch_lightning", "lightning")
+
+
+def warm_frameworks(argv: list[str]) -> list[str]:
+    """Import the FRAMEWORKS the entry module's top-level imports name (read with ast: none of the job's
+    code runs), with the environment variables its top level sets before them (`os.environ[K] = "v"`,
+    `os.environ.setdefault(K, "v")`: huggingface_hub reads HF_HUB_OFFLINE once, at its import), so the
+    entry's own import after the gate finds them loaded. Returns the modules imported."""
+    import ast
+    import importlib.util
+
+    try:
+        config = RuntimeConfig.from_dict(json.loads(Path(argv[1]).read_text()))
+        spec = importlib.util.find_spec(config.entry.partition(":")[0])
+        tree = ast.parse(Path(spec.origin).read_text(encoding="utf-8")) if spec and spec.origin else None
+    except (IndexError, OSError, ValueError, SyntaxError, ImportError):
+        return []
+    warmed = []
+    for node in tree.body if tree else []:
+        if isinstance(node, (ast.Assign, ast.Expr)):
+            _set_env(node)
+        names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+            [node.module] if isinstance(node, ast.ImportFrom) and node.module and not node.level else []
+        for name in names:
+            if name.split(".")[0] in FRAMEWORKS and name not in sys.modules:
+                try:
+                    importlib.import_module(name)
+                except Exception:  # noqa: BLE001 - the entry's own import reports it, after the gate
+                    continue
+                warmed.append(name)
+    return warmed
+
+
+def _set_env(node) -> None:
+    """`os.environ["K"] = "v"` or `os.environ.setdefault("K", "v")` at the entry's top level, done here too."""
+    import ast
+
+    def environ(target) -> bool:
+        return isinstance(target, ast.Attribute) and target.attr == "environ" and \
+            isinstance(target.value, ast.Name) and target.value.id == "os"
+
+    def text(value) -> str | None:
+        return value.value if isinstance(value, ast.Constant) and isinstance(value.value, str) else None
+
+    if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Subscript) \
+            and environ(node.targets[0].value):
+        key, value = text(node.targets[0].slice), text(node.value)
+        if key is not None and value is not None:
+            os.environ[key] = value
+    elif isinstance(node, ast.Expr) and isinstance(node.value, ast.Call) and \
+            isinstance(node.value.func, ast.Attribute) and node.value.func.attr == "setdefault" and \
+            environ(node.value.func.value) and len(node.value.args) == 2:
+        key, value = text(node.value.args[0]), text(node.value.args[1])
+        if key is not None and value is not None:
+            os.environ.setdefault(key, value)
+
+
+def gate_opened(env) -> bool:
+    """Whether the smoke's gate (if any) said `go`: a launcher of held ranks reports nothing otherwise."""
+    spec = env.get(layout.GATE_ENV)
+    if not spec:
+        return True
+    gate = Path(spec.partition(":")[2])
+    return gate.exists() and gate.read_text().strip() == "go"
 
 
 def main(argv: list[str]) -> int:
@@ -298,6 +376,8 @@ def _run_ranks(n: int, why: str, config_path: str, config: RuntimeConfig) -> int
     print(f"[kchain] launching {n} ranks ({why})", flush=True)
     env = {**os.environ, layout.SESSION_START_ENV: os.environ.get(layout.SESSION_START_ENV) or repr(PROCESS_START)}
     code = torchrun.launch_ranks(n, config_path, env)
+    if not gate_opened(os.environ):
+        return 0  # the smoke sent its held resume away (or is gone): the ranks left untouched, nothing to say
     if code == -signal.SIGKILL:
         faults.die()  # the session died (a kill fault): die the same way
     path = kdir / layout.SUMMARY
@@ -324,4 +404,4 @@ def _run_ranks(n: int, why: str, config_path: str, config: RuntimeConfig) -> int
 
 if __name__ == "__main__":
     lazydynamo.install()  # before anything imports torch: its optimizers no longer import torch._dynamo
-    sys.exit(main(sys.argv) if released(os.environ) else 0)
+    sys.exit(main(sys.argv) if released(os.environ, sys.argv) else 0)

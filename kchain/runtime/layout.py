@@ -17,6 +17,8 @@ SESSION_START_ENV = "KCHAIN_SESSION_START"
 SESSION_LIMIT_ENV = "KCHAIN_SESSION_LIMIT"
 CHECKPOINT_EVERY_ENV = "KCHAIN_CHECKPOINT_EVERY"
 TOTAL_STEPS_ENV = "KCHAIN_TOTAL_STEPS"
+# local only (rehearse): the sessions planned in steps, the run's total in this many spans (sessionplan.py)
+SESSION_PLAN_ENV = "KCHAIN_SESSION_PLAN"
 FAULT_ENV = "KCHAIN_FAULT"
 GATE_ENV = "KCHAIN_GATE"  # PID:PATH, the smoke's early-started resume waits here until the kill (launch.py)
 CHECKPOINT_STREAM_ENV = "KCHAIN_CHECKPOINT_STREAM"  # 1: stream saves from live tensors, 0: copy to RAM

@@ -2,7 +2,8 @@
 
 Between two steps the driver counts the step, beats the hung-step watchdog, prints the heartbeat,
 saves when the checkpointer's cadence says so and stops the loop when the session clock says the
-next step and a save no longer fit (or on SIGTERM/SIGINT, or a test's deadline fault). A stop
+next step and a save no longer fit (or on SIGTERM/SIGINT, a test's deadline fault, or at a rehearsal's
+planned stop: sessionplan.py). A stop
 saves, then raises SessionStopped out of the loop, so no user code runs after it in this session.
 Under run.epochs the loader's batches are the steps: the driver is the loader's StepHooks.
 
@@ -29,6 +30,7 @@ from .faults import Faults
 from .loader import Loader, left_on_purpose
 from .progress import Progress
 from .say import emit, say, warn
+from .sessionplan import SessionPlan
 from .trace import Trace
 
 PLAIN_LOADER_NOTE = "data order: a DataLoader not made by run.loader restarts its order on resume"
@@ -49,7 +51,8 @@ class Loop:
 
     def __init__(self, progress: Progress, clock: SessionClock, checkpointer: Checkpointer, trace: Trace,
                  ranks: Ranks, faults: Faults, params: dict, *, heartbeat_s: float, hang_s: float | None,
-                 on_hang: Callable[[float, float], None], cap: int | None, watch_untracked: bool = False):
+                 on_hang: Callable[[float, float], None], cap: int | None, plan: SessionPlan | None = None,
+                 watch_untracked: bool = False):
         self.progress, self.clock, self.ckpt, self.trace = progress, clock, checkpointer, trace
         self.ranks, self.faults = ranks, faults
         self.params = params  # the job's: a resume checks they match the checkpoint's
@@ -57,6 +60,7 @@ class Loop:
         self.hang_s = hang_s  # the watchdog's floor; None: no watchdog (a smoke)
         self.on_hang = on_hang  # the watchdog's verdict: write the summary (the process then ends)
         self.cap = cap  # the most steps a loop may reach (a smoke, KCHAIN_TOTAL_STEPS); None: no cap
+        self.plan = plan  # a rehearsal's sessions planned in steps (sessionplan.py); None: the clock alone
         self.loaders: list[Loader] = []  # every run.loader, in order
         self.optimizers: list = []  # every optimizer run.optimize was given (tracked or not)
         self.data_wait = 0.0  # seconds the steps waited for a batch
@@ -206,6 +210,9 @@ class Loop:
             p.looped = True
         before, p.phase = p.phase, "checkpoint"
         self.ckpt.save(p, self.trace, self.check_replicas)
+        if self.faults.hold_after_save:
+            self.ckpt.writer.wait()  # the checkpoint is complete: the local Kaggle's kill lands here
+            self.faults.hold()
         if self.ranks.is_main and self._dog is not None:
             self._dog.pause()  # a save is not a step: the hang clock restarts after it
         p.phase = before
@@ -301,7 +308,7 @@ class Loop:
         if self._dog is not None:
             self._dog.beat(took)
         # kchain ddp: with several ranks the save is agreed at the start of the next step (_must_stop)
-        if save and not self.ranks.active and self.ckpt.due(p.step):
+        if save and not self.ranks.active and self.ckpt.due(p.step, p.total):
             self.save()
 
     def _must_stop(self) -> bool:
@@ -312,7 +319,7 @@ class Loop:
         # the step just finished when any rank's cadence says so. The save comes before the stop,
         # so a stop right after a due save writes no second checkpoint.
         p = self.progress
-        due = p.loop_steps > 0 and p.saved_step != p.step and self.ckpt.due(p.step)
+        due = p.loop_steps > 0 and p.saved_step != p.step and self.ckpt.due(p.step, p.total)
         local = p.stop_reason if self._local_stop() else None
         stop, save = self.ranks.agree(local, due)
         if stop and not p.stop_reason:
@@ -324,11 +331,14 @@ class Loop:
         return bool(stop)
 
     def _local_stop(self) -> bool:
-        """This process's own view: a signal, a test's deadline fault, or the deadline guard."""
+        """This process's own view: a signal, a test's deadline fault, a rehearsal's planned stop, or the
+        deadline guard."""
         p = self.progress
         if p.stop_reason:
             return True
         line = self.faults.deadline_line(p.step, p.loop_steps, self.ranks.rank)
+        if line is None and self.plan is not None:
+            line = self.plan.deadline_line(p.step, p.resumed_from or 0, p.total)
         if line is None:
             self.clock.sized(self.ckpt.writer.last_path)
             line = self.clock.too_late(p.step, p.total, self.ckpt.save_s())
@@ -360,7 +370,7 @@ class Loop:
         shown = {k: v for k, v in self.trace.metrics.items() if isinstance(v, (int, float))}
         emit(heartbeat.line(
             p.step, p.total, shown, rate, self.data_wait / elapsed if elapsed > 0 else 0.0,
-            eta, self.clock.left_s(), self.ckpt.next_in(p.step), ranks=self.ranks.world_size,
+            eta, self.clock.left_s(), self.ckpt.next_in(p.step, p.total), ranks=self.ranks.world_size,
         ))
 
     def _state_bytes(self) -> int:

@@ -112,7 +112,7 @@ class Run:
         self._ckpt = Checkpointer(
             Where(paths.checkpoints, paths.input_root, paths.scratch, paths.working, st.state_slug,
                   sink=Path(st.sink) if st.sink else None, sink_only=st.multi_node),
-            Policy(st.job, st.every, st.keep, st.stream, self._manifest_fields(), st.checkpoint_frozen),
+            Policy(st.job, st.every, st.keep, st.stream, self._manifest_fields(), st.checkpoint_frozen, st.plan),
             self._ranks, st.faults, self._rung)
         if st.micro_auto and self._ranks.is_main:  # the ladder starts from the size that fitted last session
             self._rung.halvings = max(halvings, self._ckpt.halvings_found())
@@ -123,7 +123,7 @@ class Run:
                           dict(self._params), heartbeat_s=st.heartbeat_s, hang_s=None if st.smoke else st.hang_s,
                           on_hang=functools.partial(_hung, self._progress, summarize, paths.summary),
                           cap=st.total_cap if st.total_cap is not None else (st.smoke_steps if st.smoke else None),
-                          watch_untracked=st.smoke)
+                          plan=st.plan, watch_untracked=st.smoke)
         if not st.smoke and self._ranks.is_main and resumecheck.expected(st.resume):
             # The chain said which step this session resumes: check it now, in the session's first
             # minute, not after the data is staged (resumecheck.WrongState ends the run).

@@ -13,9 +13,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import layout
+from . import layout, sessionplan
 from .config import RuntimeConfig
 from .faults import NO_FAULTS, Faults
+from .sessionplan import SessionPlan
 
 # The defaults of job.yaml's train: and smoke: keys (spec.py uses these too).
 CHECKPOINT_EVERY = "10m"  # a lost session costs at most this much training
@@ -93,6 +94,7 @@ class Settings:
     fingerprint: str | None = None
     kchain_version: str | None = None
     sink: str | None = None  # KCHAIN_STATE_SINK: a mounted bucket folder each complete checkpoint is published to
+    plan: SessionPlan | None = None  # KCHAIN_SESSION_PLAN: a rehearsal's sessions planned in steps
     multi_node: bool = False  # the ranks span machines (an outer torchrun with --nnodes > 1): no disk is shared
 
     @classmethod
@@ -138,5 +140,6 @@ class Settings:
             fingerprint=config.fingerprint,
             kchain_version=config.kchain_version,
             sink=env.get(layout.STATE_SINK_ENV) or None,
+            plan=sessionplan.parse(env.get(layout.SESSION_PLAN_ENV)),
             multi_node=int(env.get("LOCAL_WORLD_SIZE") or env.get("WORLD_SIZE") or 1) < int(env.get("WORLD_SIZE") or 1),
         )

@@ -55,7 +55,7 @@ class KchainGroup(click.Group):
             raise error from None
 
 
-@click.group(cls=KchainGroup)
+@click.group(cls=KchainGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(kchain.__version__, prog_name="kchain")
 def cli() -> None:
     """Train on free, session-limited Kaggle GPUs without losing the run or the week.
@@ -416,17 +416,30 @@ class EmulatorOption(click.Option):
     Faults. Unset it is None, and the emulator keeps its own default: the help shows it, read from
     those classes only when help is asked for (importing the emulator would slow every command)."""
 
-    def get_help_extra(self, ctx: click.Context) -> Any:
-        extra = super().get_help_extra(ctx)
+    def default_text(self) -> str | None:
         from kchain.emulator import Faults, Switches
         from kchain.emulator.switches import Limits
 
         default = next((getattr(d, self.name) for d in (Limits(), Switches(), Faults()) if hasattr(d, self.name)), None)
         if isinstance(default, bool) and self.secondary_opts:
-            extra["default"] = (self.opts if default else self.secondary_opts)[0].lstrip("-")
-        elif default is not None and not isinstance(default, bool):
-            extra["default"] = f"{default:g}" if isinstance(default, float) else str(default)
+            return (self.opts if default else self.secondary_opts)[0].lstrip("-")
+        if default is not None and not isinstance(default, bool):
+            return f"{default:g}" if isinstance(default, float) else str(default)
+        return None
+
+    def get_help_extra(self, ctx: click.Context) -> Any:  # click 8.2 and later
+        extra = super().get_help_extra(ctx)
+        if (text := self.default_text()) is not None:
+            extra["default"] = text
         return extra
+
+    def get_help_record(self, ctx: click.Context) -> tuple[str, str] | None:
+        record = super().get_help_record(ctx)
+        if record is None or hasattr(click.Option, "get_help_extra"):
+            return record
+        # click 8.1 has no get_help_extra: the default goes where 8.2 puts it.
+        text = self.default_text()
+        return record if text is None else (record[0], f"{record[1]}  [default: {text}]")
 
 
 def _field(*decls: str, **kwargs: Any) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
@@ -445,6 +458,11 @@ def _pairs(sep: str) -> Callable[[click.Context, click.Parameter, tuple[str, ...
             pairs.append((left, right))
         return pairs
     return parse
+
+
+def _status(ctx: click.Context, param: click.Parameter, value: str | None) -> int | None:
+    """An HTTP status chosen as text (click 8.1's Choice holds only strings), as the emulator's int."""
+    return None if value is None else int(value)
 
 
 @emulator.command()
@@ -496,11 +514,11 @@ def _pairs(sep: str) -> Callable[[click.Context, click.Parameter, tuple[str, ...
               help="Start from the kind switches (404s, no lag, pins honoured, no queue, output kept, secrets "
                    "attached, GPU quota answered, a crashed runner ends, one image); the switch options below "
                    "still override it.")
-@_field("--missing-status", "missing_status", type=click.Choice([403, 404]),
+@_field("--missing-status", "missing_status", type=click.Choice(["403", "404"]), callback=_status,
         help="Switch: the answer for a missing or invisible kernel or dataset.")
 @_field("--version-lag", "version_lag_s", type=float, metavar="SECONDS",
         help="Switch: a new dataset version stays invisible this long.")
-@_field("--lag-status", "lag_status", type=click.Choice([403, 404]),
+@_field("--lag-status", "lag_status", type=click.Choice(["403", "404"]), callback=_status,
         help="Switch: the status call's answer while a new version is invisible.")
 @_field("--ignore-version-pin/--no-ignore-version-pin", "ignore_version_pin",
         help="Switch: mount the latest version whatever owner/slug/N says.")

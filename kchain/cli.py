@@ -6,6 +6,7 @@ class's exit code (listed in the README). No YAML, Jinja, kaggle or torch import
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import sys
@@ -16,7 +17,7 @@ from typing import Any
 import click
 
 import kchain
-from kchain.errors import KchainError
+from kchain.errors import KchainError, exit_code_lines
 
 
 class Seconds(click.FloatRange):
@@ -30,10 +31,23 @@ class Seconds(click.FloatRange):
 
 
 JOB = click.argument("job", type=click.Path(path_type=Path), default="job.yaml", required=False)
+AS_JSON = click.option("--json", "as_json", is_flag=True,
+                       help="One JSON document instead of the table (its shape: README, Machine-readable output).")
 # The engines other than Kaggle a job can be smoked, rehearsed or rendered for (kchain/targets/).
 TARGET = click.option("--target", type=click.Choice(["skypilot", "slurm"]), default=None,
                       help="Run the engine's rendered script here (SkyPilot's run or the sbatch file), with its "
                            "environment, a local folder as the bucket, a SIGKILL before a publish, a fresh machine.")
+
+
+def _params(ctx: click.Context, param: click.Parameter, values: tuple[str, ...]) -> dict[str, Any]:
+    """--set NAME=VALUE, each read as one YAML value; a malformed one is a usage error (exit 2), not the job file's."""
+    from kchain.errors import SpecError
+    from kchain.spec import parse_overrides
+
+    try:
+        return parse_overrides(values)
+    except SpecError as exc:
+        raise click.UsageError(str(exc), ctx) from None
 
 
 def job_target(job: Path) -> str:
@@ -55,16 +69,18 @@ class KchainGroup(click.Group):
             raise error from None
 
 
-@click.group(cls=KchainGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(cls=KchainGroup, context_settings={"help_option_names": ["-h", "--help"]},
+             epilog="\b\nExit codes:\n" + "\n".join(f"  {line}" for line in exit_code_lines()))
 @click.version_option(kchain.__version__, prog_name="kchain")
 def cli() -> None:
     """Train on free, session-limited Kaggle GPUs without losing the run or the week.
 
     \b
     Example:
-      kchain smoke jobs/tinygpt/job.yaml     # prove the notebook on this CPU
-      kchain push jobs/tinygpt/job.yaml      # start session 1 on Kaggle
-      kchain continue jobs/tinygpt/job.yaml  # chain the next session
+      kchain init myjob                # a job folder that passes smoke as written
+      kchain smoke myjob/job.yaml      # prove the notebook on this CPU
+      kchain push myjob/job.yaml       # start session 1 on Kaggle
+      kchain continue myjob/job.yaml   # chain the next session
     """
 
 
@@ -113,8 +129,8 @@ def render(job: Path, out: Path | None, target: str | None) -> None:
 
     \b
     Example:
-      kchain render jobs/tinygpt/job.yaml -o build/tinygpt
-      kchain render jobs/tinygpt/job.yaml --target skypilot   # build/tinygpt-notes-skypilot/task.yaml
+      kchain render myjob/job.yaml -o build/myjob
+      kchain render myjob/job.yaml --target skypilot   # with a skypilot: section (docs/targets.md)
     """
     from kchain.credentials import configured_username
     from kchain.render import payload_lines, render_job, write_rendered
@@ -140,33 +156,32 @@ def render(job: Path, out: Path | None, target: str | None) -> None:
 @JOB
 @click.option("--quiet", is_flag=True, help="Hide the training output; show stages and the verdict.")
 @click.option("--download", is_flag=True, help="Fetch attached datasets that have no kaggle.local copy (cached).")
-@click.option("--set", "sets", multiple=True, metavar="NAME=VALUE",
+@click.option("--set", "sets", multiple=True, metavar="NAME=VALUE", callback=_params,
               help="A param for this smoke, over params and smoke.params (repeatable).")
 @click.option("--ranks", type=click.IntRange(1, 2), default=None,
               help="Ranks to run (default: as many as the job gets on Kaggle, as gloo ranks on the CPU).")
 @TARGET
-def smoke(job: Path, quiet: bool, download: bool, sets: tuple[str, ...], ranks: int | None,
+def smoke(job: Path, quiet: bool, download: bool, sets: dict[str, Any], ranks: int | None,
           target: str | None) -> None:
     """Run the rendered notebook on this CPU: checks, steps, a stop, checkpoint, kill, exact resume.
 
     \b
     Example:
-      kchain smoke jobs/tinygpt/job.yaml
-      kchain smoke jobs/nanogpt/job.yaml --set n_layer=2 --set eval_iters=2
-      kchain smoke jobs/tinygpt/job.yaml --target skypilot   # the task's run, as SkyPilot runs it
+      kchain init myjob && kchain smoke myjob/job.yaml
+      kchain smoke myjob/job.yaml --set batch=16 --set rows=2000
+      kchain smoke myjob/job.yaml --target skypilot   # with a skypilot: section: the task's run, as SkyPilot runs it
     """
     from kchain.smoke import smoke as run_smoke
-    from kchain.spec import parse_overrides
 
     click.echo(f"kchain smoke {job}" + (f" --target {target}" if target else ""))
     if target:
         from kchain.targets.rehearsal import rehearse_target
 
-        result = rehearse_target(job, target, smoke=True, params=parse_overrides(sets), echo=click.echo, quiet=quiet)
+        result = rehearse_target(job, target, smoke=True, params=sets, echo=click.echo, quiet=quiet)
         click.echo(f"smoke passed for {target} (fingerprint {result.fingerprint[:12]}) recorded in the run log")
         return
     report = run_smoke(job, echo=click.echo, quiet_training=quiet, download=download,
-                       sets=parse_overrides(sets), ranks_asked=ranks)
+                       sets=sets, ranks_asked=ranks)
     click.echo(f"smoke passed: {report.run_id} (fingerprint {report.fingerprint[:12]}) recorded in the run log")
 
 
@@ -180,8 +195,8 @@ def doctor(job: Path, offline: bool, no_probe: bool, probe_timeout: float) -> No
 
     \b
     Example:
-      kchain doctor jobs/tinygpt/job.yaml              # all checks, the probe on a free CPU session
-      kchain doctor jobs/tinygpt/job.yaml --offline    # laptop-side checks only
+      kchain doctor myjob/job.yaml              # all checks, the probe on a free CPU session
+      kchain doctor myjob/job.yaml --offline    # laptop-side checks only
     """
     from kchain.doctor import run_doctor
 
@@ -201,8 +216,8 @@ def push(job: Path, skip_smoke: bool, force: bool, unattended: bool) -> None:
 
     \b
     Example:
-      kchain smoke jobs/tinygpt/job.yaml && kchain push jobs/tinygpt/job.yaml
-      kchain push jobs/tinygpt/job.yaml --unattended   # later sessions push themselves
+      kchain smoke myjob/job.yaml && kchain push myjob/job.yaml
+      kchain push myjob/job.yaml --unattended   # later sessions push themselves
     """
     from kchain.push import push as run_push
 
@@ -218,19 +233,25 @@ def push(job: Path, skip_smoke: bool, force: bool, unattended: bool) -> None:
 
 @cli.command()
 @JOB
-def status(job: Path) -> None:
+@AS_JSON
+def status(job: Path, as_json: bool) -> None:
     """One table of the chain: each session's version, status, duration, steps, last words.
 
     \b
     Example:
-      kchain status jobs/tinygpt/job.yaml
+      kchain status myjob/job.yaml
+      kchain status myjob/job.yaml --json | jq '.sessions[-1].status'
     """
-    from kchain.sessions import status_for
+    from kchain.sessions import status_document, status_for
 
     if job_target(job) != "kaggle":
         from kchain.targets.commands import status_target
 
+        if as_json:
+            raise click.UsageError("--json is for Kaggle jobs; this job's target is another engine")
         return status_target(job, echo=click.echo)
+    if as_json:
+        return click.echo(json.dumps(status_document(job), indent=2))
     for line in status_for(job):
         click.echo(line)
 
@@ -245,7 +266,7 @@ def logs(job: Path, number: int | None, follow: bool, poll: float) -> None:
 
     \b
     Example:
-      kchain logs jobs/tinygpt/job.yaml --follow
+      kchain logs myjob/job.yaml --follow
     """
     from kchain.sessions import logs_for
 
@@ -273,7 +294,7 @@ def continue_(job: Path, retry: bool, watch_chain: bool, force: bool, skip_smoke
 
     \b
     Example:
-      kchain continue jobs/tinygpt/job.yaml --watch
+      kchain continue myjob/job.yaml --watch
     """
     from kchain.chain import continue_chain
 
@@ -299,8 +320,8 @@ def stop(job: Path, wait_s: float, poll_s: float, delete: bool, yes: bool) -> No
 
     \b
     Example:
-      kchain stop jobs/tinygpt/job.yaml
-      kchain stop jobs/tinygpt/job.yaml --delete      # a stale session: Kaggle keeps it RUNNING
+      kchain stop myjob/job.yaml
+      kchain stop myjob/job.yaml --delete      # a stale session: Kaggle keeps it RUNNING
     """
     from kchain.chain import stop_chain
 
@@ -316,30 +337,38 @@ def stop(job: Path, wait_s: float, poll_s: float, delete: bool, yes: bool) -> No
 
 @cli.command()
 @JOB
-def budget(job: Path) -> None:
+@AS_JSON
+def budget(job: Path, as_json: bool) -> None:
     """This quota week's GPU-hours, session by session, and what the remaining steps need.
 
     \b
     Example:
-      kchain budget jobs/tinygpt/job.yaml
+      kchain budget myjob/job.yaml
+      kchain budget myjob/job.yaml --json | jq .left
     """
-    from kchain.ledger import budget_for
+    from kchain.ledger import budget_document_for, budget_for
 
+    if as_json:
+        return click.echo(json.dumps(budget_document_for(job), indent=2))
     for line in budget_for(job):
         click.echo(line)
 
 
 @cli.command()
 @JOB
-def runs(job: Path) -> None:
+@AS_JSON
+def runs(job: Path, as_json: bool) -> None:
     """The run log, with the best row by validation metric and its checkpoint.
 
     \b
     Example:
-      kchain runs jobs/tinygpt/job.yaml
+      kchain runs myjob/job.yaml
+      kchain runs myjob/job.yaml --json | jq -r .best
     """
-    from kchain.ledger import runs_for
+    from kchain.ledger import runs_document, runs_for
 
+    if as_json:
+        return click.echo(json.dumps(runs_document(job), indent=2))
     for line in runs_for(job):
         click.echo(line)
 
@@ -352,7 +381,7 @@ def plot(job: Path, out: Path | None) -> None:
 
     \b
     Example:
-      kchain plot jobs/tinygpt/job.yaml -o loss.png
+      kchain plot myjob/job.yaml -o loss.png
     """
     from kchain.plot import plot_for
 
@@ -369,13 +398,14 @@ def plot(job: Path, out: Path | None) -> None:
               help="Ranks per session and in the uninterrupted run (default: as many as the job gets on Kaggle, "
                    "as gloo ranks on the CPU).")
 @click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--set", "sets", multiple=True, metavar="NAME=VALUE", help="Override a param, e.g. --set steps=300.")
+@click.option("--set", "sets", multiple=True, metavar="NAME=VALUE", callback=_params,
+              help="Override a param, e.g. --set steps=300.")
 @click.option("--faults", "fault_spec", default="", metavar="SPEC",
               help="A flaky Kaggle, rates per call: e.g. 429=0.15,500=0.10,lost_answer=0.1,reset_after_acting=0.1,drop_upload=0.1.")
 @click.option("--strict/--lenient", default=True, show_default=True,
               help="Kaggle's strict behaviour (403s, lagging versions, ignored pins, lost output) or a kind one.")
 @TARGET
-def rehearse(job: Path, session_limit: float, kills: int, ranks: int | None, seed: int, sets: tuple[str, ...],
+def rehearse(job: Path, session_limit: float, kills: int, ranks: int | None, seed: int, sets: dict[str, Any],
              fault_spec: str, strict: bool, target: str | None) -> None:
     """The whole chain on this machine against a local Kaggle, compared with one uninterrupted run.
 
@@ -384,22 +414,22 @@ def rehearse(job: Path, session_limit: float, kills: int, ranks: int | None, see
 
     \b
     Example:
-      kchain rehearse jobs/tinygpt/job.yaml --set steps=300
-      kchain rehearse jobs/tinygpt/job.yaml --set steps=300 --faults 429=0.15,500=0.10 --kills 2
-      kchain rehearse jobs/tinygpt/job.yaml --set steps=300 --ranks 1
-      kchain rehearse jobs/tinygpt/job.yaml --target slurm    # the sbatch script, its requeue on 75
+      kchain rehearse myjob/job.yaml --set steps=300
+      kchain rehearse myjob/job.yaml --set steps=300 --faults 429=0.15,500=0.10 --kills 2
+      kchain rehearse myjob/job.yaml --set steps=300 --ranks 1
+      kchain rehearse myjob/job.yaml --target slurm    # with a slurm: section: the sbatch script
     """
     from kchain.errors import KchainError
-    from kchain.rehearse import emulator_switches, parse_fault_spec, parse_sets
+    from kchain.rehearse import emulator_switches, parse_fault_spec
     from kchain.rehearse import rehearse as run_rehearse
 
     if target:
         from kchain.targets.rehearsal import rehearse_target
 
-        rehearse_target(job, target, smoke=False, params=parse_sets(sets), echo=click.echo)
+        rehearse_target(job, target, smoke=False, params=sets, echo=click.echo)
         return
 
-    result = run_rehearse(job, session_limit_s=session_limit, kills=kills, seed=seed, params=parse_sets(sets),
+    result = run_rehearse(job, session_limit_s=session_limit, kills=kills, seed=seed, params=sets,
                           faults=parse_fault_spec(fault_spec, seed), switches=emulator_switches(strict),
                           echo=click.echo, ranks=ranks)
     if not result.passed:

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 from pathlib import Path
 
 from cli_tree import command_paths, helps
+from click.testing import CliRunner
 
 from kchain.cli import cli
 
@@ -50,3 +52,32 @@ def test_every_command_answers_help_under_click_8_1():
     serve = " ".join(answers["helps"]["kchain emulator serve"]["output"].split())
     assert "--missing-status [403|404] Switch: the answer for a missing or invisible kernel or dataset. " \
            "[default: 403]" in serve  # the emulator's own default, shown by click 8.1 too
+
+
+def test_the_exit_codes_in_kchain_help_are_the_readme_table_and_a_job_file_error_is_not_a_usage_error():
+    from kchain.errors import RenderError, SpecError
+
+    epilog = helps()["kchain"]["output"].split("Exit codes:\n")[1]
+    listed = [(int(m.group(1)), m.group(2)) for m in re.finditer(r"^ +(\d+) +.*?(?:\((\w+)\))?$", epilog, re.M)]
+    readme = (REPO / "README.md").read_text().split("## Exit codes")[1]
+    table = {int(m.group(1)): m.group(2) for m in re.finditer(r"^\| (\d+) \| (.*) \|$", readme, re.M)}
+    assert sorted({code for code, _ in listed}) == sorted(table) == [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10]
+    for code, name in listed:
+        assert name is None or f"`{name}`" in table[code], (code, name)
+    assert SpecError.exit_code == RenderError.exit_code == 10
+
+
+def test_help_examples_run_from_any_folder():
+    """A wheel user has no jobs/ folder: the examples use the job `kchain init myjob` writes."""
+    for name, answer in helps().items():
+        examples = str(answer["output"]).split("Example:\n")[-1] if "Example:" in str(answer["output"]) else ""
+        paths = set(re.findall(r"(\S+/job\.yaml)", examples))
+        allowed = {"myjob"} | set(re.findall(r"kchain init (?:--template \S+ )?(\S+)", examples))
+        assert {p.removesuffix("/job.yaml") for p in paths} <= allowed, (name, paths)
+        assert "jobs/tinygpt" not in examples and "nanogpt" not in examples, name
+
+
+def test_shell_completion_completes_commands():
+    done = CliRunner().invoke(cli, [], prog_name="kchain", env={
+        "_KCHAIN_COMPLETE": "bash_complete", "COMP_WORDS": "kchain sta", "COMP_CWORD": "1"})
+    assert done.output.split() == ["plain,status"]

@@ -288,19 +288,28 @@ def logs(job: Path, number: int | None, follow: bool, poll: float) -> None:
 @click.option("--delete-stale", is_flag=True,
               help="With --watch: delete a stale session's kernel (Kaggle keeps it RUNNING) once the chain's "
                    "state is safe, and chain on.")
+@click.option("--notify", "notify_command", metavar="CMD",
+              help="With --watch: run CMD in the shell at each event (session_ended, finished, needs_person, "
+                   "failed), with KCHAIN_EVENT, KCHAIN_JOB, KCHAIN_MESSAGE and KCHAIN_SESSION set.")
 def continue_(job: Path, retry: bool, watch_chain: bool, force: bool, skip_smoke: bool, from_state: int | None,
-              delete_stale: bool) -> None:
+              delete_stale: bool, notify_command: str | None) -> None:
     """Chain the next session from the saved state, or say why not.
 
     \b
     Example:
       kchain continue myjob/job.yaml --watch
+      kchain continue myjob/job.yaml --watch --notify 'notify-send kchain "$KCHAIN_EVENT: $KCHAIN_MESSAGE"'
+      kchain continue myjob/job.yaml --watch --notify 'echo "$KCHAIN_EVENT $KCHAIN_MESSAGE" >> ~/kchain-events.log'
     """
     from kchain.chain import continue_chain
 
+    if notify_command and not watch_chain:
+        raise click.UsageError("--notify tells of a watched chain's events; give it with --watch")
     decision = continue_chain(job, retry=retry, force=force, skip_smoke=skip_smoke, watch_chain=watch_chain,
-                              echo=click.echo, from_state=from_state, delete_stale=delete_stale)
-    click.echo(decision.message)
+                              echo=click.echo, from_state=from_state, delete_stale=delete_stale,
+                              notify_command=notify_command)
+    if not watch_chain:  # the watch printed each decision as it came, the last one too
+        click.echo(decision.message)
 
 
 @cli.command()

@@ -33,11 +33,20 @@ from kchain.datasets import (
     write_dataset_metadata,
 )
 from kchain.decide import Decision, Situation, decide, final_weights, saved_step
-from kchain.errors import ChainStop, CredentialsError, KaggleError
+from kchain.errors import (
+    BudgetExceeded,
+    ChainStop,
+    CredentialsError,
+    KaggleError,
+    KchainError,
+    NotSmoked,
+    StateError,
+)
 from kchain.kaggle_api import KaggleClient, missing
 from kchain.kernel_states import LIVE
 from kchain.ledger import Ledger, iso, new_run_id, now_utc, state_dir
 from kchain.names import cache_dataset, state_dataset
+from kchain.notify import FAILED, FINISHED, NEEDS_PERSON, SESSION_ENDED, Notify, nobody, notifier
 from kchain.push import push_session, reconcile, refuse_unpushable
 from kchain.render import Rendered, render_job
 from kchain.runtime import layout
@@ -363,12 +372,21 @@ def _val(record: SessionRecord) -> str:
 
 def continue_chain(job_file: Path, retry: bool = False, force: bool = False, skip_smoke: bool = False,
                    watch_chain: bool = False, echo: Echo = print, from_state: int | None = None,
-                   delete_stale: bool = False) -> Decision:
+                   delete_stale: bool = False, notify_command: str | None = None) -> Decision:
     job = load_job(job_file)
     ledger, client = Ledger(state_dir(job.path)), KaggleClient(progress=True)
     if watch_chain:
-        return watch(job, ledger, client, retry=retry, force=force, skip_smoke=skip_smoke, echo=echo,
-                     from_state=from_state, delete_stale=delete_stale)
+        notify = notifier(notify_command, job.name, echo) if notify_command else nobody
+        try:
+            return watch(job, ledger, client, retry=retry, force=force, skip_smoke=skip_smoke, echo=echo,
+                         from_state=from_state, delete_stale=delete_stale, notify=notify)
+        except (ChainStop, BudgetExceeded, NotSmoked) as exc:
+            notify(NEEDS_PERSON, str(exc), _last_session(ledger, job))
+            raise
+        except Exception as exc:
+            notify(FAILED, str(exc) if isinstance(exc, KchainError) else f"{type(exc).__name__}: {exc}",
+                   _last_session(ledger, job))
+            raise
     return decide_and_continue(job, ledger, client, retry=retry, force=force, skip_smoke=skip_smoke, echo=echo,
                                from_state=from_state)
 
@@ -376,14 +394,17 @@ def continue_chain(job_file: Path, retry: bool = False, force: bool = False, ski
 def watch(job: Job, ledger: Ledger, client: KaggleClient, retry: bool = False, force: bool = False,
           skip_smoke: bool = False, echo: Echo = print, poll_s: float = 30.0, max_poll_s: float = 300.0,
           before_each: Callable[[int], None] | None = None, max_failures: int = 8,
-          from_state: int | None = None, stale: StaleRule | None = None, delete_stale: bool = False) -> Decision:
+          from_state: int | None = None, stale: StaleRule | None = None, delete_stale: bool = False,
+          notify: Notify = nobody) -> Decision:
     """Keep chaining until training is finished, the budget is spent, or a crash needs a human.
 
     A Kaggle failure that outlived the client's own retries (429s, 5xx, a lost answer) is not a
     decision: the watch tries the same step again with backoff, up to max_failures in a row. Every
     step is safe to repeat (pushes and uploads check Kaggle's versions first). A running session that
     goes stale (sessions.StaleRule; `stale` overrides the job's) ends the watch, naming `kchain stop
-    --delete`; with delete_stale its kernel is deleted (when the chain's state is safe) and the watch goes on."""
+    --delete`; with delete_stale its kernel is deleted (when the chain's state is safe) and the watch goes on.
+    Every decision is echoed as it comes, the last one too; notify hears of each session that ended and
+    of the end (kchain/notify.py)."""
     delay = poll_s
     failures = 0
     while True:
@@ -406,9 +427,12 @@ def watch(job: Job, ledger: Ledger, client: KaggleClient, retry: bool = False, f
         from_state = None if decision.action == "pushed" else from_state  # it covers one push too
         if decision.action == "finished":
             echo(decision.message)
+            notify(FINISHED, decision.message, _last_session(ledger, job))
             return decision
         if decision.action == "pushed":
             echo(decision.message)
+            ended = _last_session(ledger, job, back=2)
+            notify(SESSION_ENDED, f"session {ended} ended; {decision.message}", ended)
             delay = poll_s
         else:
             echo(f"[{time.strftime('%H:%M:%S')}] {decision.message}")
@@ -417,6 +441,15 @@ def watch(job: Job, ledger: Ledger, client: KaggleClient, retry: bool = False, f
                     job, ledger, client, decision.record, stale or StaleRule.for_job(job), delete_stale, echo):
                 continue  # its kernel was deleted: the next look pushes the next session
         time.sleep(delay)
+
+
+def _last_session(ledger: Ledger, job: Job, back: int = 1) -> int | None:
+    """The number of the chain's last session (back=2: the one before it), None when there is none."""
+    try:
+        chain = ledger.sessions(job.name)
+    except StateError:  # a damaged ledger is the failure being told of: the event names no session
+        return None
+    return chain[-back]["session"] if len(chain) >= back else None
 
 
 def delete_to_stop(ledger: Ledger, client: KaggleClient, job: Job, chain: list[SessionRecord],

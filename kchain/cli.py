@@ -6,6 +6,7 @@ class's exit code (listed in the README). No YAML, Jinja, kaggle or torch import
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import sys
@@ -16,7 +17,7 @@ from typing import Any
 import click
 
 import kchain
-from kchain.errors import KchainError
+from kchain.errors import KchainError, exit_code_lines
 
 
 class Seconds(click.FloatRange):
@@ -30,10 +31,23 @@ class Seconds(click.FloatRange):
 
 
 JOB = click.argument("job", type=click.Path(path_type=Path), default="job.yaml", required=False)
+AS_JSON = click.option("--json", "as_json", is_flag=True,
+                       help="One JSON document instead of the table (its shape: README, Machine-readable output).")
 # The engines other than Kaggle a job can be smoked, rehearsed or rendered for (kchain/targets/).
 TARGET = click.option("--target", type=click.Choice(["skypilot", "slurm"]), default=None,
                       help="Run the engine's rendered script here (SkyPilot's run or the sbatch file), with its "
                            "environment, a local folder as the bucket, a SIGKILL before a publish, a fresh machine.")
+
+
+def _params(ctx: click.Context, param: click.Parameter, values: tuple[str, ...]) -> dict[str, Any]:
+    """--set NAME=VALUE, each read as one YAML value; a malformed one is a usage error (exit 2), not the job file's."""
+    from kchain.errors import SpecError
+    from kchain.spec import parse_overrides
+
+    try:
+        return parse_overrides(values)
+    except SpecError as exc:
+        raise click.UsageError(str(exc), ctx) from None
 
 
 def job_target(job: Path) -> str:
@@ -55,16 +69,18 @@ class KchainGroup(click.Group):
             raise error from None
 
 
-@click.group(cls=KchainGroup)
+@click.group(cls=KchainGroup, context_settings={"help_option_names": ["-h", "--help"]},
+             epilog="\b\nExit codes:\n" + "\n".join(f"  {line}" for line in exit_code_lines()))
 @click.version_option(kchain.__version__, prog_name="kchain")
 def cli() -> None:
     """Train on free, session-limited Kaggle GPUs without losing the run or the week.
 
     \b
     Example:
-      kchain smoke jobs/tinygpt/job.yaml     # prove the notebook on this CPU
-      kchain push jobs/tinygpt/job.yaml      # start session 1 on Kaggle
-      kchain continue jobs/tinygpt/job.yaml  # chain the next session
+      kchain init myjob                # a job folder that passes smoke as written
+      kchain smoke myjob/job.yaml      # prove the notebook on this CPU
+      kchain push myjob/job.yaml       # start session 1 on Kaggle
+      kchain continue myjob/job.yaml   # chain the next session
     """
 
 
@@ -113,8 +129,8 @@ def render(job: Path, out: Path | None, target: str | None) -> None:
 
     \b
     Example:
-      kchain render jobs/tinygpt/job.yaml -o build/tinygpt
-      kchain render jobs/tinygpt/job.yaml --target skypilot   # build/tinygpt-notes-skypilot/task.yaml
+      kchain render myjob/job.yaml -o build/myjob
+      kchain render myjob/job.yaml --target skypilot   # with a skypilot: section (docs/targets.md)
     """
     from kchain.credentials import configured_username
     from kchain.render import payload_lines, render_job, write_rendered
@@ -140,33 +156,32 @@ def render(job: Path, out: Path | None, target: str | None) -> None:
 @JOB
 @click.option("--quiet", is_flag=True, help="Hide the training output; show stages and the verdict.")
 @click.option("--download", is_flag=True, help="Fetch attached datasets that have no kaggle.local copy (cached).")
-@click.option("--set", "sets", multiple=True, metavar="NAME=VALUE",
+@click.option("--set", "sets", multiple=True, metavar="NAME=VALUE", callback=_params,
               help="A param for this smoke, over params and smoke.params (repeatable).")
 @click.option("--ranks", type=click.IntRange(1, 2), default=None,
               help="Ranks to run (default: as many as the job gets on Kaggle, as gloo ranks on the CPU).")
 @TARGET
-def smoke(job: Path, quiet: bool, download: bool, sets: tuple[str, ...], ranks: int | None,
+def smoke(job: Path, quiet: bool, download: bool, sets: dict[str, Any], ranks: int | None,
           target: str | None) -> None:
     """Run the rendered notebook on this CPU: checks, steps, a stop, checkpoint, kill, exact resume.
 
     \b
     Example:
-      kchain smoke jobs/tinygpt/job.yaml
-      kchain smoke jobs/nanogpt/job.yaml --set n_layer=2 --set eval_iters=2
-      kchain smoke jobs/tinygpt/job.yaml --target skypilot   # the task's run, as SkyPilot runs it
+      kchain init myjob && kchain smoke myjob/job.yaml
+      kchain smoke myjob/job.yaml --set batch=16 --set rows=2000
+      kchain smoke myjob/job.yaml --target skypilot   # with a skypilot: section: the task's run, as SkyPilot runs it
     """
     from kchain.smoke import smoke as run_smoke
-    from kchain.spec import parse_overrides
 
     click.echo(f"kchain smoke {job}" + (f" --target {target}" if target else ""))
     if target:
         from kchain.targets.rehearsal import rehearse_target
 
-        result = rehearse_target(job, target, smoke=True, params=parse_overrides(sets), echo=click.echo, quiet=quiet)
+        result = rehearse_target(job, target, smoke=True, params=sets, echo=click.echo, quiet=quiet)
         click.echo(f"smoke passed for {target} (fingerprint {result.fingerprint[:12]}) recorded in the run log")
         return
     report = run_smoke(job, echo=click.echo, quiet_training=quiet, download=download,
-                       sets=parse_overrides(sets), ranks_asked=ranks)
+                       sets=sets, ranks_asked=ranks)
     click.echo(f"smoke passed: {report.run_id} (fingerprint {report.fingerprint[:12]}) recorded in the run log")
 
 
@@ -180,8 +195,8 @@ def doctor(job: Path, offline: bool, no_probe: bool, probe_timeout: float) -> No
 
     \b
     Example:
-      kchain doctor jobs/tinygpt/job.yaml              # all checks, the probe on a free CPU session
-      kchain doctor jobs/tinygpt/job.yaml --offline    # laptop-side checks only
+      kchain doctor myjob/job.yaml              # all checks, the probe on a free CPU session
+      kchain doctor myjob/job.yaml --offline    # laptop-side checks only
     """
     from kchain.doctor import run_doctor
 
@@ -201,8 +216,8 @@ def push(job: Path, skip_smoke: bool, force: bool, unattended: bool) -> None:
 
     \b
     Example:
-      kchain smoke jobs/tinygpt/job.yaml && kchain push jobs/tinygpt/job.yaml
-      kchain push jobs/tinygpt/job.yaml --unattended   # later sessions push themselves
+      kchain smoke myjob/job.yaml && kchain push myjob/job.yaml
+      kchain push myjob/job.yaml --unattended   # later sessions push themselves
     """
     from kchain.push import push as run_push
 
@@ -218,19 +233,25 @@ def push(job: Path, skip_smoke: bool, force: bool, unattended: bool) -> None:
 
 @cli.command()
 @JOB
-def status(job: Path) -> None:
+@AS_JSON
+def status(job: Path, as_json: bool) -> None:
     """One table of the chain: each session's version, status, duration, steps, last words.
 
     \b
     Example:
-      kchain status jobs/tinygpt/job.yaml
+      kchain status myjob/job.yaml
+      kchain status myjob/job.yaml --json | jq '.sessions[-1].status'
     """
-    from kchain.sessions import status_for
+    from kchain.sessions import status_document, status_for
 
     if job_target(job) != "kaggle":
         from kchain.targets.commands import status_target
 
+        if as_json:
+            raise click.UsageError("--json is for Kaggle jobs; this job's target is another engine")
         return status_target(job, echo=click.echo)
+    if as_json:
+        return click.echo(json.dumps(status_document(job), indent=2))
     for line in status_for(job):
         click.echo(line)
 
@@ -245,7 +266,7 @@ def logs(job: Path, number: int | None, follow: bool, poll: float) -> None:
 
     \b
     Example:
-      kchain logs jobs/tinygpt/job.yaml --follow
+      kchain logs myjob/job.yaml --follow
     """
     from kchain.sessions import logs_for
 
@@ -267,19 +288,28 @@ def logs(job: Path, number: int | None, follow: bool, poll: float) -> None:
 @click.option("--delete-stale", is_flag=True,
               help="With --watch: delete a stale session's kernel (Kaggle keeps it RUNNING) once the chain's "
                    "state is safe, and chain on.")
+@click.option("--notify", "notify_command", metavar="CMD",
+              help="With --watch: run CMD in the shell at each event (session_ended, finished, needs_person, "
+                   "failed), with KCHAIN_EVENT, KCHAIN_JOB, KCHAIN_MESSAGE and KCHAIN_SESSION set.")
 def continue_(job: Path, retry: bool, watch_chain: bool, force: bool, skip_smoke: bool, from_state: int | None,
-              delete_stale: bool) -> None:
+              delete_stale: bool, notify_command: str | None) -> None:
     """Chain the next session from the saved state, or say why not.
 
     \b
     Example:
-      kchain continue jobs/tinygpt/job.yaml --watch
+      kchain continue myjob/job.yaml --watch
+      kchain continue myjob/job.yaml --watch --notify 'notify-send kchain "$KCHAIN_EVENT: $KCHAIN_MESSAGE"'
+      kchain continue myjob/job.yaml --watch --notify 'echo "$KCHAIN_EVENT $KCHAIN_MESSAGE" >> ~/kchain-events.log'
     """
     from kchain.chain import continue_chain
 
+    if notify_command and not watch_chain:
+        raise click.UsageError("--notify tells of a watched chain's events; give it with --watch")
     decision = continue_chain(job, retry=retry, force=force, skip_smoke=skip_smoke, watch_chain=watch_chain,
-                              echo=click.echo, from_state=from_state, delete_stale=delete_stale)
-    click.echo(decision.message)
+                              echo=click.echo, from_state=from_state, delete_stale=delete_stale,
+                              notify_command=notify_command)
+    if not watch_chain:  # the watch printed each decision as it came, the last one too
+        click.echo(decision.message)
 
 
 @cli.command()
@@ -299,8 +329,8 @@ def stop(job: Path, wait_s: float, poll_s: float, delete: bool, yes: bool) -> No
 
     \b
     Example:
-      kchain stop jobs/tinygpt/job.yaml
-      kchain stop jobs/tinygpt/job.yaml --delete      # a stale session: Kaggle keeps it RUNNING
+      kchain stop myjob/job.yaml
+      kchain stop myjob/job.yaml --delete      # a stale session: Kaggle keeps it RUNNING
     """
     from kchain.chain import stop_chain
 
@@ -316,30 +346,38 @@ def stop(job: Path, wait_s: float, poll_s: float, delete: bool, yes: bool) -> No
 
 @cli.command()
 @JOB
-def budget(job: Path) -> None:
+@AS_JSON
+def budget(job: Path, as_json: bool) -> None:
     """This quota week's GPU-hours, session by session, and what the remaining steps need.
 
     \b
     Example:
-      kchain budget jobs/tinygpt/job.yaml
+      kchain budget myjob/job.yaml
+      kchain budget myjob/job.yaml --json | jq .left
     """
-    from kchain.ledger import budget_for
+    from kchain.ledger import budget_document_for, budget_for
 
+    if as_json:
+        return click.echo(json.dumps(budget_document_for(job), indent=2))
     for line in budget_for(job):
         click.echo(line)
 
 
 @cli.command()
 @JOB
-def runs(job: Path) -> None:
+@AS_JSON
+def runs(job: Path, as_json: bool) -> None:
     """The run log, with the best row by validation metric and its checkpoint.
 
     \b
     Example:
-      kchain runs jobs/tinygpt/job.yaml
+      kchain runs myjob/job.yaml
+      kchain runs myjob/job.yaml --json | jq -r .best
     """
-    from kchain.ledger import runs_for
+    from kchain.ledger import runs_document, runs_for
 
+    if as_json:
+        return click.echo(json.dumps(runs_document(job), indent=2))
     for line in runs_for(job):
         click.echo(line)
 
@@ -352,7 +390,7 @@ def plot(job: Path, out: Path | None) -> None:
 
     \b
     Example:
-      kchain plot jobs/tinygpt/job.yaml -o loss.png
+      kchain plot myjob/job.yaml -o loss.png
     """
     from kchain.plot import plot_for
 
@@ -377,14 +415,15 @@ def plot(job: Path, out: Path | None) -> None:
               help="Ranks per session and in the uninterrupted run (default: as many as the job gets on Kaggle, "
                    "as gloo ranks on the CPU).")
 @click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--set", "sets", multiple=True, metavar="NAME=VALUE", help="Override a param, e.g. --set steps=300.")
+@click.option("--set", "sets", multiple=True, metavar="NAME=VALUE", callback=_params,
+              help="Override a param, e.g. --set steps=300.")
 @click.option("--faults", "fault_spec", default="", metavar="SPEC",
               help="A flaky Kaggle, rates per call: e.g. 429=0.15,500=0.10,lost_answer=0.1,reset_after_acting=0.1,drop_upload=0.1.")
 @click.option("--strict/--lenient", default=True, show_default=True,
               help="Kaggle's strict behaviour (403s, lagging versions, ignored pins, lost output) or a kind one.")
 @TARGET
 def rehearse(job: Path, sessions: int, by_time: bool, session_limit: float | None, kills: int, unattended: bool,
-             ranks: int | None, seed: int, sets: tuple[str, ...], fault_spec: str, strict: bool,
+             ranks: int | None, seed: int, sets: dict[str, Any], fault_spec: str, strict: bool,
              target: str | None) -> None:
     """The whole chain on this machine against a local Kaggle, compared with one uninterrupted run.
 
@@ -394,24 +433,24 @@ def rehearse(job: Path, sessions: int, by_time: bool, session_limit: float | Non
 
     \b
     Example:
-      kchain rehearse jobs/tinygpt/job.yaml
-      kchain rehearse jobs/tinygpt/job.yaml --sessions 4 --kills 2 --faults 429=0.15,500=0.10
-      kchain rehearse jobs/tinygpt/job.yaml --unattended      # each session pushes the next
-      kchain rehearse jobs/tinygpt/job.yaml --by-time --session-limit 60 --set steps=300
-      kchain rehearse jobs/tinygpt/job.yaml --target slurm    # the sbatch script, its requeue on 75
+      kchain rehearse myjob/job.yaml
+      kchain rehearse myjob/job.yaml --sessions 4 --kills 2 --faults 429=0.15,500=0.10
+      kchain rehearse myjob/job.yaml --unattended      # each session pushes the next
+      kchain rehearse myjob/job.yaml --by-time --session-limit 60 --set steps=300
+      kchain rehearse myjob/job.yaml --target slurm    # with a slurm: section: the sbatch script
     """
     from kchain.errors import KchainError
-    from kchain.rehearse import emulator_switches, parse_fault_spec, parse_sets
+    from kchain.rehearse import emulator_switches, parse_fault_spec
     from kchain.rehearse import rehearse as run_rehearse
 
     if target:
         from kchain.targets.rehearsal import rehearse_target
 
-        rehearse_target(job, target, smoke=False, params=parse_sets(sets), echo=click.echo)
+        rehearse_target(job, target, smoke=False, params=sets, echo=click.echo)
         return
 
     result = run_rehearse(job, sessions=None if by_time else sessions, session_limit_s=session_limit, kills=kills,
-                          seed=seed, params=parse_sets(sets), faults=parse_fault_spec(fault_spec, seed),
+                          seed=seed, params=sets, faults=parse_fault_spec(fault_spec, seed),
                           switches=emulator_switches(strict), echo=click.echo, ranks=ranks, unattended=unattended)
     if not result.passed:
         raise KchainError(f"rehearsal: the chained run {result.verdict}")
@@ -427,17 +466,30 @@ class EmulatorOption(click.Option):
     Faults. Unset it is None, and the emulator keeps its own default: the help shows it, read from
     those classes only when help is asked for (importing the emulator would slow every command)."""
 
-    def get_help_extra(self, ctx: click.Context) -> Any:
-        extra = super().get_help_extra(ctx)
+    def default_text(self) -> str | None:
         from kchain.emulator import Faults, Switches
         from kchain.emulator.switches import Limits
 
         default = next((getattr(d, self.name) for d in (Limits(), Switches(), Faults()) if hasattr(d, self.name)), None)
         if isinstance(default, bool) and self.secondary_opts:
-            extra["default"] = (self.opts if default else self.secondary_opts)[0].lstrip("-")
-        elif default is not None and not isinstance(default, bool):
-            extra["default"] = f"{default:g}" if isinstance(default, float) else str(default)
+            return (self.opts if default else self.secondary_opts)[0].lstrip("-")
+        if default is not None and not isinstance(default, bool):
+            return f"{default:g}" if isinstance(default, float) else str(default)
+        return None
+
+    def get_help_extra(self, ctx: click.Context) -> Any:  # click 8.2 and later
+        extra = super().get_help_extra(ctx)
+        if (text := self.default_text()) is not None:
+            extra["default"] = text
         return extra
+
+    def get_help_record(self, ctx: click.Context) -> tuple[str, str] | None:
+        record = super().get_help_record(ctx)
+        if record is None or hasattr(click.Option, "get_help_extra"):
+            return record
+        # click 8.1 has no get_help_extra: the default goes where 8.2 puts it.
+        text = self.default_text()
+        return record if text is None else (record[0], f"{record[1]}  [default: {text}]")
 
 
 def _field(*decls: str, **kwargs: Any) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
@@ -456,6 +508,11 @@ def _pairs(sep: str) -> Callable[[click.Context, click.Parameter, tuple[str, ...
             pairs.append((left, right))
         return pairs
     return parse
+
+
+def _status(ctx: click.Context, param: click.Parameter, value: str | None) -> int | None:
+    """An HTTP status chosen as text (click 8.1's Choice holds only strings), as the emulator's int."""
+    return None if value is None else int(value)
 
 
 @emulator.command()
@@ -509,11 +566,11 @@ def _pairs(sep: str) -> Callable[[click.Context, click.Parameter, tuple[str, ...
               help="Start from the kind switches (404s, no lag, pins honoured, no queue, output kept, secrets "
                    "attached, GPU quota answered, a crashed runner ends, one image); the switch options below "
                    "still override it.")
-@_field("--missing-status", "missing_status", type=click.Choice([403, 404]),
+@_field("--missing-status", "missing_status", type=click.Choice(["403", "404"]), callback=_status,
         help="Switch: the answer for a missing or invisible kernel or dataset.")
 @_field("--version-lag", "version_lag_s", type=float, metavar="SECONDS",
         help="Switch: a new dataset version stays invisible this long.")
-@_field("--lag-status", "lag_status", type=click.Choice([403, 404]),
+@_field("--lag-status", "lag_status", type=click.Choice(["403", "404"]), callback=_status,
         help="Switch: the status call's answer while a new version is invisible.")
 @_field("--ignore-version-pin/--no-ignore-version-pin", "ignore_version_pin",
         help="Switch: mount the latest version whatever owner/slug/N says.")

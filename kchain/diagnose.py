@@ -49,6 +49,14 @@ _HINTS: list[tuple[re.Pattern[str], str]] = [
         "a missing key, column or index: check the data's columns and the code that reads them",
     ),
     (
+        re.compile(r"No module named '(transformers|peft|accelerate)[.']"),
+        "a framework this laptop lacks (Kaggle's image has it): pip install 'kchain[hf]' (transformers + peft)",
+    ),
+    (
+        re.compile(r"No module named '(pytorch_lightning|lightning)[.']|Lightning is not installed"),
+        "a framework this laptop lacks (Kaggle's image has it): pip install 'kchain[lightning]'",
+    ),
+    (
         re.compile(r"ModuleNotFound|ImportError"),
         "a missing module: Kaggle's image has the common ones; put your own modules in the code folder",
     ),

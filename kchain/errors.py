@@ -15,15 +15,15 @@ class KchainError(Exception):
 
 
 class SpecError(KchainError):
-    """job.yaml is missing, unreadable or invalid."""
+    """The job file is missing, unreadable or invalid; the message names the file, the key and the fix."""
 
-    exit_code = 2
+    exit_code = 10  # not 2, which is click's for a usage error
 
 
 class RenderError(KchainError):
-    """The job could not be rendered into a notebook (e.g. code file missing)."""
+    """The job could not be rendered into a notebook (e.g. its code file is missing)."""
 
-    exit_code = 2
+    exit_code = 10
 
 
 class SmokeFailed(KchainError):
@@ -68,7 +68,7 @@ class ChainStop(KchainError):
 
 
 class DoctorFailed(KchainError):
-    """kchain doctor found a problem (a FAIL line in its checklist, which names the fix)."""
+    """kchain doctor found a problem; a FAIL line in its checklist names the fix."""
 
     exit_code = 9
 
@@ -82,3 +82,20 @@ class StateError(KchainError):
     how to recover. kchain refuses rather than rewrite it, so nothing recorded is lost."""
 
     exit_code = 1
+
+
+def exit_code_lines() -> list[str]:
+    """`kchain --help`'s list of exit codes: 0, 1 and click's 2, then each code a class here has, with the
+    first line of the class's doc."""
+    classes: list[type[KchainError]] = []
+    todo = [KchainError]
+    while todo:
+        cls = todo.pop(0)
+        classes.append(cls)
+        todo.extend(sub for sub in cls.__subclasses__() if sub.__module__ == __name__)
+    lines = ["0   done", "1   any other error: the Error: line says why",
+             "2   a usage error: an unknown command or option, or a bad value (click's)"]
+    for cls in sorted((c for c in classes if c.exit_code > 2), key=lambda c: c.exit_code):
+        doc = (cls.__doc__ or "").strip().splitlines()[0].rstrip(".")
+        lines.append(f"{cls.exit_code:<3} {doc} ({cls.__name__})")
+    return lines

@@ -257,13 +257,13 @@ def session_hours(session: SessionRecord, moment: datetime | None = None) -> flo
     return max(0.0, (end - parse_iso(session["started"])).total_seconds()) / 3600
 
 
-def budget_lines(ledger: Ledger, weekly_h: float, job: str | None = None, usable_session_h: float = 11.75) -> list[str]:
-    """The week like a quota table, and what the job's remaining steps need at its measured pace."""
+def budget_document(ledger: Ledger, weekly_h: float, job: str | None = None,
+                    usable_session_h: float = 11.75) -> dict[str, Any]:
+    """`kchain budget --json`: this quota week's GPU sessions, what is left, and what the job's remaining
+    steps need at its measured pace (the shape README's "Machine-readable output" documents)."""
     moment = now_utc()
     start = week_start(moment)
-    lines = [f"GPU quota week from {iso(start)} (resets Saturday 00:00 UTC)",
-             f"{'session':<34} {'GPU-h':>7} {f'left of {weekly_h:g}':>11}  outcome"]
-    left = weekly_h
+    sessions, left = [], weekly_h
     for name, chain in sorted(ledger.all_sessions().items()):
         for s in chain:
             if not s.get("gpu") or not s.get("started") or parse_iso(s["started"]) < start:
@@ -274,19 +274,32 @@ def budget_lines(ledger: Ledger, weekly_h: float, job: str | None = None, usable
             outcome = summary.status or s["status"].lower()
             if summary.step is not None:
                 outcome += f" at step {summary.step}"
-            lines.append(f"{name + ' session ' + str(s['session']):<34} {hours:7.2f} {left:11.2f}  {outcome}")
-    lines.append(f"{max(0.0, left):.2f} GPU-hours left this week.")
-    chain = ledger.sessions(job) if job else []
-    done = [Summary.from_dict(s.get("summary")) for s in chain if s.get("summary")]
-    if done:
+            sessions.append({"job": name, "session": s["session"], "gpu_hours": hours, "left_after": left,
+                             "outcome": outcome})
+    remaining = None
+    done = [Summary.from_dict(s.get("summary")) for s in (ledger.sessions(job) if job else []) if s.get("summary")]
+    if done and done[-1].total and done[-1].steps_per_s:
         last = done[-1]
-        total, step, pace = last.total, last.step or 0, last.steps_per_s
-        if total and pace:
-            remaining = max(0, total - step)
-            hours = remaining / pace / 3600
-            sessions = int(-(-hours // usable_session_h)) if remaining else 0
-            lines.append(f"{job}: {remaining} steps to go at {pace:.2f} steps/s = {hours:.2f} GPU-h, "
-                         f"{sessions} more session(s)")
+        steps = max(0, (last.total or 0) - (last.step or 0))
+        hours = steps / (last.steps_per_s or 1.0) / 3600
+        remaining = {"steps": steps, "steps_per_s": last.steps_per_s, "gpu_hours": hours,
+                     "sessions": int(-(-hours // usable_session_h)) if steps else 0}
+    return {"job": job, "week_start": iso(start), "weekly_gpu_hours": weekly_h, "sessions": sessions,
+            "left": max(0.0, left), "remaining": remaining}
+
+
+def budget_lines(ledger: Ledger, weekly_h: float, job: str | None = None, usable_session_h: float = 11.75) -> list[str]:
+    """The week like a quota table, and what the job's remaining steps need at its measured pace."""
+    week = budget_document(ledger, weekly_h, job, usable_session_h)
+    lines = [f"GPU quota week from {week['week_start']} (resets Saturday 00:00 UTC)",
+             f"{'session':<34} {'GPU-h':>7} {f'left of {weekly_h:g}':>11}  outcome"]
+    for s in week["sessions"]:
+        lines.append(f"{s['job'] + ' session ' + str(s['session']):<34} {s['gpu_hours']:7.2f} {s['left_after']:11.2f}  "
+                     f"{s['outcome']}")
+    lines.append(f"{week['left']:.2f} GPU-hours left this week.")
+    if (todo := week["remaining"]) is not None:
+        lines.append(f"{job}: {todo['steps']} steps to go at {todo['steps_per_s']:.2f} steps/s = "
+                     f"{todo['gpu_hours']:.2f} GPU-h, {todo['sessions']} more session(s)")
     return lines
 
 
@@ -320,5 +333,28 @@ def budget_for(job_file: Path) -> list[str]:
     return budget_lines(Ledger(state_dir(job.path)), job.budget.weekly_gpu_hours, job.name)
 
 
+def budget_document_for(job_file: Path) -> dict[str, Any]:
+    from kchain.spec import load_job
+
+    job = load_job(job_file)
+    return budget_document(Ledger(state_dir(job.path)), job.budget.weekly_gpu_hours, job.name)
+
+
 def runs_for(job_file: Path) -> list[str]:
     return runs_lines(Ledger(state_dir(job_file)))
+
+
+def runs_document(job_file: Path) -> dict[str, Any]:
+    """`kchain runs --json`: the run log's rows, steps and val as numbers (null when empty), and the best
+    row's run_id (the shape README's "Machine-readable output" documents)."""
+    rows = Ledger(state_dir(job_file)).runs()
+    best = best_run(rows)
+
+    def number(text: str, kind: type) -> Any:
+        try:
+            return kind(text) if text else None
+        except ValueError:
+            return None  # the run log is the user's file too: a hand-edited cell is not a number
+
+    return {"runs": [{**r, "steps": number(r["steps"], int), "val": number(r["val"], float)} for r in rows],
+            "best": best["run_id"] if best else None}

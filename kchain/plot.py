@@ -12,6 +12,8 @@ from kchain.traces import read_trace
 if TYPE_CHECKING:
     from kchain.sessions import SessionRecord
 
+INSTALL = "pip install 'kchain[plot]'"
+
 
 def newest_trace(chain: list[SessionRecord]) -> Path | None:
     for record in reversed(chain):
@@ -24,7 +26,10 @@ def newest_trace(chain: list[SessionRecord]) -> Path | None:
 
 def plot_chain(trace: list[dict[str, Any]], boundaries: list[tuple[int, int]], out: Path, title: str) -> Path:
     """Write a PNG of loss and val_* against step, with a dashed line where each session began."""
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:  # an extra: some 78 MB for this one command
+        raise KchainError(f"kchain plot needs matplotlib: {INSTALL}") from None
 
     matplotlib.use("Agg")  # headless: no display on a laptop's CI or a server
     import matplotlib.pyplot as plt

@@ -467,12 +467,37 @@ def image_drift(chain: list[SessionRecord]) -> list[str]:
     return lines
 
 
-def _duration(record: SessionRecord) -> str:
+def _seconds(record: SessionRecord) -> float | None:
     if not record.get("started"):
-        return "-"
+        return None
     end = parse_iso(record["ended"]) if record.get("ended") else now_utc()
-    seconds = (end - parse_iso(record["started"])).total_seconds()
+    return (end - parse_iso(record["started"])).total_seconds()
+
+
+def _duration(record: SessionRecord) -> str:
+    if (seconds := _seconds(record)) is None:
+        return "-"
     return f"{int(seconds // 3600)}h{int(seconds % 3600 // 60):02d}m{int(seconds % 60):02d}s"
+
+
+def session_note(s: SessionRecord, stale_now: dict[int, Stale] | None = None) -> str:
+    """A session's last words: stale, outcome unknown, dropped sources, a failure, its heartbeat or its end."""
+    if s["session"] in (stale_now or {}):
+        return (stale_now or {})[s["session"]].note()
+    if s["status"] == "PUSHING":
+        return ("outcome unknown: the push was sent and its answer lost; `kchain continue` checks the "
+                "kernel's versions before pushing again")
+    if s.get("invalid_sources"):
+        return f"Kaggle dropped {s['invalid_sources']}: the session ran without them"
+    if s.get("error"):
+        return f"{s['error']['type']}: {s['error']['message']}"
+    if s.get("failure_message"):
+        return s["failure_message"]
+    if s.get("heartbeat"):
+        return s["heartbeat"]
+    if s.get("end_status"):
+        return s["end_status"] + (f", {s['ranks']} ranks" if (s.get("ranks") or 1) > 1 else "")
+    return ""
 
 
 def status_table(chain: list[SessionRecord], used_h: float, weekly_h: float,
@@ -480,22 +505,7 @@ def status_table(chain: list[SessionRecord], used_h: float, weekly_h: float,
     rows = [f"{'session':>7}  {'version':>7}  {'status':<10} {'started':<20} {'duration':>10}  {'steps':>11}  note"]
     for s in chain:
         steps = f"{s.get('step') or 0}/{s.get('total') or '?'}" if s.get("step") is not None else "-"
-        note = ""
-        if s["session"] in (stale_now or {}):
-            note = (stale_now or {})[s["session"]].note() + " (see below)"
-        elif s["status"] == "PUSHING":
-            note = ("outcome unknown: the push was sent and its answer lost; `kchain continue` checks the "
-                    "kernel's versions before pushing again")
-        elif s.get("invalid_sources"):
-            note = f"Kaggle dropped {s['invalid_sources']}: the session ran without them"
-        elif s.get("error"):
-            note = f"{s['error']['type']}: {s['error']['message']}"
-        elif s.get("failure_message"):
-            note = s["failure_message"]
-        elif s.get("heartbeat"):
-            note = s["heartbeat"]
-        elif s.get("end_status"):
-            note = s["end_status"] + (f", {s['ranks']} ranks" if (s.get("ranks") or 1) > 1 else "")
+        note = session_note(s, stale_now) + (" (see below)" if s["session"] in (stale_now or {}) else "")
         rows.append(
             f"{s['session']:>7}  {str(s.get('version') or '-'):>7}  {s['status']:<10} "
             f"{s.get('started') or s.get('requested', '-'):<20} {_duration(s):>10}  {steps:>11}  {note}"
@@ -569,19 +579,37 @@ def stream_log(client: KaggleClient, record: SessionRecord, echo: Echo, timeout_
             time.sleep(1.0)
 
 
-def status_for(job_file: Path) -> list[str]:
+def _chain_now(job_file: Path) -> tuple[Job, Ledger, list[SessionRecord], dict[int, Stale]]:
+    """The job, its ledger, the chain as Kaggle reports it now, and its stale sessions."""
     from kchain.ledger import state_dir
     from kchain.spec import load_job
 
     job = load_job(job_file)
     ledger = Ledger(state_dir(job.path))
     chain = refresh(KaggleClient(), ledger, job.name, live_log=True)  # an empty ledger: rebuilt from Kaggle
+    rule, now = StaleRule.for_job(job), time.time()
+    return job, ledger, chain, {s["session"]: judged for s in chain if (judged := stale(s, rule, now)) is not None}
+
+
+def status_for(job_file: Path) -> list[str]:
+    job, ledger, chain, found = _chain_now(job_file)
     if not chain:
         return [f"{job.name} has no session yet: `kchain push {job_file}` starts one"]
-    rule, now = StaleRule.for_job(job), time.time()
-    found = {s["session"]: judged for s in chain if (judged := stale(s, rule, now)) is not None}
     return [*status_table(chain, ledger.gpu_hours_this_week(), job.budget.weekly_gpu_hours, found),
             *(judged.message(job_file) for judged in found.values()), *image_drift(chain)]
+
+
+def status_document(job_file: Path) -> dict[str, Any]:
+    """`kchain status --json`: the shape README's "Machine-readable output" documents (keys are only added)."""
+    job, ledger, chain, found = _chain_now(job_file)
+    used_h, weekly_h = ledger.gpu_hours_this_week(), job.budget.weekly_gpu_hours
+    sessions = [{"session": s["session"], "version": s.get("version"), "status": s["status"],
+                 "started": s.get("started"), "ended": s.get("ended"), "duration_s": _seconds(s),
+                 "step": s.get("step"), "total": s.get("total"), "stale": s["session"] in found,
+                 "note": session_note(s, found)} for s in chain]
+    return {"job": job.name, "sessions": sessions,
+            "gpu_hours": {"used": used_h, "weekly": weekly_h, "left": max(0.0, weekly_h - used_h)},
+            "warnings": [*(judged.message(job_file) for judged in found.values()), *image_drift(chain)]}
 
 
 def logs_for(job_file: Path, number: int | None, follow: bool, poll_s: float, echo: Echo) -> None:

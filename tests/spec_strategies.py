@@ -156,12 +156,12 @@ def render_bytes(folder: Path, data: bytes) -> Outcome:
 
 
 def problem(outcome: Outcome) -> str | None:
-    """Why an outcome breaks the rule (exit 0, or exit 2 with exactly one `Error:` line), or None."""
+    """Why an outcome breaks the rule (exit 0, or exit 10 (a job file error) with exactly one `Error:` line), or None."""
     if outcome.traceback:
         return f"traceback:\n{outcome.traceback}"
     if outcome.exit_code == 0:
         return None if not outcome.error_lines else f"exit 0 with an error: {outcome.output}"
-    if outcome.exit_code != 2:
+    if outcome.exit_code != 10:
         return f"exit {outcome.exit_code}: {outcome.output}"
     if len(outcome.error_lines) != 1 or "Traceback" in outcome.output:
         return f"not one Error: line: {outcome.output!r}"

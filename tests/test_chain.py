@@ -153,6 +153,11 @@ def test_the_same_crash_twice_is_refused(tmp_path, emulator):
         "Error: session 1 crashed: ValueError: boom at step 25; fix the code and run "
         f"`kchain smoke {path}`, or pass --retry to run it again as it is"
     )
+    # A watch stops there too, and its --notify command hears that the chain needs a person.
+    events = tmp_path / "events.txt"
+    watched = invoke("continue", path, "--watch", "--notify", f'echo "$KCHAIN_EVENT $KCHAIN_SESSION" >> {events}')
+    assert watched.exit_code == 8 and error_line(watched) == error_line(first)
+    assert events.read_text() == "needs_person 1\n"
     again = invoke("continue", path, "--retry", "--skip-smoke")
     assert again.exit_code == 0, again.output
     emulator.wait_session(ref, 2, timeout=120)

@@ -103,7 +103,7 @@ def test_every_lookup_place_agrees_with_the_client(case, tmp_path, monkeypatch):
     train = job.parent / "train.py"
     train.write_text(train.read_text() + f"# {KEY}\n")
     refused = invoke("render", job, "-o", tmp_path / "out")
-    assert refused.exit_code == 2 and "code: code/train.py holds your Kaggle key" in error_line(refused)
+    assert refused.exit_code == 10 and "code: code/train.py holds your Kaggle key" in error_line(refused)
 
 
 @linux_only

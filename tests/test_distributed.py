@@ -75,6 +75,7 @@ def reference(tmp_path_factory) -> list[tuple[int, float]]:
     root = tmp_path_factory.mktemp("ddp-reference")
     done = launch(root, params=EPOCHS)
     assert done.returncode == 0, out(done)
+    assert out(done).count("[kchain] check ok: inputs shape (8, 6)") == 1  # both ranks checked; one says so
     ref = trace(root)
     assert [s for s, _ in ref] == list(range(1, TOTAL + 1))
     return ref

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import socket
 import subprocess
 import sys
 import threading
@@ -370,6 +371,17 @@ def test_kchain_emulator_serve_help_has_an_example_and_says_what_each_option_doe
     assert "--missing-status [403|404] Switch: the answer for a missing or invisible kernel or dataset. " \
            "[default: 403]" in help_text  # the default, read from Switches
     assert "[default: 43200]" in help_text and "[default: no-quota-has-gpu]" in help_text
+
+
+def test_kchain_emulator_serve_on_a_taken_port_is_one_line(tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = invoke("emulator", "serve", "--state", tmp_path / "kaggle", "--port", port)
+    assert result.exit_code == 1 and "Traceback" not in result.output
+    assert result.output.splitlines() == [
+        f"Error: port {port} on 127.0.0.1 is in use (another emulator?); pass another --port, or --port 0 for a free one"]
 
 
 def test_kchain_emulator_serve_refuses_a_malformed_pair():

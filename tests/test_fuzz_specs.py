@@ -1,4 +1,4 @@
-"""Zero tracebacks, zero hangs: any job file ends in exit 0, or exit 2 with one `Error:` line.
+"""Zero tracebacks, zero hangs: any job file ends in exit 0, or exit 10 with one `Error:` line.
 
 A property-based test with a fixed budget (derandomized, so CI sees the same cases every run) and
 a stored corpus of the hostile files found so far, each with the message it must keep giving.
@@ -55,7 +55,7 @@ def test_the_corpus_stays_green(tmp_path, name):
 def test_a_5_mb_value_is_refused_by_size_with_a_short_line(tmp_path):
     data = b"name: tinygpt-notes\ncode: train.py\ntrain: {margin: '" + b"9" * 5_000_000 + b"'}\n"
     outcome = checked(tmp_path, data)
-    assert outcome.exit_code == 2
+    assert outcome.exit_code == 10
     assert outcome.error_lines == [f"Error: {tmp_path / 'job.yaml'}: over 256 KB; a job file is a few lines of YAML"]
 
 

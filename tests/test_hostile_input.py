@@ -107,7 +107,7 @@ def test_a_file_holding_the_kaggle_key_is_refused_and_nothing_is_pushed(emulator
     (root / "src" / "settings.py").write_text(f"KEY = {os.environ['KAGGLE_KEY']!r}\n")
     (root / "job.yaml").write_text(JOB)
     pushed = invoke("push", root / "job.yaml", "--skip-smoke")
-    assert pushed.exit_code == 2
+    assert pushed.exit_code == 10
     assert error_line(pushed) == (
         f"Error: {root / 'job.yaml'}: code: code/settings.py holds your Kaggle key; remove it (attach it to the "
         "notebook as a Kaggle Secret instead) or list the file in .kchainignore"
@@ -129,7 +129,7 @@ def test_the_key_is_found_where_the_kaggle_client_reads_it(tmp_path, monkeypatch
     (tmp_path / "train.py").write_text(TRAIN + f"# {key}\n")
     (tmp_path / "job.yaml").write_text("name: secret-test\ncode: train.py\n")
     result = invoke("render", tmp_path / "job.yaml", "-o", tmp_path / "out")
-    assert result.exit_code == 2
+    assert result.exit_code == 10
     assert "code: code/train.py holds your Kaggle key" in error_line(result)
     (tmp_path / "train.py").write_text(TRAIN)
     (tmp_path / "job.yaml").write_text(f"name: secret-test\ncode: train.py\nparams: {{token: {key}}}\n")
@@ -158,7 +158,7 @@ def test_code_outside_the_job_folder_is_refused(tmp_path):
     (root / "src" / "creds.txt").symlink_to(Path.home() / ".kaggle" / "whatever.txt")
     (root / "job.yaml").write_text("name: secret-test\ncode: src\n")
     result = invoke("render", root / "job.yaml", "-o", tmp_path / "out")
-    assert result.exit_code == 2
+    assert result.exit_code == 10
     assert error_line(result) == (
         f"Error: {root / 'job.yaml'}: code: creds.txt links to {Path.home() / '.kaggle' / 'whatever.txt'}, outside "
         "the job's folder; copy the file in or list it in .kchainignore"
@@ -175,7 +175,7 @@ def test_a_payload_over_the_limit_names_the_biggest_files(tmp_path):
     (src / "tokens.npy").write_bytes(b"\0" * (2 * 2**20))
     (tmp_path / "job.yaml").write_text("name: secret-test\ncode: src\n")
     result = invoke("render", tmp_path / "job.yaml", "-o", tmp_path / "out")
-    assert result.exit_code == 2
+    assert result.exit_code == 10
     assert error_line(result) == (
         f"Error: {tmp_path / 'job.yaml'}: code: 'src' holds 6.0 MB, over the 5.0 MB limit (biggest: code/weights.bin "
         "4.0 MB, code/tokens.npy 2.0 MB, code/train.py 24 B); list data in .kchainignore and attach it as a dataset"
@@ -197,20 +197,20 @@ def test_a_train_py_that_is_not_utf8_is_one_line(tmp_path, content, message):
     (tmp_path / "train.py").write_bytes(content)
     (tmp_path / "job.yaml").write_text("name: tinygpt-notes\ncode: train.py\n")
     result = invoke("render", tmp_path / "job.yaml")
-    assert result.exit_code == 2
+    assert result.exit_code == 10
     assert error_line(result) == f"Error: {tmp_path / 'job.yaml'}: code: {message}"
 
 
 def test_a_job_file_that_is_a_folder_or_empty(tmp_path):
     (tmp_path / "job.yaml").mkdir()
     result = invoke("render", tmp_path / "job.yaml")
-    assert result.exit_code == 2
+    assert result.exit_code == 10
     assert error_line(result) == f"Error: {tmp_path / 'job.yaml'}: is a folder; pass the path of your job.yaml"
     empty = tmp_path / "empty.yaml"
     empty.write_text("")
     for command in ("render", "smoke", "push", "status", "logs", "continue", "budget", "plot", "rehearse"):
         result = invoke(command, empty)
-        assert result.exit_code == 2, (command, result.output)
+        assert result.exit_code == 10, (command, result.output)
         assert error_line(result) == f"Error: {empty}: is empty; write at least name: and code: (see the README)"
 
 

@@ -26,7 +26,7 @@ def test_init_writes_a_job_that_smoke_passes_and_refuses_to_overwrite(tmp_path):
 
     before = (folder / "train.py").read_text()
     again = invoke("init", folder)
-    assert again.exit_code == 2
+    assert again.exit_code == 10
     assert error_line(again) == (
         f"Error: {folder / 'job.yaml'}, {folder / 'train.py'} already exists; kchain init never overwrites: "
         "choose an empty folder"
@@ -80,7 +80,7 @@ def test_every_template_is_a_folder_copied_with_the_jobs_name_and_loads(tmp_path
 
 def test_an_unknown_template_is_refused_in_one_line_and_the_help_lists_every_template(tmp_path):
     result = invoke("init", "--template", "../loop", tmp_path / "job")
-    assert result.exit_code == 2
+    assert result.exit_code == 10
     assert error_line(result) == f"Error: --template '../loop': no such template; use one of: {', '.join(templates())}"
     assert not (tmp_path / "job").exists()
     help_text = invoke("init", "--help").output
@@ -92,6 +92,6 @@ def test_an_unknown_template_is_refused_in_one_line_and_the_help_lists_every_tem
     assert invoke("init", "-t", "notebook", folder).output.splitlines() == [
         f"wrote {folder / 'job.yaml'}", f"wrote {folder / 'train.ipynb'}"]
     again = invoke("init", "--template", "notebook", folder)
-    assert again.exit_code == 2
+    assert again.exit_code == 10
     assert error_line(again) == (f"Error: {folder / 'job.yaml'}, {folder / 'train.ipynb'} already exists; kchain "
                                  "init never overwrites: choose an empty folder")

@@ -46,7 +46,7 @@ def test_without_a_local_copy_the_smoke_says_how_to_get_one_and_downloads_it_onc
     path = job_reading_an_input(tmp_path, "alice/delivery-notes", None)
 
     refused = invoke("smoke", path, "--ranks", "1")
-    assert refused.exit_code == 2
+    assert refused.exit_code == 10
     assert error_line(refused) == (
         f"Error: {path}: kaggle.local.delivery-notes: no local copy of dataset 'delivery-notes' for the smoke "
         "run; add kaggle.local: {delivery-notes: path/to/a/small/copy} or pass --download to fetch it once"

@@ -1,10 +1,13 @@
 """The run log, the GPU-hour week and the loss plot."""
 
+import sys
 from datetime import datetime, timezone
 from pathlib import Path
 
+import pytest
 from helpers import invoke
 
+from kchain.errors import KchainError
 from kchain.ledger import Ledger, budget_lines, iso, runs_lines, week_start
 from kchain.plot import plot_chain
 
@@ -55,6 +58,13 @@ def test_plot_marks_the_sessions(tmp_path):
     out = plot_chain(trace, [(1, 0), (2, 40), (3, 75)], tmp_path / "loss.png", "demo: 3 sessions")
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert out.stat().st_size > 10_000
+
+
+def test_plot_without_matplotlib_names_the_extra(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if not installed: importing it raises ImportError
+    with pytest.raises(KchainError) as refused:
+        plot_chain([{"step": 1, "time": 0.0, "loss": 1.0}], [(1, 0)], tmp_path / "loss.png", "demo")
+    assert str(refused.value) == "kchain plot needs matplotlib: pip install 'kchain[plot]'"
 
 
 def test_commands_on_a_job_without_sessions(tmp_path):

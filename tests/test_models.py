@@ -152,7 +152,7 @@ def test_the_smoke_mounts_the_stand_in_where_kaggle_mounts_the_model_and_says_so
 
     job = small_job(tmp_path, [GEMMA])
     refused = invoke("smoke", job, "--ranks", "1")
-    assert refused.exit_code == 2
+    assert refused.exit_code == 10
     assert error_line(refused) == (
         f"Error: {job}: kaggle.local.gemma: no local copy of model {GEMMA} for the smoke run; add kaggle.local: "
         "{gemma: path/to/a/stand-in} (a smaller model of the same architecture will do)")

@@ -188,7 +188,7 @@ def test_a_job_names_its_refused_notebook_line_in_one_error(tmp_path):
     (tmp_path / "train.ipynb").write_bytes(notebook("import torch", "%%capture\n!pip install -q timm"))
     (tmp_path / "job.yaml").write_text("name: pip-notebook\ncode: train.ipynb\n")
     result = invoke("render", tmp_path / "job.yaml", "-o", tmp_path / "out")
-    assert result.exit_code == 2
+    assert result.exit_code == 10
     assert error_line(result) == (
         f"Error: {tmp_path / 'job.yaml'}: code: train.ipynb cell 2, line 2 `!pip install -q timm`: a package "
         "install; Kaggle's image has the common packages: delete the line, or attach the wheels as a dataset "

@@ -7,6 +7,7 @@ import torch
 from helpers import make_run
 from torch.utils.data import TensorDataset
 
+from kchain.runtime import preflight
 from kchain.runtime.preflight import PreflightError
 
 
@@ -36,6 +37,16 @@ def test_check_catches_out_of_range_labels_and_shapes(tmp_path, capsys):
               label_dtype=torch.int64)
     assert capsys.readouterr().out.count("check ok:") == 4
     run.close()
+
+
+def test_a_quiet_check_still_refuses_and_prints_nothing(capsys):
+    """Ranks other than the main one check quietly: the main rank's lines are theirs too."""
+    x = torch.randn(8, 20)
+    preflight.check_batch((x, torch.arange(8)), x_shape=(None, 20), num_classes=10, quiet=True)
+    preflight.check_splits({"train": x[:4], "val": x[4:]}, quiet=True)
+    assert capsys.readouterr().out == ""
+    with pytest.raises(PreflightError, match=r"inputs have shape \(8, 20\); expected \(any, 21\)"):
+        preflight.check_batch((x, torch.arange(8)), x_shape=(None, 21), quiet=True)
 
 
 def test_check_catches_train_val_overlap_and_prints_counts(tmp_path, capsys):

@@ -246,13 +246,13 @@ def test_a_name_too_long_for_its_state_dataset_and_a_tpu_are_refused_before_any_
     job = small_job(tmp_path)
     job.write_text(job.read_text().replace(f"name: {NAME}", f"name: {long_name}"))
     result = invoke("push", job, "--skip-smoke")
-    assert result.exit_code == 2
+    assert result.exit_code == 10
     assert error_line(result) == (
         f"Error: {job}: name: '{long_name}' is 47 characters; use 5-44, so that <name>-state and <name>-cache "
         "fit Kaggle's 6-50 character dataset slugs")
     tpu = small_job(tmp_path / "tpu", kaggle={"accelerator": "tpu"})
     result = invoke("push", tpu, "--skip-smoke")
-    assert result.exit_code == 2
+    assert result.exit_code == 10
     assert error_line(result) == (
         f"Error: {tpu}: kaggle.accelerator: the runtime does not support TPUs yet; use gpu or none")
     assert sum(emulator.calls.values()) == 0

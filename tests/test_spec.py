@@ -96,14 +96,14 @@ def test_local_inputs_must_be_attached(tmp_path):
         load_job(path)
 
 
-def test_cli_prints_one_error_line_and_exits_2(tmp_path):
+def test_cli_prints_one_error_line_and_exits_10(tmp_path):
     path = write(tmp_path, GOOD + "train:\n  keep: 0\n")
     result = invoke("render", path, "-o", tmp_path / "out")
-    assert result.exit_code == 2
+    assert result.exit_code == 10
     assert error_line(result).startswith(f"Error: {path}: train.keep: ")
     assert "Traceback" not in result.output
     result = invoke("smoke", tmp_path / "missing.yaml")
-    assert result.exit_code == 2
+    assert result.exit_code == 10
     assert error_line(result) == f"Error: {tmp_path / 'missing.yaml'}: no such job file; pass the path of your job.yaml"
 
 

@@ -107,7 +107,7 @@ def test_render_is_pure_keeps_the_guards_and_says_the_contract(tmp_path, monkeyp
 def test_a_bad_target_section_is_one_line_naming_the_key_and_the_fix(tmp_path, sections, line):
     path = code_job(tmp_path, **sections)
     result = invoke("render", path)
-    assert result.exit_code == 2, result.output
+    assert result.exit_code == 10, result.output
     assert error_line(result) == f"Error: {path}: {line}"
 
 

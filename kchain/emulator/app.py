@@ -11,6 +11,7 @@ switches (`emu.faults`) and a few read-only views for tests (`sessions()`, `data
 
 from __future__ import annotations
 
+import errno
 import secrets as _secrets
 import shutil
 import sys
@@ -27,6 +28,7 @@ from kchain.emulator.server import EmulatorHTTPServer, free_closed_port
 from kchain.emulator.sessions import SessionRunner
 from kchain.emulator.state import Store, model_key
 from kchain.emulator.switches import Limits, Switches
+from kchain.errors import KchainError
 from kchain.kernel_states import LIVE, TERMINAL
 
 
@@ -240,7 +242,12 @@ def serve(state_dir: str | Path, port: int = 0, users: dict[str, str] | None = N
     if not users and not tokens:
         users = {"kchain": _secrets.token_hex(16)}
     emu = Emulator(state_dir, users=users, tokens=tokens, port=port, faults=faults, **options)
-    emu.start()
+    try:
+        emu.start()
+    except OSError as exc:
+        emu.stop()
+        what = "is in use (another emulator?)" if exc.errno == errno.EADDRINUSE else f"cannot be served: {exc.strerror}"
+        raise KchainError(f"port {port} on 127.0.0.1 {what}; pass another --port, or --port 0 for a free one") from None
     user = next(iter(users), None)
     print(f"# Kaggle emulator on {emu.url}, state in {Path(state_dir).resolve()}", file=out)
     for name, value in emu.env(user).items():

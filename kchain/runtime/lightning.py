@@ -88,8 +88,8 @@ def framework():
         try:
             import lightning.pytorch as pl
         except ImportError:
-            raise LightningSetupError("run.lightning_callback(): Lightning is not installed; pip install "
-                                      "pytorch-lightning (or lightning)") from None
+            raise LightningSetupError("run.lightning_callback(): Lightning is not installed; on the laptop: "
+                                      "pip install 'kchain[lightning]' (Kaggle's image has it)") from None
     return pl
 
 

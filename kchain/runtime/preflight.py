@@ -1,7 +1,8 @@
 """Preflight checks: cheap tests of the values the training code hands over, before the loop.
 
 Each failure raises PreflightError saying what was expected and what was found; each success prints
-one line, so the log shows what was checked.
+one line, so the log shows what was checked (on the main rank only, quiet=True elsewhere: every rank
+checks its own batch, and identical lines from each rank would only repeat).
 """
 
 from __future__ import annotations
@@ -39,8 +40,9 @@ def check_worker_tmpdir(num_workers: int) -> None:
         )
 
 
-def _ok(msg: str) -> None:
-    print(f"[kchain] check ok: {msg}", flush=True)
+def _say(line: str, quiet: bool) -> None:
+    if not quiet:
+        print(f"[kchain] {line}", flush=True)
 
 
 def _as_tensor(v, what: str) -> torch.Tensor:
@@ -55,7 +57,7 @@ def _shape_ok(shape: tuple, want: tuple) -> bool:
     return len(shape) == len(want) and all(w is None or w == s for s, w in zip(shape, want, strict=True))
 
 
-def check_batch(batch, x_shape=None, x_dtype=None, num_classes=None, label_dtype=None) -> None:
+def check_batch(batch, x_shape=None, x_dtype=None, num_classes=None, label_dtype=None, quiet=False) -> None:
     if isinstance(batch, (tuple, list)):
         x, y = batch[0], (batch[1] if len(batch) > 1 else None)
     else:
@@ -66,11 +68,11 @@ def check_batch(batch, x_shape=None, x_dtype=None, num_classes=None, label_dtype
         if not _shape_ok(tuple(x.shape), want):
             shown = "(" + ", ".join("any" if w is None else str(w) for w in want) + ")"
             raise PreflightError(f"inputs have shape {tuple(x.shape)}; expected {shown}")
-        _ok(f"inputs shape {tuple(x.shape)}")
+        _say(f"check ok: inputs shape {tuple(x.shape)}", quiet)
     if x_dtype is not None:
         if x.dtype != x_dtype:
             raise PreflightError(f"inputs have dtype {x.dtype}; expected {x_dtype}")
-        _ok(f"inputs dtype {x.dtype}")
+        _say(f"check ok: inputs dtype {x.dtype}", quiet)
     if y is None or (num_classes is None and label_dtype is None):
         return
     y = _as_tensor(y, "batch[1] (labels)")
@@ -80,14 +82,14 @@ def check_batch(batch, x_shape=None, x_dtype=None, num_classes=None, label_dtype
         raise PreflightError(
             f"labels have dtype {y.dtype}; cross-entropy needs an integer class index ({label_dtype or torch.int64})"
         )
-    _ok(f"labels dtype {y.dtype}")
+    _say(f"check ok: labels dtype {y.dtype}", quiet)
     if num_classes is not None and y.numel():
         lo, hi = int(y.min()), int(y.max())
         if lo < 0 or hi >= num_classes:
             raise PreflightError(
                 f"labels range over [{lo}, {hi}]; with num_classes={num_classes} they must be in [0, {num_classes})"
             )
-        _ok(f"labels in [{lo}, {hi}] within [0, {num_classes})")
+        _say(f"check ok: labels in [{lo}, {hi}] within [0, {num_classes})", quiet)
 
 
 def _row_hash(row, h) -> None:
@@ -121,9 +123,8 @@ def _sample_hashes(data, n: int = SAMPLE_ROWS) -> set[bytes]:
     return out
 
 
-def check_splits(splits: dict) -> None:
-    counts = " | ".join(f"{name} {len(data):,}" for name, data in splits.items())
-    print(f"[kchain] splits: {counts}", flush=True)
+def check_splits(splits: dict, quiet=False) -> None:
+    _say("splits: " + " | ".join(f"{name} {len(data):,}" for name, data in splits.items()), quiet)
     for name, data in splits.items():
         if len(data) == 0:
             raise PreflightError(f"split {name!r} is empty; expected at least one row")
@@ -135,4 +136,4 @@ def check_splits(splits: dict) -> None:
                 f"splits {a!r} and {b!r} share {len(shared)} of {min(len(hashes[a]), len(hashes[b]))} sampled rows; "
                 "expected none (trained on the wrong split?)"
             )
-    _ok(f"no overlap between {', '.join(splits)} (sampled up to {SAMPLE_ROWS} rows each)")
+    _say(f"check ok: no overlap between {', '.join(splits)} (sampled up to {SAMPLE_ROWS} rows each)", quiet)

@@ -424,9 +424,9 @@ class Run:
         """
         before, self._progress.phase = self._progress.phase, "preflight"
         if splits:
-            preflight.check_splits(splits)
+            preflight.check_splits(splits, quiet=not self.is_main)
         if batch is not None:
-            preflight.check_batch(batch, x_shape, x_dtype, num_classes, label_dtype)
+            preflight.check_batch(batch, x_shape, x_dtype, num_classes, label_dtype, quiet=not self.is_main)
         self._progress.phase = before
 
     # --- the loop -------------------------------------------------------------------------------

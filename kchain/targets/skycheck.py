@@ -1,8 +1,8 @@
 """SkyPilot's own check of a rendered work folder: `python skycheck.py FOLDER STORE BUCKET`.
 
-Standard library and SkyPilot only, so any Python that has SkyPilot runs it: kchain's own (`pip
-install 'kchain[skypilot]'`) or SkyPilot's (`pipx install skypilot==0.14.1`, which keeps its pin of
-click<8.2 out of kchain's environment). It reads the task as `sky jobs launch` does
+Standard library and SkyPilot only, so any Python that has SkyPilot runs it: SkyPilot's own
+(`pipx install skypilot==0.14.1` or `uv tool install skypilot==0.14.1`, which keep its pin of click<8.2
+out of kchain's environment), or kchain's if SkyPilot was installed there. It reads the task as `sky jobs launch` does
 (`sky.Task.from_yaml` in the work folder, `Task.validate()`) and checks the bucket name with the
 store's own validator. Validation reads SkyPilot's accelerator catalog from
 $SKY_RUNTIME_DIR/.sky/catalogs/ (SkyPilot downloads it on first use; the tests ship a small copy).

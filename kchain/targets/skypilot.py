@@ -38,7 +38,8 @@ STATE_MOUNT = "/kchain-state"  # where every node mounts the bucket
 ROOT = "$HOME/kchain-root"  # the runtime's root on the machine's own disk (input/, working/)
 # A managed job has no session limit; the runtime's clock needs one: 30 days.
 NO_LIMIT_S = 30 * 86400
-INSTALL = "pip install 'kchain[skypilot]'"
+# In an environment of its own: skypilot 0.14.1 pins click<8.2, and kchain never imports it.
+INSTALL = "pipx install skypilot==0.14.1 (or uv tool install skypilot==0.14.1)"
 # The work folder is uploaded whole: without a .skyignore SkyPilot applies the enclosing git repo's
 # ignores, and .kchain/ (where push writes the folder) is ignored in most.
 SKYIGNORE = ".skyignore"
@@ -151,7 +152,7 @@ def check_task(folder: Path, store: str, bucket: str, python: str | None = None)
     SkyPilot's version."""
     python = python or sky_python()
     if python is None:
-        raise RenderError(f"SkyPilot is not installed: {INSTALL} (or pipx install skypilot==0.14.1)")
+        raise RenderError(f"SkyPilot is not installed: {INSTALL}")
     done = subprocess.run([python, str(CHECKER), str(folder.resolve()), store, bucket],
                           text=True, capture_output=True, check=False)
     verdict = (done.stdout.strip().splitlines() or [f"error {(done.stderr.strip().splitlines() or [''])[-1]}"])[-1]

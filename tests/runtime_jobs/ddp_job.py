@@ -16,6 +16,7 @@ def main(run):
     g = torch.Generator().manual_seed(99)
     x = torch.randn(p.get("rows", 64), 6, generator=g)
     y = (x @ torch.randn(6, 3, generator=g)).argmax(1)
+    run.check(batch=(x[:8], y[:8]), x_shape=(None, 6), num_classes=3)  # each rank checks; the main rank says so
     model = run.wrap(nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Dropout(p.get("dropout", 0.0)), nn.Linear(16, 3)))
     opt = torch.optim.SGD(model.parameters(), lr=p.get("lr", 0.1), momentum=0.9)
     trainer = run.optimize(opt)

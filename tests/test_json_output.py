@@ -1,0 +1,80 @@
+"""`kchain status`, `runs` and `budget` with --json: one JSON document each, in the shape README's
+"Machine-readable output" documents (a script's contract: keys are only ever added)."""
+
+from __future__ import annotations
+
+import json
+from datetime import timedelta
+
+from helpers import JOBS, invoke
+
+from kchain.ledger import Ledger, iso, now_utc, state_dir
+from kchain.spec import load_job
+
+JOB = JOBS / "tinygpt" / "job.yaml"
+
+
+def a_week_of_sessions() -> tuple[str, Ledger]:
+    """A chain of two ended GPU sessions this week, as the ledger keeps them (nothing live to ask Kaggle)."""
+    name = load_job(JOB).name
+    ledger = Ledger(state_dir(JOB))
+    start = now_utc() - timedelta(hours=3)
+    ledger.save_session(name, {
+        "session": 1, "kernel": f"alice/{name}", "version": 1, "status": "COMPLETE", "gpu": True,
+        "started": iso(start), "ended": iso(start + timedelta(hours=1)), "step": 100, "total": 300,
+        "end_status": "saved", "summary": {"status": "saved", "step": 100, "total": 300, "steps_per_s": 0.05}})
+    ledger.save_session(name, {
+        "session": 2, "kernel": f"alice/{name}", "version": 2, "status": "ERROR", "gpu": True,
+        "started": iso(start + timedelta(hours=1)), "ended": iso(start + timedelta(hours=1, minutes=30)),
+        "step": 120, "total": 300, "error": {"type": "RuntimeError", "message": "shape mismatch"}})
+    return name, ledger
+
+
+def document(*args: object) -> dict:
+    result = invoke(*args, "--json")
+    assert result.exit_code == 0, result.output
+    return json.loads(result.output)
+
+
+def test_status_json(tmp_path):
+    name, _ = a_week_of_sessions()
+    status = document("status", JOB)
+    assert list(status) == ["job", "sessions", "gpu_hours", "warnings"]
+    assert status["job"] == name and status["warnings"] == []
+    first, second = status["sessions"]
+    assert list(first) == ["session", "version", "status", "started", "ended", "duration_s", "step", "total",
+                           "stale", "note"]
+    assert (first["session"], first["version"], first["status"], first["step"], first["total"]) == (1, 1, "COMPLETE",
+                                                                                                   100, 300)
+    assert first["duration_s"] == 3600.0 and first["stale"] is False and first["note"] == "saved"
+    assert (second["status"], second["note"]) == ("ERROR", "RuntimeError: shape mismatch")
+    assert list(status["gpu_hours"]) == ["used", "weekly", "left"]
+    assert abs(status["gpu_hours"]["used"] - 1.5) < 0.01 and status["gpu_hours"]["weekly"] == 30
+
+
+def test_budget_json(tmp_path):
+    name, _ = a_week_of_sessions()
+    budget = document("budget", JOB)
+    assert list(budget) == ["job", "week_start", "weekly_gpu_hours", "sessions", "left", "remaining"]
+    assert (budget["job"], budget["weekly_gpu_hours"]) == (name, 30)
+    assert [list(s) for s in budget["sessions"]] == [["job", "session", "gpu_hours", "left_after", "outcome"]] * 2
+    assert [s["outcome"] for s in budget["sessions"]] == ["saved at step 100", "error"]
+    assert abs(budget["left"] - 28.5) < 0.01 and abs(budget["sessions"][0]["left_after"] - 29.0) < 0.01
+    # From the last session with a summary: 200 steps to go at 0.05 steps/s.
+    assert budget["remaining"] == {"steps": 200, "steps_per_s": 0.05, "gpu_hours": 200 / 0.05 / 3600, "sessions": 1}
+
+
+def test_runs_json(tmp_path):
+    assert document("runs", JOB) == {"runs": [], "best": None}
+    ledger = Ledger(state_dir(JOB))
+    ledger.append_run(run_id="r1", channel="smoke", job="j", config="abc", steps=4, val="0.9", checkpoint="c1", note="")
+    ledger.append_run(run_id="r2", channel="kaggle", job="j", config="abc", steps=400, val="0.35", checkpoint="c2",
+                      note="died, resumed")
+    ledger.append_run(run_id="r3", channel="kaggle", job="j", config="abc", steps=None, val=None, checkpoint="",
+                      note="")
+    runs = document("runs", JOB)
+    assert runs["best"] == "r2"
+    assert [list(r) for r in runs["runs"]] == [["run_id", "date", "channel", "job", "config", "steps", "val",
+                                                "checkpoint", "note"]] * 3
+    assert [(r["run_id"], r["steps"], r["val"]) for r in runs["runs"]] == [("r1", 4, 0.9), ("r2", 400, 0.35),
+                                                                          ("r3", None, None)]

@@ -361,6 +361,29 @@ def plot(job: Path, out: Path | None) -> None:
 
 @cli.command()
 @JOB
+@click.option("--best", "which", flag_value="best", help="The kept best checkpoint's weights (train.keep_best).")
+@click.option("--final", "which", flag_value="final", default=True, help="The finished chain's final weights (default).")
+@click.option("--step", type=click.IntRange(min=0), default=None, metavar="N", help="The weights of step N, if kept.")
+@click.option("-o", "--out", type=click.Path(path_type=Path), default=None,
+              help="Folder to write (default: <name>-best, -final or -step-N beside the job file).")
+@click.option("--force", is_flag=True, help="Replace a folder that is not empty.")
+def pull(job: Path, which: str, step: int | None, out: Path | None, force: bool) -> None:
+    """Bring the chain's weights home from its newest state version, verified, as a plain folder:
+    model.safetensors, metrics.json, and (--final) what the last session wrote under run.export_dir.
+
+    \b
+    Example:
+      kchain pull jobs/tinygpt/job.yaml --best -o tinygpt-best
+      kchain pull jobs/tinygpt/job.yaml --step 1200
+    """
+    from kchain.pull import Want, pull_for
+
+    for line in pull_for(job, Want("step", step) if step is not None else Want(which), out, force, click.echo):
+        click.echo(line)
+
+
+@cli.command()
+@JOB
 @click.option("--session-limit", type=Seconds(1.0, 12 * 3600.0), default=20.0, show_default=True,
               help="Seconds per emulated session (longer when session 1 shows the chain would need many).")
 @click.option("--kills", type=click.IntRange(0, 100), default=1, show_default=True,

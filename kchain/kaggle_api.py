@@ -493,6 +493,14 @@ class KaggleClient:
                 self._ref(ref, version), str(dest), force=True, quiet=not self.progress, unzip=unzip))
         return dest
 
+    def download_dataset_file(self, ref: str, version: int | None, name: str, dest: str | Path) -> Path:
+        """One file of a dataset version into dest (a large file the server sent zipped is unzipped)."""
+        dest = Path(dest)
+        with contextlib.redirect_stdout(io.StringIO()):
+            self._call("download dataset file", lambda: self.api.dataset_download_file(
+                self._ref(ref, version), name, str(dest), force=True, quiet=not self.progress, unzip=True))
+        return dest / name
+
     # -- models -------------------------------------------------------------------------------
 
     def model_versions(self, instance: str, page_size: int = 50) -> list[int]:

@@ -114,7 +114,7 @@ def test_the_plan_line_says_the_best_costs_a_whole_checkpoint(tmp_path, capsys):
     train(ckpt, progress, trace, model, {2: 0.5})
     trace.close()
     plan = next(line for line in capsys.readouterr().out.splitlines() if "checkpoint plan:" in line)
-    assert "the best val_loss (inferred) kept whole (train.keep_best: up to" in plan
+    assert "the best by val_loss kept whole (train.keep_best: up to" in plan
 
 
 @pytest.mark.parametrize(("value", "want"), [

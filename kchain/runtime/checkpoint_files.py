@@ -38,6 +38,8 @@ ATTACHED_KEY = "attached"
 # The manifest key of the best checkpoint so far (train.keep_best, keepbest.py): {metric, mode, value,
 # step}. Pruning spares that step's folder; the end state carries it beside the newest.
 BEST_KEY = "keep_best"
+# The manifest key naming the tracked objects that are torch modules (`kchain pull` writes their weights).
+MODULES_KEY = "modules"
 
 
 class ResumeError(Exception):

@@ -28,6 +28,7 @@ from .checkpoint import CheckpointJob, Writer, check_compatible, find_and_load, 
 from .checkpoint_files import (
     ATTACHED_KEY,
     BEST_KEY,
+    MODULES_KEY,
     WRITE_SLACK,
     CheckpointsDamaged,
     CheckpointTooLarge,
@@ -357,7 +358,8 @@ class Checkpointer:
             say(pruned)
         trace.flush()
         manifest = {"job": self.policy.job, "step": progress.step, "time": time.time(), "session": progress.session,
-                    **self.policy.manifest, ladder.MANIFEST_KEY: self.rung.halvings}
+                    **self.policy.manifest, ladder.MANIFEST_KEY: self.rung.halvings,
+                    MODULES_KEY: [n for n, o in self.tracked.items() if isinstance(distributed.unwrap(o), torch.nn.Module)]}
         left_out = self.frozen.record()
         if left_out:
             manifest[frozen.MANIFEST_KEY] = left_out
@@ -424,7 +426,7 @@ class Checkpointer:
         best = ""
         if self.best.choice is not None:
             # The whole checkpoint, optimizer included: one kind of checkpoint, verified like the others.
-            best = (f" + the best {self.best.choice.describe(live.get('best'))} kept whole (train.keep_best: "
+            best = (f" + the best by {self.best.choice.describe(live.get('best'))} kept whole (train.keep_best: "
                     f"up to {gb(size)} more per state version)")
         say(f"checkpoint plan: {gb(size)} per checkpoint, keep {self.policy.keep}{best} + 1 being written = "
             f"{gb(peak)} ({gb(free + ours)} available) {room}; {mode}: {why}")

@@ -33,9 +33,9 @@ class Choice:
     mode: str | None = None  # 'min' or 'max'; None: by the name (a loss, an error: min)
 
     def describe(self, trace_best: dict | None = None) -> str:
-        metric = self.metric or (trace_best or {}).get("name") or "the first val* metric logged"
-        mode = self.mode or "inferred"
-        return f"{metric} ({mode})"
+        """'val_acc (max)', 'val_loss' (mode by its name), 'the first val* metric' (none logged yet)."""
+        metric = self.metric or (trace_best or {}).get("name") or "the first val* metric"
+        return f"{metric} ({self.mode})" if self.mode else metric
 
 
 def parse(value) -> Choice | None:

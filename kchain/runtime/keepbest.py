@@ -85,3 +85,18 @@ class KeepBest:
         if old is None or old.get("metric") != metric or better(value, float(old["value"]), mode):
             self.record = {"metric": metric, "mode": mode, "value": value, "step": step}
         return self.record
+
+
+def adopt(keeper: KeepBest, metric: str, mode: str, setting: str) -> str:
+    """A framework's own best-model setting (`setting`, in its words) onto train.keep_best; the line to say.
+
+    job.yaml's explicit keep_best (or off) wins; the default follows the framework's metric and mode.
+    """
+    if keeper.choice is None:
+        return f"{setting} is not applied: train.keep_best is off"
+    if keeper.choice != Choice():
+        return (f"{setting} is not applied: train.keep_best names {keeper.choice.describe()}, which applies"
+                if (keeper.choice.metric, keeper.choice.mode) != (metric, mode) else f"{setting} is train.keep_best's")
+    keeper.choice = Choice(metric, mode)
+    return (f"{setting} maps onto train.keep_best: the checkpoint with the best {metric} ({mode}) is kept beside "
+            "the newest, at the steps a checkpoint is saved; `kchain pull --best` brings its weights home")

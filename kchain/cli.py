@@ -384,6 +384,30 @@ def pull(job: Path, which: str, step: int | None, out: Path | None, force: bool)
 
 @cli.command()
 @JOB
+@click.option("--best", "which", flag_value="best", help="Release the kept best checkpoint's weights.")
+@click.option("--final", "which", flag_value="final", default=True, help="Release the final weights (default).")
+@click.option("--model", default=None, metavar="OWNER/MODEL/FRAMEWORK/VARIATION", help="The Kaggle Model variation.")
+@click.option("--dataset", default=None, metavar="OWNER/SLUG", help="A dataset instead of a model.")
+@click.option("--public", is_flag=True, help="Make a new model public (default: private).")
+@click.option("--license", "license_name", default="Apache 2.0", show_default=True, help="A new variation's licence.")
+def release(job: Path, which: str, model: str | None, dataset: str | None, public: bool, license_name: str) -> None:
+    """Publish the pulled weights (model.safetensors, metrics.json, export/) as a new Kaggle Model
+    version, sent exactly once, with a card in its description; prints the model_sources line.
+
+    \b
+    Example:
+      kchain release jobs/tinygpt/job.yaml --best --model alice/tiny-gpt/pytorch/default
+      kchain release jobs/tinygpt/job.yaml --dataset alice/tiny-gpt-weights
+    """
+    from kchain.pull import Want
+    from kchain.release import release as run_release
+
+    for line in run_release(job, Want(which), model, dataset, public, license_name, click.echo):
+        click.echo(line)
+
+
+@cli.command()
+@JOB
 @click.option("--session-limit", type=Seconds(1.0, 12 * 3600.0), default=20.0, show_default=True,
               help="Seconds per emulated session (longer when session 1 shows the chain would need many).")
 @click.option("--kills", type=click.IntRange(0, 100), default=1, show_default=True,

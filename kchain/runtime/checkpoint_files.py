@@ -432,7 +432,10 @@ def bring_best(resumed: Path, manifest: dict, checkpoints: Path) -> str | None:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         for file in [*kept["files"], layout.MANIFEST]:  # the manifest last, as every writer does
-            shutil.copyfile(src / (prefix + file), tmp / file)
+            try:
+                os.link(src / (prefix + file), tmp / file)  # same disk (a local resume): no copy
+            except OSError:
+                shutil.copyfile(src / (prefix + file), tmp / file)
         os.replace(tmp, checkpoints / name)
         fsync_path(checkpoints)
         return f"kept best checkpoint {name} ({kept[BEST_KEY]['metric']} {kept[BEST_KEY]['value']}) brought along " \

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from click.testing import CliRunner
 from emulator_helpers import USER, emulator, kaggle_api, wait_dataset_ready  # noqa: F401  (fixtures)
 from test_pull import job_file, publish_state
 
 from kchain.cli import cli
-from kchain.kaggle_api import KaggleClient
+from kchain.errors import KaggleError
+from kchain.kaggle_api import KaggleClient, missing
 from kchain.models import model_problem
 from kchain.pull import Want
 from kchain.release import release
@@ -58,3 +60,25 @@ def test_a_model_slug_kaggle_refuses_is_one_line_and_creates_nothing(emulator, k
                              "'Tiny_GPT'; use 3-50 lowercase letters, digits and single dashes inside, e.g. --model "
                              "alice/tiny-gpt/pytorch/default\n")
     assert emulator.store.data.get("model_cards", {}) == {}
+
+
+def test_a_new_version_is_not_mountable_while_processed_and_a_missing_model_reads_as_forbidden(emulator, tmp_path):  # noqa: F811
+    client = KaggleClient()
+    assert not client.model_exists(f"{USER}/nothing-here")
+    with pytest.raises(KaggleError) as e:
+        client.model_versions(f"{USER}/nothing-here/pytorch/default")
+    assert missing(e.value) and "403" in str(e.value)
+    emulator.faults.processing_s = 3600.0  # processed long after this test
+    folder = tmp_path / "release"
+    folder.mkdir()
+    (folder / "model.safetensors").write_bytes(b"weights")
+    (folder / "model-metadata.json").write_text(json.dumps({
+        "ownerSlug": USER, "slug": "slow-model", "title": "Slow Model", "isPrivate": True, "description": "d"}))
+    client.create_model(folder)
+    (folder / "model-instance-metadata.json").write_text(json.dumps({
+        "ownerSlug": USER, "modelSlug": "slow-model", "instanceSlug": "default", "framework": "pytorch",
+        "licenseName": "Apache 2.0"}))
+    client.create_model_instance(folder)
+    instance = f"{USER}/slow-model/pytorch/default"
+    assert emulator.model_versions(instance) == [1] and client.model_versions(instance) == []
+    assert model_problem(client, f"{instance}/1") is not None  # a push would list it as an invalid source

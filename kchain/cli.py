@@ -399,6 +399,53 @@ def plot(job: Path, out: Path | None) -> None:
 
 @cli.command()
 @JOB
+@click.option("--best", "which", flag_value="best", help="The kept best checkpoint's weights (train.keep_best).")
+@click.option("--final", "which", flag_value="final", default=True, help="The finished chain's final weights (default).")
+@click.option("--step", type=click.IntRange(min=0), default=None, metavar="N", help="The weights of step N, if kept.")
+@click.option("-o", "--out", type=click.Path(path_type=Path), default=None,
+              help="Folder to write (default: <name>-best, -final or -step-N beside the job file).")
+@click.option("--force", is_flag=True, help="Replace a folder that is not empty.")
+def pull(job: Path, which: str, step: int | None, out: Path | None, force: bool) -> None:
+    """Bring the chain's weights home from its newest state version, verified, as a plain folder:
+    model.safetensors, metrics.json, and (--final) what the last session wrote under run.export_dir.
+
+    \b
+    Example:
+      kchain pull myjob/job.yaml --best -o myjob-best
+      kchain pull myjob/job.yaml --step 1200
+    """
+    from kchain.pull import Want, pull_for
+
+    for line in pull_for(job, Want("step", step) if step is not None else Want(which), out, force, click.echo):
+        click.echo(line)
+
+
+@cli.command()
+@JOB
+@click.option("--best", "which", flag_value="best", help="Release the kept best checkpoint's weights.")
+@click.option("--final", "which", flag_value="final", default=True, help="Release the final weights (default).")
+@click.option("--model", default=None, metavar="OWNER/MODEL/FRAMEWORK/VARIATION", help="The Kaggle Model variation.")
+@click.option("--dataset", default=None, metavar="OWNER/SLUG", help="A dataset instead of a model.")
+@click.option("--public", is_flag=True, help="Make a new model public (default: private).")
+@click.option("--license", "license_name", default="Apache 2.0", show_default=True, help="A new variation's licence.")
+def release(job: Path, which: str, model: str | None, dataset: str | None, public: bool, license_name: str) -> None:
+    """Publish the pulled weights (model.safetensors, metrics.json, export/) as a new Kaggle Model
+    version, sent exactly once, with a card in its description; prints the model_sources line.
+
+    \b
+    Example:
+      kchain release myjob/job.yaml --best --model alice/tiny-gpt/pytorch/default
+      kchain release myjob/job.yaml --dataset alice/tiny-gpt-weights
+    """
+    from kchain.pull import Want
+    from kchain.release import release as run_release
+
+    for line in run_release(job, Want(which), model, dataset, public, license_name, click.echo):
+        click.echo(line)
+
+
+@cli.command()
+@JOB
 @click.option("--sessions", type=click.IntRange(1, 100), default=3, show_default=True,
               help="The run's total cut into this many spans: each session stops at a planned step, the same on any "
                    "machine (more with the kills).")

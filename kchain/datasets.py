@@ -59,9 +59,14 @@ def ensure_dataset(client: KaggleClient, ref: str, title: str, echo: Echo, attem
 
 
 def _appears(client: KaggleClient, ref: str, within_s: float, poll_s: float = 1.0) -> bool:
+    return until(lambda: client.dataset_exists(ref), within_s, poll_s)
+
+
+def until(check: Callable[[], bool], within_s: float, poll_s: float = 1.0) -> bool:
+    """Whether `check()` came true within `within_s` (how a lost answer is settled: by reading)."""
     deadline = time.monotonic() + within_s
     while True:
-        if client.dataset_exists(ref):
+        if check():
             return True
         if time.monotonic() > deadline:
             return False

@@ -46,7 +46,8 @@ MISSING_CREDENTIALS = ("Kaggle credentials not found: put kaggle.json in ~/.kagg
 REJECTED_CREDENTIALS = ("Kaggle rejected the credentials (HTTP 401): check KAGGLE_USERNAME and KAGGLE_KEY (or "
                         "KAGGLE_API_TOKEN, or kaggle.json), or create a new API token on kaggle.com/settings")
 # RPCs that create something: an ambiguous failure after sending them must not be retried blindly.
-CREATING_RPCS = ("/SaveKernel", "/CreateDataset", "/CreateDatasetVersion", "/CreateDatasetVersionById")
+CREATING_RPCS = ("/SaveKernel", "/CreateDataset", "/CreateDatasetVersion", "/CreateDatasetVersionById",
+                 "/CreateModel", "/CreateModelInstance", "/CreateModelInstanceVersion")
 # The same calls as the SDK's client methods. kaggle 2.2.5 passes create_dataset and
 # create_dataset_version[_by_id] through its own `KaggleApi.with_retry` (up to 10 attempts), which
 # re-sends on a connection error even when Kaggle acted before the connection broke: one lost answer,
@@ -493,7 +494,50 @@ class KaggleClient:
                 self._ref(ref, version), str(dest), force=True, quiet=not self.progress, unzip=unzip))
         return dest
 
+    def download_dataset_file(self, ref: str, version: int | None, name: str, dest: str | Path) -> Path:
+        """One file of a dataset version into dest (a large file the server sent zipped is unzipped)."""
+        dest = Path(dest)
+        with contextlib.redirect_stdout(io.StringIO()):
+            self._call("download dataset file", lambda: self.api.dataset_download_file(
+                self._ref(ref, version), name, str(dest), force=True, quiet=not self.progress, unzip=True))
+        return dest / name
+
     # -- models -------------------------------------------------------------------------------
+
+    def model_exists(self, model: str) -> bool:
+        """Whether `owner/model` exists and this account sees it (403 and 404 read as no)."""
+        try:
+            self._call("model", lambda: self.api.model_get(model))
+        except KaggleError as exc:
+            if missing(exc):
+                return False
+            raise
+        return True
+
+    def _model_created(self, what: str, resp: Any) -> None:
+        error = getattr(resp, "error", "") or ""
+        if error:
+            raise KaggleError(f"Kaggle refused to {what}: {error}")
+
+    def create_model(self, folder: str | Path) -> None:
+        """The model folder/model-metadata.json describes (the card its variations hang under)."""
+        with contextlib.redirect_stdout(io.StringIO()):
+            resp = self._call("create model", lambda: self.api.model_create_new(str(folder)), creating=True)
+        self._model_created(f"create the model in {folder}", resp)
+
+    def create_model_instance(self, folder: str | Path) -> None:
+        """The variation folder/model-instance-metadata.json describes, with folder's files as version 1."""
+        with contextlib.redirect_stdout(io.StringIO()):
+            resp = self._call("create model instance", lambda: self.api.model_instance_create(
+                str(folder), quiet=not self.progress, dir_mode="zip"), creating=True)
+        self._model_created(f"create the model variation in {folder}", resp)
+
+    def create_model_instance_version(self, instance: str, folder: str | Path, notes: str) -> None:
+        """folder's files as a new version of `owner/model/framework/variation`."""
+        with contextlib.redirect_stdout(io.StringIO()):
+            resp = self._call("create model version", lambda: self.api.model_instance_version_create(
+                instance, str(folder), notes, quiet=not self.progress, dir_mode="zip"), creating=True)
+        self._model_created(f"version {instance}", resp)
 
     def model_versions(self, instance: str, page_size: int = 50) -> list[int]:
         """The version numbers of a model variation, `owner/model/framework/variation`, every page of

@@ -320,7 +320,10 @@ def runs_lines(ledger: Ledger) -> list[str]:
                      f"{r['steps']:>6} {r['val']:>9}  {r['checkpoint']:<30} {r['note']}")
     best = best_run(rows)
     if best:
-        lines.append(f"best so far: {best['run_id']} at val {best['val']}, checkpoint {best['checkpoint']}")
+        # Not the row's checkpoint column: that is the run's last checkpoint, not the best step's, and a
+        # later session may have pruned it. The kept best (train.keep_best) travels in the state.
+        lines.append(f"best so far: {best['run_id']} at val {best['val']} (job {best['job']}); "
+                     "its best step's weights: kchain pull <job.yaml> --best")
     elif not rows:
         lines.append("the run log is empty: `kchain smoke job.yaml` writes its first line")
     return lines

@@ -183,6 +183,24 @@ def _positive_duration(value: str | int | float, allow_zero_text: bool = False) 
     return seconds
 
 
+class KeepBestSpec(_Strict):
+    """`train.keep_best: {metric: val_acc, mode: max}`: the metric whose best checkpoint is kept."""
+
+    metric: str
+    mode: Literal["min", "max"] | None = None  # None: by the name (a loss, an error: min; else max)
+
+    @field_validator("metric")
+    @classmethod
+    def _metric(cls, value: str) -> str:
+        return _metric_name(value)
+
+
+def _metric_name(value: str) -> str:
+    if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_./-]{0,99}", value):
+        raise ValueError(f"{shown(value)} is not a metric name; write the name run.log uses, e.g. val_loss, or off")
+    return value
+
+
 class TrainSpec(_Strict):
     # The defaults live with the runtime's parsers (kchain/runtime/settings.py): one meaning each.
     checkpoint_every: str | int | float = settings.CHECKPOINT_EVERY
@@ -199,6 +217,27 @@ class TrainSpec(_Strict):
     # true: every checkpoint holds the frozen parameters too (by default a fine-tune's frozen base is
     # left out and fingerprinted in the manifest: runtime/frozen.py).
     checkpoint_frozen: bool = False
+    # The checkpoint of the best step kept beside the `keep` newest (runtime/keepbest.py): by default
+    # the metric run.best follows (the first val* metric logged); a metric name, {metric, mode}, or off.
+    keep_best: str | KeepBestSpec | None = None
+
+    @field_validator("keep_best", mode="before")
+    @classmethod
+    def _keep_best(cls, value: Any) -> str | KeepBestSpec | None:
+        if value is None or value is True or isinstance(value, KeepBestSpec):
+            return None if value is True else value
+        if value is False or isinstance(value, str):  # YAML reads a bare off as false
+            value = "off" if value is False else value
+            return value if value == "off" else _metric_name(value)
+        if isinstance(value, dict):
+            try:
+                return KeepBestSpec.model_validate(value)
+            except ValidationError as e:
+                err = e.errors()[0]
+                where = ".".join(str(p) for p in err["loc"])
+                raise ValueError(f"{where}: {err['msg'].removeprefix('Value error, ')}") from None
+        raise ValueError(f"{shown(value)}: write a metric name (keep_best: val_loss), {{metric: val_acc, mode: max}} "
+                         "or off")
 
     @field_validator("checkpoint_every")
     @classmethod
@@ -746,6 +785,8 @@ def runtime_config(job: Job) -> RuntimeConfig:
             gpus=job.train.gpus,
             micro_batch=job.train.micro_batch,
             checkpoint_frozen=job.train.checkpoint_frozen,
+            keep_best=job.train.keep_best.model_dump(exclude_none=True)
+            if isinstance(job.train.keep_best, KeepBestSpec) else job.train.keep_best,
         ),
         smoke=SmokeConfig(fraction=job.smoke.fraction, steps=job.smoke.steps, params=job.smoke.params or {}),
     )

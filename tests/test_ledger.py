@@ -48,7 +48,8 @@ def test_runs_shows_the_best_row(tmp_path):
     ledger.append_run(run_id="r3", channel="kaggle", job="j", config="def", steps=400, val="0.5", checkpoint="c3",
                       note="higher lr, worse")
     lines = runs_lines(ledger)
-    assert lines[-1] == "best so far: r2 at val 0.35, checkpoint c2"
+    # The checkpoint column is each run's last checkpoint, not the best step's: the line names none.
+    assert lines[-1] == "best so far: r2 at val 0.35 (job j); its best step's weights: kchain pull <job.yaml> --best"
     assert len(lines) == 5
 
 

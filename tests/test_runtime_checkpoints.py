@@ -227,7 +227,8 @@ def test_a_state_two_copies_of_which_cannot_fit_is_refused_at_the_first_save(tmp
     monkeypatch.undo()
     run.save(1)
     run.close()
-    assert "checkpoint plan: 52 KB per checkpoint, keep 2 + 1 being written = 0.2 MB" in capsys.readouterr().out
+    assert ("checkpoint plan: 52 KB per checkpoint, keep 2 + the best by the first val* metric kept whole "
+            "(train.keep_best: up to 52 KB more per state version) + 1 being written = 0.2 MB") in capsys.readouterr().out
 
 
 class DataOrder:

@@ -194,6 +194,15 @@ class Emulator:
             entry["versions"] = sorted({*entry["versions"], int(version)})
             self.store.save()
 
+    def model_versions(self, instance: str) -> list[int]:
+        """Every version of a model variation (owner/model/framework/variation), processing ones too:
+        count what a release created."""
+        with self.store.lock:
+            entry = self.store.models.get(model_key(*instance.split("/")))
+            if entry is None:
+                return []
+            return sorted({*entry["versions"], *(int(n) for n in entry.get("pending", {}))})
+
     def cancellations(self) -> list[dict[str, Any]]:
         """Every cancelled session: session id, kernel, version, by ("api" / "web UI"), status_before, at."""
         with self.store.lock:

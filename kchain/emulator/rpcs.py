@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import re
 import shutil
 import time
 import zipfile
@@ -28,6 +29,11 @@ GPU_SHAPE_PREFIXES = ("Nvidia",)
 TPU_SHAPE_PREFIXES = ("Tpu",)
 SESSION_ID_BASE = 100_000_000
 # Kaggle's images are named by digest (the SDK's ApiSaveKernelRequest.docker_image docstring).
+# A new model's slug and an instance (variation) slug: the client's own check for a new model's slug
+# (kaggle 2.2.5 `_validate_slug_syntax`, no underscores); the length range is an assumption (docs/emulator.md).
+MODEL_SLUG_RE = re.compile(r"[a-z0-9]+(?:-[a-z0-9]+)*")
+MODEL_SLUG_LEN = (3, 50)
+INSTANCE_SLUG_RE = re.compile(r"[a-z0-9]+(?:[._-][a-z0-9]+)*")  # variations such as 2b or 1.1-it exist
 IMAGE_REPOSITORY = "gcr.io/kaggle-images/python"
 
 
@@ -201,8 +207,15 @@ class Rpcs:
         return bool(ready)
 
     def _model(self, user: str, key: str) -> dict[str, Any] | None:
-        """A model variation the caller may see (public, or their own)."""
+        """A model variation the caller may see (public, or their own); versions whose processing window
+        has passed become versions (mountable, listed) here."""
         model = self.store.models.get(key)
+        if model is not None and model.get("pending"):
+            now = time.time()
+            done = [n for n, ready_at in model["pending"].items() if now >= ready_at]
+            for n in done:
+                del model["pending"][n]
+            model["versions"] = sorted({*model["versions"], *(int(n) for n in done)})
         return None if model is None or (model["is_private"] and model["owner"] != user) else model
 
     def _model_source_ok(self, user: str, source: str) -> bool:
@@ -527,6 +540,108 @@ class Rpcs:
         page = self._page(body, items, "versions")
         return {"versionList": {"versions": page["versions"]},
                 **({"nextPageToken": page["nextPageToken"]} if "nextPageToken" in page else {})}
+
+    # -- models: publishing (kchain release) -----------------------------------------------------
+
+    def _cards(self) -> dict[str, Any]:
+        return self.store.data.setdefault("model_cards", {})
+
+    def _card(self, user: str, owner: str, slug: str) -> dict[str, Any]:
+        card = self._cards().get(f"{owner}/{slug}")
+        if card is None or (card["is_private"] and card["owner"] != user):
+            raise self._missing(f"model {owner}/{slug}")
+        return card
+
+    def CreateModel(self, user: str, body: dict[str, Any]) -> dict[str, Any]:
+        """A model (the card instances hang under): a slug taken answers an error, not a second model."""
+        owner, slug = body.get("ownerSlug") or user, body.get("slug") or ""
+        self._own(user, owner, "models")
+        if not MODEL_SLUG_RE.fullmatch(slug) or not MODEL_SLUG_LEN[0] <= len(slug) <= MODEL_SLUG_LEN[1]:
+            return {"error": f"Invalid model slug {slug!r}", "errorCode": 400}
+        with self.store.lock:
+            if f"{owner}/{slug}" in self._cards():
+                return {"error": f'The requested slug "{slug}" is already in use by a model.', "errorCode": 409}
+            card = {"id": self.store.next_id(), "owner": owner, "slug": slug, "title": body.get("title") or slug,
+                    "is_private": bool(body.get("isPrivate", True)), "description": body.get("description") or "",
+                    "created": time.time()}
+            self._cards()[f"{owner}/{slug}"] = card
+            self.store.save()
+        self._maybe_lose_answer()
+        return {"id": card["id"], "ref": f"{owner}/{slug}", "url": f"{self.url()}/models/{owner}/{slug}"}
+
+    @locked
+    def GetModel(self, user: str, body: dict[str, Any]) -> dict[str, Any]:
+        card = self._card(user, body.get("ownerSlug") or "", body.get("modelSlug") or "")
+        ref = f"{card['owner']}/{card['slug']}"
+        return {"id": card["id"], "ref": ref, "title": card["title"], "slug": card["slug"], "author": card["owner"],
+                "isPrivate": card["is_private"], "description": card["description"],
+                "url": f"{self.url()}/models/{ref}"}
+
+    def _add_model_version(self, key: str, entry: dict[str, Any], staging: Path) -> int:
+        """The staged files as the variation's next version, processing until its window passes; locked."""
+        pending = entry.setdefault("pending", {})
+        number = max([*entry["versions"], *(int(n) for n in pending)], default=0) + 1
+        dest = self.store.model_files_dir(key, number)
+        if dest.exists():
+            shutil.rmtree(dest)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        staging.replace(dest)
+        pending[str(number)] = time.time() + self.switches.version_lag_s + self.faults.processing_s
+        return number
+
+    def CreateModelInstance(self, user: str, body: dict[str, Any]) -> dict[str, Any]:
+        """A variation of the caller's model with its first version (the uploaded files)."""
+        owner, slug = body.get("ownerSlug") or user, body.get("modelSlug") or ""
+        inner = body.get("body") or {}
+        self._own(user, owner, "models")
+        variation, framework = inner.get("instanceSlug") or "", str(inner.get("framework") or "")
+        if not INSTANCE_SLUG_RE.fullmatch(variation) or len(variation) > MODEL_SLUG_LEN[1] \
+                or not inner.get("licenseName"):
+            return {"error": f"Invalid instance slug {variation!r} or no license", "errorCode": 400}
+        key = model_key(owner, slug, framework, variation)
+        with self.store.lock:
+            card = self._card(user, owner, slug)
+            if key in self.store.models:
+                return {"error": f"Instance {variation!r} already exists", "errorCode": 409}
+            blobs = self._blobs(user, inner.get("files", []))
+        staging = self._stage(blobs)
+        with self.store.lock:
+            if key in self.store.models:  # made by a concurrent call while this one unpacked
+                shutil.rmtree(staging, ignore_errors=True)
+                return {"error": f"Instance {variation!r} already exists", "errorCode": 409}
+            entry = {"ref": key, "owner": owner, "is_private": card["is_private"], "versions": [], "pending": {},
+                     "license": inner["licenseName"], "overview": inner.get("overview") or ""}
+            self._add_model_version(key, entry, staging)
+            self.store.models[key] = entry
+            self.store.save()
+        self._maybe_lose_answer()
+        return {"id": self.store.next_id(), "ref": key, "url": f"{self.url()}/models/{key}/1"}
+
+    @locked
+    def GetModelInstance(self, user: str, body: dict[str, Any]) -> dict[str, Any]:
+        parts = [str(body.get(k) or "") for k in ("ownerSlug", "modelSlug", "framework", "instanceSlug")]
+        model = self._model(user, model_key(*parts))
+        if model is None:
+            raise self._missing(f"model instance {'/'.join(parts)}")
+        newest = max(model["versions"], default=0)
+        return {"slug": parts[3], "framework": parts[2], "versionNumber": newest, "licenseName": model.get("license", ""),
+                "overview": model.get("overview", ""), "url": f"{self.url()}/models/{model['ref']}/{newest}"}
+
+    def CreateModelInstanceVersion(self, user: str, body: dict[str, Any]) -> dict[str, Any]:
+        parts = [str(body.get(k) or "") for k in ("ownerSlug", "modelSlug", "framework", "instanceSlug")]
+        self._own(user, parts[0], "models")
+        key = model_key(*parts)
+        with self.store.lock:
+            entry = self._model(user, key)
+            if entry is None:
+                raise self._missing(f"model instance {'/'.join(parts)}")
+            blobs = self._blobs(user, (body.get("body") or {}).get("files", []))
+        staging = self._stage(blobs)
+        with self.store.lock:
+            number = self._add_model_version(key, entry, staging)
+            self.store.save()
+        self._maybe_lose_answer()
+        return {"id": self.store.next_id(), "ref": key, "url": f"{self.url()}/models/{key}/{number}"}
 
     # -- blobs --------------------------------------------------------------------------------
 

@@ -35,6 +35,11 @@ WRITE_SLACK = 1.05  # a checkpoint file is state_bytes plus a little zip overhea
 # checkpoint holds beside state.pt: {group: {name in the checkpoint: path inside the framework's folder}}.
 # Each is in "files" too (sha256 and size), so it is verified with the rest.
 ATTACHED_KEY = "attached"
+# The manifest key of the best checkpoint so far (train.keep_best, keepbest.py): {metric, mode, value,
+# step}. Pruning spares that step's folder; the end state carries it beside the newest.
+BEST_KEY = "keep_best"
+# The manifest key naming the tracked objects that are torch modules (`kchain pull` writes their weights).
+MODULES_KEY = "modules"
 
 
 class ResumeError(Exception):
@@ -66,13 +71,14 @@ def sha256_of(path: Path) -> str:
 # --- verifying --------------------------------------------------------------------------------
 
 
-def read_manifest(ckpt: Path) -> dict:
+def read_manifest(ckpt: Path, prefix: str = "") -> dict:
     """ckpt's manifest, if it is kchain's and every file it lists is there with its recorded size.
 
     The cheap half of a verification: the checksums are compared by verify(), or, for state.pt,
-    while it is loaded (checkpoint.load_verified).
+    while it is loaded (checkpoint.load_verified). `prefix`: the checkpoint's files carry it in a
+    flat folder (the kept best in a state version: layout.BEST_PREFIX).
     """
-    mpath = ckpt / layout.MANIFEST
+    mpath = ckpt / (prefix + layout.MANIFEST)
     try:
         manifest = json.loads(mpath.read_text())
     except FileNotFoundError:
@@ -85,7 +91,7 @@ def read_manifest(ckpt: Path) -> dict:
     if not isinstance(files, dict) or layout.STATE_FILE not in files:
         raise CheckpointInvalid(f"{mpath}: no file list with {layout.STATE_FILE} (an incomplete manifest)")
     for name, want in files.items():
-        path = ckpt / name
+        path = ckpt / (prefix + name)
         if not path.is_file():
             raise CheckpointInvalid(f"{path}: missing")
         size = path.stat().st_size
@@ -99,11 +105,11 @@ def check_sha256(path: Path, want: dict, got: str | None = None) -> None:
         raise CheckpointInvalid(f"{path}: sha256 does not match the manifest (corrupted)")
 
 
-def verify(ckpt: Path) -> dict:
+def verify(ckpt: Path, prefix: str = "") -> dict:
     """The manifest of ckpt if every file it lists has the recorded size and sha256."""
-    manifest = read_manifest(ckpt)
+    manifest = read_manifest(ckpt, prefix)
     for name, want in manifest["files"].items():
-        check_sha256(ckpt / name, want)
+        check_sha256(ckpt / (prefix + name), want)
     return manifest
 
 
@@ -193,10 +199,33 @@ def remove(ckpt: Path, faults: Faults = NO_FAULTS) -> None:
     shutil.rmtree(aside, ignore_errors=True)
 
 
+def best_step(manifest: dict) -> int | None:
+    """The step of the best checkpoint a manifest records (train.keep_best), or None."""
+    try:
+        return int(manifest[BEST_KEY]["step"])
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def kept_best(done: list[Path]) -> Path | None:
+    """Among `done` (oldest first), the folder of the best step the newest one records, or None."""
+    if not done:
+        return None
+    try:
+        manifest = json.loads((done[-1] / layout.MANIFEST).read_text())
+    except (OSError, ValueError):
+        return None
+    step = best_step(manifest) if isinstance(manifest, dict) else None
+    return next((d for d in done if _step_of(d) == step), None) if step is not None else None
+
+
 def prune(checkpoints: Path, keep: int, faults: Faults = NO_FAULTS) -> None:
+    """Keep the `keep` newest complete checkpoints, and the kept best beside them (train.keep_best)."""
     done = complete(checkpoints)
+    best = kept_best(done)
     for old in done[: max(0, len(done) - keep)]:
-        remove(old, faults)
+        if old != best:
+            remove(old, faults)
 
 
 def dir_bytes(path: Path) -> int:
@@ -217,6 +246,10 @@ def make_room(checkpoints: Path, need: int) -> str | None:
     want = int(need * WRITE_SLACK)
     pruned = []
     done = complete(checkpoints)
+    best = kept_best(done)
+    if best is not None and best != done[-1]:  # the kept best goes only when nothing older is left
+        done.remove(best)
+        done.insert(len(done) - 1, best)
     while len(done) > 1 and free() < want:  # the newest stays until the new one is complete
         old = done.pop(0)
         remove(old)
@@ -368,6 +401,47 @@ def find_checkpoints(checkpoints: Path, input_root: Path, scratch: Path, job: st
         if not other_job(path, manifest, job):
             good.append((path, manifest))
     return good, damaged
+
+
+def bring_best(resumed: Path, manifest: dict, checkpoints: Path) -> str | None:
+    """The kept best the resumed checkpoint records, copied into `checkpoints` (verified) if it is not
+    there yet, so this session's pruning spares it and its end state carries it; what was done, in words.
+
+    Where it is: the resumed folder itself (the best is the newest), its `best.*` files (a flat state
+    version), or a sibling step folder (a notebook's output, the working dir).
+    """
+    step = best_step(manifest)
+    if step is None:
+        return None
+    name = layout.checkpoint_name(step)
+    if (checkpoints / name / layout.MANIFEST).is_file():
+        return None
+    if int(manifest.get("step", -1)) == step:
+        places = [(resumed, "")]
+    else:
+        places = [(resumed.parent / name, ""), (resumed, layout.BEST_PREFIX)]
+    for src, prefix in places:
+        if not (src / (prefix + layout.MANIFEST)).is_file():
+            continue
+        try:
+            kept = verify(src, prefix)
+        except CheckpointInvalid as e:
+            warn(f"the kept best checkpoint {name} is damaged ({e}): keep_best starts over from here")
+            return None
+        tmp = checkpoints / f"{layout.TMP_PREFIX}best-{name}-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        for file in [*kept["files"], layout.MANIFEST]:  # the manifest last, as every writer does
+            try:
+                os.link(src / (prefix + file), tmp / file)  # same disk (a local resume): no copy
+            except OSError:
+                shutil.copyfile(src / (prefix + file), tmp / file)
+        os.replace(tmp, checkpoints / name)
+        fsync_path(checkpoints)
+        return f"kept best checkpoint {name} ({kept[BEST_KEY]['metric']} {kept[BEST_KEY]['value']}) brought along " \
+               f"from {src}, {gb(dir_bytes(checkpoints / name))}"
+    warn(f"the kept best checkpoint {name} is not beside {resumed}: keep_best starts over from here")
+    return None
 
 
 def find_latest(checkpoints: Path, input_root: Path, scratch: Path, job: str | None,

@@ -23,15 +23,18 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from . import distributed, frozen, heartbeat, ladder, layout, sink
+from . import distributed, frozen, heartbeat, keepbest, ladder, layout, sink
 from .checkpoint import CheckpointJob, Writer, check_compatible, find_and_load, load_state
 from .checkpoint_files import (
     ATTACHED_KEY,
+    BEST_KEY,
+    MODULES_KEY,
     WRITE_SLACK,
     CheckpointsDamaged,
     CheckpointTooLarge,
     attached_files,
     attached_names,
+    bring_best,
     clean_tmp,
     complete,
     dir_bytes,
@@ -120,6 +123,7 @@ class Policy:
     manifest: dict  # what every manifest says besides step, time and session (fingerprint, params, ...)
     checkpoint_frozen: bool = False  # the frozen base is saved too (else left out: frozen.py)
     plan: SessionPlan | None = None  # a rehearsal's plan: its mid-span saves replace the cadence
+    keep_best: keepbest.Choice | None = keepbest.Choice()  # train.keep_best; None: off
 
 
 class Checkpointer:
@@ -129,6 +133,7 @@ class Checkpointer:
         self.where, self.policy, self.ranks = where, policy, ranks
         self.rung = rung  # the out-of-memory ladder's: every manifest says how many halvings it trained with
         self.frozen = FrozenBase(enabled=not policy.checkpoint_frozen)  # what a fine-tune's checkpoint leaves out
+        self.best = keepbest.KeepBest(policy.keep_best)  # the best checkpoint so far, spared by pruning
         self.tracked: dict[str, object] = {}  # name -> object with state_dict/load_state_dict (or a generator)
         self._differ: set[str] = set()  # tracked objects found to differ between ranks: saved per rank from then on
         self.covered: dict[str, object] = {}  # what a framework's own checkpoint holds (the Trainer's model): cover()
@@ -269,9 +274,21 @@ class Checkpointer:
         restore_rng(saved["rng"])
         progress.step = progress.saved_step = progress.resumed_from = int(saved["step"])
         trace.restore(saved.get("metrics"), saved.get("best"))
+        self._keep_best(path, manifest)
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(manifest.get("time", 0))))
         say(f"resumed from step {progress.step} ({path}, saved at {when})")
         return path
+
+    def _keep_best(self, path: Path, manifest: dict) -> None:
+        """A resume: the kept best as the checkpoint records it, brought into this session's checkpoints."""
+        self.best.restore(manifest.get(BEST_KEY))
+        if self.best.record is None or not self.ranks.is_main:
+            return
+        brought = bring_best(path, manifest, self.where.checkpoints)
+        if brought:
+            say(brought)
+        if not (self.where.checkpoints / layout.checkpoint_name(int(self.best.record["step"]))).is_dir():
+            self.best.record = None  # not found (bring_best said why): the best starts over
 
     def _load_found(self, progress: Progress, trace: Trace) -> tuple[Path, dict, dict] | None:
         """The checkpoint to resume from with its state, adopted: its session number and its trace.
@@ -365,10 +382,14 @@ class Checkpointer:
             say(pruned)
         trace.flush()
         manifest = {"job": self.policy.job, "step": progress.step, "time": time.time(), "session": progress.session,
-                    **self.policy.manifest, ladder.MANIFEST_KEY: self.rung.halvings}
+                    **self.policy.manifest, ladder.MANIFEST_KEY: self.rung.halvings,
+                    MODULES_KEY: [n for n, o in self.tracked.items() if isinstance(distributed.unwrap(o), torch.nn.Module)]}
         left_out = self.frozen.record()
         if left_out:
             manifest[frozen.MANIFEST_KEY] = left_out
+        best = self.best.at_save(progress.step, trace)
+        if best is not None:
+            manifest[BEST_KEY] = best
         held, self._attached = self._attached, {}
         names = {group: attached_names(group, folder) for group, folder in held.items()}
         if names:
@@ -429,7 +450,7 @@ class Checkpointer:
         else:
             stream, why = False, f"fits in RAM ({gb(ram) if ram is not None else 'unknown'} available)"
         mode = "streamed from the live tensors (blocks training)" if stream else "copied to RAM, written in the background"
-        peak = (self.policy.keep + 1) * size
+        peak = (self.policy.keep + 1 + (self.best.choice is not None)) * size
         if 2 * size * WRITE_SLACK > free + ours:
             # The newest checkpoint stays until the next one is complete: two must fit at once.
             raise CheckpointTooLarge(
@@ -439,8 +460,13 @@ class Checkpointer:
             )
         room = ("fits" if peak <= free + ours else
                 "does not fit: older checkpoints are pruned before each write, the newest kept until the new one is complete")
-        say(f"checkpoint plan: {gb(size)} per checkpoint, keep {self.policy.keep} + 1 being written = {gb(peak)} "
-            f"({gb(free + ours)} available) {room}; {mode}: {why}")
+        best = ""
+        if self.best.choice is not None:
+            # The whole checkpoint, optimizer included: one kind of checkpoint, verified like the others.
+            best = (f" + the best by {self.best.choice.describe(live.get('best'))} kept whole (train.keep_best: "
+                    f"up to {gb(size)} more per state version)")
+        say(f"checkpoint plan: {gb(size)} per checkpoint, keep {self.policy.keep}{best} + 1 being written = "
+            f"{gb(peak)} ({gb(free + ours)} available) {room}; {mode}: {why}")
         return {"bytes": size, "stream": stream, "reuse": state <= REUSE_MAX_BYTES}
 
     # --- a framework's own checkpoint files ------------------------------------------------------------

@@ -295,6 +295,7 @@ class TrainerBridge:
         if not any(cb is self._callback for cb in trainer.callback_handler.callbacks):
             trainer.add_callback(self.callback())  # Trainer(..., callbacks=[run.hf_callback()]) left out
         own_saves(trainer.args)
+        best_model(trainer.args, lp.ckpt.best)
         if self.smoke:
             self._smoke_data(trainer)
         self._note_not_exact(trainer)
@@ -485,9 +486,23 @@ def own_saves(args) -> None:
     args.save_strategy = SaveStrategy.NO
     say("hf: kchain decides when the Trainer saves (train.checkpoint_every, the deadline, SIGTERM, the end) and "
         "keeps each checkpoint-N inside its own checkpoint" + (f"; not used: {', '.join(unused)}" if unused else ""))
-    if args.load_best_model_at_end:
-        warn("hf: load_best_model_at_end is not applied: the Trainer's checkpoint folders live inside kchain's "
-             "checkpoints; evaluate and keep the model you want after trainer.train()")
+
+
+def best_model(args, keeper) -> None:
+    """load_best_model_at_end + metric_for_best_model (+ greater_is_better) onto train.keep_best.
+
+    The Trainer's own load at the end is turned off (its checkpoint folders live inside kchain's): the
+    best checkpoint is kept, and `kchain pull --best` brings it; the model in memory at the end stays the
+    last step's. The Trainer logs eval_<m> and kchain's trace names it val_<m> (logged)."""
+    from . import keepbest
+
+    if not args.load_best_model_at_end:
+        return
+    args.load_best_model_at_end = False
+    metric = "val_" + (args.metric_for_best_model or "loss").removeprefix("eval_")
+    line = keepbest.adopt(keeper, metric, "max" if args.greater_is_better else "min",
+                          f"load_best_model_at_end (metric_for_best_model={args.metric_for_best_model or 'loss'})")
+    say(f"hf: {line}; the model in memory after trainer.train() is the last step's")
 
 
 def smoke_cut(data, fraction: float):

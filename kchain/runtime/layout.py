@@ -60,6 +60,12 @@ DIGESTS = "digests.json"  # in a checkpoint: every value of its state, digested 
 SUMMARY = "summary.json"
 PUBLISH_SENT_KEY = "publish_sent"  # in summary.json: the kernel's state send {step, before}, before it settles
 CACHE_DIR = "cache"
+# The user's own export (run.export_dir: save_pretrained, ONNX, anything), under the kchain dir so it
+# travels in the state version the finishing session publishes; `kchain pull` brings it home.
+EXPORT_DIR = "export"
+# A state version is flat: the kept best checkpoint (train.keep_best) travels beside the newest as
+# these names, `best.manifest.json`, `best.state.pt`, ...; the resume search only reads `manifest.json`.
+BEST_PREFIX = "best."
 
 # The marker file of a state dataset version (and of the state dataset's first, empty version).
 STATE_MARKER = "kchain-state.json"
@@ -133,13 +139,14 @@ class Paths:
     metrics: Path
     summary: Path
     scratch: Path  # where an attached archive of checkpoints is unpacked
+    export: Path  # run.export_dir: the user's own export, carried by the state version
 
     @classmethod
     def of(cls, env) -> Paths:
         here = kchain_dir(env)
         return cls(input_root=input_root(env), working=working_root(env), kchain=here,
                    checkpoints=here / CHECKPOINTS_DIR, cache=here / CACHE_DIR, metrics=here / METRICS,
-                   summary=here / SUMMARY, scratch=here / ".scratch")
+                   summary=here / SUMMARY, scratch=here / ".scratch", export=here / EXPORT_DIR)
 
 
 def _subdirs(path: Path) -> list[Path]:

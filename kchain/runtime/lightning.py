@@ -199,6 +199,7 @@ class Bridge:
         self.loop.ckpt.cover("lightning_module", pl_module)  # the Trainer's checkpoint (tracked as `lightning`) holds it
         _check_ranks(trainer, self.loop.ranks.world_size)
         _drop_default_checkpoint(trainer, self.pl.callbacks.ModelCheckpoint)
+        _monitored_best(trainer, self.pl.callbacks.ModelCheckpoint, self.loop.ckpt.best)
         _serve(trainer.fit_loop._data_source, self._train_data)
         _serve(trainer.fit_loop.epoch_loop.val_loop._data_source, self._validation)
         if self.fraction is not None:
@@ -388,6 +389,19 @@ def _drop_default_checkpoint(trainer, model_checkpoint: type) -> None:
                 and cb.filename is None and not cb.save_last and cb.save_top_k == 1:
             trainer.callbacks.remove(cb)
             say("Lightning's default ModelCheckpoint is off: kchain's checkpoints replace it")
+
+
+def _monitored_best(trainer, model_checkpoint: type, keeper) -> None:
+    """A ModelCheckpoint(monitor=..., mode=...) of the code's own onto train.keep_best (the first one with
+    a monitor); it keeps writing its own files too. save_top_k, every_n_* and filename have no kchain
+    counterpart: one best is kept, among the steps kchain checkpoints."""
+    from . import keepbest
+
+    watching = [cb for cb in trainer.callbacks if isinstance(cb, model_checkpoint) and cb.monitor]
+    if watching:
+        cb = watching[0]
+        say("lightning: " + keepbest.adopt(keeper, cb.monitor, cb.mode, f"ModelCheckpoint(monitor={cb.monitor!r}, "
+                                           f"mode={cb.mode!r})"))
 
 
 def _serve(source, convert: Callable) -> None:

@@ -112,7 +112,8 @@ class Run:
         self._ckpt = Checkpointer(
             Where(paths.checkpoints, paths.input_root, paths.scratch, paths.working, st.state_slug,
                   sink=Path(st.sink) if st.sink else None, sink_only=st.multi_node),
-            Policy(st.job, st.every, st.keep, st.stream, self._manifest_fields(), st.checkpoint_frozen, st.plan),
+            Policy(st.job, st.every, st.keep, st.stream, self._manifest_fields(), st.checkpoint_frozen,
+                   plan=st.plan, keep_best=st.keep_best),
             self._ranks, st.faults, self._rung)
         if st.micro_auto and self._ranks.is_main:  # the ladder starts from the size that fitted last session
             self._rung.halvings = max(halvings, self._ckpt.halvings_found())
@@ -178,6 +179,21 @@ class Run:
     def working(self) -> Path:
         """The working dir ($KCHAIN_ROOT/working, /kaggle/working on Kaggle)."""
         return self._paths.working
+
+    @property
+    def export_dir(self) -> Path:
+        """A folder for your own export of the result (save_pretrained, ONNX, a tokenizer, anything),
+        made on first use under kchain's corner of the working dir. Its files travel in the state
+        version the session publishes (flat, as export.* files) and `kchain pull` writes them back as
+        they were, under export/. Write it on rank 0 once training is done.
+
+        Example::
+
+            if run.finished and run.is_main:
+                model.save_pretrained(run.export_dir)
+        """
+        self._paths.export.mkdir(parents=True, exist_ok=True)
+        return self._paths.export
 
     @property
     def rank(self) -> int:

@@ -21,7 +21,8 @@ from typing import Any
 
 # The SDK client methods that create something, by name. save_kernel is not wrapped in 2.2.5; it is
 # listed so that a client which starts wrapping it changes nothing.
-CREATING_SDK_CALLS = ("save_kernel", "create_dataset", "create_dataset_version", "create_dataset_version_by_id")
+CREATING_SDK_CALLS = ("save_kernel", "create_dataset", "create_dataset_version", "create_dataset_version_by_id",
+                      "create_model", "create_model_instance", "create_model_instance_version")
 
 Delay = Callable[[int, BaseException], float]
 

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import layout, sessionplan
+from . import keepbest, layout, sessionplan
 from .config import RuntimeConfig
 from .faults import NO_FAULTS, Faults
 from .sessionplan import SessionPlan
@@ -86,6 +86,7 @@ class Settings:
     faults: Faults = NO_FAULTS
     micro_auto: bool = False  # train.micro_batch: auto, the out-of-memory ladder
     checkpoint_frozen: bool = False  # train.checkpoint_frozen: the frozen base is saved too
+    keep_best: keepbest.Choice | None = keepbest.Choice()  # train.keep_best: the metric and mode; None: off
     hang_s: float = 1800.0  # the hung-step watchdog's floor (watchdog.floor_s)
     cache_dataset: str = ""  # the job's staging cache dataset, as the kernel mounts it
     state_slug: str | None = None  # the slug of the job's state dataset (None in a local run)
@@ -132,6 +133,7 @@ class Settings:
             faults=Faults.parse(env.get(layout.FAULT_ENV, "")),
             micro_auto=train.micro_batch == "auto",
             checkpoint_frozen=bool(train.checkpoint_frozen),
+            keep_best=keepbest.parse(train.keep_best),
             hang_s=watchdog.floor_s(train.hang_timeout_s, env),
             cache_dataset=config.kaggle.cache_dataset or f"{config.job}{layout.CACHE_SUFFIX}",
             state_slug=config.state_slug,

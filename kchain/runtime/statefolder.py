@@ -18,10 +18,19 @@ import tempfile
 from pathlib import Path
 
 from kchain.runtime import layout, summary
-from kchain.runtime.checkpoint_files import find_latest
+from kchain.runtime.checkpoint_files import (
+    BEST_KEY,
+    CheckpointInvalid,
+    attached_names,
+    best_step,
+    find_latest,
+    verify,
+)
+from kchain.runtime.say import warn
 
 STATE_MARKER = layout.STATE_MARKER
 CACHE_MARKER = "kchain-cache.json"
+EXPORT_GROUP = "export"  # run.export_dir's files travel flat as export.<path with / as -->
 
 
 def _link_or_copy(src: Path, dst: Path) -> None:
@@ -42,8 +51,9 @@ def newest_checkpoint(kchain_dir: Path, job: str | None) -> tuple[Path, dict] | 
 
 def build_state_folder(kchain_dir: Path, dest: Path, published: str, job: str | None = None,
                        found: tuple[Path, dict] | None = None) -> dict | None:
-    """Fill dest with the newest verified checkpoint (or `found`, a checkpoint and its manifest)
-    + summary + marker; None if there is none."""
+    """Fill dest with the newest verified checkpoint (or `found`, a checkpoint and its manifest), the
+    kept best beside it (`best.*`, train.keep_best), run.export_dir's files (`export.*`), summary and
+    marker; None if there is none."""
     found = found or newest_checkpoint(kchain_dir, job)
     if found is None:
         return None
@@ -53,6 +63,16 @@ def build_state_folder(kchain_dir: Path, dest: Path, published: str, job: str | 
     for name in [*manifest.get("files", {}), layout.MANIFEST]:
         _link_or_copy(ckpt / name, dest / name)
         size += (dest / name).stat().st_size
+    best = _kept_best(kchain_dir, ckpt, manifest)
+    best_bytes = 0
+    if best is not None and best[0] != ckpt:
+        for name in [*best[1]["files"], layout.MANIFEST]:
+            _link_or_copy(best[0] / name, dest / (layout.BEST_PREFIX + name))
+            best_bytes += (dest / (layout.BEST_PREFIX + name)).stat().st_size
+    export = kchain_dir / layout.EXPORT_DIR
+    exported = attached_names(EXPORT_GROUP, export) if export.is_dir() else {}
+    for flat, rel in exported.items():
+        _link_or_copy(export / rel, dest / flat)
     ended = summary.read(kchain_dir / layout.SUMMARY)
     if ended is not None:
         # The copy that travels says who published it (the kernel itself, or the laptop's relay).
@@ -68,8 +88,31 @@ def build_state_folder(kchain_dir: Path, dest: Path, published: str, job: str | 
         "published": published,
         "cache": cache_entries(kchain_dir),
     }
+    if best is not None:
+        # Where the kept best is in this version: the newest itself (no prefix) or the best.* files.
+        marker["best"] = {**best[1][BEST_KEY], "checkpoint": best[0].name, "bytes": best_bytes,
+                          "prefix": "" if best[0] == ckpt else layout.BEST_PREFIX}
+    if exported:
+        marker["export"] = exported  # {name in this version: path under run.export_dir}
     (dest / STATE_MARKER).write_text(json.dumps(marker, indent=2, sort_keys=True) + "\n")
     return marker
+
+
+def _kept_best(kchain_dir: Path, newest: Path, manifest: dict) -> tuple[Path, dict] | None:
+    """The kept best checkpoint the newest one records (itself, or a verified step folder beside it)."""
+    step = best_step(manifest)
+    if step is None:
+        return None
+    if step == int(manifest.get("step", -1)):
+        return newest, manifest
+    path = kchain_dir / layout.CHECKPOINTS_DIR / layout.checkpoint_name(step)
+    if not path.is_dir():
+        path = newest.parent / layout.checkpoint_name(step)
+    try:
+        return path, verify(path)
+    except CheckpointInvalid as e:
+        warn(f"the kept best checkpoint is left out of the state: {e}")
+        return None
 
 
 def cache_entries(kchain_dir: Path) -> list[str]:

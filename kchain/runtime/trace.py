@@ -16,6 +16,11 @@ from pathlib import Path
 LOWER_IS_BETTER = ("loss", "err", "perplexity", "ppl")  # in a val* metric's name: lower is better
 
 
+def lower_is_better(name: str) -> bool:
+    """Whether a metric improves downwards, by its name (a loss, an error, a perplexity)."""
+    return any(w in name for w in LOWER_IS_BETTER)
+
+
 class Trace:
     """The metrics of this run: the file rank 0 writes, the last values and the best val* value."""
 
@@ -24,6 +29,7 @@ class Trace:
         self.writes = writes  # rank 0 writes the file; the other ranks only keep their last values
         self.metrics: dict = {}  # the last value logged under each name
         self.best: dict | None = None  # {'name', 'value', 'step'} of the first val* metric logged
+        self.logged_at: dict[str, int] = {}  # the step each name was last logged at (keepbest.py reads it)
         self.bytes = 0  # the file's size after the last complete row: what a checkpoint copies
         self._file = None  # opened by the first row
         if writes:
@@ -31,6 +37,7 @@ class Trace:
 
     def log(self, step: int, values: dict) -> None:
         """One row of plain values (numbers, strings, lists) at `step`."""
+        self.logged_at.update(dict.fromkeys(values, step))
         if not self.writes:
             self.metrics.update(values)
             return
@@ -51,7 +58,7 @@ class Trace:
                 continue
             if self.best is not None and self.best["name"] != k:
                 continue
-            lower = any(w in k for w in LOWER_IS_BETTER)
+            lower = lower_is_better(k)
             if self.best is None or (v < self.best["value"] if lower else v > self.best["value"]):
                 self.best = {"name": k, "value": v, "step": step}
             break

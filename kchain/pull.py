@@ -1,0 +1,296 @@
+"""`kchain pull`: the chain's result brought home as a plain folder, from the newest state version.
+
+Laptop side. The state dataset is named by the job alone (`<owner>/<name>-state`), so a laptop that
+never saw the chain pulls it: no session record is needed (GPU-hours are said only when the records
+are here). Files come one by one through the official client (kaggle_api), only those the choice
+needs, and are checked against the checkpoint's manifest without torch (runtime/checkpoint_files);
+only the conversion of state.pt into weight files imports torch, inside `write_weights`.
+
+What a pull takes from the version is a list of names (`Fetch`): the marker and summary, the chosen
+checkpoint's files (--best: its `best.*` files, or the newest's when the newest is the best), and with
+--final the `export.*` files of run.export_dir. Another folder of the same version (logs, later) is one
+more list of names fetched the same way.
+
+The folder written:
+    model.safetensors          the tracked module's weights (one file per module, named for it, when
+                               several are tracked); state_dict.pt when safetensors cannot hold a dtype
+    metrics.json               step, the metric values at that step, sessions, GPU-hours, fingerprint
+    export/                    what the finishing session wrote under run.export_dir (--final)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kchain.datasets import current_version
+from kchain.errors import KchainError
+from kchain.kaggle_api import KaggleClient
+from kchain.names import state_dataset
+from kchain.runtime import layout, summary
+from kchain.runtime.checkpoint_files import BEST_KEY, MODULES_KEY, CheckpointInvalid, verify
+from kchain.runtime.say import gb
+from kchain.runtime.statefolder import STATE_MARKER
+from kchain.spec import Job, load_job
+
+Echo = Callable[[str], None]
+WHICH = ("best", "final", "step")
+METRICS_FILE = "metrics.json"
+EXPORT_SUBDIR = "export"
+SAFETENSORS_FILE = "model.safetensors"
+TORCH_FILE = "state_dict.pt"
+
+
+@dataclass(frozen=True)
+class Want:
+    """Which weights: the kept best, the finished chain's final ones, or those of one step."""
+
+    which: str = "final"  # best | final | step
+    step: int | None = None
+
+    def label(self) -> str:
+        return f"step-{self.step}" if self.which == "step" else self.which
+
+
+@dataclass
+class Fetch:
+    """Names in one state version to bring into a folder (the unit a later `--logs` adds one of)."""
+
+    names: list[str]
+    fetched: list[Path] = field(default_factory=list)
+
+    def run(self, client: KaggleClient, ref: str, version: int, into: Path) -> list[Path]:
+        into.mkdir(parents=True, exist_ok=True)
+        for name in self.names:
+            self.fetched.append(client.download_dataset_file(ref, version, name, into))
+        return self.fetched
+
+
+@dataclass(frozen=True)
+class Pulled:
+    """What `pull` wrote: the folder, its weight files, the step, the bytes fetched."""
+
+    folder: Path
+    ref: str  # the state dataset
+    weights: dict[str, str]  # tracked name -> file in the folder
+    step: int
+    version: int
+    fetched_bytes: int
+    note: str | None  # why the weights are not safetensors, or what they leave out
+
+    def lines(self) -> list[str]:
+        files = ", ".join(self.weights.values())
+        out = [f"pulled step {self.step} from {self.ref} version {self.version} ({gb(self.fetched_bytes)} fetched): "
+               f"{self.folder} ({files}, {METRICS_FILE})"]
+        if self.note:
+            out.append(self.note)
+        return out
+
+
+def check_out(out: Path, force: bool) -> None:
+    """Never over a folder that holds something, unless --force (checked before any download)."""
+    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not force:
+        raise KchainError(f"{out} exists and is not empty: pass --force to replace it, or -o another folder")
+
+
+def pull(job_file: Path, want: Want, out: Path | None = None, force: bool = False, echo: Echo = print,
+         client: KaggleClient | None = None) -> Pulled:
+    """Fetch the wanted checkpoint from the newest state version, verify it, write the plain folder."""
+    job = load_job(job_file)
+    out = Path(out) if out is not None else job.path.parent / f"{job.name}-{want.label()}"
+    check_out(out, force)
+    client = client or KaggleClient()
+    ref = state_dataset(job.kaggle.owner or client.username, job.name)
+    if not client.dataset_exists(ref):
+        raise KchainError(f"{job_file}: nothing to pull, {ref} does not exist (no session published state yet): "
+                          f"`kchain push {job_file}` starts the chain")
+    version = current_version(client, ref, echo)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=f"{layout.TMP_PREFIX}pull-{out.name}-", dir=out.parent))
+    try:
+        raw = work / "fetched"
+        Fetch([STATE_MARKER]).run(client, ref, version, raw)
+        marker = json.loads((raw / STATE_MARKER).read_text())
+        if not marker.get("session") or marker.get("step") is None:
+            raise KchainError(f"{job_file}: nothing to pull, {ref} version {version} holds no checkpoint yet (the "
+                              f"chain's first session has not published): `kchain status {job_file}`")
+        ended = _summary(client, ref, version, raw, marker)
+        prefix = choose(job_file, want, marker, ended, ref, version)
+        Fetch([prefix + layout.MANIFEST]).run(client, ref, version, raw)
+        listed = json.loads((raw / (prefix + layout.MANIFEST)).read_text()).get("files") or {}
+        exported = (marker.get("export") or {}) if want.which == "final" else {}
+        Fetch([prefix + name for name in listed] + list(exported)).run(client, ref, version, raw)
+        try:
+            manifest = verify(raw, prefix)
+        except CheckpointInvalid as e:
+            raise KchainError(f"{ref} version {version}: {e}; pull again (a download cut short), or pull "
+                              "another checkpoint") from None
+        folder = work / "out"
+        folder.mkdir()
+        weights, note = write_weights(raw / (prefix + layout.STATE_FILE), manifest.get(MODULES_KEY), folder)
+        for flat, rel in exported.items():
+            dest = folder / EXPORT_SUBDIR / rel
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(raw / flat, dest)
+        metrics = describe(job, manifest, raw / (prefix + layout.METRICS), ended, marker, ref, version, want, weights)
+        (folder / METRICS_FILE).write_text(json.dumps(metrics, indent=2, sort_keys=True) + "\n")
+        fetched = sum(p.stat().st_size for p in raw.rglob("*") if p.is_file())
+        _replace(folder, out, work)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return Pulled(out, ref, weights, int(manifest["step"]), version, fetched, note)
+
+
+def pull_for(job_file: Path, want: Want, out: Path | None, force: bool, echo: Echo) -> list[str]:
+    """`kchain pull`'s lines: what was fetched, where it went, and any note."""
+    client = KaggleClient(progress=True)  # a checkpoint can be gigabytes: the client's transfer bars
+    return pull(job_file, want, out, force, echo, client).lines()
+
+
+def _summary(client: KaggleClient, ref: str, version: int, raw: Path, marker: dict) -> summary.Summary | None:
+    """The summary of the session that published the version (an old version may have none)."""
+    try:
+        Fetch([layout.SUMMARY]).run(client, ref, version, raw)
+    except KchainError:
+        return None
+    return summary.read(raw / layout.SUMMARY)
+
+
+def choose(job_file: Path, want: Want, marker: dict, ended: summary.Summary | None, ref: str, version: int) -> str:
+    """The name prefix of the wanted checkpoint's files in the version ('' the newest, 'best.' the kept
+    best); a wish the version cannot meet is one line saying what it holds."""
+    newest, best = int(marker["step"]), marker.get("best")
+    holds = f"{ref} version {version} holds step {newest} (the newest)" + \
+            (f" and step {best['step']} (the best {best['metric']})" if best and best["step"] != newest else "")
+    if want.which == "best":
+        if not best:
+            raise KchainError(f"{job_file}: train.keep_best: {holds} and no best checkpoint (keep_best is off, or "
+                              "its metric was never logged at a checkpoint step): log it with run.log at the "
+                              "steps you checkpoint, or pull --final")
+        return str(best.get("prefix", ""))
+    if want.which == "final":
+        status = ended.status if ended is not None else None
+        if status != summary.Status.FINISHED:
+            raise KchainError(f"{job_file}: nothing finished yet: {holds}, from a session that ended "
+                              f"{status or 'without a summary'}; `kchain continue {job_file}` finishes the chain, "
+                              f"or pull --step {newest} for those weights")
+        return ""
+    if want.step == newest:
+        return ""
+    if best and want.step == best["step"]:
+        return str(best.get("prefix", ""))
+    raise KchainError(f"{job_file}: step {want.step} is not in the state: {holds}; older checkpoints were pruned "
+                      "(train.keep)")
+
+
+def _replace(folder: Path, out: Path, work: Path) -> None:
+    """The finished folder renamed into place: an existing one (--force) set aside first, then removed."""
+    aside = None
+    if out.exists():
+        aside = work / "replaced"
+        os.replace(out, aside)
+    os.replace(folder, out)
+    if aside is not None:
+        shutil.rmtree(aside, ignore_errors=True)
+
+
+def _rows_at(metrics: Path, step: int) -> dict[str, Any]:
+    """The values logged at `step` in a checkpoint's copy of the trace."""
+    values: dict[str, Any] = {}
+    if metrics.is_file():
+        for line in metrics.read_text().splitlines():
+            try:
+                row = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(row, dict) and row.get("step") == step:
+                values.update({k: v for k, v in row.items() if k not in ("step", "time")})
+    return values
+
+
+def gpu_hours(job: Job, sessions: int) -> float | None:
+    """The GPU-hours of the chain's first `sessions` sessions, from this laptop's records (None without)."""
+    from kchain.ledger import Ledger, session_hours, state_dir
+
+    chain = [s for s in Ledger(state_dir(job.path)).sessions(job.name) if s.get("session", 0) <= sessions]
+    if not chain or not all(s.get("started") and s.get("ended") for s in chain):
+        return None
+    return round(sum(session_hours(s) for s in chain if s.get("gpu")), 3)
+
+
+def describe(job: Job, manifest: dict, metrics: Path, ended: summary.Summary | None, marker: dict, ref: str,
+             version: int, want: Want, weights: dict[str, str]) -> dict[str, Any]:
+    """metrics.json: what the weights are, where they came from, and what the chain spent on them."""
+    from kchain.runtime.frozen import MANIFEST_KEY as frozen_key  # torch: loaded by write_weights already
+
+    step, sessions = int(manifest["step"]), int(manifest.get("session") or 0)
+    return {
+        "job": job.name,
+        "which": want.label(),
+        "step": step,
+        "metrics": _rows_at(metrics, step),
+        "keep_best": manifest.get(BEST_KEY),
+        "sessions": sessions,
+        "gpu_hours": gpu_hours(job, sessions),
+        "fingerprint": manifest.get("fingerprint"),
+        "kchain_version": manifest.get("kchain_version"),
+        "params": manifest.get("params"),
+        "state": f"{ref}/{version}",
+        "chain_status": ended.status if ended is not None else None,
+        "chain_step": marker.get("step"),
+        "weights": weights,
+        "left_out": sorted(manifest.get(frozen_key) or {}),  # modules whose frozen base is not in the weights
+    }
+
+
+def _module_state(value: Any) -> bool:
+    import torch
+
+    return isinstance(value, dict) and bool(value) and all(isinstance(v, torch.Tensor) for v in value.values())
+
+
+def write_weights(state_file: Path, modules: list[str] | None, folder: Path) -> tuple[dict[str, str], str | None]:
+    """Each tracked module's weights from state.pt as safetensors (torch imported here only).
+
+    One module: model.safetensors; several: <tracked name>.safetensors each. A tensor sharing storage
+    with another (tied weights) is written as its own copy (safetensors refuses shared storage); a
+    module with a dtype safetensors cannot hold is written as a torch state dict instead, and the note
+    says why. A fine-tune's frozen base is not in the checkpoint, so it is not in these files either.
+    """
+    import torch
+    from safetensors.torch import save_file
+
+    # weights_only=False: the chain's own state.pt, its sha256 checked against the manifest just now
+    # (its RNG states hold numpy arrays and tuples, which the weights-only unpickler refuses).
+    state = torch.load(state_file, map_location="cpu", weights_only=False, mmap=True)
+    tracked = state.get("tracked") or {}
+    names = [n for n in (modules or []) if n in tracked] or [n for n, v in tracked.items() if _module_state(v)]
+    if not names:
+        raise KchainError(f"{state_file.name}: the checkpoint tracks no model (run.track(model=...)): nothing to pull")
+    written: dict[str, str] = {}
+    notes: list[str] = []
+    for name in names:
+        tensors = {k: v for k, v in tracked[name].items() if isinstance(v, torch.Tensor)}
+        stem = "model" if len(names) == 1 else name
+        seen: set[int] = set()
+        plain = {}
+        for key, tensor in tensors.items():
+            ptr = tensor.untyped_storage().data_ptr()
+            plain[key] = tensor.detach().clone() if ptr in seen or not tensor.is_contiguous() else tensor.detach()
+            seen.add(ptr)
+        try:
+            save_file(plain, str(folder / f"{stem}.safetensors"), metadata={"format": "pt"})
+            written[name] = f"{stem}.safetensors"
+        except (ValueError, TypeError, RuntimeError) as e:
+            (folder / f"{stem}.safetensors").unlink(missing_ok=True)
+            file = TORCH_FILE if len(names) == 1 else f"{name}.{TORCH_FILE}"
+            torch.save(tensors, folder / file)
+            written[name] = file
+            notes.append(f"{name}: written as {file} (torch.load), not safetensors: {str(e).splitlines()[0]}")
+    return written, "; ".join(notes) or None

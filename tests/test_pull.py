@@ -1,0 +1,125 @@
+"""`kchain pull` against the emulator: a state version made by the checkpointer itself (no notebook),
+uploaded with the official client, pulled back as a plain folder and compared tensor by tensor."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from click.testing import CliRunner
+from emulator_helpers import USER, emulator, kaggle_api, wait_dataset_ready  # noqa: F401  (fixtures)
+from safetensors.torch import load_file
+
+from kchain.cli import cli
+from kchain.datasets import write_dataset_metadata
+from kchain.errors import KchainError
+from kchain.kaggle_api import KaggleClient
+from kchain.pull import Want, pull
+from kchain.runtime import keepbest, ladder, layout, statefolder, summary
+from kchain.runtime.checkpointer import Checkpointer, Policy, Where
+from kchain.runtime.distributed import Ranks
+from kchain.runtime.faults import Faults
+from kchain.runtime.progress import Progress
+from kchain.runtime.trace import Trace
+
+NAME = "pulljob"
+
+
+def job_file(tmp_path):
+    folder = tmp_path / "job"
+    folder.mkdir()
+    (folder / "train.py").write_text("def main(run):\n    pass\n")
+    (folder / "job.yaml").write_text(f"name: {NAME}\ncode: train.py\n")
+    return folder / "job.yaml"
+
+
+def publish_state(api, tmp_path, status: str) -> dict[int, torch.Tensor]:
+    """A session that checkpoints steps 2-8 (best val_loss at 4, keep 1), exports, ends `status`; its end
+    state uploaded as version 1 of alice/pulljob-state. Returns the model's weight at each step."""
+    paths = layout.Paths.of({layout.ROOT_ENV: str(tmp_path / "session")})
+    paths.kchain.mkdir(parents=True)
+    where = Where(paths.checkpoints, paths.input_root, paths.scratch, paths.working, None)
+    policy = Policy(NAME, {"steps": 2}, keep=1, stream=None, manifest={"params": {}, "fingerprint": "f" * 64},
+                    keep_best=keepbest.Choice())
+    ckpt = Checkpointer(where, policy, Ranks({}), Faults(), ladder.Rung(False, 0))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+    ckpt.track("model", model)
+    ckpt.track("optimizer", torch.optim.SGD(model.parameters(), lr=0.1))
+    progress, trace, weights = Progress(), Trace(paths.metrics, writes=True), {}
+    for step, val in {2: 0.5, 4: 0.3, 6: 0.4, 8: 0.6}.items():
+        with torch.no_grad():
+            model[0].weight.mul_(1.5)
+        progress.step = step
+        trace.log(step, {"loss": 1.0 / step, "val_loss": val})
+        ckpt.save(progress, trace)
+        ckpt.writer.wait()
+        weights[step] = model[0].weight.detach().clone()
+    trace.close()
+    (paths.export / "tok").mkdir(parents=True)
+    (paths.export / "config.json").write_text('{"hidden": 4}\n')
+    (paths.export / "tok" / "vocab.txt").write_text("a\nb\n")
+    summary.write(paths.summary, summary.Summary(status=status, session=1, step=8, total=8))
+    state = tmp_path / "state"
+    statefolder.build_state_folder(paths.kchain, state, "kernel", NAME)
+    write_dataset_metadata(state, f"{USER}/{NAME}-state", f"{NAME} state")
+    KaggleClient().create_dataset(state, public=False, dir_mode="skip")
+    wait_dataset_ready(api, f"{USER}/{NAME}-state")  # a new dataset is hidden while it is processed
+    return weights
+
+
+def test_pull_best_and_final_bring_the_weights_of_those_steps(emulator, kaggle_api, tmp_path):  # noqa: F811
+    job = job_file(tmp_path)
+    weights = publish_state(kaggle_api, tmp_path, summary.Status.FINISHED)
+    said: list[str] = []
+
+    best = pull(job, Want("best"), tmp_path / "best", echo=said.append)
+    assert best.step == 4 and best.weights == {"model": "model.safetensors"} and best.fetched_bytes > 0
+    tensors = load_file(best.folder / "model.safetensors")
+    assert torch.equal(tensors["0.weight"], weights[4]) and set(tensors) == {"0.weight", "0.bias", "1.weight", "1.bias"}
+    facts = json.loads((best.folder / "metrics.json").read_text())
+    assert facts["step"] == 4 and facts["metrics"] == {"loss": 0.25, "val_loss": 0.3} and facts["sessions"] == 1
+    assert facts["fingerprint"] == "f" * 64 and facts["keep_best"]["step"] == 4
+    assert not (best.folder / "export").exists()  # export/ is the finishing session's: --final only
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(layout.TMP_PREFIX)) == []
+
+    final = pull(job, Want("final"), tmp_path / "final", echo=said.append)
+    assert final.step == 8 and torch.equal(load_file(final.folder / "model.safetensors")["0.weight"], weights[8])
+    assert (final.folder / "export" / "tok" / "vocab.txt").read_text() == "a\nb\n"
+    assert "pulled step 8 from alice/pulljob-state version 1" in final.lines()[0]
+
+    assert pull(job, Want("step", 4), tmp_path / "four", echo=said.append).step == 4
+    with pytest.raises(KchainError, match=r"step 6 is not in the state: alice/pulljob-state version 1 holds step 8 "
+                                          r"\(the newest\) and step 4 \(the best val_loss\)"):
+        pull(job, Want("step", 6), tmp_path / "six", echo=said.append)
+    assert not (tmp_path / "six").exists()
+
+    # The CLI: an existing folder is refused in one line before anything is fetched; --force replaces it.
+    runner = CliRunner()
+    result = runner.invoke(cli, ["pull", str(job), "--best", "-o", str(tmp_path / "final")])
+    assert result.exit_code == 1
+    assert result.output == f"Error: {tmp_path / 'final'} exists and is not empty: pass --force to replace it, " \
+                            "or -o another folder\n"
+    result = runner.invoke(cli, ["pull", str(job), "--best", "-o", str(tmp_path / "final"), "--force"])
+    assert result.exit_code == 0, result.output
+    assert torch.equal(load_file(tmp_path / "final" / "model.safetensors")["0.weight"], weights[4])
+
+
+def test_nothing_finished_and_no_state_are_one_line_and_write_nothing(emulator, kaggle_api, tmp_path):  # noqa: F811
+    job = job_file(tmp_path)
+    runner = CliRunner()
+    result = runner.invoke(cli, ["pull", str(job), "-o", str(tmp_path / "out")])
+    assert result.exit_code == 1 and result.output.count("\n") == 1
+    assert "nothing to pull, alice/pulljob-state does not exist" in result.output
+
+    publish_state(kaggle_api, tmp_path, summary.Status.DEADLINE)
+    result = runner.invoke(cli, ["pull", str(job), "--final", "-o", str(tmp_path / "out")])
+    last = result.output.splitlines()[-1]  # after the client's transfer bars (marker, summary)
+    assert result.exit_code == 1 and last.startswith("Error: ")
+    assert "nothing finished yet: alice/pulljob-state version 1 holds step 8 (the newest) and step 4" in result.output
+    assert "ended deadline" in last and "pull --step 8" in last
+    assert not (tmp_path / "out").exists()
+    assert [p for p in tmp_path.iterdir() if p.name.startswith(layout.TMP_PREFIX)] == []
+    # The best so far is there whatever the chain's state.
+    assert runner.invoke(cli, ["pull", str(job), "--best", "-o", str(tmp_path / "out")]).exit_code == 0

@@ -1,0 +1,84 @@
+"""`kchain release` against the emulator: a model version sent exactly once under lost answers and
+connection resets, attachable by a later job's `kaggle.models`; a slug Kaggle refuses is one line."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+from emulator_helpers import USER, emulator, kaggle_api, wait_dataset_ready  # noqa: F401  (fixtures)
+from test_pull import job_file, publish_state
+
+from kchain.cli import cli
+from kchain.errors import KaggleError
+from kchain.kaggle_api import KaggleClient, missing
+from kchain.models import model_problem
+from kchain.pull import Want
+from kchain.release import release
+from kchain.runtime import summary
+
+INSTANCE = f"{USER}/tiny-pull/pytorch/default"
+
+
+def test_a_release_under_resets_and_lost_answers_leaves_one_version_each_time(emulator, kaggle_api, tmp_path):  # noqa: F811
+    job = job_file(tmp_path)
+    publish_state(kaggle_api, tmp_path, summary.Status.FINISHED)
+    said: list[str] = []
+    client = KaggleClient()
+
+    emulator.faults.reset_after_acting = 2  # the model's creation and the variation's both act, then reset
+    lines = release(job, Want("best"), INSTANCE, None, False, "Apache 2.0", said.append, client)
+    assert emulator.faults.resets == 2 and emulator.model_versions(INSTANCE) == [1]
+    assert lines == [f"released step 4 as {INSTANCE}/1 (private)",
+                     f"attach it: kaggle.models: [{INSTANCE}/1]   (kernel-metadata.json: \"model_sources\": "
+                     f"[\"{INSTANCE}/1\"])"]
+    card = kaggle_api.model_get(f"{USER}/tiny-pull")
+    assert card.is_private and "Weights of step 4 (best): loss 0.25, val_loss 0.3." in card.description
+    assert "- sessions: 1" in card.description and "code fingerprint: " + "f" * 64 in card.description
+
+    emulator.faults.rate_lost_answer = 1.0  # every creating call acts, then answers 500
+    lines = release(job, Want("final"), INSTANCE, None, False, "Apache 2.0", said.append, client)
+    emulator.faults.rate_lost_answer = 0.0
+    assert emulator.model_versions(INSTANCE) == [1, 2] and lines[0] == f"released step 8 as {INSTANCE}/2 (private)"
+    assert any("the answer to versioning" in line and "it landed" in line for line in said)
+
+    # A later job pins the released version: the check `kchain push` and doctor make finds it.
+    assert model_problem(client, f"{INSTANCE}/2") is None
+    files = sorted(p.name for p in emulator.store.model_files_dir(
+        "alice/tiny-pull/pytorch/default", 2).iterdir())
+    assert files == ["export", "metrics.json", "model.safetensors"]
+    assert json.loads((emulator.store.model_files_dir("alice/tiny-pull/pytorch/default", 1) / "metrics.json")
+                      .read_text())["step"] == 4
+
+
+def test_a_model_slug_kaggle_refuses_is_one_line_and_creates_nothing(emulator, kaggle_api, tmp_path):  # noqa: F811
+    job = job_file(tmp_path)
+    result = CliRunner().invoke(cli, ["release", str(job), "--model", f"{USER}/Tiny_GPT/pytorch/default"])
+    assert result.exit_code == 1
+    assert result.output == (f"Error: --model '{USER}/Tiny_GPT/pytorch/default': Kaggle refuses the model slug "
+                             "'Tiny_GPT'; use 3-50 lowercase letters, digits and single dashes inside, e.g. --model "
+                             "alice/tiny-gpt/pytorch/default\n")
+    assert emulator.store.data.get("model_cards", {}) == {}
+
+
+def test_a_new_version_is_not_mountable_while_processed_and_a_missing_model_reads_as_forbidden(emulator, tmp_path):  # noqa: F811
+    client = KaggleClient()
+    assert not client.model_exists(f"{USER}/nothing-here")
+    with pytest.raises(KaggleError) as e:
+        client.model_versions(f"{USER}/nothing-here/pytorch/default")
+    assert missing(e.value) and "403" in str(e.value)
+    emulator.faults.processing_s = 3600.0  # processed long after this test
+    folder = tmp_path / "release"
+    folder.mkdir()
+    (folder / "model.safetensors").write_bytes(b"weights")
+    (folder / "model-metadata.json").write_text(json.dumps({
+        "ownerSlug": USER, "slug": "slow-model", "title": "Slow Model", "isPrivate": True, "description": "d"}))
+    client.create_model(folder)
+    (folder / "model-instance-metadata.json").write_text(json.dumps({
+        "ownerSlug": USER, "modelSlug": "slow-model", "instanceSlug": "default", "framework": "pytorch",
+        "licenseName": "Apache 2.0"}))
+    client.create_model_instance(folder)
+    instance = f"{USER}/slow-model/pytorch/default"
+    assert emulator.model_versions(instance) == [1] and client.model_versions(instance) == []
+    assert model_problem(client, f"{instance}/1") is not None  # a push would list it as an invalid source

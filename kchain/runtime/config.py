@@ -30,6 +30,7 @@ class TrainConfig:
     micro_batch: Any = None  # 'auto' turns the out-of-memory ladder on
     hang_timeout_s: float | None = None  # the hung-step watchdog's floor (tests set it)
     checkpoint_frozen: bool = False  # checkpoints hold the frozen parameters too (frozen.py)
+    trackers: tuple[str, ...] = ()  # the switches of train.trackers that are on (trackers.KINDS)
 
 
 @dataclass(frozen=True)
@@ -84,8 +85,8 @@ class RuntimeConfig:
     def to_dict(self) -> dict[str, Any]:
         """The JSON the notebook embeds: what `from_dict` reads back."""
         out: dict[str, Any] = {"job": self.job, "entry": self.entry, "params": dict(self.params),
-                               "train": {k: v for k, v in asdict(self.train).items() if k != "hang_timeout_s"
-                                         or v is not None},
+                               "train": {k: v for k, v in asdict(self.train).items()
+                                         if (k != "hang_timeout_s" or v is not None) and (k != "trackers" or v)},
                                "smoke": {k: v for k, v in asdict(self.smoke).items() if k != "params" or v}}
         out["kaggle"] = {k: v for k, v in asdict(self.kaggle).items() if k not in ("resume", "publish") or v is not None}
         for key in ("fingerprint", "kchain_version"):

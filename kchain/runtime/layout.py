@@ -57,6 +57,9 @@ METRICS = "metrics.jsonl"
 SUMMARY = "summary.json"
 PUBLISH_SENT_KEY = "publish_sent"  # in summary.json: the kernel's state send {step, before}, before it settles
 CACHE_DIR = "cache"
+# run.tensorboard_dir, <working>/kchain/tensorboard: carried in every checkpoint as the files of this group
+# (the manifest's "attached"), so every session of a chain appends to one TensorBoard run (tensorboard.py).
+TENSORBOARD_DIR = "tensorboard"
 
 # The marker file of a state dataset version (and of the state dataset's first, empty version).
 STATE_MARKER = "kchain-state.json"
@@ -130,6 +133,11 @@ class Paths:
     metrics: Path
     summary: Path
     scratch: Path  # where an attached archive of checkpoints is unpacked
+
+    @property
+    def tensorboard(self) -> Path:
+        """run.tensorboard_dir: the chain's one TensorBoard log dir (tensorboard.py)."""
+        return self.kchain / TENSORBOARD_DIR
 
     @classmethod
     def of(cls, env) -> Paths:

@@ -361,6 +361,31 @@ def plot(job: Path, out: Path | None) -> None:
 
 @cli.command()
 @JOB
+@click.option("--to", "to", type=click.Choice(["tensorboard", "mlflow", "wandb"]), required=True,
+              help="The tracker to make the chain's one run in.")
+@click.option("--dir", "folder", type=click.Path(path_type=Path), default=None,
+              help="Where the run goes (default .kchain/trackers/<name>): the TensorBoard log dir, W&B's offline "
+                   "runs, MLflow's file store (mlruns/) unless MLFLOW_TRACKING_URI is set.")
+def sync(job: Path, to: str, folder: Path | None) -> None:
+    """The whole chain as one run in TensorBoard, MLflow or W&B (offline), from kchain's metrics trace.
+
+    Every run.log value at its step, each step once; run it again after more sessions and only the
+    new steps are sent. The run is the chain's run.id.
+
+    \b
+    Example:
+      kchain sync jobs/tinygpt/job.yaml --to tensorboard --dir runs/tinygpt && tensorboard --logdir runs
+      kchain sync jobs/tinygpt/job.yaml --to wandb && wandb sync .kchain/trackers/tinygpt-notes/wandb/offline-run-*
+    """
+    from kchain.sync import sync_for
+
+    done = sync_for(job, to, folder)
+    click.echo(f"{done.target}: run {done.run_id} in {done.where}: {done.sent} values sent, "
+               f"{done.held} held already")
+
+
+@cli.command()
+@JOB
 @click.option("--session-limit", type=Seconds(1.0, 12 * 3600.0), default=20.0, show_default=True,
               help="Seconds per emulated session (longer when session 1 shows the chain would need many).")
 @click.option("--kills", type=click.IntRange(0, 100), default=1, show_default=True,

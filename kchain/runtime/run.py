@@ -641,7 +641,8 @@ class Run:
         """
         from . import lightning  # Lightning is imported only inside it, only when used
 
-        return lightning.callback(self._loop, self._untracked_loader, self.fraction if self.smoke else None)
+        return lightning.callback(self._loop, self._untracked_loader, self.fraction if self.smoke else None,
+                                  self._tb.flushes)
 
     def _untracked_loader(self, dataloader: DataLoader, fraction: float | None = None) -> Loader:
         """A framework's DataLoader rebuilt as run.loader rebuilds one, not tracked: the framework's own

@@ -51,6 +51,7 @@ class Log:
         self._restored: dict[str, int] = {}  # rel path -> size, of the files the checkpoint gave back
         self._complete: dict[str, int] = {}  # rel path -> the end of its last complete record seen
         self._writers: list = []  # the writers kchain made: flushed before each copy, closed at the end
+        self.flushes: list[Callable[[], object]] = []  # a framework's loggers' flush (lightning.py), likewise
         self._mirror = None
 
     def open(self) -> Path:
@@ -102,6 +103,8 @@ class Log:
     def flush(self) -> None:
         for w in self._writers:
             w.flush()
+        for flush in self.flushes:
+            flush()
 
     def stage(self) -> Path | None:
         """The folder as it is now, copied for the next checkpoint (rank 0, at a save); None if empty."""
@@ -143,15 +146,16 @@ class NoWriter:
 def complete_records(path: Path, size: int, start: int = 0) -> int:
     """Where the last complete TFRecord that ends by `size` ends, walking the records from `start`
     (the end of one seen before): a writer in another thread may be halfway through the next."""
-    pos = start
     with open(path, "rb") as f:
-        while pos + RECORD_OVERHEAD <= size:
-            f.seek(pos)
-            (length,) = struct.unpack("<Q", f.read(8))
-            if pos + RECORD_OVERHEAD + length > size:
-                break
-            pos += RECORD_OVERHEAD + length
-    return pos
+        f.seek(start)
+        data = f.read(size - start)  # only what was written since the last save: read once, walked in memory
+    pos, end = 0, len(data)
+    while pos + RECORD_OVERHEAD <= end:
+        (length,) = struct.unpack_from("<Q", data, pos)
+        if pos + RECORD_OVERHEAD + length > end:
+            break
+        pos += RECORD_OVERHEAD + length
+    return start + pos
 
 
 def _copy_prefix(src: Path, dst: Path, size: int) -> None:

@@ -136,3 +136,39 @@ def test_the_mlflow_run_active_at_a_save_is_kept_for_the_next_session(tmp_path, 
     nxt = make_run(tmp_path, checkpoint_every={"steps": 2}, trackers=["mlflow"])
     assert os.environ["MLFLOW_RUN_ID"] == active.info.run_id
     nxt.close()
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore::FutureWarning", "ignore:.*does not have many workers:UserWarning")
+def test_lightnings_tensorboard_logger_on_the_chains_folder_is_one_run_across_a_stop(tmp_path):
+    # Lightning's logger flushes every 120 s by itself: what reaches the checkpoint at the stop is what
+    # kchain's callback flushed (logger.save()) before it copied the folder.
+    pytest.importorskip("pytorch_lightning")
+    pytest.importorskip("tensorboard")
+    import pytorch_lightning as pl
+    from helpers import make_run
+    from pytorch_lightning.loggers import TensorBoardLogger
+    from test_lightning import lightning_job, load_template
+
+    from kchain.runtime.run import SessionStopped
+
+    template = load_template(lightning_job(tmp_path).parent)
+
+    def fit(root: Path, **env: str) -> Path:
+        pl.seed_everything(0)
+        run = make_run(root, params={"seed": 0}, env=env, checkpoint_every={"steps": 2})
+        logger = TensorBoardLogger(run.tensorboard_dir, name="", version="", default_hp_metric=False)
+        trainer = pl.Trainer(max_epochs=2, logger=logger, log_every_n_steps=1, enable_progress_bar=False,
+                             enable_model_summary=False, default_root_dir=tmp_path, callbacks=[run.lightning_callback()])
+        try:
+            trainer.fit(template.Classifier(8, 2, 16, 0.3, 1e-2, 2), template.BlobData(160, 8, 2, 32, 0, 0))
+        except SessionStopped:
+            pass
+        finally:
+            run.close()
+        return kdir(root) / layout.TENSORBOARD_DIR
+
+    want = scalars(fit(tmp_path / "reference"))
+    assert [s for s, _ in want["train_loss"]] == list(range(8))  # 128 rows, 32 a step, 2 epochs; Lightning counts from 0
+    fit(tmp_path / "chain", KCHAIN_FAULT="deadline_after_steps=5")
+    assert scalars(fit(tmp_path / "chain")) == want

@@ -214,10 +214,10 @@ class Run:
 
         At a resume it holds exactly what the resumed checkpoint held, so every session's writers
         append to one run. Build writers on it after the first use of this property (it is
-        restored then), e.g. `TensorBoardLogger(run.tensorboard_dir, name="", version="")` for
+        restored then), e.g. `TensorBoardLogger(run.tensorboard_dir, name="", version="", default_hp_metric=False)` for
         Lightning; prefer run.summary_writer(), which kchain flushes before each save.
         """
-        return self._tb.open()
+        return self._tb.made()
 
     def summary_writer(self, **kwargs):
         """A `torch.utils.tensorboard.SummaryWriter` on run.tensorboard_dir that continues the chain's run.

@@ -61,7 +61,6 @@ class Log:
         self._opened = True
         found = self._found()
         shutil.rmtree(self.folder, ignore_errors=True)  # a killed session's later events go
-        self.folder.mkdir(parents=True, exist_ok=True)
         if found is None:
             return self.folder
         path, manifest = found
@@ -73,13 +72,19 @@ class Log:
             self._restored[rel] = self._complete[rel] = dst.stat().st_size
         return self.folder
 
+    def made(self) -> Path:
+        """The folder, opened and made (run.tensorboard_dir)."""
+        folder = self.open()
+        folder.mkdir(parents=True, exist_ok=True)
+        return folder
+
     def writer(self, **kwargs):
         """A SummaryWriter on the folder with purge_step set (see Run.summary_writer)."""
         if not self.writes:
             return NoWriter()
         from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package
 
-        folder = self.open()
+        folder = self.made()
         # TensorBoard applies a purge marker to every event it read before it, in file-name order: a
         # second writer's would drop what this session's first writer wrote. Only the session's first
         # event file marks it (the folder is exact already; the marker is TensorBoard's own guard).
@@ -112,7 +117,7 @@ class Log:
             return None
         self.open()
         self.flush()
-        files = sorted(p for p in self.folder.rglob("*") if p.is_file())
+        files = sorted(p for p in self.folder.rglob("*") if p.is_file()) if self.folder.is_dir() else []
         if not files:
             return None
         staged = self.scratch / f"{layout.TMP_PREFIX}{GROUP}-{os.getpid()}"

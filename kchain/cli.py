@@ -422,6 +422,31 @@ def pull(job: Path, which: str, step: int | None, out: Path | None, force: bool)
 
 @cli.command()
 @JOB
+@click.option("--to", "to", type=click.Choice(["tensorboard", "mlflow", "wandb"]), required=True,
+              help="The tracker to make the chain's one run in.")
+@click.option("--dir", "folder", type=click.Path(path_type=Path), default=None,
+              help="Where the run goes (default .kchain/trackers/<name>): the TensorBoard log dir, W&B's offline "
+                   "runs, MLflow's file store (mlruns/) unless MLFLOW_TRACKING_URI is set.")
+def sync(job: Path, to: str, folder: Path | None) -> None:
+    """The whole chain as one run in TensorBoard, MLflow or W&B (offline), from kchain's metrics trace.
+
+    Every run.log value at its step, each step once; run it again after more sessions and only the
+    new steps are sent. The run is the chain's run.id.
+
+    \b
+    Example:
+      kchain sync myjob/job.yaml --to tensorboard --dir runs/myjob && tensorboard --logdir runs
+      kchain sync myjob/job.yaml --to wandb && wandb sync myjob/.kchain/trackers/myjob/wandb/offline-run-*
+    """
+    from kchain.sync import sync_for
+
+    done = sync_for(job, to, folder)
+    click.echo(f"{done.target}: run {done.run_id} in {done.where}: {done.sent} values sent, "
+               f"{done.held} held already")
+
+
+@cli.command()
+@JOB
 @click.option("--best", "which", flag_value="best", help="Release the kept best checkpoint's weights.")
 @click.option("--final", "which", flag_value="final", default=True, help="Release the final weights (default).")
 @click.option("--model", default=None, metavar="OWNER/MODEL/FRAMEWORK/VARIATION", help="The Kaggle Model variation.")

@@ -21,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from kchain.errors import SpecError
 from kchain.names import MAX_NAME
-from kchain.runtime import layout, settings
+from kchain.runtime import layout, settings, trackers
 from kchain.runtime.config import RuntimeConfig, SmokeConfig, TrainConfig
 from kchain.runtime.settings import parse_cadence, parse_duration
 from kchain.targets.sections import SkyPilotSpec, SlurmSpec
@@ -201,6 +201,16 @@ def _metric_name(value: str) -> str:
     return value
 
 
+class TrackersSpec(_Strict):
+    # Each on: the experiment tracker sees the chain as one run (runtime/trackers.py, docs/runtime.md).
+    tensorboard: bool = False  # every run.log value mirrored into run.tensorboard_dir; TENSORBOARD_LOGGING_DIR set
+    wandb: bool = False  # WANDB_RUN_ID=run.id and WANDB_RESUME=allow in the training process
+    mlflow: bool = False  # MLFLOW_RUN_ID: the MLflow run the code had active at the last checkpoint
+
+    def on(self) -> tuple[str, ...]:
+        return tuple(kind for kind in trackers.KINDS if getattr(self, kind))
+
+
 class TrainSpec(_Strict):
     # The defaults live with the runtime's parsers (kchain/runtime/settings.py): one meaning each.
     checkpoint_every: str | int | float = settings.CHECKPOINT_EVERY
@@ -238,6 +248,9 @@ class TrainSpec(_Strict):
                 raise ValueError(f"{where}: {err['msg'].removeprefix('Value error, ')}") from None
         raise ValueError(f"{shown(value)}: write a metric name (keep_best: val_loss), {{metric: val_acc, mode: max}} "
                          "or off")
+
+    # {tensorboard: true, wandb: true, mlflow: true}: the trackers' own resume variables and the run.log mirror.
+    trackers: TrackersSpec = Field(default_factory=TrackersSpec)
 
     @field_validator("checkpoint_every")
     @classmethod
@@ -787,6 +800,7 @@ def runtime_config(job: Job) -> RuntimeConfig:
             checkpoint_frozen=job.train.checkpoint_frozen,
             keep_best=job.train.keep_best.model_dump(exclude_none=True)
             if isinstance(job.train.keep_best, KeepBestSpec) else job.train.keep_best,
+            trackers=job.train.trackers.on(),
         ),
         smoke=SmokeConfig(fraction=job.smoke.fraction, steps=job.smoke.steps, params=job.smoke.params or {}),
     )

@@ -30,6 +30,7 @@ from .checkpoint_files import (
     BEST_KEY,
     MODULES_KEY,
     WRITE_SLACK,
+    CheckpointInvalid,
     CheckpointsDamaged,
     CheckpointTooLarge,
     attached_files,
@@ -40,6 +41,8 @@ from .checkpoint_files import (
     dir_bytes,
     hash_early,
     make_room,
+    newest_first,
+    read_manifest,
 )
 from .faults import Faults
 from .frozen import FrozenBase
@@ -156,6 +159,9 @@ class Checkpointer:
         self._found: tuple[list[tuple[Path, dict]], list[str]] | None = None  # find(), once
         self._loaded: dict | None = None  # rank 0: the state find() loaded with it, until restore()
         self.resumed: tuple[Path, dict] | None = None  # the checkpoint restored from
+        # Parts that add to every checkpoint, asked by rank 0 at each save: each returns its manifest
+        # entries and the folders to attach, by group (the run id, the TensorBoard log: run.py).
+        self.additions: list[Callable[[], tuple[dict, dict[str, Path]]]] = []
         if ranks.is_main:  # kchain ddp: rank 0 alone owns the files
             clean_tmp(where.checkpoints)
         hash_early(where.checkpoints, where.input_root, where.state_slug)  # overlaps the user's set-up
@@ -250,6 +256,20 @@ class Checkpointer:
             if w.sink is not None:
                 self._lost = sink.behind_pointer(w.sink, int(hit[1]["step"]) if hit else None, damaged)
         return self._found
+
+    def chain_manifest(self) -> dict | None:
+        """The newest checkpoint's manifest of this job, read without verifying anything or unpacking
+        an archive: for what every checkpoint of a chain says alike (its run id), before the restore."""
+        w = self.where
+        paths = [] if w.sink_only else newest_first(w.checkpoints, w.input_root, None, w.state_slug)
+        for path in [*paths, *(sink.candidates(w.sink) if w.sink else [])]:
+            try:
+                manifest = read_manifest(path)
+            except CheckpointInvalid:
+                continue
+            if not self.policy.job or manifest.get("job") in (None, self.policy.job):
+                return manifest
+        return None
 
     def restore(self, progress: Progress, trace: Trace, params: dict) -> Path | None:
         """Load the newest checkpoint into everything tracked (once); the checkpoint, or None fresh."""
@@ -374,6 +394,12 @@ class Checkpointer:
             "best": trace.best,
             **({"ranks": per_rank} if per_rank else {}),
         }
+        added: dict = {}
+        for add in self.additions:
+            fields, folders = add()
+            added.update(fields)
+            for group, folder in folders.items():
+                self.attach(group, folder)
         if self._plan is None:
             # A framework's files (attach) are on the disk already; its next checkpoint needs as much room.
             self._plan = self._plan_checkpoints(live, sum(dir_bytes(f) for f in self._attached.values()))
@@ -382,7 +408,7 @@ class Checkpointer:
             say(pruned)
         trace.flush()
         manifest = {"job": self.policy.job, "step": progress.step, "time": time.time(), "session": progress.session,
-                    **self.policy.manifest, ladder.MANIFEST_KEY: self.rung.halvings,
+                    **self.policy.manifest, **added, ladder.MANIFEST_KEY: self.rung.halvings,
                     MODULES_KEY: [n for n, o in self.tracked.items() if isinstance(distributed.unwrap(o), torch.nn.Module)]}
         left_out = self.frozen.record()
         if left_out:

@@ -31,6 +31,7 @@ class TrainConfig:
     hang_timeout_s: float | None = None  # the hung-step watchdog's floor (tests set it)
     checkpoint_frozen: bool = False  # checkpoints hold the frozen parameters too (frozen.py)
     keep_best: Any = None  # None: follow run.best's metric; 'off'; {'metric', 'mode'} (keepbest.py)
+    trackers: tuple[str, ...] = ()  # the switches of train.trackers that are on (trackers.KINDS)
 
 
 @dataclass(frozen=True)
@@ -86,7 +87,7 @@ class RuntimeConfig:
         """The JSON the notebook embeds: what `from_dict` reads back."""
         out: dict[str, Any] = {"job": self.job, "entry": self.entry, "params": dict(self.params),
                                "train": {k: v for k, v in asdict(self.train).items()
-                                         if k not in ("hang_timeout_s", "keep_best") or v is not None},
+                                         if (k not in ("hang_timeout_s", "keep_best") or v is not None) and (k != "trackers" or v)},
                                "smoke": {k: v for k, v in asdict(self.smoke).items() if k != "params" or v}}
         out["kaggle"] = {k: v for k, v in asdict(self.kaggle).items() if k not in ("resume", "publish") or v is not None}
         for key in ("fingerprint", "kchain_version"):

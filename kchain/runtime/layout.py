@@ -66,6 +66,9 @@ EXPORT_DIR = "export"
 # A state version is flat: the kept best checkpoint (train.keep_best) travels beside the newest as
 # these names, `best.manifest.json`, `best.state.pt`, ...; the resume search only reads `manifest.json`.
 BEST_PREFIX = "best."
+# run.tensorboard_dir, <working>/kchain/tensorboard: carried in every checkpoint as the files of this group
+# (the manifest's "attached"), so every session of a chain appends to one TensorBoard run (tensorboard.py).
+TENSORBOARD_DIR = "tensorboard"
 
 # The marker file of a state dataset version (and of the state dataset's first, empty version).
 STATE_MARKER = "kchain-state.json"
@@ -140,6 +143,11 @@ class Paths:
     summary: Path
     scratch: Path  # where an attached archive of checkpoints is unpacked
     export: Path  # run.export_dir: the user's own export, carried by the state version
+
+    @property
+    def tensorboard(self) -> Path:
+        """run.tensorboard_dir: the chain's one TensorBoard log dir (tensorboard.py)."""
+        return self.kchain / TENSORBOARD_DIR
 
     @classmethod
     def of(cls, env) -> Paths:

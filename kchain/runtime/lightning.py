@@ -93,11 +93,12 @@ def framework():
     return pl
 
 
-def callback(loop: Loop, make_loader: Callable, fraction: float | None):
+def callback(loop: Loop, make_loader: Callable, fraction: float | None, flushes: list | None = None):
     """run.lightning_callback(): a Lightning Callback (KchainCallback) over this run's loop driver.
 
     `make_loader(dataloader, fraction)` rebuilds a DataLoader as an untracked kchain Loader; `fraction`
-    is smoke.fraction in a smoke, None outside one."""
+    is smoke.fraction in a smoke, None outside one; `flushes` gets the call that flushes the Trainer's
+    loggers (their `save()`), made before each checkpoint copies run.tensorboard_dir (tensorboard.py)."""
     if NAME in loop.ckpt.tracked:
         raise LightningSetupError("run.lightning_callback() was called twice: one callback serves the session's "
                                   "trainer.fit(); give the Trainer the one you made")
@@ -108,7 +109,9 @@ def callback(loop: Loop, make_loader: Callable, fraction: float | None):
         # as it means both T4s on Kaggle. Set before the Trainer is built (this call is in its arguments).
         pl.accelerators.CPUAccelerator.auto_device_count = staticmethod(lambda: ranks.world_size)
     kind = type("KchainCallback", (Bridge, pl.Callback), {})
-    return kind(loop, make_loader, fraction, pl)
+    bridge = kind(loop, make_loader, fraction, pl)
+    bridge.flushes = flushes
+    return bridge
 
 
 class TrainerState:
@@ -186,6 +189,7 @@ class Bridge:
         self._returned: dict = {}  # what training_step returned last, for the step's row
         self._seen: dict = {}  # each logged value already in the trace, held (so compared by identity)
         self._every = 1  # steps between validations, for the deadline guard's plan
+        self.flushes: list | None = None  # where the loggers' flush goes (run.tensorboard_dir's copies)
 
     # --- setup and restore --------------------------------------------------------------------------
 
@@ -197,6 +201,8 @@ class Bridge:
                                       "checkpoint holds one Trainer's state; fit once in main(run)")
         self.state.trainer = trainer
         self.loop.ckpt.cover("lightning_module", pl_module)  # the Trainer's checkpoint (tracked as `lightning`) holds it
+        if self.flushes is not None:  # a TensorBoardLogger on run.tensorboard_dir: its events reach each checkpoint
+            self.flushes.append(lambda: [logger.save() for logger in trainer.loggers])
         _check_ranks(trainer, self.loop.ranks.world_size)
         _drop_default_checkpoint(trainer, self.pl.callbacks.ModelCheckpoint)
         _monitored_best(trainer, self.pl.callbacks.ModelCheckpoint, self.loop.ckpt.best)

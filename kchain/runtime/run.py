@@ -25,7 +25,18 @@ import numpy as np
 import torch
 from torch.utils.data import BatchSampler, DataLoader, Dataset, RandomSampler, SequentialSampler
 
-from . import distributed, ladder, precision, preflight, resumecheck, staging, summary, watchdog
+from . import (
+    distributed,
+    ladder,
+    precision,
+    preflight,
+    resumecheck,
+    staging,
+    summary,
+    tensorboard,
+    trackers,
+    watchdog,
+)
 from .checkpointer import Checkpointer, Policy, Where
 from .clock import SessionClock
 from .config import RuntimeConfig
@@ -118,6 +129,16 @@ class Run:
         if st.micro_auto and self._ranks.is_main:  # the ladder starts from the size that fitted last session
             self._rung.halvings = max(halvings, self._ckpt.halvings_found())
         self._trace = Trace(paths.metrics, writes=self._ranks.is_main)
+        # The chain's run id: rank 0 reads it from the newest checkpoint (or chooses it), every rank gets it.
+        self._ids: trackers.RunIds = self._ranks.all_gather(
+            trackers.RunIds.of(self._ckpt.chain_manifest()) if self._ranks.is_main else None)[0]
+        self._tb = tensorboard.Log(paths.tensorboard, paths.scratch, self._ranks.is_main,
+                                   functools.partial(_resumed_from, self._ckpt))
+        self._ckpt.additions.append(functools.partial(_additions, self._ids, self._tb, self._ckpt))
+        if "tensorboard" in st.trackers:
+            self._trace.mirror = self._tb.mirror
+        # The trackers' own resume variables, before the user's code imports them (train.trackers).
+        os.environ.update(trackers.environ(st.trackers, self._ids, paths.tensorboard))
         # The watchdog's verdict writes the summary from the parts (a part never holds the Run).
         summarize = functools.partial(summary_of, self._progress, self._trace, self._ckpt, st, self._ranks.world_size)
         self._loop = Loop(self._progress, self._clock, self._ckpt, self._trace, self._ranks, st.faults,
@@ -194,6 +215,43 @@ class Run:
         """
         self._paths.export.mkdir(parents=True, exist_ok=True)
         return self._paths.export
+
+    @property
+    def id(self) -> str:
+        """The chain's run id: chosen when the chain starts, the same in every session and on every rank.
+
+        Kept in every checkpoint. Give it to a tracker as the run's id, e.g.
+        `wandb.init(id=run.id, resume="allow")` (`train.trackers: {wandb: true}` exports it as WANDB_RUN_ID).
+        """
+        return self._ids.run_id
+
+    @property
+    def tensorboard_dir(self) -> Path:
+        """The chain's one TensorBoard log dir (<working>/kchain/tensorboard), carried in every checkpoint.
+
+        At a resume it holds exactly what the resumed checkpoint held, so every session's writers
+        append to one run. Build writers on it after the first use of this property (it is
+        restored then), e.g. `TensorBoardLogger(run.tensorboard_dir, name="", version="", default_hp_metric=False)` for
+        Lightning; prefer run.summary_writer(), which kchain flushes before each save.
+        """
+        return self._tb.made()
+
+    def summary_writer(self, **kwargs):
+        """A `torch.utils.tensorboard.SummaryWriter` on run.tensorboard_dir that continues the chain's run.
+
+        It starts with `purge_step` at the resumed step + 1 (TensorBoard drops any later event an
+        earlier session wrote), is flushed before each checkpoint (its events up to the checkpoint's
+        step travel with it) and closed at the end. On ranks other than 0 it writes nothing.
+        Keyword arguments go to SummaryWriter.
+
+        Example::
+
+            tb = run.summary_writer()
+            for step in run.steps(total):
+                ...
+                tb.add_scalar("loss", loss.item(), step)
+        """
+        return self._tb.writer(**kwargs)
 
     @property
     def rank(self) -> int:
@@ -568,6 +626,8 @@ class Run:
     def _hf(self):
         from . import hf  # transformers is imported only inside it, only when used
 
+        self._tb.open()  # its TensorBoardCallback (TENSORBOARD_LOGGING_DIR) writes after the restore
+
         return hf.bridge(self._loop, self._paths.scratch, self.smoke, self.fraction)
 
     def restore(self) -> int:
@@ -614,7 +674,8 @@ class Run:
         """
         from . import lightning  # Lightning is imported only inside it, only when used
 
-        return lightning.callback(self._loop, self._untracked_loader, self.fraction if self.smoke else None)
+        return lightning.callback(self._loop, self._untracked_loader, self.fraction if self.smoke else None,
+                                  self._tb.flushes)
 
     def _untracked_loader(self, dataloader: DataLoader, fraction: float | None = None) -> Loader:
         """A framework's DataLoader rebuilt as run.loader rebuilds one, not tracked: the framework's own
@@ -653,6 +714,7 @@ class Run:
             self._loop.restore_signals()  # run.should_stop's, if a loop of the user's own set them
             self._ranks.close()
             self._trace.close()
+            self._tb.close()
 
     # --- the launcher's (not the user's) --------------------------------------------------------
 
@@ -690,6 +752,21 @@ def summary_of(progress: Progress, trace: Trace, ckpt: Checkpointer, st: Setting
         not_exact=p.not_exact, world_size=world_size,
         torch=torch.__version__, cuda=torch.version.cuda,  # the image it ran on (kchain status compares)
     )
+
+
+def _resumed_from(ckpt: Checkpointer) -> tuple[Path, dict] | None:
+    """The checkpoint this run resumes from (rank 0: found and verified once), or None."""
+    found, _ = ckpt.find()
+    return found[0] if found else None
+
+
+def _additions(ids: trackers.RunIds, tb: tensorboard.Log, ckpt: Checkpointer) -> tuple[dict, dict[str, Path]]:
+    """What every checkpoint adds: the chain's ids in the manifest, and the TensorBoard log's files."""
+    old = ids.follow(ckpt.resumed[1] if ckpt.resumed else None)
+    if old is not None:
+        warn(f"run id: the checkpoint resumed says {ids.run_id}, not {old} as read at the start; keeping {ids.run_id}")
+    staged = tb.stage()
+    return ids.manifest(), ({tensorboard.GROUP: staged} if staged is not None else {})
 
 
 def _hung(progress: Progress, summarize: Callable, path: Path, waited: float, limit: float) -> None:

@@ -96,6 +96,7 @@ class Settings:
     kchain_version: str | None = None
     sink: str | None = None  # KCHAIN_STATE_SINK: a mounted bucket folder each complete checkpoint is published to
     plan: SessionPlan | None = None  # KCHAIN_SESSION_PLAN: a rehearsal's sessions planned in steps
+    trackers: tuple[str, ...] = ()  # train.trackers switched on: tensorboard, wandb, mlflow (trackers.py)
     multi_node: bool = False  # the ranks span machines (an outer torchrun with --nnodes > 1): no disk is shared
 
     @classmethod
@@ -143,5 +144,6 @@ class Settings:
             kchain_version=config.kchain_version,
             sink=env.get(layout.STATE_SINK_ENV) or None,
             plan=sessionplan.parse(env.get(layout.SESSION_PLAN_ENV)),
+            trackers=tuple(train.trackers or ()),
             multi_node=int(env.get("LOCAL_WORLD_SIZE") or env.get("WORLD_SIZE") or 1) < int(env.get("WORLD_SIZE") or 1),
         )

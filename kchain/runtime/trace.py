@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 LOWER_IS_BETTER = ("loss", "err", "perplexity", "ppl")  # in a val* metric's name: lower is better
@@ -32,6 +33,7 @@ class Trace:
         self.logged_at: dict[str, int] = {}  # the step each name was last logged at (keepbest.py reads it)
         self.bytes = 0  # the file's size after the last complete row: what a checkpoint copies
         self._file = None  # opened by the first row
+        self.mirror: Callable[[int, dict], None] | None = None  # rank 0: each row also goes here (TensorBoard)
         if writes:
             path.write_bytes(b"")  # this session's lines; a resume puts the history before them
 
@@ -50,6 +52,8 @@ class Trace:
         self.bytes += len(line)
         self.metrics.update(values)
         self._follow_best(step, values)
+        if self.mirror is not None:
+            self.mirror(step, values)
 
     def _follow_best(self, step: int, values: dict) -> None:
         """The first val* metric logged is the one `best` follows; lower is better for losses."""

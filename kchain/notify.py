@@ -4,12 +4,14 @@ a chat webhook, a mail).
 
 The environment holds KCHAIN_EVENT (one of EVENTS), KCHAIN_JOB (the job's name), KCHAIN_MESSAGE (the
 line kchain printed for it) and KCHAIN_SESSION (the session it concerns, or empty). A command that
-fails or hangs is reported in one line and never stops the chain.
+fails, or runs past TIMEOUT_S (then it is stopped, with its children), is one line and never stops
+the chain.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 from collections.abc import Callable
 
@@ -28,21 +30,25 @@ def nobody(event: str, message: str, session: int | None = None) -> None:
     """No --notify: events go nowhere (the watch prints its lines anyway)."""
 
 
-def notifier(command: str, job: str, echo: Echo) -> Notify:
+def notifier(command: str, job: str, echo: Echo, timeout_s: float = TIMEOUT_S) -> Notify:
     """A Notify that runs command in the shell with the event in its environment; its output is echoed."""
 
     def notify(event: str, message: str, session: int | None = None) -> None:
         env = {**os.environ, "KCHAIN_EVENT": event, "KCHAIN_JOB": job, "KCHAIN_MESSAGE": message,
                "KCHAIN_SESSION": "" if session is None else str(session)}
-        try:
-            done = subprocess.run(command, shell=True, env=env, stdin=subprocess.DEVNULL, capture_output=True,
-                                  text=True, timeout=TIMEOUT_S, check=False)
-        except subprocess.TimeoutExpired:
-            echo(f"[kchain] --notify for {event}: still running after {TIMEOUT_S}s, left behind; the chain goes on")
-            return
-        for line in (done.stdout + done.stderr).splitlines():
+        # A session of its own: on a timeout the whole group goes, so no child left holding the pipe.
+        with subprocess.Popen(command, shell=True, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, start_new_session=True) as proc:
+            try:
+                output, _ = proc.communicate(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.communicate()
+                echo(f"[kchain] --notify for {event}: still running after {timeout_s:g}s, stopped; the chain goes on")
+                return
+        for line in output.splitlines():
             echo(f"[notify] {line}")
-        if done.returncode != 0:
-            echo(f"[kchain] --notify for {event} exited {done.returncode}; the chain goes on")
+        if proc.returncode != 0:
+            echo(f"[kchain] --notify for {event} exited {proc.returncode}; the chain goes on")
 
     return notify

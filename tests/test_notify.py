@@ -58,6 +58,9 @@ def test_a_failing_notifier_is_one_line_and_notify_needs_watch(tmp_path):
     lines: list[str] = []
     notifier("echo broken >&2; exit 3", NAME, lines.append)("finished", "training is complete", 2)
     assert lines == ["[notify] broken", "[kchain] --notify for finished exited 3; the chain goes on"]
+    lines.clear()
+    notifier("sleep 600 & sleep 600", NAME, lines.append, timeout_s=0.5)("finished", "training is complete", 2)
+    assert lines == ["[kchain] --notify for finished: still running after 0.5s, stopped; the chain goes on"]
     refused = invoke("continue", copy_job("tinygpt", tmp_path), "--notify", "true")
     assert refused.exit_code == 2
     assert refused.output.splitlines()[-1] == "Error: --notify tells of a watched chain's events; give it with --watch"

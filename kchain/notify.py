@@ -15,6 +15,8 @@ import signal
 import subprocess
 from collections.abc import Callable
 
+from kchain.runtime import layout
+
 Echo = Callable[[str], None]
 Notify = Callable[[str, str, "int | None"], None]
 
@@ -34,8 +36,8 @@ def notifier(command: str, job: str, echo: Echo, timeout_s: float = TIMEOUT_S) -
     """A Notify that runs command in the shell with the event in its environment; its output is echoed."""
 
     def notify(event: str, message: str, session: int | None = None) -> None:
-        env = {**os.environ, "KCHAIN_EVENT": event, "KCHAIN_JOB": job, "KCHAIN_MESSAGE": message,
-               "KCHAIN_SESSION": "" if session is None else str(session)}
+        env = {**os.environ, layout.NOTIFY_EVENT_ENV: event, layout.NOTIFY_JOB_ENV: job,
+               layout.NOTIFY_MESSAGE_ENV: message, layout.NOTIFY_SESSION_ENV: "" if session is None else str(session)}
         # A session of its own: on a timeout the whole group goes, so no child left holding the pipe.
         with subprocess.Popen(command, shell=True, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True, start_new_session=True) as proc:

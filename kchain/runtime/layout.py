@@ -40,6 +40,11 @@ EXIT_SAVED_NOT_DONE = 75  # EX_TEMPFAIL: the state is saved and training is not 
 EXIT_NO_ACCELERATOR = 69  # EX_UNAVAILABLE: the machine lacks the GPUs the job asked for; nothing trained
 # Targets other than Kaggle: a folder on a mounted bucket that each verified checkpoint is published to.
 STATE_SINK_ENV = "KCHAIN_STATE_SINK"
+# What `continue --watch --notify CMD` puts in CMD's environment (kchain/notify.py).
+NOTIFY_EVENT_ENV = "KCHAIN_EVENT"  # session_ended, failed, finished, needs_person
+NOTIFY_JOB_ENV = "KCHAIN_JOB"  # the job's name
+NOTIFY_MESSAGE_ENV = "KCHAIN_MESSAGE"  # the line kchain printed for the event
+NOTIFY_SESSION_ENV = "KCHAIN_SESSION"  # the session it concerns, or empty
 
 # The job's datasets on Kaggle: <owner>/<job>-state holds its checkpoints, <owner>/<job>-cache its staging cache.
 STATE_SUFFIX, CACHE_SUFFIX = "-state", "-cache"

@@ -119,10 +119,12 @@ def test_a_deadline_stop_saves_the_state_at_the_stop_and_runs_no_code_after_it(t
 
 def test_state_kept_only_in_the_working_dir_fails_the_smoke(tmp_path):
     # The resume gets an empty working dir and the checkpoint as an attached input: a model kept in
-    # the job's own file is gone, as on Kaggle, and the resumed losses differ.
+    # the job's own file would be gone, as on Kaggle. The smoke stops before that, at its second step:
+    # the model changes and no checkpoint holds it (untracked.py).
     result = invoke("smoke", port_job(tmp_path, "file_state", gpus=1), "--quiet")
     assert result.exit_code == 3, result.output
-    assert "ResumeMismatch" in error_line(result)
+    assert error_line(result).endswith("UntrackedState: model (Sequential) changes between steps but no checkpoint "
+                                       "holds it: a resume would start it over; add run.track(model=model) before the loop")
 
 
 # --- 6. smoke params -----------------------------------------------------------------------------

@@ -15,6 +15,7 @@ import yaml
 from helpers import error_line, invoke
 
 from kchain import statecheck
+from kchain.rehearse import rehearse
 from kchain.runtime import layout
 
 REPO = Path(__file__).resolve().parent.parent
@@ -57,6 +58,17 @@ def test_the_ema_counted_by_the_step_with_the_gpu_branch_loader_arguments_passes
     assert result.exit_code == 0, result.output
     assert "PASS: resumed run equals the uninterrupted run bit for bit, state and trace" in result.output
     assert " values equal at steps 3, 6 (every tracked tensor" in result.output
+
+
+def test_rehearse_fails_the_same_ema_naming_it_though_the_chained_trace_is_identical(tmp_path):
+    # 20 steps in 3 planned sessions (stops at 7 and 14, mid-epoch: resumes at batch 2 and 4 of 5) and a
+    # kill; an update every 3 batches: every mid-epoch resume restarts the
+    # batch index, the logged losses still agree, and the final EMA weights do not.
+    result = rehearse(state_job(tmp_path, "ema", count="enumerate", ema_steps=3, epochs=4, rows=40), kills=1, ranks=1,
+                      echo=lambda _: None)
+    assert not result.passed
+    assert result.verdict.startswith("the state differs: model_ema.module."), result.verdict
+    assert "; the logged values agree: model_ema differs while the optimizer's state agrees" in result.verdict
 
 
 # --- 2. state the job forgot ---------------------------------------------------------------------------

@@ -163,13 +163,19 @@ class Ranks:
             dist.destroy_process_group()
 
 
-def wrap(model: torch.nn.Module, ranks: Ranks, device: torch.device) -> torch.nn.Module:
-    """The model on the rank's device, in DistributedDataParallel when there are several ranks."""
+def wrap(model: torch.nn.Module, ranks: Ranks, device: torch.device, options: dict | None = None) -> torch.nn.Module:
+    """The model on the rank's device, in DistributedDataParallel when there are several ranks;
+    `options`: DistributedDataParallel's own arguments (unused with one rank: no DDP)."""
+    options = dict(options or {})
+    taken = sorted(set(options) & {"device_ids", "output_device", "process_group", "module"})
+    if taken:
+        raise TypeError(f"run.wrap(..., {', '.join(f'{k}=...' for k in taken)}): kchain chooses the device and the "
+                        "group of each rank; leave them out")
     model = model.to(device)
     if not ranks.active:
         return model
     ids = [device.index] if device.type == "cuda" else None
-    return torch.nn.parallel.DistributedDataParallel(model, device_ids=ids)
+    return torch.nn.parallel.DistributedDataParallel(model, device_ids=ids, **options)
 
 
 def unwrap(obj):

@@ -46,10 +46,10 @@ def choose_dtype(device: torch.device, requested: str = "auto",
     return torch.float16, f"auto: compute capability {cap[0]}.{cap[1]} < 8.0, fp16 with GradScaler"
 
 
-def autocast(device: torch.device, dtype: torch.dtype):
+def autocast(device: torch.device, dtype: torch.dtype, enabled: bool = True, cache_enabled: bool | None = None):
     if device.type != "cuda" or dtype == torch.float32:
         return contextlib.nullcontext()
-    return torch.autocast(device_type="cuda", dtype=dtype)
+    return torch.autocast(device_type="cuda", dtype=dtype, enabled=enabled, cache_enabled=cache_enabled)
 
 
 class Amp:
@@ -67,13 +67,13 @@ class Amp:
         self.scaled = True
         return torch.amp.GradScaler(self.device.type)
 
-    def autocast(self):
-        if self.dtype == torch.float16 and not self.scaled and not self._warned:
+    def autocast(self, enabled: bool = True, cache_enabled: bool | None = None):
+        if self.dtype == torch.float16 and not self.scaled and not self._warned and enabled:
             from .say import warn
 
             self._warned = True
             warn(FP16_WITHOUT_SCALER)
-        return autocast(self.device, self.dtype)
+        return autocast(self.device, self.dtype, enabled, cache_enabled)
 
 
 class Stepper:

@@ -310,14 +310,19 @@ class Run:
 
     # --- registration ---------------------------------------------------------------------------
 
-    def wrap(self, model):
+    def wrap(self, model, **ddp_options):
         """The model on this rank's device, in DistributedDataParallel when there are several ranks.
+
+        `ddp_options` are DistributedDataParallel's own (find_unused_parameters, broadcast_buffers,
+        gradient_as_bucket_view, static_graph, bucket_cap_mb, ...), used under several ranks and
+        harmless with one (no DDP then); the device is kchain's choice (device_ids is refused).
 
         Example:
             model = run.wrap(Net())          # DDP on 2 GPUs, the plain module on 1
+            model = run.wrap(Net(), find_unused_parameters=True)
             run.track(model=model)           # checkpoints hold the inner module's keys either way
         """
-        return distributed.wrap(model, self._ranks, self.device)
+        return distributed.wrap(model, self._ranks, self.device, ddp_options)
 
     def track(self, **objects) -> None:
         """Register what a checkpoint must hold, by name (names must stay the same across sessions).
@@ -407,10 +412,11 @@ class Run:
         # The ladder halved the micro-batch this many times: the same effective batch.
         return precision.Stepper(optimizer, accumulate=self._rung.accumulate(accumulate), clip=clip, scaler=scaler)
 
-    def autocast(self):
+    def autocast(self, enabled: bool = True, cache_enabled: bool | None = None):
         """Mixed precision for the forward pass: `run.dtype` on CUDA, a no-op on CPU and with fp32.
 
-        Wrap the forward pass and the loss, not the backward pass.
+        Wrap the forward pass and the loss, not the backward pass. `enabled` and `cache_enabled` are
+        torch.autocast's (e.g. `enabled=False` for a part that must run in fp32).
 
         Example::
 
@@ -418,7 +424,7 @@ class Run:
                 loss = F.cross_entropy(model(x), y)
             stepper.backward(loss)
         """
-        return self._amp.autocast()
+        return self._amp.autocast(enabled, cache_enabled)
 
     # --- data -----------------------------------------------------------------------------------
 

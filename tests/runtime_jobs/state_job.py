@@ -35,6 +35,7 @@ def ema(run):
     gpu = {"pin_memory": True, "persistent_workers": True, "prefetch_factor": 2, "num_workers": 1} \
         if p.get("gpu_args") else {}
     loader = run.loader(NoisyRows(p.get("rows", 40)), batch_size=8, drop_last=True, **gpu)
+    val = NoisyRows(16)
     for epoch in run.epochs(p.epochs):
         model.train()
         for i, (x, y) in enumerate(loader):
@@ -48,7 +49,7 @@ def ema(run):
             run.log(loss=loss.item(), epoch=epoch)
         with torch.no_grad():
             # what upstream prints: an accuracy too coarse to move with the EMA's small drift
-            print(f"ema acc {(model_ema(x).argmax(1) == y).float().mean().item():.1f}")
+            print(f"ema acc {(model_ema(val.x).argmax(1) == val.y).float().mean().item():.1f}")
 
 
 class Prefetcher:
@@ -71,7 +72,7 @@ class Prefetcher:
 
 
 def prefetch(run):
-    model = run.wrap(_model())
+    model = run.wrap(_model(), gradient_as_bucket_view=True)  # DDP's own arguments pass through run.wrap
     stepper = run.optimize(torch.optim.SGD(model.parameters(), lr=0.05))
     loader = run.loader(NoisyRows(64), batch_size=4)
     ahead = Prefetcher(loader)

@@ -172,3 +172,55 @@ def test_lightnings_tensorboard_logger_on_the_chains_folder_is_one_run_across_a_
     assert [s for s, _ in want["train_loss"]] == list(range(8))  # 128 rows, 32 a step, 2 epochs; Lightning counts from 0
     fit(tmp_path / "chain", KCHAIN_FAULT="deadline_after_steps=5")
     assert scalars(fit(tmp_path / "chain")) == want
+
+
+@pytest.mark.slow
+def test_the_hf_trainers_report_to_tensorboard_is_one_run_across_a_stop_without_a_line_of_code(tmp_path, monkeypatch):
+    # train.trackers.tensorboard sets TENSORBOARD_LOGGING_DIR, which the Trainer's TensorBoardCallback reads
+    # when it is built; run.hf_resume restores the folder before the callback's writer opens it.
+    pytest.importorskip("transformers")
+    pytest.importorskip("tensorboard")
+    from helpers import make_run
+    from test_hf_trainer import template_module
+
+    from kchain.runtime.run import SessionStopped
+
+    monkeypatch.delenv(trackers.TENSORBOARD_ENV, raising=False)
+
+    def train(root: Path, **env: str) -> Path:
+        import numpy as np
+        import torch
+        from transformers import (
+            GPT2Config,
+            GPT2LMHeadModel,
+            Trainer,
+            TrainingArguments,
+            default_data_collator,
+        )
+
+        run = make_run(root, env={layout.CHECKPOINT_EVERY_ENV: "2 steps", **env}, trackers=["tensorboard"])
+        t = template_module()
+        blocks = t.group_texts(np.frombuffer(t.make_text(400, 0).encode(), dtype=np.uint8).astype(np.int64), 16)
+        torch.manual_seed(0)
+        model = GPT2LMHeadModel(GPT2Config(vocab_size=256, n_positions=16, n_embd=16, n_layer=1, n_head=2))
+        args = TrainingArguments(output_dir=str(run.working / "out"), max_steps=6, per_device_train_batch_size=8,
+                                 learning_rate=1e-3, logging_steps=1, seed=0, report_to="tensorboard",
+                                 disable_tqdm=True, dataloader_pin_memory=False)
+        trainer = Trainer(model=model, args=args, train_dataset=t.Blocks(blocks), data_collator=default_data_collator,
+                          callbacks=[run.hf_callback()])
+        try:
+            trainer.train(resume_from_checkpoint=run.hf_resume(trainer))
+        except SessionStopped:
+            pass
+        finally:
+            run.close()
+        return kdir(root) / layout.TENSORBOARD_DIR
+
+    def curves(logdir: Path) -> dict:  # the per-step curves (the closing summary's timings differ by nature)
+        return {tag: points for tag, points in scalars(logdir).items()
+                if tag in ("train/loss", "train/grad_norm", "train/learning_rate")}
+
+    want = curves(train(tmp_path / "reference"))
+    assert [s for s, _ in want["train/loss"]] == [1, 2, 3, 4, 5, 6]
+    train(tmp_path / "chain", **{layout.FAULT_ENV: "deadline_after_steps=3"})
+    assert curves(train(tmp_path / "chain")) == want

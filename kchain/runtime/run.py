@@ -231,8 +231,11 @@ class Run:
 
         At a resume it holds exactly what the resumed checkpoint held, so every session's writers
         append to one run. Build writers on it after the first use of this property (it is
-        restored then), e.g. `TensorBoardLogger(run.tensorboard_dir, name="", version="", default_hp_metric=False)` for
-        Lightning; prefer run.summary_writer(), which kchain flushes before each save.
+        restored then); prefer run.summary_writer(), which kchain flushes before each save.
+
+        Example::
+
+            logger = TensorBoardLogger(run.tensorboard_dir, name="", version="", default_hp_metric=False)
         """
         return self._tb.made()
 
@@ -633,7 +636,6 @@ class Run:
         from . import hf  # transformers is imported only inside it, only when used
 
         self._tb.open()  # its TensorBoardCallback (TENSORBOARD_LOGGING_DIR) writes after the restore
-
         return hf.bridge(self._loop, self._paths.scratch, self.smoke, self.fraction)
 
     def restore(self) -> int:

@@ -28,6 +28,7 @@ import shutil
 import struct
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from . import layout
 from .checkpoint_files import attached_files
@@ -52,7 +53,7 @@ class Log:
         self._complete: dict[str, int] = {}  # rel path -> the end of its last complete record seen
         self._writers: list = []  # the writers kchain made: flushed before each copy, closed at the end
         self.flushes: list[Callable[[], object]] = []  # a framework's loggers' flush (lightning.py), likewise
-        self._mirror = None
+        self._mirror: Any = None  # the mirror's SummaryWriter, made at the first row
 
     def open(self) -> Path:
         """The folder, made what the resumed checkpoint holds (once; rank 0)."""

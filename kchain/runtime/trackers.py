@@ -54,11 +54,12 @@ class RunIds:
     def follow(self, manifest: dict | None) -> str | None:
         """The restored checkpoint's run id wins over the one read before it (an archived state the
         first look could not open): the old id to warn about, or None when they agree."""
-        theirs = (manifest or {}).get(RUN_ID_KEY)
+        m = manifest or {}
+        theirs = m.get(RUN_ID_KEY)
         if not theirs or theirs == self.run_id:
             return None
         old, self.run_id = self.run_id, str(theirs)
-        self.mlflow = manifest.get(MLFLOW_KEY) or self.mlflow
+        self.mlflow = m.get(MLFLOW_KEY) or self.mlflow
         return old
 
     def manifest(self) -> dict:

@@ -40,7 +40,9 @@ def train():
 '''
 
 CHILD = TRAIN + '''
-import json, sys
+import inspect, json, sys
+import torch.optim.optimizer as optimizer_module
+assert "def _use_grad_for_differentiable" in inspect.getsource(optimizer_module)  # its loader still reads it
 plain = train()
 loaded_by_optimizers = "torch._dynamo" in sys.modules
 import torch._dynamo  # what torch.compile imports first: from now on torch's own marks run

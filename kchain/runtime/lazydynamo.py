@@ -86,6 +86,9 @@ class _Patched(importlib.abc.Loader):
     def __init__(self, loader: Any, name: str):
         self.loader, self.name = loader, name
 
+    def __getattr__(self, attr: str) -> Any:  # get_source, get_filename, is_package, ...: the module's own
+        return getattr(self.loader, attr)
+
     def create_module(self, spec: Any) -> Any:
         return self.loader.create_module(spec)
 

@@ -287,10 +287,11 @@ def write_weights(state_file: Path, modules: list[str] | None, folder: Path) -> 
         try:
             save_file(plain, str(folder / f"{stem}.safetensors"), metadata={"format": "pt"})
             written[name] = f"{stem}.safetensors"
-        except (ValueError, TypeError, RuntimeError) as e:
+        except (ValueError, TypeError, RuntimeError, KeyError) as e:  # KeyError: a dtype it has no name for
             (folder / f"{stem}.safetensors").unlink(missing_ok=True)
             file = TORCH_FILE if len(names) == 1 else f"{name}.{TORCH_FILE}"
             torch.save(tensors, folder / file)
             written[name] = file
-            notes.append(f"{name}: written as {file} (torch.load), not safetensors: {str(e).splitlines()[0]}")
+            why = str(e).splitlines()[0] if str(e) else type(e).__name__
+            notes.append(f"{name}: written as {file} (torch.load), not safetensors, which cannot hold it: {why}")
     return written, "; ".join(notes) or None

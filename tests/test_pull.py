@@ -137,3 +137,25 @@ def test_weights_safetensors_cannot_hold_fall_back_to_a_torch_state_dict_and_say
     assert note.startswith("quant: written as quant.state_dict.pt (torch.load), not safetensors, which cannot hold it")
     assert torch.equal(load_file(tmp_path / "model.safetensors")["weight"], plain["weight"])
     assert torch.equal(torch.load(tmp_path / "quant.state_dict.pt")["w"], odd)
+
+
+def test_lightnings_tracked_trainer_and_the_hf_trainers_own_files_are_the_weights(tmp_path):
+    from kchain.pull import write_attached, write_weights
+
+    module = torch.nn.Linear(2, 2).state_dict()
+    torch.save({"tracked": {"lightning": {"trainer": {"state_dict": module, "epoch": 1}, "data": []}}},
+               tmp_path / "state.pt")
+    written, note = write_weights(tmp_path / "state.pt", [], tmp_path)
+    assert written == {"lightning": "model.safetensors"} and note is None
+    assert torch.equal(load_file(tmp_path / "model.safetensors")["bias"], module["bias"])
+
+    raw, folder = tmp_path / "raw", tmp_path / "out"
+    raw.mkdir()
+    folder.mkdir()
+    (raw / "best.hf.model.safetensors").write_bytes(b"w")
+    (raw / "best.hf.sub--config.json").write_text("{}")
+    manifest = {"attached": {"hf": {"hf.model.safetensors": "model.safetensors", "hf.sub--config.json": "sub/config.json"}}}
+    assert write_attached(raw, "best.", manifest, folder) == ["hf"]
+    assert (folder / "hf" / "sub" / "config.json").read_text() == "{}"
+    torch.save({"tracked": {"window": {"rows": []}}}, tmp_path / "hf.pt")
+    assert write_weights(tmp_path / "hf.pt", [], folder, ["hf"]) == ({}, "the model is the framework's own files, under hf/")

@@ -34,7 +34,13 @@ from kchain.errors import KchainError
 from kchain.kaggle_api import KaggleClient
 from kchain.names import state_dataset
 from kchain.runtime import layout, summary
-from kchain.runtime.checkpoint_files import BEST_KEY, MODULES_KEY, CheckpointInvalid, verify
+from kchain.runtime.checkpoint_files import (
+    ATTACHED_KEY,
+    BEST_KEY,
+    MODULES_KEY,
+    CheckpointInvalid,
+    verify,
+)
 from kchain.runtime.say import gb
 from kchain.runtime.statefolder import STATE_MARKER
 from kchain.spec import Job, load_job
@@ -85,9 +91,9 @@ class Pulled:
     note: str | None  # why the weights are not safetensors, or what they leave out
 
     def lines(self) -> list[str]:
-        files = ", ".join(self.weights.values())
+        files = ", ".join([*self.weights.values(), METRICS_FILE])
         out = [f"pulled step {self.step} from {self.ref} version {self.version} ({gb(self.fetched_bytes)} fetched): "
-               f"{self.folder} ({files}, {METRICS_FILE})"]
+               f"{self.folder} ({files})"]
         if self.note:
             out.append(self.note)
         return out
@@ -133,7 +139,8 @@ def pull(job_file: Path, want: Want, out: Path | None = None, force: bool = Fals
                               "another checkpoint") from None
         folder = work / "out"
         folder.mkdir()
-        weights, note = write_weights(raw / (prefix + layout.STATE_FILE), manifest.get(MODULES_KEY), folder)
+        groups = write_attached(raw, prefix, manifest, folder)
+        weights, note = write_weights(raw / (prefix + layout.STATE_FILE), manifest.get(MODULES_KEY), folder, groups)
         for flat, rel in exported.items():
             dest = folder / EXPORT_SUBDIR / rel
             dest.parent.mkdir(parents=True, exist_ok=True)
@@ -249,13 +256,34 @@ def describe(job: Job, manifest: dict, metrics: Path, ended: summary.Summary | N
     }
 
 
-def _module_state(value: Any) -> bool:
+def write_attached(raw: Path, prefix: str, manifest: dict, folder: Path) -> list[str]:
+    """A framework's own checkpoint files the checkpoint holds (the HF Trainer's checkpoint-N: its
+    model.safetensors or adapter, config), as that framework wrote them, under folder/<group>/."""
+    groups = sorted(manifest.get(ATTACHED_KEY) or {})
+    for group in groups:
+        for flat, rel in (manifest[ATTACHED_KEY][group] or {}).items():
+            dest = folder / group / rel
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(raw / (prefix + flat), dest)
+    return groups
+
+
+def _module_state(value: Any) -> dict | None:
+    """The weights a tracked state holds: a module's state dict, or Lightning's (the bridge tracks the
+    Trainer's checkpoint, whose `state_dict` is the LightningModule's)."""
     import torch
 
-    return isinstance(value, dict) and bool(value) and all(isinstance(v, torch.Tensor) for v in value.values())
+    def weights(d: Any) -> bool:
+        return isinstance(d, dict) and bool(d) and all(isinstance(v, torch.Tensor) for v in d.values())
+
+    if weights(value):
+        return value
+    inner = (value.get("trainer") or {}).get("state_dict") if isinstance(value, dict) else None
+    return inner if weights(inner) else None
 
 
-def write_weights(state_file: Path, modules: list[str] | None, folder: Path) -> tuple[dict[str, str], str | None]:
+def write_weights(state_file: Path, modules: list[str] | None, folder: Path,
+                  attached: list[str] = ()) -> tuple[dict[str, str], str | None]:
     """Each tracked module's weights from state.pt as safetensors (torch imported here only).
 
     One module: model.safetensors; several: <tracked name>.safetensors each. A tensor sharing storage
@@ -270,13 +298,16 @@ def write_weights(state_file: Path, modules: list[str] | None, folder: Path) -> 
     # (its RNG states hold numpy arrays and tuples, which the weights-only unpickler refuses).
     state = torch.load(state_file, map_location="cpu", weights_only=False, mmap=True)
     tracked = state.get("tracked") or {}
-    names = [n for n in (modules or []) if n in tracked] or [n for n, v in tracked.items() if _module_state(v)]
+    names = [n for n in (modules or []) if n in tracked and _module_state(tracked[n]) is not None] \
+        or [n for n, v in tracked.items() if _module_state(v) is not None]
+    if not names and attached:  # the HF Trainer's: its own files are the model
+        return {}, f"the model is the framework's own files, under {', '.join(g + '/' for g in attached)}"
     if not names:
         raise KchainError(f"{state_file.name}: the checkpoint tracks no model (run.track(model=...)): nothing to pull")
     written: dict[str, str] = {}
     notes: list[str] = []
     for name in names:
-        tensors = {k: v for k, v in tracked[name].items() if isinstance(v, torch.Tensor)}
+        tensors = {k: v for k, v in (_module_state(tracked[name]) or {}).items() if isinstance(v, torch.Tensor)}
         stem = "model" if len(names) == 1 else name
         seen: set[int] = set()
         plain = {}
@@ -287,10 +318,11 @@ def write_weights(state_file: Path, modules: list[str] | None, folder: Path) -> 
         try:
             save_file(plain, str(folder / f"{stem}.safetensors"), metadata={"format": "pt"})
             written[name] = f"{stem}.safetensors"
-        except (ValueError, TypeError, RuntimeError) as e:
+        except (ValueError, TypeError, RuntimeError, KeyError) as e:  # KeyError: a dtype it has no name for
             (folder / f"{stem}.safetensors").unlink(missing_ok=True)
             file = TORCH_FILE if len(names) == 1 else f"{name}.{TORCH_FILE}"
             torch.save(tensors, folder / file)
             written[name] = file
-            notes.append(f"{name}: written as {file} (torch.load), not safetensors: {str(e).splitlines()[0]}")
+            why = str(e).splitlines()[0] if str(e) else type(e).__name__
+            notes.append(f"{name}: written as {file} (torch.load), not safetensors, which cannot hold it: {why}")
     return written, "; ".join(notes) or None

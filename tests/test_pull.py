@@ -123,3 +123,39 @@ def test_nothing_finished_and_no_state_are_one_line_and_write_nothing(emulator, 
     assert [p for p in tmp_path.iterdir() if p.name.startswith(layout.TMP_PREFIX)] == []
     # The best so far is there whatever the chain's state.
     assert runner.invoke(cli, ["pull", str(job), "--best", "-o", str(tmp_path / "out")]).exit_code == 0
+
+
+def test_weights_safetensors_cannot_hold_fall_back_to_a_torch_state_dict_and_say_why(tmp_path):
+    from kchain.pull import write_weights
+
+    odd = torch.tensor([1 + 2j, 3 - 1j], dtype=torch.complex128)  # a dtype safetensors has no name for
+    plain = torch.nn.Linear(2, 2).state_dict()
+    torch.save({"tracked": {"model": plain, "quant": {"w": odd}, "optimizer": {"state": {}}}},
+               tmp_path / "state.pt")
+    written, note = write_weights(tmp_path / "state.pt", ["model", "quant"], tmp_path)
+    assert written == {"model": "model.safetensors", "quant": "quant.state_dict.pt"}
+    assert note.startswith("quant: written as quant.state_dict.pt (torch.load), not safetensors, which cannot hold it")
+    assert torch.equal(load_file(tmp_path / "model.safetensors")["weight"], plain["weight"])
+    assert torch.equal(torch.load(tmp_path / "quant.state_dict.pt")["w"], odd)
+
+
+def test_lightnings_tracked_trainer_and_the_hf_trainers_own_files_are_the_weights(tmp_path):
+    from kchain.pull import write_attached, write_weights
+
+    module = torch.nn.Linear(2, 2).state_dict()
+    torch.save({"tracked": {"lightning": {"trainer": {"state_dict": module, "epoch": 1}, "data": []}}},
+               tmp_path / "state.pt")
+    written, note = write_weights(tmp_path / "state.pt", [], tmp_path)
+    assert written == {"lightning": "model.safetensors"} and note is None
+    assert torch.equal(load_file(tmp_path / "model.safetensors")["bias"], module["bias"])
+
+    raw, folder = tmp_path / "raw", tmp_path / "out"
+    raw.mkdir()
+    folder.mkdir()
+    (raw / "best.hf.model.safetensors").write_bytes(b"w")
+    (raw / "best.hf.sub--config.json").write_text("{}")
+    manifest = {"attached": {"hf": {"hf.model.safetensors": "model.safetensors", "hf.sub--config.json": "sub/config.json"}}}
+    assert write_attached(raw, "best.", manifest, folder) == ["hf"]
+    assert (folder / "hf" / "sub" / "config.json").read_text() == "{}"
+    torch.save({"tracked": {"window": {"rows": []}}}, tmp_path / "hf.pt")
+    assert write_weights(tmp_path / "hf.pt", [], folder, ["hf"]) == ({}, "the model is the framework's own files, under hf/")

@@ -36,7 +36,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from . import atomic, layout
-from .checkpoint_files import HASH_CHUNK, CheckpointInvalid, complete, read_manifest
+from .checkpoint_files import HASH_CHUNK, CheckpointInvalid, complete, kept_best, read_manifest
 from .faults import NO_FAULTS, Faults
 from .say import say, warn
 
@@ -208,10 +208,11 @@ class Sink:
         say(f"state sink: published {ckpt.name} to {self.folder}")
 
     def _prune(self, newest: int) -> None:
-        """After the pointer moved to `newest`: keep the newest `keep` whole copies up to it; remove
-        half copies and copies past it (an older timeline's: the run resumed from before them)."""
+        """After the pointer moved to `newest`: keep the newest `keep` whole copies up to it, and the kept
+        best the newest records (train.keep_best) if the bucket has its copy; remove half copies and
+        copies past it (an older timeline's: the run resumed from before them)."""
         whole = [d for d in complete(self.folder) if (d / layout.MANIFEST).is_file() and step_of(d) <= newest]
-        kept = {d.name for d in whole[-self.keep:]}
+        kept = {d.name for d in [*whole[-self.keep:], *filter(None, [kept_best(whole)])]}
         for d in complete(self.folder):
             if d.name not in kept:
                 shutil.rmtree(d, ignore_errors=True)

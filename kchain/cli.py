@@ -404,8 +404,9 @@ def plot(job: Path, out: Path | None) -> None:
 @click.option("--step", type=click.IntRange(min=0), default=None, metavar="N", help="The weights of step N, if kept.")
 @click.option("-o", "--out", type=click.Path(path_type=Path), default=None,
               help="Folder to write (default: <name>-best, -final or -step-N beside the job file).")
+@click.option("--logs", is_flag=True, help="The chain's TensorBoard run instead of the weights (run.tensorboard_dir).")
 @click.option("--force", is_flag=True, help="Replace a folder that is not empty.")
-def pull(job: Path, which: str, step: int | None, out: Path | None, force: bool) -> None:
+def pull(job: Path, which: str, step: int | None, logs: bool, out: Path | None, force: bool) -> None:
     """Bring the chain's weights home from its newest state version, verified, as a plain folder:
     model.safetensors, metrics.json, and (--final) what the last session wrote under run.export_dir.
 
@@ -413,10 +414,13 @@ def pull(job: Path, which: str, step: int | None, out: Path | None, force: bool)
     Example:
       kchain pull myjob/job.yaml --best -o myjob-best
       kchain pull myjob/job.yaml --step 1200
+      kchain pull myjob/job.yaml --logs -o runs/myjob && tensorboard --logdir runs/myjob
     """
-    from kchain.pull import Want, pull_for
+    from kchain.pull import Want, pull_for, pull_logs
 
-    for line in pull_for(job, Want("step", step) if step is not None else Want(which), out, force, click.echo):
+    lines = pull_logs(job, out, force, click.echo) if logs else \
+        pull_for(job, Want("step", step) if step is not None else Want(which), out, force, click.echo)
+    for line in lines:
         click.echo(line)
 
 

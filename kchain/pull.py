@@ -33,12 +33,13 @@ from kchain.datasets import current_version
 from kchain.errors import KchainError
 from kchain.kaggle_api import KaggleClient
 from kchain.names import state_dataset
-from kchain.runtime import layout, summary
+from kchain.runtime import layout, summary, tensorboard
 from kchain.runtime.checkpoint_files import (
     ATTACHED_KEY,
     BEST_KEY,
     MODULES_KEY,
     CheckpointInvalid,
+    check_sha256,
     verify,
 )
 from kchain.runtime.say import gb
@@ -152,6 +153,45 @@ def pull(job_file: Path, want: Want, out: Path | None = None, force: bool = Fals
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return Pulled(out, ref, weights, int(manifest["step"]), version, fetched, note)
+
+
+def pull_logs(job_file: Path, out: Path | None = None, force: bool = False, echo: Echo = print,
+              client: KaggleClient | None = None) -> list[str]:
+    """`kchain pull --logs`: the chain's one TensorBoard run (run.tensorboard_dir, carried in the newest
+    checkpoint of the newest state version) laid out in `out`, verified, whatever sessions were killed or
+    deleted: `tensorboard --logdir out` shows the whole chain as one run."""
+    job = load_job(job_file)
+    out = Path(out) if out is not None else job.path.parent / f"{job.name}-logs"
+    check_out(out, force)
+    client = client or KaggleClient()
+    ref = state_dataset(job.kaggle.owner or client.username, job.name)
+    if not client.dataset_exists(ref):
+        raise KchainError(f"{job_file}: nothing to pull, {ref} does not exist (no session published state yet): "
+                          f"`kchain push {job_file}` starts the chain")
+    version = current_version(client, ref, echo)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=f"{layout.TMP_PREFIX}pull-{out.name}-", dir=out.parent))
+    try:
+        raw = work / "fetched"
+        Fetch([layout.MANIFEST]).run(client, ref, version, raw)
+        manifest = json.loads((raw / layout.MANIFEST).read_text())
+        names = (manifest.get(ATTACHED_KEY) or {}).get(tensorboard.GROUP) or {}
+        if not names:
+            raise KchainError(f"{job_file}: {ref} version {version} holds no TensorBoard log: write one with "
+                              "run.summary_writer() (or under run.tensorboard_dir, or train.trackers: {tensorboard: true})")
+        Fetch(list(names)).run(client, ref, version, raw)
+        try:
+            for flat in names:
+                check_sha256(raw / flat, manifest["files"][flat])
+        except (CheckpointInvalid, KeyError) as e:
+            raise KchainError(f"{ref} version {version}: {e}; pull again (a download cut short)") from None
+        tensorboard.state_dir(raw, work / "out")
+        fetched = sum((raw / flat).stat().st_size for flat in names)
+        _replace(work / "out", out, work)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return [f"pulled the TensorBoard log of step {manifest.get('step')} from {ref} version {version} "
+            f"({gb(fetched)}, {len(names)} file{'s' if len(names) != 1 else ''}): tensorboard --logdir {out}"]
 
 
 def pull_for(job_file: Path, want: Want, out: Path | None, force: bool, echo: Echo) -> list[str]:

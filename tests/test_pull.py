@@ -16,7 +16,7 @@ from kchain.datasets import write_dataset_metadata
 from kchain.errors import KchainError
 from kchain.kaggle_api import KaggleClient
 from kchain.pull import Want, pull
-from kchain.runtime import keepbest, ladder, layout, statefolder, summary
+from kchain.runtime import keepbest, ladder, layout, statefolder, summary, tensorboard
 from kchain.runtime.checkpointer import Checkpointer, Policy, Where
 from kchain.runtime.distributed import Ranks
 from kchain.runtime.faults import Faults
@@ -34,7 +34,7 @@ def job_file(tmp_path):
     return folder / "job.yaml"
 
 
-def publish_state(api, tmp_path, status: str) -> dict[int, torch.Tensor]:
+def publish_state(api, tmp_path, status: str, logs: bool = False) -> dict[int, torch.Tensor]:
     """A session that checkpoints steps 2-8 (best val_loss at 4, keep 1), exports, ends `status`; its end
     state uploaded as version 1 of alice/pulljob-state. Returns the model's weight at each step."""
     paths = layout.Paths.of({layout.ROOT_ENV: str(tmp_path / "session")})
@@ -53,6 +53,13 @@ def publish_state(api, tmp_path, status: str) -> dict[int, torch.Tensor]:
             model[0].weight.mul_(1.5)
         progress.step = step
         trace.log(step, {"loss": 1.0 / step, "val_loss": val})
+        if logs and step == 8:  # the chain's TensorBoard log, carried in the newest checkpoint as run.tensorboard_dir's
+            from torch.utils.tensorboard import SummaryWriter
+
+            with SummaryWriter(tmp_path / "tb") as tb:
+                for s in (2, 4, 6, 8):
+                    tb.add_scalar("loss", 1.0 / s, s)
+            ckpt.attach(tensorboard.GROUP, tmp_path / "tb")
         ckpt.save(progress, trace)
         ckpt.writer.wait()
         weights[step] = model[0].weight.detach().clone()
@@ -159,3 +166,25 @@ def test_lightnings_tracked_trainer_and_the_hf_trainers_own_files_are_the_weight
     assert (folder / "hf" / "sub" / "config.json").read_text() == "{}"
     torch.save({"tracked": {"window": {"rows": []}}}, tmp_path / "hf.pt")
     assert write_weights(tmp_path / "hf.pt", [], folder, ["hf"]) == ({}, "the model is the framework's own files, under hf/")
+
+
+def test_pull_logs_brings_the_chains_one_tensorboard_run_home(emulator, kaggle_api, tmp_path):  # noqa: F811
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    job = job_file(tmp_path)
+    publish_state(kaggle_api, tmp_path, summary.Status.FINISHED, logs=True)
+    result = CliRunner().invoke(cli, ["pull", str(job), "--logs", "-o", str(tmp_path / "runs")])
+    assert result.exit_code == 0, result.output
+    assert result.output.startswith("pulled the TensorBoard log of step 8 from alice/pulljob-state version 1 (")
+    events = EventAccumulator(str(tmp_path / "runs"))
+    events.Reload()
+    assert [(e.step, round(e.value, 4)) for e in events.Scalars("loss")] == [(2, 0.5), (4, 0.25), (6, 0.1667), (8, 0.125)]
+
+
+def test_pull_logs_of_a_chain_that_logged_nothing_to_tensorboard_is_one_line(emulator, kaggle_api, tmp_path):  # noqa: F811
+    job = job_file(tmp_path)
+    publish_state(kaggle_api, tmp_path, summary.Status.FINISHED)
+    result = CliRunner().invoke(cli, ["pull", str(job), "--logs", "-o", str(tmp_path / "runs")])
+    assert result.exit_code == 1
+    assert result.output.startswith(f"Error: {job}: alice/pulljob-state version 1 holds no TensorBoard log: ")
+    assert not (tmp_path / "runs").exists()

@@ -100,3 +100,35 @@ def test_the_fingerprint_reads_the_bytes_of_any_dtype(dtype):
         changed = t.clone()
         changed[2, 3] = 0
         assert digest(changed) != digest(t)
+
+
+def test_a_frameworks_own_model_is_fingerprinted_and_another_base_stops_the_resume(tmp_path):
+    # The HF Trainer's model is saved by the Trainer (its checkpoint-N rides in kchain's), not tracked:
+    # hf.py covers it, and its frozen base is recorded and checked at a resume like a tracked model's.
+    from kchain.runtime import ladder
+    from kchain.runtime.checkpointer import Checkpointer, Policy, Where
+    from kchain.runtime.distributed import Ranks
+    from kchain.runtime.faults import Faults
+    from kchain.runtime.progress import Progress
+    from kchain.runtime.trace import Trace
+
+    def session(base_seed: int) -> Checkpointer:
+        paths = layout.Paths.of({layout.ROOT_ENV: str(tmp_path)})
+        paths.kchain.mkdir(parents=True, exist_ok=True)
+        ckpt = Checkpointer(Where(paths.checkpoints, paths.input_root, paths.scratch, paths.working, None),
+                            Policy("hfjob", {"steps": 1}, keep=1, stream=None, manifest={"params": {}}),
+                            Ranks({}), Faults(), ladder.Rung(False, 0))
+        ckpt.cover("hf_model", model_of(base_seed))
+        progress, trace = Progress(), Trace(paths.metrics, writes=True)
+        ckpt.restore(progress, trace, {})
+        progress.step += 1
+        ckpt.save(progress, trace)
+        ckpt.close()
+        return ckpt
+
+    session(0)
+    recorded = json.loads((newest(tmp_path) / layout.MANIFEST).read_text())["frozen"]
+    assert sorted(recorded["hf_model"]) == ["0.0.bias", "0.0.weight"]
+    session(0)  # the same base: resumes
+    with pytest.raises(ResumeError, match=r"hf_model\.0\.0\.(bias|weight) holds other values"):
+        session(1)

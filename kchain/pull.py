@@ -100,6 +100,34 @@ class Pulled:
         return out
 
 
+def begin(job_file: Path, out: Path | None, label: str, force: bool, client: KaggleClient | None,
+          echo: Echo) -> tuple[Job, Path, KaggleClient, str, int, Path]:
+    """A pull's start: the job, the folder to write (default <name>-<label> beside the job file, refused
+    when it holds something unless --force, before any download), the client, the state dataset and its
+    newest version, and the scratch folder the pull is written in."""
+    job = load_job(job_file)
+    out = Path(out) if out is not None else job.path.parent / f"{job.name}-{label}"
+    check_out(out, force)
+    client = client or KaggleClient()
+    ref, version = newest_state(job_file, job, client, echo)
+    return job, out, client, ref, version, scratch_beside(out)
+
+
+def newest_state(job_file: Path, job: Job, client: KaggleClient, echo: Echo) -> tuple[str, int]:
+    """The job's state dataset and its newest version, ready (one line when no session published yet)."""
+    ref = state_dataset(job.kaggle.owner or client.username, job.name)
+    if not client.dataset_exists(ref):
+        raise KchainError(f"{job_file}: nothing to pull, {ref} does not exist (no session published state yet): "
+                          f"`kchain push {job_file}` starts the chain")
+    return ref, current_version(client, ref, echo)
+
+
+def scratch_beside(out: Path) -> Path:
+    """A `.tmp-` folder beside `out` (the same disk): the pull is written there, then renamed into place."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(prefix=f"{layout.TMP_PREFIX}pull-{out.name}-", dir=out.parent))
+
+
 def check_out(out: Path, force: bool) -> None:
     """Never over a folder that holds something, unless --force (checked before any download)."""
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not force:
@@ -109,17 +137,7 @@ def check_out(out: Path, force: bool) -> None:
 def pull(job_file: Path, want: Want, out: Path | None = None, force: bool = False, echo: Echo = print,
          client: KaggleClient | None = None) -> Pulled:
     """Fetch the wanted checkpoint from the newest state version, verify it, write the plain folder."""
-    job = load_job(job_file)
-    out = Path(out) if out is not None else job.path.parent / f"{job.name}-{want.label()}"
-    check_out(out, force)
-    client = client or KaggleClient()
-    ref = state_dataset(job.kaggle.owner or client.username, job.name)
-    if not client.dataset_exists(ref):
-        raise KchainError(f"{job_file}: nothing to pull, {ref} does not exist (no session published state yet): "
-                          f"`kchain push {job_file}` starts the chain")
-    version = current_version(client, ref, echo)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix=f"{layout.TMP_PREFIX}pull-{out.name}-", dir=out.parent))
+    job, out, client, ref, version, work = begin(job_file, out, want.label(), force, client, echo)
     try:
         raw = work / "fetched"
         Fetch([STATE_MARKER]).run(client, ref, version, raw)
@@ -160,17 +178,7 @@ def pull_logs(job_file: Path, out: Path | None = None, force: bool = False, echo
     """`kchain pull --logs`: the chain's one TensorBoard run (run.tensorboard_dir, carried in the newest
     checkpoint of the newest state version) laid out in `out`, verified, whatever sessions were killed or
     deleted: `tensorboard --logdir out` shows the whole chain as one run."""
-    job = load_job(job_file)
-    out = Path(out) if out is not None else job.path.parent / f"{job.name}-logs"
-    check_out(out, force)
-    client = client or KaggleClient()
-    ref = state_dataset(job.kaggle.owner or client.username, job.name)
-    if not client.dataset_exists(ref):
-        raise KchainError(f"{job_file}: nothing to pull, {ref} does not exist (no session published state yet): "
-                          f"`kchain push {job_file}` starts the chain")
-    version = current_version(client, ref, echo)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix=f"{layout.TMP_PREFIX}pull-{out.name}-", dir=out.parent))
+    job, out, client, ref, version, work = begin(job_file, out, "logs", force, client, echo)
     try:
         raw = work / "fetched"
         Fetch([layout.MANIFEST]).run(client, ref, version, raw)

@@ -264,13 +264,7 @@ def rehearse(job_file: Path, sessions: int | None = SESSIONS, session_limit_s: f
     faults = faults or Faults(seed=seed)
     sources = local_inputs(job, state_dir(base.path) / "inputs", echo=echo)
     emu = start_local_kaggle(job, work, sources, session_limit_s, faults, switches, key, echo)
-    # Each session runs the ranks Kaggle gives it, as gloo ranks here; a session and the reference
-    # train at once, so each gets its share of the cores (as the smoke's runs do).
-    ranked = {**ranks_env(n), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS") or str(threads_each(n))}
-    emu.runner.image_env.update(ranked)
-    if sessions is not None:
-        emu.runner.image_env[layout.SESSION_PLAN_ENV] = str(sessions)  # every session's, not the reference's
-    reference = ReferenceRun(job, work / "reference", sources, ranked)
+    reference = ReferenceRun(job, work / "reference", sources, session_env(emu, n, sessions))
     kill = Killer(emu, f"{USER}/{job.name}", kills)
     planned = (f"sessions of {session_limit_s:g}s" if by_time else
                f"sessions planned in steps (the total in {sessions} spans, kills after a planned checkpoint; "
@@ -297,17 +291,36 @@ def rehearse(job_file: Path, sessions: int | None = SESSIONS, session_limit_s: f
     identical, passed, verdict, chained = judge(trace, summary, chain, sorted(kill.killed), kills, stop, echo, state)
     ours = [s for s in emu.sessions() if s["kernel"] == f"{USER}/{job.name}"]
     versions = emu.dataset_versions(state_dataset(USER, job.name))
-    counts = Unattended.counted(ours, versions) if unattended else None
-    if counts is not None:  # the verdict's rules, then the unattended chain's own
-        echo(counts.line())
-        problems = counts.problems(handovers=1 if no_secret_in is not None else 0)
-        if problems and passed:
-            verdict, passed = problems.pop(0), False
-            echo(f"verdict: {verdict}")
-        for problem in problems:
-            echo(f"  and: {problem}")
+    counts = None
+    if unattended:  # the verdict's rules, then the unattended chain's own
+        counts, passed, verdict = judge_unattended(ours, versions, no_secret_in, passed, verdict, echo)
     return Rehearsal(identical, verdict, chain, trace, chained, emu.sessions(), versions, work, sorted(kill.killed),
                      passed, n, rebuilt, counts)
+
+
+def session_env(emu: Emulator, n: int, sessions: int | None) -> dict[str, str]:
+    """Each session runs the ranks Kaggle gives it, as gloo ranks here; a session and the reference train
+    at once, so each gets its share of the cores (as the smoke's runs do). The sessions, not the reference,
+    also get the plan in steps. Returns the reference's environment."""
+    ranked = {**ranks_env(n), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS") or str(threads_each(n))}
+    emu.runner.image_env.update(ranked)
+    if sessions is not None:
+        emu.runner.image_env[layout.SESSION_PLAN_ENV] = str(sessions)
+    return ranked
+
+
+def judge_unattended(ours: list[dict[str, Any]], versions: list[dict[str, Any]], no_secret_in: int | None,
+                     passed: bool, verdict: str, echo: Echo) -> tuple[Unattended, bool, str]:
+    """An unattended chain's own counts (laptop pushes, overlaps, duplicate versions) after the usual rules."""
+    counts = Unattended.counted(ours, versions)
+    echo(counts.line())
+    problems = counts.problems(handovers=1 if no_secret_in is not None else 0)
+    if problems and passed:
+        verdict, passed = problems.pop(0), False
+        echo(f"verdict: {verdict}")
+    for problem in problems:
+        echo(f"  and: {problem}")
+    return counts, passed, verdict
 
 
 NO_PROGRESS = ", and the next would lose its work the same way"

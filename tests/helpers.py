@@ -33,6 +33,23 @@ def copy_job(name: str, dest: Path, **overrides) -> Path:
     return job_file
 
 
+def runtime_job(tmp_path: Path, module: str, entry: str, prefix: str, gpus="auto", smoke: dict | None = None,
+                params: dict | None = None) -> Path:
+    """A job over tests/runtime_jobs/<module>.py (with tiny_job.py beside it) whose entry is `entry`: a GPU
+    job (two ranks with gpus: auto, as Kaggle's T4 x2), internet off."""
+    code = tmp_path / "code"
+    code.mkdir()
+    for name in ("tiny_job.py", f"{module}.py"):  # the job named <prefix>-<entry>
+        shutil.copy(REPO / "tests" / "runtime_jobs" / name, code / name)
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump({
+        "name": f"{prefix}-{entry.replace('_', '-')}", "code": "code",
+        "entry": f"{module}:{entry}", "params": params or {}, "kaggle": {"accelerator": "gpu", "internet": False},
+        "train": {"gpus": gpus}, "smoke": {"steps": 3, **(smoke or {})},
+    }))
+    return job
+
+
 def invoke(*args: str):
     return CliRunner().invoke(cli, [str(a) for a in args], catch_exceptions=False)
 

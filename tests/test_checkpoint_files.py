@@ -58,7 +58,7 @@ def test_a_written_checkpoint_verifies_and_a_flipped_byte_names_the_file(tmp_pat
 
     manifest = read_manifest(ckpt)
     assert manifest["step"] == 2 and manifest["job"] == "unit" and manifest[layout.MARKER] == layout.FORMAT_VERSION
-    assert set(manifest["files"]) == {layout.STATE_FILE, layout.METRICS}
+    assert set(manifest["files"]) == {layout.STATE_FILE, layout.METRICS, layout.DIGESTS}
     assert verify(ckpt) == manifest
 
     flip_byte(ckpt / layout.STATE_FILE, at=-1)

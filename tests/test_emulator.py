@@ -370,7 +370,7 @@ def test_sessions_record_the_step_they_resumed_from(emulator, kaggle_api, tmp_pa
     kaggle_api.kernels_push(str(tmp_path / "b"))
     done = emulator.wait_session("alice/with-summary")
     assert done["resumed_from"] == 42 and done["summary"] == {"status": "done", "step": 50, "total": 90,
-                                                              "resumed_from": 42}
+                                                              "resumed_from": 42, "started": None, "ended": None}
     killed = emulator.wait_session("alice/with-log-only")
     assert killed["output_lost"] and killed["summary"] is None and killed["resumed_from"] == 7
 

@@ -8,14 +8,12 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-import yaml
-from helpers import error_line, invoke
+from helpers import error_line, invoke, runtime_job
 
 from kchain.runtime import layout
 from kchain.runtime.config import RuntimeConfig
@@ -28,19 +26,7 @@ EPOCHS = {"epochs": 3, "rows": 40, "batch": 8}  # 5 batches an epoch: 15 steps
 
 
 def port_job(tmp_path: Path, entry: str, gpus="auto", smoke: dict | None = None, **params) -> Path:
-    code = tmp_path / "code"
-    code.mkdir()
-    for name in ("tiny_job.py", "ports_job.py"):
-        shutil.copy(JOBS / name, code / name)
-    job = tmp_path / "job.yaml"
-    job.write_text(yaml.safe_dump({
-        "name": f"port-{entry.replace('_', '-')}", "code": "code", "entry": f"ports_job:{entry}",
-        "params": {"steps": 6, **params},
-        "kaggle": {"accelerator": "gpu", "internet": False},
-        "train": {"gpus": gpus},
-        "smoke": {"steps": 3, **(smoke or {})},
-    }))
-    return job
+    return runtime_job(tmp_path, "ports_job", entry, "port", gpus, smoke, {"steps": 6, **params})
 
 
 # --- 1. two ranks, two models --------------------------------------------------------------------

@@ -24,13 +24,16 @@ def test_the_run_holds_only_its_parts_and_records(tmp_path):
         precision,
         progress,
         settings,
+        tensorboard,
         trace,
+        trackers,
     )
     from kchain.runtime.run import Params
 
     run = make_run(tmp_path)
     kinds = (config.RuntimeConfig, settings.Settings, Params, layout.Paths, distributed.Ranks, precision.Amp,
-             progress.Progress, clock.SessionClock, trace.Trace, checkpointer.Checkpointer, loop.Loop, ladder.Rung)
+             progress.Progress, clock.SessionClock, trace.Trace, checkpointer.Checkpointer, loop.Loop, ladder.Rung,
+             trackers.RunIds, tensorboard.Log)
     held = vars(run)
     assert len(held) <= 25 and all(name.startswith("_") for name in held)
     assert [name for name, part in held.items() if not isinstance(part, kinds)] == []

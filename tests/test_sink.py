@@ -89,7 +89,7 @@ def test_a_sigkill_at_every_point_of_a_publish_then_a_fresh_machine_resumes_bit_
     assert [s for s, _ in ref] == list(range(1, TOTAL + 1))
     local = reference / layout.WORKING_DIR / layout.KCHAIN_DIR / layout.CHECKPOINTS_DIR
     step2, step4 = layout.checkpoint_name(2), layout.checkpoint_name(4)
-    full = sorted([layout.STATE_FILE, layout.METRICS, layout.MANIFEST])
+    full = sorted([layout.STATE_FILE, layout.METRICS, layout.DIGESTS, layout.MANIFEST])
     # Step 2 published whole, then the publish of step 4 killed: what the bucket holds, and where a
     # fresh machine resumes. Nothing the pointer names is ever gone; a copy without its manifest is never read.
     after = {
@@ -134,7 +134,7 @@ def test_the_training_process_killed_in_its_sink_thread_resumes_from_the_bucket_
     died = launch(tmp_path / "killed", bucket, "sink_kill=before_pointer")
     assert died.returncode == -signal.SIGKILL, died.stdout + died.stderr
     # One whole copy and no pointer: step 2's (or step 4's, had a busy machine let it replace step 2 in the queue).
-    full = sorted([layout.STATE_FILE, layout.METRICS, layout.MANIFEST])
+    full = sorted([layout.STATE_FILE, layout.METRICS, layout.DIGESTS, layout.MANIFEST])
     whole = sink.candidates(bucket)
     assert len(whole) == 1 and in_bucket(bucket) == {whole[0].name: full, "latest": None}
     run = in_process(machine, bucket)

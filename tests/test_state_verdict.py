@@ -7,12 +7,10 @@ The jobs are tests/runtime_jobs/state_job.py, the held-out shapes the issue foun
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import pytest
-import yaml
-from helpers import error_line, invoke
+from helpers import error_line, invoke, runtime_job
 
 from kchain import statecheck
 from kchain.rehearse import rehearse
@@ -24,16 +22,7 @@ EPOCHS = {"epochs": 2, "rows": 40}  # 5 batches an epoch: the smoke's kill after
 
 
 def state_job(tmp_path: Path, entry: str, gpus=1, **params) -> Path:
-    code = tmp_path / "code"
-    code.mkdir()
-    for name in ("tiny_job.py", "state_job.py"):
-        shutil.copy(JOBS / name, code / name)
-    job = tmp_path / "job.yaml"
-    job.write_text(yaml.safe_dump({
-        "name": f"state-{entry}", "code": "code", "entry": f"state_job:{entry}", "params": params,
-        "kaggle": {"accelerator": "gpu", "internet": False}, "train": {"gpus": gpus}, "smoke": {"steps": 3},
-    }))
-    return job
+    return runtime_job(tmp_path, "state_job", entry, "state", gpus, None, params)
 
 
 # --- 1. the verdict compares the state -------------------------------------------------------------------

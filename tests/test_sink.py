@@ -95,7 +95,7 @@ def test_a_sigkill_at_every_point_of_a_publish_then_a_fresh_machine_resumes_bit_
     after = {
         "after_local": ({step2: full, "latest": step2}, 2),
         "mid_files": ({step2: full, step4: [layout.STATE_FILE], "latest": step2}, 2),
-        "before_manifest": ({step2: full, step4: full[1:], "latest": step2}, 2),
+        "before_manifest": ({step2: full, step4: [n for n in full if n != layout.MANIFEST], "latest": step2}, 2),
         "before_pointer": ({step2: full, step4: full, "latest": step2}, 4),
         "before_prune": ({step2: full, step4: full, "latest": step4}, 4),  # keep 1: step 2 goes next
     }

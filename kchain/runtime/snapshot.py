@@ -79,17 +79,18 @@ def snapshot(obj):
     return Snapshotter().take(obj)
 
 
-# torch starts its CPU generator from a fixed seed in every process; python's and numpy's global RNGs
-# start from the OS's entropy. The launcher starts those two from a fixed seed as well, so two processes
-# of the same code draw the same numbers: the smoke's and rehearse's uninterrupted and resumed runs are
-# then comparable value by value (an unseeded stream the code never draws from would otherwise differ
-# in every checkpoint). Code that seeds them itself (at import or later) overrides this.
-GLOBAL_SEED = 67280421310721  # torch's own default seed
+# Python's and numpy's global RNGs start from the OS's entropy, and so does torch's CPU generator (torch
+# 2.13: `torch.initial_seed()` differs in every process). The launcher starts all three from one fixed
+# seed, so two processes of the same code draw the same numbers: the smoke's and rehearse's uninterrupted
+# and resumed runs are then comparable value by value (an unseeded stream the code never draws from would
+# otherwise differ in every checkpoint). Code that seeds them itself (at import or later) overrides this.
+GLOBAL_SEED = 67280421310721  # torch's historical default seed
 
 
 def seed_globals() -> None:
     random.seed(GLOBAL_SEED)
     np.random.seed(GLOBAL_SEED % 2**32)
+    torch.default_generator.manual_seed(GLOBAL_SEED)  # the CPU's; CUDA's start from a fixed seed already
 
 
 def rng_state() -> dict:

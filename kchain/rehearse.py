@@ -666,11 +666,3 @@ def parse_fault_spec(text: str, seed: int = 0) -> Faults:
         else:
             setattr(faults, FAULT_NAMES[name], rate)
     return faults
-
-
-def parse_sets(values: tuple[str, ...]) -> dict[str, Any]:
-    """--set steps=300 --set lr=1e-3 -> {'steps': 300, 'lr': 0.001} (values read as YAML, as params are)."""
-    from kchain.spec import parse_overrides
-
-    return parse_overrides(values)
-

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ast
 import re
+import threading
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -62,6 +63,19 @@ REFUSED_CELL = {
     "writefile": WRITEFILE, "file": WRITEFILE, "timeit": TIMEIT,
 }
 _INSTALL_COMMAND = re.compile(r"\b(pip3?|conda|mamba|micromamba|uv|apt|apt-get)\b.*\binstall\b")
+
+
+# CPython 3.11 keeps the AST converter's recursion depth in state shared by all threads: two threads that
+# parse at once can fail with "SystemError: AST constructor recursion depth mismatch" (python/cpython#106905,
+# seen in CI when rehearse renders its reference run in a thread while a session renders). Every parse and
+# every compile of a tree on the laptop goes through this lock.
+_AST_LOCK = threading.Lock()
+
+
+def parse_python(source: str, filename: str = "<unknown>") -> ast.Module:
+    """ast.parse, safe to call from several threads at once (see _AST_LOCK)."""
+    with _AST_LOCK:
+        return ast.parse(source, filename=filename)
 
 
 class NotebookError(ValueError):
@@ -134,7 +148,7 @@ def script_module(source: str, name: str) -> str:
     """The module text of a training script written at module level (nanoGPT's train.py shape: no
     main(run), the training in the file's own body): the file runs as a notebook's one cell runs, with
     `run` bound, under its own name so a traceback names its lines."""
-    tree = ast.parse(source, filename=name)
+    tree = parse_python(source, name)
     if any(_binds(node, "run") for node in tree.body):
         raise NotebookError(f"{name} binds `run` itself, which hides the run kchain gives the script; rename it")
     return _module_text(name, [(name, source)], "cells", [])
@@ -217,8 +231,9 @@ def _compile(code: str, cell: _Cell, plain: bool = False) -> ast.Module:
     """The cell's tree, compiled once to find every syntax error (`return` or `await` outside a
     function too). plain: the first try, as plain Python; its SyntaxError goes on to IPython's syntax."""
     try:
-        tree = ast.parse(code, filename=cell.filename)
-        compile(tree, cell.filename, "exec", dont_inherit=True)
+        with _AST_LOCK:
+            tree = ast.parse(code, filename=cell.filename)
+            compile(tree, cell.filename, "exec", dont_inherit=True)
     except SyntaxError as exc:
         if plain:
             raise

@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from kchain.errors import SpecError
 from kchain.names import MAX_NAME
+from kchain.notebook_code import parse_python
 from kchain.runtime import layout, settings, trackers
 from kchain.runtime.config import RuntimeConfig, SmokeConfig, TrainConfig
 from kchain.runtime.settings import parse_cadence, parse_duration
@@ -394,7 +395,7 @@ class Job(_Strict):
         from kchain import notebook_code
 
         try:
-            tree = ast.parse(decode_text(sources[0].read_bytes()))
+            tree = notebook_code.parse_python(decode_text(sources[0].read_bytes()))
         except (OSError, ValueError, SyntaxError, RecursionError, MemoryError):
             return None
         return sources[0] if notebook_code.runs_at_module_level(tree, self.entry_point.split(":")[1]) else None
@@ -705,7 +706,7 @@ def _check_entry(job: Job, label: str) -> None:
     except ValueError as exc:
         raise SpecError(f"{label}: {key}: {source.name} {exc}; save it as UTF-8 Python source") from None
     try:
-        tree = ast.parse(text, filename=str(source))
+        tree = parse_python(text, str(source))
     except SyntaxError as exc:
         raise SpecError(f"{source}: line {exc.lineno}: {exc.msg}; fix the syntax") from None
     except (ValueError, RecursionError, MemoryError) as exc:

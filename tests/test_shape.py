@@ -65,3 +65,15 @@ def test_the_runtime_reads_its_config_through_the_typed_record_only():
     reads = [f"{path.name}:{n}" for path in sorted([*RUNTIME.glob("*.py"), *ROOT.glob("kernel_templates/*.py")])
              for n, line in enumerate(path.read_text().splitlines(), 1) if "config.get(" in line]
     assert reads == []
+
+
+def test_the_laptop_parses_python_through_the_one_thread_safe_parse():
+    # CPython 3.11's AST converter is not thread-safe (python/cpython#106905): rehearse renders in two threads.
+    direct = []
+    for path in sorted(ROOT.glob("kchain/**/*.py")):
+        if RUNTIME in path.parents or path.name == "notebook_code.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and ast.unparse(node.func) in {"ast.parse", "compile"}:
+                direct.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert direct == []

@@ -44,11 +44,11 @@ sys.path[:0] = [str(REPO), str(REPO / "bench")]
 
 from checkpoint_overhead import build, train_step  # noqa: E402
 
-from kchain.runtime import layout  # noqa: E402
-from kchain.runtime.checkpoint import CheckpointJob, write_checkpoint  # noqa: E402
-from kchain.runtime.checkpoint_files import candidates, remove  # noqa: E402
+from kchain.common import layout  # noqa: E402
+from kchain.common.checkpoint_files import candidates, remove  # noqa: E402
+from kchain.runtime.checkpoint.snapshot import rng_state, snapshot  # noqa: E402
+from kchain.runtime.checkpoint.state import CheckpointJob, write_checkpoint  # noqa: E402
 from kchain.runtime.run import Run  # noqa: E402
-from kchain.runtime.snapshot import rng_state, snapshot  # noqa: E402
 
 JOB = "bench-io"
 FILES_PER_DIR = 100  # the foreign dataset: folders of 100 files, three levels deep

@@ -96,8 +96,8 @@ def build(params_m: int):
 
 
 def child(mode: str, params_m: int, root: Path) -> dict:
-    from kchain.runtime import layout
-    from kchain.runtime.publishplan import state_bytes
+    from kchain.common import layout
+    from kchain.common.publishplan import state_bytes
     from kchain.runtime.run import Run
 
     env = {layout.ROOT_ENV: str(root), layout.CHECKPOINT_STREAM_ENV: "1" if mode == "stream" else "0"}

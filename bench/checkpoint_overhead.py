@@ -34,7 +34,7 @@ from torch import nn
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from kchain.runtime import layout  # noqa: E402
+from kchain.common import layout  # noqa: E402
 from kchain.runtime.run import Run  # noqa: E402
 
 VOCAB = 65  # the tiny-shakespeare character set

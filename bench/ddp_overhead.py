@@ -28,7 +28,7 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from kchain.runtime import layout  # noqa: E402
+from kchain.common import layout  # noqa: E402
 
 
 def free_port() -> int:

@@ -32,8 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from emulator_helpers import write_kernel  # noqa: E402
 from helpers import copy_job, invoke  # noqa: E402
 
+from kchain.common import layout  # noqa: E402
 from kchain.emulator import Emulator, Switches  # noqa: E402
-from kchain.runtime import layout  # noqa: E402
 
 TARGET_PER_S = 100
 TARGET_DIFF_S = 2.0

@@ -54,7 +54,7 @@ from transformers import AutoModelForSequenceClassification, BertConfig, BertFor
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from kchain.runtime import layout  # noqa: E402
+from kchain.common import layout  # noqa: E402
 from kchain.runtime.run import Run  # noqa: E402
 
 # peft 0.21 reads a property that transformers 5 deprecates; the warning is theirs.

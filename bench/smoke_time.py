@@ -41,8 +41,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from kchain.common import layout  # noqa: E402
 from kchain.init import init_job  # noqa: E402
-from kchain.runtime import layout  # noqa: E402
 from kchain.smoke import smoke  # noqa: E402
 
 STAGES = ["render", "executor start", "preflight", "steps", "kill and resume"]

@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kchain.runtime import layout
+from kchain.common import layout
 from kchain.runtime.run import Run
 
 ROW = 1024  # float32 values per row: 4 KiB

@@ -18,7 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from kchain.runtime import tensorboard
+from kchain.runtime.frameworks import tensorboard
 
 
 def folder_bytes(path: Path) -> int:

@@ -24,6 +24,13 @@ from typing import Any
 
 from kchain import sessions as sess
 from kchain.budget import check_budget, plan_for
+from kchain.common import layout, nextsession
+from kchain.common.kernel_states import LIVE
+from kchain.common.nextkernel import resume_for
+from kchain.common.nextsession import Chain, Verdict, final_weights, saved_step
+from kchain.common.sessionrecord import PublishFacts, SessionRecord
+from kchain.common.statefolder import build_cache_folder, build_state_folder, cache_entries
+from kchain.common.summary import Status
 from kchain.datasets import (
     current_version,
     ensure_dataset,
@@ -32,7 +39,6 @@ from kchain.datasets import (
     wait_ready,
     write_dataset_metadata,
 )
-from kchain.decide import Decision, Situation, decide, final_weights, saved_step
 from kchain.errors import (
     BudgetExceeded,
     ChainStop,
@@ -43,17 +49,12 @@ from kchain.errors import (
     StateError,
 )
 from kchain.kaggle_api import KaggleClient, missing
-from kchain.kernel_states import LIVE
 from kchain.ledger import Ledger, iso, new_run_id, now_utc, state_dir
 from kchain.names import cache_dataset, state_dataset
 from kchain.notify import FAILED, FINISHED, NEEDS_PERSON, SESSION_ENDED, Notify, nobody, notifier
 from kchain.push import push_session, reconcile, refuse_unpushable
 from kchain.render import Rendered, render_job
-from kchain.runtime import layout
-from kchain.runtime.nextkernel import resume_for
-from kchain.runtime.statefolder import build_cache_folder, build_state_folder, cache_entries
-from kchain.runtime.summary import Status
-from kchain.sessions import PublishFacts, SessionRecord, StaleRule, summary_of
+from kchain.sessions import StaleRule, summary_of
 from kchain.spec import Job, load_job
 
 Echo = Callable[[str], None]
@@ -228,8 +229,8 @@ def fetch_or_stop(client: KaggleClient, ledger: Ledger, job: Job, owner: str, ch
 
 def decide_and_continue(job: Job, ledger: Ledger, client: KaggleClient, retry: bool = False,
                         force: bool = False, skip_smoke: bool = False, echo: Echo = print,
-                        from_state: int | None = None) -> Decision:
-    """One step of the chain: look at it, decide (kchain/decide.py), act."""
+                        from_state: int | None = None) -> Verdict:
+    """One step of the chain: look at it, decide (kchain/common/nextsession.py), act."""
     refuse_unpushable(job)
     owner = job.kaggle.owner or client.username
     with chain_lock(ledger, job.name):
@@ -243,14 +244,14 @@ def decide_and_continue(job: Job, ledger: Ledger, client: KaggleClient, retry: b
         return act(decision, job, ledger, client, owner, now.chain, force, echo)
 
 
-def look(client: KaggleClient, ledger: Ledger, job: Job, owner: str) -> Situation:
+def look(client: KaggleClient, ledger: Ledger, job: Job, owner: str) -> Chain:
     """What `decide` reads: the chain's records as Kaggle has them now, and Kaggle's own word on the
     kernel (a session started outside kchain also counts). The code is rendered only when asked."""
     chain = [s for s in sess.refresh(client, ledger, job.name) if s["status"] != "FAILED_TO_PUSH"]
     kernel = f"{owner}/{job.name}"
     on_kaggle = _kernel_status(client, kernel) if chain else None
     fingerprint = functools.cache(lambda: render_job(job, owner=owner).fingerprint)
-    return Situation(chain, kernel, on_kaggle, fingerprint=fingerprint,
+    return Chain(list(chain), kernel, on_kaggle, fingerprint=fingerprint,
                      smoked=lambda fingerprint: ledger.smoke_passed(fingerprint) is not None)
 
 
@@ -264,11 +265,22 @@ def _kernel_status(client: KaggleClient, kernel: str) -> str | None:
         raise
 
 
-def act(decision: Decision, job: Job, ledger: Ledger, client: KaggleClient, owner: str,
-        chain: list[SessionRecord], force: bool, echo: Echo) -> Decision:
+def decide(now: Chain, job_file: Path, retry: bool = False, skip_smoke: bool = False,
+           output_settled: bool = False) -> Verdict:
+    """The next step of the chain: the one decision table (kchain/common/nextsession.py's docstring)."""
+    return nextsession.decide(now, str(job_file), retry=retry, skip_smoke=skip_smoke, output_settled=output_settled)
+
+
+def stop_error(verdict: Verdict, job_file: Path) -> KchainError:
+    """The error a stop raises on the laptop: NotSmoked (its own exit code) or ChainStop."""
+    return NotSmoked.for_job(job_file) if verdict.stop == nextsession.NOT_SMOKED else ChainStop(verdict.message)
+
+
+def act(decision: Verdict, job: Job, ledger: Ledger, client: KaggleClient, owner: str,
+        chain: list[SessionRecord], force: bool, echo: Echo) -> Verdict:
     """Perform a decision: raise its stop, record a finished chain, or push the next session."""
     if decision.stop is not None:
-        raise decision.stop
+        raise stop_error(decision, job.path)
     if decision.action == "finished":
         record_finished(ledger, job, chain)
     if decision.action == "push":
@@ -291,7 +303,7 @@ def record_finished(ledger: Ledger, job: Job, chain: list[SessionRecord]) -> Non
 
 
 def push_next(job: Job, ledger: Ledger, client: KaggleClient, owner: str, chain: list[SessionRecord],
-              force: bool, echo: Echo, attempt: int = 1) -> Decision:
+              force: bool, echo: Echo, attempt: int = 1) -> Verdict:
     """The newest checkpoint as a ready state version, the budget, then the next session pinned to it
     (attempt: which try of the same state this is, after sessions that did not see it mounted)."""
     last = chain[-1]
@@ -327,7 +339,7 @@ def push_next(job: Job, ledger: Ledger, client: KaggleClient, owner: str, chain:
         steps=last.get("step") or "", val=_val(last), checkpoint=state,
         note=f"session {record['session']} pushed, resuming at step {facts['resumes_at']}",
     )
-    return Decision("pushed", f"session {record['session']} pushed (kernel version {record['version']}), "
+    return Verdict("pushed", f"session {record['session']} pushed (kernel version {record['version']}), "
                     f"resuming at step {facts['resumes_at']} from state version {facts['version']}", record)
 
 
@@ -372,7 +384,7 @@ def _val(record: SessionRecord) -> str:
 
 def continue_chain(job_file: Path, retry: bool = False, force: bool = False, skip_smoke: bool = False,
                    watch_chain: bool = False, echo: Echo = print, from_state: int | None = None,
-                   delete_stale: bool = False, notify_command: str | None = None) -> Decision:
+                   delete_stale: bool = False, notify_command: str | None = None) -> Verdict:
     job = load_job(job_file)
     ledger, client = Ledger(state_dir(job.path)), KaggleClient(progress=True)
     if watch_chain:
@@ -395,7 +407,7 @@ def watch(job: Job, ledger: Ledger, client: KaggleClient, retry: bool = False, f
           skip_smoke: bool = False, echo: Echo = print, poll_s: float = 30.0, max_poll_s: float = 300.0,
           before_each: Callable[[int], None] | None = None, max_failures: int = 8,
           from_state: int | None = None, stale: StaleRule | None = None, delete_stale: bool = False,
-          notify: Notify = nobody) -> Decision:
+          notify: Notify = nobody) -> Verdict:
     """Keep chaining until training is finished, the budget is spent, or a crash needs a human.
 
     A Kaggle failure that outlived the client's own retries (429s, 5xx, a lost answer) is not a

@@ -13,10 +13,10 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from kchain.common.layout import STATE_MARKER
 from kchain.errors import KaggleError
 from kchain.kaggle_api import KaggleClient, OutcomeUnknown, missing
 from kchain.names import state_dataset
-from kchain.runtime.layout import STATE_MARKER
 
 Echo = Callable[[str], None]
 

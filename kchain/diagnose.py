@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from kchain.runtime.summary import Summary
+from kchain.common.summary import Summary
 
 _HINTS: list[tuple[re.Pattern[str], str]] = [
     (

@@ -34,14 +34,14 @@ from typing import Any
 
 import kchain
 from kchain import credentials
+from kchain.common import atomic
+from kchain.common.kernel_states import TERMINAL
 from kchain.errors import ChainStop, CredentialsError, DoctorFailed, KaggleError, ProbeFormatError
 from kchain.kaggle_api import MISSING_CREDENTIALS, KaggleClient, OutcomeUnknown
-from kchain.kernel_states import TERMINAL
 from kchain.ledger import Ledger, iso, now_utc, state_dir
 from kchain.models import model_problem
 from kchain.names import state_dataset
 from kchain.render import METADATA_FILE, Rendered, render_job, render_probe
-from kchain.runtime import atomic
 from kchain.spec import Job, load_job
 
 Echo = Callable[[str], None]

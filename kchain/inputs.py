@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
+from kchain.common import layout
 from kchain.errors import SpecError
-from kchain.runtime import layout
 from kchain.spec import Job
 
 Echo = Callable[[str], None]

@@ -35,9 +35,9 @@ import requests
 from requests.adapters import HTTPAdapter
 
 from kchain import credentials
+from kchain.common.kernel_states import LIVE
+from kchain.common.sendonce import CREATING_SDK_CALLS, sent_once  # noqa: F401 - CREATING_SDK_CALLS: re-exported
 from kchain.errors import CredentialsError, KaggleError
-from kchain.kernel_states import LIVE
-from kchain.runtime.sendonce import CREATING_SDK_CALLS, sent_once  # noqa: F401 - CREATING_SDK_CALLS: re-exported
 
 T = TypeVar("T")
 
@@ -54,7 +54,7 @@ CREATING_RPCS = ("/SaveKernel", "/CreateDataset", "/CreateDatasetVersion", "/Cre
 # two state versions. kchain's client sends these once (a 429 is still retried in place: nothing
 # was done) and its `_call` turns the lost answer into OutcomeUnknown. save_kernel is not wrapped in
 # 2.2.5; it is listed so that a client which starts wrapping it changes nothing.
-# (CREATING_SDK_CALLS lives in kchain/runtime/sendonce.py, shared with the kernel's publish.)
+# (CREATING_SDK_CALLS lives in kchain/common/sendonce.py, shared with the kernel's publish.)
 
 
 # Kaggle answers 403 for what does not exist or is not visible to the caller, so the namespace cannot

@@ -14,15 +14,13 @@ import uuid
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from kchain.common.atomic import write_json as atomic_write_json
+from kchain.common.atomic import write_text as atomic_write_text
+from kchain.common.sessionrecord import SessionRecord
+from kchain.common.summary import Summary
 from kchain.errors import StateError
-from kchain.runtime.atomic import write_json as atomic_write_json
-from kchain.runtime.atomic import write_text as atomic_write_text
-from kchain.runtime.summary import Summary
-
-if TYPE_CHECKING:  # sessions.py imports this module
-    from kchain.sessions import SessionRecord
 
 RUNS_FILE = "runs.csv"
 PUBLISH_FILE = "publish.json"

@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kchain.runtime import layout
-from kchain.runtime.summary import Summary, read_working
+from kchain.common import layout
+from kchain.common.summary import Summary, read_working
 
 OutputFn = Callable[[str, str], None]
 SOCKET_PATH_MAX = 100  # a unix socket's path is at most 104 bytes on macOS, 108 on Linux

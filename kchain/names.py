@@ -8,7 +8,7 @@ refuse such a name when the job is loaded; push and continue call it before crea
 
 from __future__ import annotations
 
-from kchain.runtime.layout import CACHE_SUFFIX, STATE_SUFFIX
+from kchain.common.layout import CACHE_SUFFIX, STATE_SUFFIX
 
 DATASET_SLUG_MIN, DATASET_SLUG_MAX = 6, 50  # Kaggle's dataset slug limits
 SUFFIXES = (STATE_SUFFIX, CACHE_SUFFIX)

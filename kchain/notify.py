@@ -15,7 +15,7 @@ import signal
 import subprocess
 from collections.abc import Callable
 
-from kchain.runtime import layout
+from kchain.common import layout
 
 Echo = Callable[[str], None]
 Notify = Callable[[str, str, "int | None"], None]

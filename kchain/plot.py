@@ -5,12 +5,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from kchain.common import layout
 from kchain.errors import KchainError
-from kchain.runtime import layout
 from kchain.traces import read_trace
 
 if TYPE_CHECKING:
-    from kchain.sessions import SessionRecord
+    from kchain.common.sessionrecord import SessionRecord
 
 INSTALL = "pip install 'kchain[plot]'"
 

@@ -29,21 +29,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kchain.datasets import current_version
-from kchain.errors import KchainError
-from kchain.kaggle_api import KaggleClient
-from kchain.names import state_dataset
-from kchain.runtime import layout, summary, tensorboard
-from kchain.runtime.checkpoint_files import (
+from kchain.common import eventfiles, layout, summary
+from kchain.common.checkpoint_files import (
     ATTACHED_KEY,
     BEST_KEY,
+    FROZEN_KEY,
     MODULES_KEY,
     CheckpointInvalid,
     check_sha256,
     verify,
 )
-from kchain.runtime.say import gb
-from kchain.runtime.statefolder import STATE_MARKER
+from kchain.common.say import gb
+from kchain.common.statefolder import STATE_MARKER
+from kchain.datasets import current_version
+from kchain.errors import KchainError
+from kchain.kaggle_api import KaggleClient
+from kchain.names import state_dataset
 from kchain.spec import Job, load_job
 
 Echo = Callable[[str], None]
@@ -183,7 +184,7 @@ def pull_logs(job_file: Path, out: Path | None = None, force: bool = False, echo
         raw = work / "fetched"
         Fetch([layout.MANIFEST]).run(client, ref, version, raw)
         manifest = json.loads((raw / layout.MANIFEST).read_text())
-        names = (manifest.get(ATTACHED_KEY) or {}).get(tensorboard.GROUP) or {}
+        names = (manifest.get(ATTACHED_KEY) or {}).get(eventfiles.GROUP) or {}
         if not names:
             raise KchainError(f"{job_file}: {ref} version {version} holds no TensorBoard log: write one with "
                               "run.summary_writer() (or under run.tensorboard_dir, or train.trackers: {tensorboard: true})")
@@ -193,7 +194,7 @@ def pull_logs(job_file: Path, out: Path | None = None, force: bool = False, echo
                 check_sha256(raw / flat, manifest["files"][flat])
         except (CheckpointInvalid, KeyError) as e:
             raise KchainError(f"{ref} version {version}: {e}; pull again (a download cut short)") from None
-        tensorboard.state_dir(raw, work / "out")
+        eventfiles.state_dir(raw, work / "out")
         fetched = sum((raw / flat).stat().st_size for flat in names)
         _replace(work / "out", out, work)
     finally:
@@ -282,8 +283,6 @@ def gpu_hours(job: Job, sessions: int) -> float | None:
 def describe(job: Job, manifest: dict, metrics: Path, ended: summary.Summary | None, marker: dict, ref: str,
              version: int, want: Want, weights: dict[str, str]) -> dict[str, Any]:
     """metrics.json: what the weights are, where they came from, and what the chain spent on them."""
-    from kchain.runtime.frozen import MANIFEST_KEY as frozen_key  # torch: loaded by write_weights already
-
     step, sessions = int(manifest["step"]), int(manifest.get("session") or 0)
     return {
         "job": job.name,
@@ -300,7 +299,7 @@ def describe(job: Job, manifest: dict, metrics: Path, ended: summary.Summary | N
         "chain_status": ended.status if ended is not None else None,
         "chain_step": marker.get("step"),
         "weights": weights,
-        "left_out": sorted(manifest.get(frozen_key) or {}),  # modules whose frozen base is not in the weights
+        "left_out": sorted(manifest.get(FROZEN_KEY) or {}),  # modules whose frozen base is not in the weights
     }
 
 

@@ -14,16 +14,17 @@ from collections.abc import Callable
 from pathlib import Path
 
 from kchain.budget import check_budget, plan_for
+from kchain.common.kernel_states import LIVE
+from kchain.common.sessionrecord import SessionRecord
 from kchain.datasets import ensure_state_dataset
 from kchain.doctor import refuse_unattended, suggest_doctor
 from kchain.errors import ChainStop, KaggleError, NotSmoked, SpecError
 from kchain.kaggle_api import InvalidSources, KaggleClient, OutcomeUnknown, SessionCapReached, missing
-from kchain.kernel_states import LIVE
 from kchain.ledger import Ledger, iso, new_run_id, now_utc, state_dir
 from kchain.models import model_problem
 from kchain.names import name_problem
 from kchain.render import Rendered, render_job, write_rendered
-from kchain.sessions import SessionRecord, rebuild
+from kchain.sessions import rebuild
 from kchain.spec import Job, load_job, parse_duration
 
 Echo = Callable[[str], None]
@@ -217,7 +218,7 @@ def push(job_file: Path, skip_smoke: bool = False, force: bool = False, echo: Ec
 def push_job(job: Job, ledger: Ledger, client: KaggleClient, skip_smoke: bool = False, force: bool = False,
              echo: Echo = print, unattended: bool = False) -> SessionRecord:
     """Start session 1 of the job's chain (or the next one, if the last push never landed). unattended:
-    from then on each session pushes the next itself (kchain/runtime/nextkernel.py)."""
+    from then on each session pushes the next itself (kchain/common/nextkernel.py)."""
     job_file = job.path
     refuse_unpushable(job)
     owner = job.kaggle.owner or client.username

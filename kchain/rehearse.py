@@ -2,7 +2,7 @@
 
 The job is pushed to a private emulator and its sessions are planned in steps: the run's total is cut
 into `sessions` spans, each session stops through the runtime's deadline path at the end of its span
-(`KCHAIN_SESSION_PLAN`, runtime/sessionplan.py) and the sessions chosen to die are killed right after
+(`KCHAIN_SESSION_PLAN`, common/sessionplan.py) and the sessions chosen to die are killed right after
 their first checkpoint past where they resumed, so the same job gives the same chain and verdict on any
 machine, loaded or not; a wall-clock session limit stays only as a safety net. `by_time` plans them in
 seconds instead (a short session limit that the runtime's deadline guard is set from, as on Kaggle).
@@ -30,6 +30,9 @@ from typing import Any
 from kchain import sessions as sess
 from kchain import statecheck
 from kchain.chain import decide_and_continue, watch
+from kchain.common import layout
+from kchain.common.kernel_states import TERMINAL
+from kchain.common.summary import Status, Summary, read_working
 from kchain.datasets import wait_ready, write_dataset_metadata
 from kchain.emulator import Emulator, Faults
 from kchain.emulator.sessions import CHECKPOINT_KILL, kill_tree
@@ -37,14 +40,11 @@ from kchain.emulator.switches import Switches
 from kchain.errors import ChainStop, KaggleError, KchainError
 from kchain.inputs import local_inputs, mount_inputs
 from kchain.kaggle_api import KaggleClient
-from kchain.kernel_states import TERMINAL
 from kchain.ledger import Ledger, new_run_id, state_dir
 from kchain.names import state_dataset
 from kchain.plot import newest_trace
 from kchain.push import push_job
 from kchain.render import render_job, write_rendered
-from kchain.runtime import layout
-from kchain.runtime.summary import Status, Summary, read_working
 from kchain.sessions import StaleRule
 from kchain.smoke import kaggle_ranks, ranks_env, threads_each
 from kchain.smoke import ranks as local_ranks
@@ -605,10 +605,10 @@ MORE_SESSIONS = "plan more sessions (--sessions N; with --by-time, a lower --ses
 
 def measure_publish(emu: Emulator, faults: Faults, echo: Echo) -> dict[str, float]:
     """The in-kernel publish's figures on this machine, for the sessions' deadline guard: a fresh
-    process that imports torch and the kaggle client and authenticates (what kchain_publish does
+    process that imports torch and the kaggle client and authenticates (what kchain.common.publish does
     before its upload), timed once; the local Kaggle's upload is taken as fast, and its processing
     time as configured."""
-    code = ("import torch, kchain.runtime.statefolder\n"
+    code = ("import torch, kchain.common.statefolder\n"
             "from kaggle.api.kaggle_api_extended import KaggleApi\nKaggleApi().authenticate()\n")
     env = {**os.environ, **emu.env(USER)}
     started = time.monotonic()

@@ -3,7 +3,7 @@
 Laptop side, through the official client only: `model_create_new` (model-metadata.json) when the model
 does not exist, `model_instance_create` (model-instance-metadata.json, the files as version 1) when the
 variation does not exist, else `model_instance_version_create`. Each creating call is sent once
-(runtime/sendonce.py, kaggle_api's OutcomeUnknown); a lost answer is settled by reading Kaggle
+(common/sendonce.py, kaggle_api's OutcomeUnknown); a lost answer is settled by reading Kaggle
 (`datasets.until`: the model, the variation, or a new version number appears), and only a call that
 did not land is sent again. The description holds a card: the metric and step, sessions, GPU-hours,
 the code's fingerprint, kchain's version.
@@ -19,11 +19,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import kchain
+from kchain.common import layout
 from kchain.datasets import ensure_dataset, new_version, until, write_dataset_metadata
 from kchain.errors import KaggleError, KchainError
 from kchain.kaggle_api import KaggleClient, OutcomeUnknown, missing
 from kchain.pull import METRICS_FILE, Want, pull
-from kchain.runtime import layout
 from kchain.spec import MODEL_SLUG_RE, OWNER_RE, SLUG_RE
 
 Echo = Callable[[str], None]

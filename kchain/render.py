@@ -24,11 +24,11 @@ import pathspec
 
 import kchain
 from kchain import notebook_code
+from kchain.common import atomic, layout, nextkernel
+from kchain.common.config import KaggleConfig
 from kchain.credentials import secret_strings
 from kchain.errors import RenderError
 from kchain.names import cache_dataset, state_dataset
-from kchain.runtime import atomic, layout, nextkernel
-from kchain.runtime.config import KaggleConfig
 from kchain.spec import Job, decode_text, notebook_name, parse_duration, runtime_config
 
 METADATA_FILE = "kernel-metadata.json"
@@ -82,16 +82,19 @@ def _environment() -> jinja2.Environment:
     )
 
 
+KERNEL_PACKAGES = ("common", "runtime")  # what travels in a payload: the kernel's packages (their import rules)
+
+
 def _runtime_files() -> dict[str, bytes]:
-    runtime = Path(__file__).resolve().parent / "runtime"
+    package = Path(__file__).resolve().parent
     files = {
-        f"kchain/runtime/{p.relative_to(runtime).as_posix()}": p.read_bytes()
-        for p in sorted(runtime.rglob("*.py"))
+        f"kchain/{p.relative_to(package).as_posix()}": p.read_bytes()
+        for name in KERNEL_PACKAGES
+        for p in sorted((package / name).rglob("*.py"))
         if "__pycache__" not in p.parts
     }
-    # A minimal package root: inside the kernel only the runtime exists.
+    # A minimal package root: inside the kernel only the runtime and kchain.common exist.
     files["kchain/__init__.py"] = f'__version__ = "{kchain.__version__}"\n'.encode()
-    files["kchain_publish.py"] = (templates_dir() / "kchain_publish.py").read_bytes()
     return files
 
 
@@ -295,7 +298,7 @@ def render_job(job: Job, owner: str | None = None, extra_sources: list[str] | No
     metadata text. The session number and sources only label the notebook: the fingerprint is the
     same for every session of a chain. session_facts (what this session must resume, the measured
     publish figures) go into config["kaggle"], which the fingerprint leaves out. unattended: the
-    payload also holds the next session's template (runtime/nextkernel.py), from which this notebook is
+    payload also holds the next session's template (common/nextkernel.py), from which this notebook is
     filled too, so the kernel can push the next session as this function would render it."""
     owner = job.kaggle.owner or owner
     config = _session_config(job, owner, session_facts, unattended)

@@ -34,14 +34,14 @@ from pathlib import Path
 from typing import Any
 
 from kchain import diagnose, statecheck, traces
+from kchain.common import atomic, layout
+from kchain.common.statefolder import build_state_folder
+from kchain.common.summary import Summary, read_working
 from kchain.credentials import configured_username
 from kchain.errors import SmokeFailed
 from kchain.inputs import local_inputs, mount_inputs
 from kchain.ledger import Ledger, new_run_id, state_dir
 from kchain.render import Rendered, render_job, write_rendered
-from kchain.runtime import atomic, layout
-from kchain.runtime.statefolder import build_state_folder
-from kchain.runtime.summary import Summary, read_working
 from kchain.spec import Job, load_job
 
 Echo = Callable[[str], None]

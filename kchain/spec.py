@@ -19,13 +19,13 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from kchain.common import layout, settings, trackers
+from kchain.common.config import RuntimeConfig, SmokeConfig, TrainConfig
+from kchain.common.settings import parse_cadence, parse_duration
 from kchain.errors import SpecError
 from kchain.names import MAX_NAME
 from kchain.notebook_code import parse_python
-from kchain.runtime import layout, settings, trackers
-from kchain.runtime.config import RuntimeConfig, SmokeConfig, TrainConfig
-from kchain.runtime.settings import parse_cadence, parse_duration
-from kchain.targets.sections import SkyPilotSpec, SlurmSpec
+from kchain.spec_targets import SkyPilotSpec, SlurmSpec
 
 __all__ = ["Job", "SpecError", "load_job", "parse_cadence", "parse_duration", "runtime_config"]
 
@@ -203,7 +203,7 @@ def _metric_name(value: str) -> str:
 
 
 class TrackersSpec(_Strict):
-    # Each on: the experiment tracker sees the chain as one run (runtime/trackers.py, docs/runtime.md).
+    # Each on: the experiment tracker sees the chain as one run (common/trackers.py, docs/runtime.md).
     tensorboard: bool = False  # every run.log value mirrored into run.tensorboard_dir; TENSORBOARD_LOGGING_DIR set
     wandb: bool = False  # WANDB_RUN_ID=run.id and WANDB_RESUME=allow in the training process
     mlflow: bool = False  # MLFLOW_RUN_ID: the MLflow run the code had active at the last checkpoint
@@ -213,7 +213,7 @@ class TrackersSpec(_Strict):
 
 
 class TrainSpec(_Strict):
-    # The defaults live with the runtime's parsers (kchain/runtime/settings.py): one meaning each.
+    # The defaults live with the runtime's parsers (kchain/common/settings.py): one meaning each.
     checkpoint_every: str | int | float = settings.CHECKPOINT_EVERY
     keep: int = Field(default=settings.KEEP, ge=1, le=20)
     session_limit: str | int | float = settings.SESSION_LIMIT
@@ -226,9 +226,9 @@ class TrainSpec(_Strict):
     # accumulation (the effective batch stays the same); the size that fitted is in the checkpoint.
     micro_batch: Literal["auto", "off"] = "off"
     # true: every checkpoint holds the frozen parameters too (by default a fine-tune's frozen base is
-    # left out and fingerprinted in the manifest: runtime/frozen.py).
+    # left out and fingerprinted in the manifest: runtime/checkpoint/frozen.py).
     checkpoint_frozen: bool = False
-    # The checkpoint of the best step kept beside the `keep` newest (runtime/keepbest.py): by default
+    # The checkpoint of the best step kept beside the `keep` newest (common/keepbest.py): by default
     # the metric run.best follows (the first val* metric logged); a metric name, {metric, mode}, or off.
     keep_best: str | KeepBestSpec | None = None
 
@@ -309,7 +309,7 @@ class Job(_Strict):
     smoke: SmokeSpec = Field(default_factory=SmokeSpec)
     budget: BudgetSpec = Field(default_factory=BudgetSpec)
     # Where `kchain push` runs the job: Kaggle (the default), SkyPilot managed jobs or a Slurm cluster;
-    # each other target reads its own section (kchain/targets/sections.py, docs/targets.md).
+    # each other target reads its own section (kchain/spec_targets.py, docs/targets.md).
     target: Literal["kaggle", "skypilot", "slurm"] = "kaggle"
     skypilot: SkyPilotSpec = Field(default_factory=SkyPilotSpec)
     slurm: SlurmSpec = Field(default_factory=SlurmSpec)

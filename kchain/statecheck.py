@@ -2,7 +2,7 @@
 
 A trace can agree while the state does not: an EMA updated once too often after a resume moves no
 logged number, yet the weights a user keeps differ. Each checkpoint carries digests.json, a digest of
-every value it holds (kchain/runtime/statedigest.py: model, optimizer, schedulers, scaler, loader
+every value it holds (kchain/runtime/checkpoint/statedigest.py: model, optimizer, schedulers, scaler, loader
 positions, RNGs, every tracked object, each rank's own); `compare` reads them on the laptop, with no
 torch, and names what differs first. Only then is torch asked, in a child process, how far apart the
 differing tensors are (`largest`). Used by smoke and rehearse alike.
@@ -17,7 +17,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from kchain.runtime import layout
+from kchain.common import layout
 
 
 @dataclass(frozen=True)
@@ -131,7 +131,7 @@ def largest(diff: Difference, limit: int = 3) -> dict[str, float | None]:
         return {}
     try:
         done = subprocess.run(
-            [sys.executable, "-m", "kchain.runtime.statedigest", str(diff.reference), str(diff.other), *keys],
+            [sys.executable, "-m", "kchain.runtime.checkpoint.statedigest", str(diff.reference), str(diff.other), *keys],
             capture_output=True, text=True, timeout=300, check=True)
         return json.loads(done.stdout.strip().splitlines()[-1])
     except (OSError, subprocess.SubprocessError, ValueError, IndexError):

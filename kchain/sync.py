@@ -26,8 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kchain.common import layout, trackers
 from kchain.errors import KchainError
-from kchain.runtime import layout, trackers
 from kchain.traces import read_trace
 
 TARGETS = ("tensorboard", "mlflow", "wandb")

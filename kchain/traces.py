@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from kchain import diagnose
-from kchain.runtime import layout
+from kchain.common import layout
 
 Row = tuple[int, str, float, float | None]  # step, metric, uninterrupted, resumed (None: missing)
 

@@ -25,7 +25,7 @@ import tempfile
 from pathlib import Path
 
 # The runtime is embedded next to this file; these two parts of it are standard library only.
-from kchain.runtime import atomic, layout
+from kchain.common import atomic, layout
 
 FORMAT = "kchain-probe/1"
 OUTPUT = "kchain-probe.json"
@@ -90,8 +90,8 @@ def _mount(input_root: Path, ref: str) -> str | None:
 def _runtime(input_root: Path, job: str) -> dict:
     """Does the embedded runtime import, and which checkpoint would a session resume from?"""
     try:
-        import kchain.runtime.checkpoint  # noqa: F401  (the torch half: does it import on this image?)
-        from kchain.runtime.checkpoint_files import find_latest
+        import kchain.runtime.checkpoint.state  # noqa: F401  (the torch half: does it import on this image?)
+        from kchain.common.checkpoint_files import find_latest
     except Exception as exc:  # noqa: BLE001
         return {"imports": False, "error": f"{type(exc).__name__}: {exc}"[:300], "checkpoint": None}
     scratch = Path(tempfile.mkdtemp(prefix="kchain-probe-"))

@@ -61,7 +61,7 @@ def error_line(result) -> str:
 
 def make_run(root: Path, params: dict | None = None, env: dict | None = None, **train) -> Run:
     """A Run built in-process under KCHAIN_ROOT=root (torch is imported here, not by every CLI test)."""
-    from kchain.runtime import layout
+    from kchain.common import layout
     from kchain.runtime.run import Run
 
     config = {"job": "unit", "params": params or {}, "train": {"heartbeat_s": 0, **train}}
@@ -72,7 +72,7 @@ def loss_trace(root: Path) -> list[tuple[int, float]]:
     """(step, loss) for every training step in the metrics trace of the run under root (KCHAIN_ROOT)."""
     import json
 
-    from kchain.runtime import layout
+    from kchain.common import layout
 
     lines = (root / layout.WORKING_DIR / layout.KCHAIN_DIR / layout.METRICS).read_text().splitlines()
     return [(r["step"], r["loss"]) for r in map(json.loads, lines) if "loss" in r]

@@ -1,4 +1,4 @@
-"""kchain.runtime.atomic: the one atomic write. A write replaces the whole file, makes its folder,
+"""kchain.common.atomic: the one atomic write. A write replaces the whole file, makes its folder,
 leaves no temporary file behind (not even when it fails), and two writers never share one."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from kchain.runtime import atomic, layout
+from kchain.common import atomic, layout
 
 
 def test_a_write_replaces_the_file_whole_and_leaves_nothing_else(tmp_path):

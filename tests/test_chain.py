@@ -17,10 +17,10 @@ from pathlib import Path
 from emulator_helpers import emulator  # noqa: F401  (fixture)
 from helpers import copy_job, error_line, invoke
 
+from kchain.common import layout
 from kchain.emulator import Faults, Switches
 from kchain.ledger import Ledger
 from kchain.rehearse import rehearse
-from kchain.runtime import layout
 from kchain.sessions import StaleRule
 
 STALL = "stall_step=0.05"  # at most 20 steps/s, whatever the machine

@@ -16,9 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from kchain.runtime import layout
-from kchain.runtime.checkpoint import CheckpointJob, write_checkpoint
-from kchain.runtime.checkpoint_files import (
+from kchain.common import layout
+from kchain.common.checkpoint_files import (
     CheckpointInvalid,
     complete,
     find_latest,
@@ -26,6 +25,7 @@ from kchain.runtime.checkpoint_files import (
     read_manifest,
     verify,
 )
+from kchain.runtime.checkpoint.state import CheckpointJob, write_checkpoint
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -114,7 +114,7 @@ def test_find_latest_takes_the_newest_complete_one(tmp_path, capsys):
 def test_finding_and_verifying_imports_neither_torch_nor_numpy():
     code = (
         "import sys\n"
-        "import kchain.chain, kchain.runtime.statefolder, kchain.runtime.checkpoint_files\n"
+        "import kchain.chain, kchain.common.statefolder, kchain.common.checkpoint_files\n"
         "print(sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'numpy'}))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)

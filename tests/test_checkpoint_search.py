@@ -10,7 +10,7 @@ import torch
 from helpers import make_run
 from torch import nn
 
-from kchain.runtime import layout
+from kchain.common import layout
 from kchain.runtime.run import Run
 
 

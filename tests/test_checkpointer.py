@@ -5,13 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kchain.runtime import ladder, layout
-from kchain.runtime.checkpoint_files import CheckpointsDamaged
-from kchain.runtime.checkpointer import Checkpointer, Policy, Where
+from kchain.common import layout
+from kchain.common.checkpoint_files import CheckpointsDamaged
+from kchain.common.faults import Faults
+from kchain.common.trace import Trace
+from kchain.runtime import ladder
+from kchain.runtime.checkpoint.checkpointer import Checkpointer, Policy, Where
 from kchain.runtime.distributed import Ranks
-from kchain.runtime.faults import Faults
 from kchain.runtime.progress import Progress
-from kchain.runtime.trace import Trace
 
 
 def parts(tmp_path, every=None, halvings=0):

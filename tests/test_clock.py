@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import time
 
-from kchain.runtime import publishplan
+from kchain.common import publishplan
+from kchain.common.config import KaggleConfig
 from kchain.runtime.clock import STEP_TIME_WINDOW, SessionClock
-from kchain.runtime.config import KaggleConfig
 
 
 def test_the_deadline_is_the_limit_less_the_margin_and_the_guard_stops_when_a_step_and_a_save_no_longer_fit():

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
+from kchain.common.config import KaggleConfig, RuntimeConfig
 from kchain.render import render_job
-from kchain.runtime.config import KaggleConfig, RuntimeConfig
 from kchain.spec import load_job
 
 JOBS = Path(__file__).resolve().parent.parent / "jobs"

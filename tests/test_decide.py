@@ -1,11 +1,12 @@
-"""`kchain continue`'s decision table (kchain/decide.py's docstring), one row a case, on constructed
+"""`kchain continue`'s decision table (kchain/common/nextsession.py's docstring), one row a case, on constructed
 records: no emulator, no Kaggle, no render. The chains under test run in test_chain.py."""
 
 from pathlib import Path
 
 import pytest
 
-from kchain.decide import Situation, decide
+from kchain.chain import decide, stop_error
+from kchain.common.nextsession import Chain
 from kchain.errors import ChainStop, NotSmoked
 
 JOB = Path("jobs/x/job.yaml")
@@ -112,13 +113,13 @@ def test_continue_decides_row_by_row(chain, on_kaggle, options, action, says):
         rendered.append(CODE)
         return CODE
 
-    now = Situation(chain, "alice/x", on_kaggle, fingerprint=fingerprint, smoked=lambda fp: fp == CODE and smoked)
+    now = Chain(chain, "alice/x", on_kaggle, fingerprint=fingerprint, smoked=lambda fp: fp == CODE and smoked)
     decision = decide(now, JOB, **options)
     assert decision.action == action
     if action == "stop":
         kind, text = says
-        assert type(decision.stop) is kind and str(decision.stop).startswith(text) and decision.message == str(
-            decision.stop)
+        error = stop_error(decision, JOB)
+        assert type(error) is kind and str(error).startswith(text)
     else:
         assert decision.stop is None and decision.message.startswith(says)
     # The code is rendered only past the ends that need no code: a crash is judged against it.
@@ -142,16 +143,16 @@ def unmounted(n: int) -> dict:
 ], ids=["once", "three times", "four times: stop"])
 def test_a_state_not_mounted_is_pushed_again_three_times_at_most(tail, action, says):
     chain = [session(1)] + [unmounted(n) for n in range(2, 2 + tail)]
-    decision = decide(Situation(chain, "alice/x", "COMPLETE", fingerprint=lambda: CODE, smoked=lambda fp: True), JOB)
+    decision = decide(Chain(chain, "alice/x", "COMPLETE", fingerprint=lambda: CODE, smoked=lambda fp: True), JOB)
     assert decision.action == action and decision.message.startswith(says), decision.message
     assert decision.again == (action == "push") and decision.attempt == (tail + 1 if action == "push" else 1)
     if action == "stop":
-        assert type(decision.stop) is ChainStop
+        assert decision.stop == "chain_stop"
 
 
 def test_the_session_after_an_unmounted_one_is_judged_against_the_one_that_trained():
     # Session 2 trained nothing (not mounted); session 3, pushed again, trained and saved past 40: no
     # "no progress" from comparing 3 with 2; the next push is a plain one.
     chain = [session(1), unmounted(2), session(3, resumes_at=40, saved_step=60)]
-    decision = decide(Situation(chain, "alice/x", "ERROR", fingerprint=lambda: CODE, smoked=lambda fp: True), JOB)
+    decision = decide(Chain(chain, "alice/x", "ERROR", fingerprint=lambda: CODE, smoked=lambda fp: True), JOB)
     assert decision.action == "push" and not decision.again and decision.message == "push session 4 from the newest state"

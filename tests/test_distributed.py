@@ -20,9 +20,10 @@ import torch
 from emulator_helpers import emulator, kaggle_api  # noqa: F401  (fixtures)
 from helpers import copy_job, invoke
 
-from kchain.runtime import distributed, layout
-from kchain.runtime.checkpoint import load_state
-from kchain.runtime.config import RuntimeConfig
+from kchain.common import layout
+from kchain.common.config import RuntimeConfig
+from kchain.runtime import distributed
+from kchain.runtime.checkpoint.state import load_state
 
 REPO = Path(__file__).resolve().parent.parent
 JOBS = REPO / "tests" / "runtime_jobs"
@@ -227,7 +228,7 @@ def test_status_shows_the_ranks_of_a_finished_session():
 def test_the_launcher_of_several_ranks_plans_them_without_importing_torch(tmp_path):
     # torchrun's ranks import torch; the launcher above them need not (2 s of CPU per local session).
     code = ("import sys; from kchain.runtime import torchrun; "
-            "from kchain.runtime.config import RuntimeConfig; "
+            "from kchain.common.config import RuntimeConfig; "
             "n, why = torchrun.plan_ranks(RuntimeConfig(), {'KCHAIN_RANKS': '2', 'KCHAIN_SMOKE': '1'}); "
             "assert n == 2 and 'as on Kaggle' in why, why; assert 'torch' not in sys.modules, 'torch imported'")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)

@@ -18,9 +18,9 @@ import pytest
 from emulator_helpers import USER, emulator, fake_key, kaggle_api, wait_dataset_ready, write_dataset  # noqa: F401
 from helpers import copy_job, error_line, invoke
 
+from kchain.common import layout
 from kchain.doctor import PROBE_FORMAT, parse_probe
 from kchain.errors import ProbeFormatError
-from kchain.runtime import layout
 
 NAME = "tinygpt-notes"
 DOCTOR_REF = f"{USER}/{NAME}-doctor"
@@ -52,7 +52,7 @@ def gpu_sessions_run(emu) -> list[dict]:
 def test_doctor_all_ok_probes_a_cpu_session_and_writes_no_credential(emulator, kaggle_api, tmp_path):
     import torch
 
-    from kchain.runtime.checkpoint import CheckpointJob, write_checkpoint
+    from kchain.runtime.checkpoint.state import CheckpointJob, write_checkpoint
 
     key = emulator.users[USER]
     emulator.secrets.update({USER: {"KAGGLE_USERNAME": USER, "KAGGLE_KEY": key}})

@@ -16,9 +16,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from kchain.runtime import layout, sink
+from kchain.common import layout, sink
+from kchain.common.summary import STATUSES, Status
 from kchain.runtime.launch import exit_code
-from kchain.runtime.summary import STATUSES, Status
 
 REPO = Path(__file__).resolve().parent.parent
 JOBS = REPO / "tests" / "runtime_jobs"

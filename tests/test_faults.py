@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from kchain.runtime.faults import SAVE_POINTS, Faults, FaultSpecError
+from kchain.common.faults import SAVE_POINTS, Faults, FaultSpecError
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "runtime.md"
 

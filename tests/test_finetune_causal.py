@@ -12,8 +12,8 @@ import pytest
 import torch
 from helpers import make_run
 
-from kchain.runtime import layout
-from kchain.runtime.checkpoint import load_state
+from kchain.common import layout
+from kchain.runtime.checkpoint.state import load_state
 from kchain.runtime.loop import SessionStopped
 
 # peft 0.21 reads a property transformers 5 deprecates: their warning, once per wrap.

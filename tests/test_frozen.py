@@ -9,10 +9,10 @@ import torch
 from helpers import make_run
 from torch import nn
 
-from kchain.runtime import layout
-from kchain.runtime.checkpoint import load_state
-from kchain.runtime.checkpoint_files import ResumeError
-from kchain.runtime.frozen import digest
+from kchain.common import layout
+from kchain.common.checkpoint_files import ResumeError
+from kchain.runtime.checkpoint.frozen import digest
+from kchain.runtime.checkpoint.state import load_state
 from kchain.runtime.loop import SessionStopped
 
 TOTAL = 8
@@ -105,12 +105,12 @@ def test_the_fingerprint_reads_the_bytes_of_any_dtype(dtype):
 def test_a_frameworks_own_model_is_fingerprinted_and_another_base_stops_the_resume(tmp_path):
     # The HF Trainer's model is saved by the Trainer (its checkpoint-N rides in kchain's), not tracked:
     # hf.py covers it, and its frozen base is recorded and checked at a resume like a tracked model's.
+    from kchain.common.faults import Faults
+    from kchain.common.trace import Trace
     from kchain.runtime import ladder
-    from kchain.runtime.checkpointer import Checkpointer, Policy, Where
+    from kchain.runtime.checkpoint.checkpointer import Checkpointer, Policy, Where
     from kchain.runtime.distributed import Ranks
-    from kchain.runtime.faults import Faults
     from kchain.runtime.progress import Progress
-    from kchain.runtime.trace import Trace
 
     def session(base_seed: int) -> Checkpointer:
         paths = layout.Paths.of({layout.ROOT_ENV: str(tmp_path)})

@@ -1,4 +1,4 @@
-"""The Hugging Face Trainer under kchain (issue 23, part 1): kchain/runtime/hf.py and the hf-trainer template.
+"""The Hugging Face Trainer under kchain (issue 23, part 1): kchain/runtime/frameworks/hf.py and the hf-trainer template.
 
 The template (a run_clm-style script: a tiny GPT-2 from a GPT2Config, generated text, TrainingArguments,
 `Trainer(..., callbacks=[run.hf_callback()])`, `trainer.train(resume_from_checkpoint=run.hf_resume(trainer))`)
@@ -18,10 +18,10 @@ import pytest
 from helpers import invoke, make_run
 
 from kchain import traces
+from kchain.common import layout
+from kchain.common.checkpoint_files import verify
 from kchain.init import TEMPLATES, init_job
 from kchain.rehearse import rehearse
-from kchain.runtime import layout
-from kchain.runtime.checkpoint_files import verify
 
 pytest.importorskip("transformers")
 
@@ -191,7 +191,7 @@ def test_the_seeded_collator_draws_a_fixed_function_of_seed_batch_and_epoch():
     import torch
     from transformers import default_data_collator
 
-    from kchain.runtime.hf import SeededCollator
+    from kchain.runtime.frameworks.hf import SeededCollator
 
     rows, collator = token_rows(8), mlm_collator()
     seeded = SeededCollator(collator, seed=0)

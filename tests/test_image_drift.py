@@ -14,8 +14,8 @@ import json
 
 from emulator_helpers import USER, emulator, kaggle_api, write_kernel  # noqa: F401
 
+from kchain.common.summary import Summary
 from kchain.kaggle_api import KaggleClient
-from kchain.runtime.summary import Summary
 from kchain.sessions import image_drift, short_image
 
 PRINT = ["print('hi')"]

@@ -7,9 +7,9 @@ from pathlib import Path
 from emulator_helpers import emulator, kaggle_api, wait_dataset_ready, write_dataset  # noqa: F401  (fixtures)
 from helpers import copy_job, error_line, invoke
 
+from kchain.common import layout
 from kchain.inputs import local_inputs
 from kchain.rehearse import rehearse
-from kchain.runtime import layout
 from kchain.spec import load_job
 
 READS_INPUT = (

@@ -9,13 +9,14 @@ import shutil
 import pytest
 import torch
 
-from kchain.runtime import keepbest, ladder, layout, statefolder
-from kchain.runtime.checkpoint_files import BEST_KEY, complete, find_latest, verify
-from kchain.runtime.checkpointer import Checkpointer, Policy, Where
+from kchain.common import keepbest, layout, statefolder
+from kchain.common.checkpoint_files import BEST_KEY, complete, find_latest, verify
+from kchain.common.faults import Faults
+from kchain.common.trace import Trace
+from kchain.runtime import ladder
+from kchain.runtime.checkpoint.checkpointer import Checkpointer, Policy, Where
 from kchain.runtime.distributed import Ranks
-from kchain.runtime.faults import Faults
 from kchain.runtime.progress import Progress
-from kchain.runtime.trace import Trace
 
 DEFAULT = keepbest.Choice()  # follow run.best's metric, mode by its name
 

@@ -8,8 +8,8 @@ import json
 import pytest
 from helpers import make_run
 
-from kchain.runtime import layout
-from kchain.runtime.checkpoint_files import BEST_KEY, complete
+from kchain.common import layout
+from kchain.common.checkpoint_files import BEST_KEY, complete
 
 
 def newest_best(run) -> dict:

@@ -2,8 +2,8 @@
 """The kernel publishes its own end state (internet on, the Secrets attached) as exactly one new
 version of the state dataset, whatever happens to the answer.
 
-kchain_publish runs inside the session with the unmodified client. A creating call that Kaggle acted
-on can lose its answer two ways: a 500 (`rate_lost_answer`), which kchain_publish's own retry used
+kchain.common.publish runs inside the session with the unmodified client. A creating call that Kaggle acted
+on can lose its answer two ways: a 500 (`rate_lost_answer`), which kchain.common.publish's own retry used
 to send again, or a reset connection (`reset_after_acting`), which the client's `with_retry` sends
 again before kchain sees it. The kernel settles both by reading the dataset's current version.
 """
@@ -17,10 +17,10 @@ from pathlib import Path
 from emulator_helpers import USER, emulator  # noqa: F401
 from helpers import copy_job, invoke
 
+from kchain.common import layout
 from kchain.kaggle_api import KaggleClient
 from kchain.ledger import Ledger
 from kchain.names import state_dataset
-from kchain.runtime import layout
 
 NAME = "blobs-classifier"
 REF = f"{USER}/{NAME}"

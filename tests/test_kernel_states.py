@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from kagglesdk.kernels.types.kernels_enums import KernelWorkerStatus
 
-from kchain import kernel_states
+from kchain.common import kernel_states
 
 
 def test_the_states_are_the_clients_and_each_is_live_or_terminal():

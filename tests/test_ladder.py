@@ -13,7 +13,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from kchain.runtime import ladder, layout
+from kchain.common import layout
+from kchain.runtime import ladder
 
 REPO = Path(__file__).resolve().parent.parent
 JOBS = REPO / "tests" / "runtime_jobs"

@@ -1,5 +1,5 @@
 """Every KCHAIN_* environment variable kchain reads or sets has one home: a constant in
-kchain/runtime/layout.py, and a row in docs/design.md's table of variables.
+kchain/common/layout.py, and a row in docs/design.md's table of variables.
 
 The scan reads the names in strings and comments of kchain/ and kernel_templates/ (Python tokens,
 so `layout.KCHAIN_DIR` or the notebook's `KCHAIN_SRC` variable are names, not variables), and the
@@ -13,7 +13,7 @@ import re
 import tokenize
 from pathlib import Path
 
-from kchain.runtime import layout
+from kchain.common import layout
 
 REPO = Path(__file__).resolve().parent.parent
 VARIABLE = re.compile(r"(?<![\w.])KCHAIN_[A-Z_]*[A-Z]")

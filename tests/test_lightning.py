@@ -1,4 +1,4 @@
-"""Lightning's `trainer.fit` under kchain (runtime/lightning.py), on the `kchain init --template lightning` job.
+"""Lightning's `trainer.fit` under kchain (runtime/frameworks/lightning.py), on the `kchain init --template lightning` job.
 
 The template smoke-passes as written (2 ranks: Lightning's DDP over kchain's torchrun, a stop mid-epoch,
 shuffled data read by 2 workers a rank); a chained run with a deadline mid-epoch and a SIGKILL after a
@@ -18,10 +18,10 @@ import pytest
 import yaml
 from helpers import invoke, make_run
 
+from kchain.common import layout
+from kchain.common.summary import read_working
 from kchain.init import init_job
 from kchain.rehearse import rehearse
-from kchain.runtime import layout
-from kchain.runtime.summary import read_working
 
 STALL = "stall_step=0.05"  # at most 20 steps/s, whatever the machine (the deadline fault is the clock)
 

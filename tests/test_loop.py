@@ -8,8 +8,8 @@ import pytest
 import torch
 from test_checkpointer import parts
 
+from kchain.common.faults import Faults
 from kchain.runtime.clock import SessionClock
-from kchain.runtime.faults import Faults
 from kchain.runtime.loader import Loader
 from kchain.runtime.loop import Loop, SessionStopped
 

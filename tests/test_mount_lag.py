@@ -19,8 +19,8 @@ import yaml
 from emulator_helpers import emulator  # noqa: F401
 from helpers import copy_job, invoke
 
+from kchain.common import layout
 from kchain.ledger import Ledger
-from kchain.runtime import layout
 
 NAME = "tinygpt-notes"
 REF = f"alice/{NAME}"

@@ -17,7 +17,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from kchain.runtime import layout, sink
+from kchain.common import layout, sink
 
 REPO = Path(__file__).resolve().parent.parent
 JOBS = REPO / "tests" / "runtime_jobs"

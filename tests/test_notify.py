@@ -12,10 +12,10 @@ from emulator_helpers import USER, emulator  # noqa: F401  (fixture)
 from helpers import copy_job, invoke
 
 from kchain.chain import watch
+from kchain.common import layout
 from kchain.kaggle_api import KaggleClient
 from kchain.ledger import Ledger
 from kchain.notify import notifier
-from kchain.runtime import layout
 from kchain.spec import load_job
 
 NAME = "tinygpt-notes"

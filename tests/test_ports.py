@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 from helpers import error_line, invoke, runtime_job
 
-from kchain.runtime import layout
-from kchain.runtime.config import RuntimeConfig
-from kchain.runtime.settings import Settings
+from kchain.common import layout
+from kchain.common.config import RuntimeConfig
+from kchain.common.settings import Settings
 
 REPO = Path(__file__).resolve().parent.parent
 JOBS = REPO / "tests" / "runtime_jobs"

@@ -9,8 +9,8 @@ from helpers import make_run
 from torch import nn
 
 from kchain.runtime import precision
+from kchain.runtime.checkpoint.snapshot import restore_rng, rng_state
 from kchain.runtime.precision import Amp
-from kchain.runtime.snapshot import restore_rng, rng_state
 
 
 def test_accumulate_4_micro_batches_of_64_equals_one_batch_of_256(tmp_path):

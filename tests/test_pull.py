@@ -12,16 +12,18 @@ from emulator_helpers import USER, emulator, kaggle_api, wait_dataset_ready  # n
 from safetensors.torch import load_file
 
 from kchain.cli import cli
+from kchain.common import keepbest, layout, statefolder, summary
+from kchain.common.faults import Faults
+from kchain.common.trace import Trace
 from kchain.datasets import write_dataset_metadata
 from kchain.errors import KchainError
 from kchain.kaggle_api import KaggleClient
 from kchain.pull import Want, pull
-from kchain.runtime import keepbest, ladder, layout, statefolder, summary, tensorboard
-from kchain.runtime.checkpointer import Checkpointer, Policy, Where
+from kchain.runtime import ladder
+from kchain.runtime.checkpoint.checkpointer import Checkpointer, Policy, Where
 from kchain.runtime.distributed import Ranks
-from kchain.runtime.faults import Faults
+from kchain.runtime.frameworks import tensorboard
 from kchain.runtime.progress import Progress
-from kchain.runtime.trace import Trace
 
 NAME = "pulljob"
 

@@ -20,7 +20,9 @@ from emulator_helpers import USER, emulator  # noqa: F401  (fixture)
 from helpers import REPO, copy_job, error_line, invoke
 
 from kchain.chain import watch
-from kchain.decide import saved_step
+from kchain.common import layout
+from kchain.common.nextsession import saved_step
+from kchain.common.summary import Summary
 from kchain.emulator import Faults
 from kchain.emulator.sessions import CHECKPOINT_KILL
 from kchain.emulator.switches import Switches
@@ -28,8 +30,6 @@ from kchain.errors import ChainStop
 from kchain.kaggle_api import KaggleClient
 from kchain.ledger import Ledger
 from kchain.rehearse import rehearse, shortcomings
-from kchain.runtime import layout
-from kchain.runtime.summary import Summary
 from kchain.spec import load_job
 
 STALL = "stall_step=0.05"  # at most 20 steps/s, whatever the machine

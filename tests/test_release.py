@@ -11,12 +11,12 @@ from emulator_helpers import USER, emulator, kaggle_api, wait_dataset_ready  # n
 from test_pull import job_file, publish_state
 
 from kchain.cli import cli
+from kchain.common import summary
 from kchain.errors import KaggleError
 from kchain.kaggle_api import KaggleClient, missing
 from kchain.models import model_problem
 from kchain.pull import Want
 from kchain.release import release
-from kchain.runtime import summary
 
 INSTANCE = f"{USER}/tiny-pull/pytorch/default"
 

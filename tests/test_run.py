@@ -8,7 +8,7 @@ import torch
 from helpers import make_run
 from torch.utils.data import TensorDataset
 
-from kchain.runtime import layout
+from kchain.common import layout
 from kchain.runtime.run import Run
 
 

@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 from helpers import loss_trace as trace
 
-from kchain.runtime import layout
-from kchain.runtime.checkpoint_files import ResumeError
+from kchain.common import layout
+from kchain.common.checkpoint_files import ResumeError
 from kchain.runtime.run import Run
 
 REPO = Path(__file__).resolve().parent.parent

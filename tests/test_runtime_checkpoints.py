@@ -22,9 +22,8 @@ import pytest
 import torch
 from torch import nn
 
-from kchain.runtime import checkpoint_files, layout, publishplan, snapshot
-from kchain.runtime.checkpoint import load_state, load_verified
-from kchain.runtime.checkpoint_files import (
+from kchain.common import checkpoint_files, layout, publishplan
+from kchain.common.checkpoint_files import (
     CheckpointInvalid,
     CheckpointsDamaged,
     CheckpointTooLarge,
@@ -35,6 +34,7 @@ from kchain.runtime.checkpoint_files import (
     sha256_of,
     verify,
 )
+from kchain.runtime.checkpoint.state import load_state, load_verified, snapshot
 from kchain.runtime.run import Run
 
 REPO = Path(__file__).resolve().parent.parent

@@ -17,7 +17,7 @@ import pytest
 import torch
 from torch import nn
 
-from kchain.runtime import layout
+from kchain.common import layout
 from kchain.runtime.run import Run
 
 REPO = Path(__file__).resolve().parent.parent

@@ -7,9 +7,9 @@ real notebook processes against the local Kaggle with the unmodified client, its
 
 import secrets
 
+from kchain.common import layout
 from kchain.emulator import Faults, Switches
 from kchain.rehearse import rehearse
-from kchain.runtime import layout
 
 STALL = "stall_step=0.05"  # at most 20 steps/s, whatever the machine
 GENEROUS_S = 600

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from helpers import REPO
 
-from kchain.sessions import PublishFacts, SessionRecord
+from kchain.common.sessionrecord import PublishFacts, SessionRecord
 
 RECORD, CHAIN, JOBS, JOB_VALUES, JOB_ITEMS, PUBLISH = "record", "chain", "jobs", "job values", "job items", "publish"
 DECLARED = {RECORD: set(SessionRecord.__annotations__), PUBLISH: set(PublishFacts.__annotations__)}
@@ -27,7 +27,7 @@ def annotation_kind(node: ast.expr | None) -> str | None:
     if node is None:
         return None
     text = re.sub(r"\b\w+\.(?=SessionRecord|PublishFacts)", "", ast.unparse(node)).removesuffix(" | None")
-    # (runtime/nextsession.py, which the kernel runs too, names a record `Record`: a plain mapping.)
+    # (common/nextsession.py, which the kernel runs too, names a record `Record`: a plain mapping.)
     return {"SessionRecord": RECORD, "list[SessionRecord]": CHAIN, "dict[str, list[SessionRecord]]": JOBS,
             "PublishFacts": PUBLISH, "Record": RECORD, "list[Record]": CHAIN}.get(text)
 
@@ -201,7 +201,7 @@ def scan(sources: dict[str, str]) -> list[tuple[str, str, str]]:
 
 def laptop_sources() -> dict[str, str]:
     """kchain's laptop modules, and the decision table both the laptop and the kernel run over the records."""
-    files = [*sorted((REPO / "kchain").glob("*.py")), REPO / "kchain" / "runtime" / "nextsession.py"]
+    files = [*sorted((REPO / "kchain").glob("*.py")), REPO / "kchain" / "common" / "nextsession.py"]
     return {p.name: p.read_text() for p in files}
 
 

@@ -1,4 +1,4 @@
-"""A rehearsal's sessions planned in steps (KCHAIN_SESSION_PLAN, runtime/sessionplan.py): where a session
+"""A rehearsal's sessions planned in steps (KCHAIN_SESSION_PLAN, common/sessionplan.py): where a session
 stops and saves depends on the steps alone, never on the machine's speed."""
 
 from __future__ import annotations
@@ -10,11 +10,11 @@ import pytest
 import torch
 from test_checkpointer import parts
 
-from kchain.runtime import layout, sessionplan
+from kchain.common import layout, sessionplan
+from kchain.common.faults import Faults
+from kchain.common.sessionplan import SessionPlan
 from kchain.runtime.clock import SessionClock
-from kchain.runtime.faults import Faults
 from kchain.runtime.loop import Loop, SessionStopped
-from kchain.runtime.sessionplan import SessionPlan
 
 
 @pytest.mark.parametrize(("total", "ends", "saves"), [

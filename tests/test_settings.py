@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from kchain.runtime import layout
-from kchain.runtime.config import RuntimeConfig
-from kchain.runtime.settings import Settings
+from kchain.common import layout
+from kchain.common.config import RuntimeConfig
+from kchain.common.settings import Settings
 
 
 def test_cadence_syntax_and_defaults_agree_with_the_spec():
@@ -32,6 +32,6 @@ def test_cadence_syntax_and_defaults_agree_with_the_spec():
 
 
 def settings_seconds(text) -> float:
-    from kchain.runtime.settings import parse_duration
+    from kchain.common.settings import parse_duration
 
     return parse_duration(text)

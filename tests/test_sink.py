@@ -1,4 +1,4 @@
-"""The state sink (runtime/sink.py): a real SIGKILL at every point of a publish, each followed by a
+"""The state sink (common/sink.py): a real SIGKILL at every point of a publish, each followed by a
 resume on a fresh, empty working folder with that bucket folder; the resumed trace must be the
 uninterrupted run's, bit for bit. The kills at each point are of a small publishing process (the
 sink needs no torch); one more is of a training process, inside its sink thread. And newest-only
@@ -18,8 +18,8 @@ from pathlib import Path
 
 from helpers import loss_trace as trace
 
-from kchain.runtime import layout, sink
-from kchain.runtime.faults import SINK_POINTS, Faults
+from kchain.common import layout, sink
+from kchain.common.faults import SINK_POINTS, Faults
 from kchain.runtime.run import Run
 
 REPO = Path(__file__).resolve().parent.parent
@@ -70,8 +70,8 @@ def in_bucket(bucket: Path) -> dict[str, list[str]]:
 PUBLISHER = """
 import os, sys
 from pathlib import Path
-from kchain.runtime.faults import Faults
-from kchain.runtime.sink import Sink
+from kchain.common.faults import Faults
+from kchain.common.sink import Sink
 bucket, first, second = map(Path, sys.argv[1:4])
 whole = Sink(bucket, 1, "tiny")
 whole.publish(first)

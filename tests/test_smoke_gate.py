@@ -13,7 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from kchain.runtime import layout
+from kchain.common import layout
 from kchain.runtime.launch import GATE_NOTE
 
 REPO = Path(__file__).resolve().parent.parent

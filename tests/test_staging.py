@@ -12,7 +12,8 @@ import pytest
 import torch
 from helpers import make_run
 
-from kchain.runtime import layout, staging
+from kchain.common import layout
+from kchain.runtime import staging
 from kchain.runtime.run import Run
 
 

@@ -23,10 +23,10 @@ from emulator_helpers import USER, emulator, kaggle_api  # noqa: F401
 from helpers import copy_job, invoke
 
 from kchain.cli import cli
+from kchain.common import layout
 from kchain.errors import ChainStop
 from kchain.kaggle_api import KaggleClient
 from kchain.ledger import Ledger
-from kchain.runtime import layout
 from kchain.sessions import StaleRule, stale
 from kchain.spec import load_job
 

@@ -13,8 +13,8 @@ import pytest
 from helpers import error_line, invoke, runtime_job
 
 from kchain import statecheck
+from kchain.common import layout
 from kchain.rehearse import rehearse
-from kchain.runtime import layout
 
 REPO = Path(__file__).resolve().parent.parent
 JOBS = REPO / "tests" / "runtime_jobs"
@@ -124,7 +124,7 @@ def test_the_comparison_names_the_first_differing_value_and_its_likely_cause(tmp
 def test_a_checkpoint_carries_the_digest_of_every_value_it_holds(tmp_path):
     import torch
 
-    from kchain.runtime.statedigest import digest_state, largest_differences
+    from kchain.runtime.checkpoint.statedigest import digest_state, largest_differences
 
     state = {"step": 3, "tracked": {"model": {"w": torch.arange(4.0), "flag": torch.tensor(True)},
                                     "sched": {"last_epoch": 3, "_last_lr": [0.1]}},

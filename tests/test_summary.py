@@ -13,9 +13,10 @@ from pathlib import Path
 import pytest
 from helpers import REPO
 
-from kchain.runtime import launch, layout, summary
-from kchain.runtime.config import RuntimeConfig
-from kchain.runtime.summary import STATUSES, Status, Summary
+from kchain.common import layout, summary
+from kchain.common.config import RuntimeConfig
+from kchain.common.summary import STATUSES, Status, Summary
+from kchain.runtime import launch
 
 # The keys a Run's summary has had since before the record existed, in its order.
 RUN_KEYS = ["status", "session", "step", "total", "metrics", "best", "checkpoint", "error", "started", "ended",
@@ -35,7 +36,7 @@ def test_the_design_doc_lists_every_status_and_no_other():
 def test_every_status_the_runtime_sets_is_a_status():
     # `x.status = "..."` and the stop reasons that become statuses, anywhere in the runtime.
     found = set()
-    for path in (REPO / "kchain" / "runtime").glob("*.py"):
+    for path in [*(REPO / "kchain" / "runtime").rglob("*.py"), *(REPO / "kchain" / "common").glob("*.py")]:
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, (ast.Assign, ast.AnnAssign)):
                 targets = node.targets if isinstance(node, ast.Assign) else [node.target]
@@ -48,7 +49,7 @@ def test_every_status_the_runtime_sets_is_a_status():
 
 
 def test_the_record_is_standard_library_only():
-    code = ("import sys; import kchain.runtime.summary; "
+    code = ("import sys; import kchain.common.summary; "
             "assert not {'torch', 'numpy'} & set(sys.modules), 'the laptop reader imports torch or numpy'")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=REPO)
     assert done.returncode == 0, done.stderr
@@ -147,7 +148,7 @@ def test_the_launchers_fallbacks_are_summaries_with_every_key(tmp_path, monkeypa
 
 
 def test_the_state_folders_copy_says_who_published_it(tmp_path):
-    from kchain.runtime.statefolder import build_state_folder
+    from kchain.common.statefolder import build_state_folder
 
     kdir = tmp_path / "kchain"
     ckpt = kdir / layout.CHECKPOINTS_DIR / layout.checkpoint_name(4)
@@ -161,7 +162,7 @@ def test_the_state_folders_copy_says_who_published_it(tmp_path):
 
 
 def test_a_missing_summary_is_no_summary_in_the_state_folder(tmp_path: Path):
-    from kchain.runtime.statefolder import build_state_folder
+    from kchain.common.statefolder import build_state_folder
 
     ckpt = tmp_path / "kchain" / layout.CHECKPOINTS_DIR / layout.checkpoint_name(1)
     ckpt.mkdir(parents=True)

@@ -12,8 +12,8 @@ import pytest
 from helpers import invoke
 
 from kchain import sync
+from kchain.common import layout, trackers
 from kchain.ledger import Ledger, state_dir
-from kchain.runtime import layout, trackers
 
 RUN_ID = "0123456789abcdef"
 JOB = "sync-demo"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from kchain.runtime.trace import Trace
+from kchain.common.trace import Trace
 
 
 def rows(path):

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from kchain.runtime import layout, statefolder, tensorboard, trackers
+from kchain.common import layout, statefolder, trackers
+from kchain.runtime.frameworks import tensorboard
 
 REPO = Path(__file__).resolve().parent.parent
 JOBS = REPO / "tests" / "runtime_jobs"

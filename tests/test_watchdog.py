@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from kchain.runtime import layout
+from kchain.common import layout
 
 REPO = Path(__file__).resolve().parent.parent
 JOBS = REPO / "tests" / "runtime_jobs"

@@ -22,6 +22,7 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
+from kchain.common.kernel_states import LIVE, TERMINAL
 from kchain.emulator.faults import Faults
 from kchain.emulator.rpcs import Rpcs
 from kchain.emulator.server import EmulatorHTTPServer, free_closed_port
@@ -29,7 +30,6 @@ from kchain.emulator.sessions import SessionRunner
 from kchain.emulator.state import Store, model_key
 from kchain.emulator.switches import Limits, Switches
 from kchain.errors import KchainError
-from kchain.kernel_states import LIVE, TERMINAL
 
 
 def _shared(holder: str, name: str) -> property:

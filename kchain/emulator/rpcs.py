@@ -19,11 +19,11 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any, TypeVar
 
+from kchain.common.kernel_states import LIVE
 from kchain.emulator.faults import Faults
 from kchain.emulator.sessions import SessionRunner, remove_tree
 from kchain.emulator.state import Store, iso, model_key, new_secret
 from kchain.emulator.switches import Limits, Switches
-from kchain.kernel_states import LIVE
 
 GPU_SHAPE_PREFIXES = ("Nvidia",)
 TPU_SHAPE_PREFIXES = ("Tpu",)

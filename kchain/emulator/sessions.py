@@ -24,8 +24,8 @@ from typing import Any
 
 import psutil
 
+from kchain.common import layout, resumecheck
 from kchain.emulator.state import Store, model_key, new_secret
-from kchain.runtime import layout, resumecheck
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 

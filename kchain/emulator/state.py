@@ -22,8 +22,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from kchain.kernel_states import LIVE
-from kchain.runtime import atomic, layout
+from kchain.common import atomic, layout
+from kchain.common.kernel_states import LIVE
 
 
 def iso(ts: float) -> str:

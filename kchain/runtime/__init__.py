@@ -1,6 +1,6 @@
-"""The code that runs inside the Kaggle kernel.
+"""Import rule: the standard library, numpy, torch, kchain.common and kchain.runtime; never the laptop's kchain.
 
-It imports only the standard library, numpy and torch, because it is embedded into notebooks that
-may run with the internet off. This package file stays light (no torch) so the laptop side can
-import `kchain.runtime.layout` for the file-name constants.
+The training process inside the kernel (`python -m kchain.runtime.launch`): the Run and its parts.
+Embedded into every notebook beside kchain.common, so it runs with the internet off. The laptop never
+imports it (it names `kchain.runtime.launch` only to start it); this file stays empty of imports.
 """

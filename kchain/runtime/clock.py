@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from . import heartbeat, publishplan
+from kchain.common import heartbeat, publishplan
 
 STEP_TIME_WINDOW = 5  # the guard plans with the slowest of the last few steps
 

@@ -25,9 +25,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from . import atomic, faults, layout
-from .checkpoint_files import ResumeError
-from .torchrun import (  # noqa: F401  (the launcher's half, standard library only; re-exported)
+from kchain.common import atomic, faults, layout
+from kchain.common.checkpoint_files import ResumeError
+from kchain.runtime.torchrun import (  # noqa: F401  (the launcher's half, standard library only; re-exported)
     KAGGLE_SESSION_ENV,
     RANK_ERRORS_DIR,
     NoAccelerator,

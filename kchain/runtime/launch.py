@@ -29,9 +29,10 @@ PROCESS_START = time.time()
 for _knob in ("MKL_DYNAMIC", "OMP_DYNAMIC"):
     os.environ.setdefault(_knob, "FALSE")
 
-from . import faults, layout, lazydynamo, summary  # noqa: E402  (after the clock on purpose)
-from .config import RuntimeConfig  # noqa: E402
-from .summary import Status, Summary  # noqa: E402
+from kchain.common import faults, layout, summary  # noqa: E402  (after the clock on purpose)
+from kchain.common.config import RuntimeConfig  # noqa: E402
+from kchain.common.summary import Status, Summary  # noqa: E402
+from kchain.runtime import lazydynamo  # noqa: E402
 
 # The statuses after which another session resumes where this one saved: "saved, not done".
 RESUMABLE = (Status.DEADLINE, Status.INTERRUPTED, Status.STATE_NOT_MOUNTED)
@@ -103,7 +104,7 @@ def released(env, argv: list[str] | None = None) -> bool:
     after the gate, by the Run, as in a fresh session. With several ranks the launcher goes on (it
     reads no state: the ranks' start) and each rank waits here, warmed up, instead.
     """
-    from . import torchrun  # standard library only
+    from kchain.runtime import torchrun  # standard library only
 
     if not torchrun.in_ranks(env) and int(env.get(layout.RANKS_ENV) or 1) > 1:
         return True  # the launcher of several ranks: launch_ranks passes the gate on to each rank
@@ -114,7 +115,7 @@ def released(env, argv: list[str] | None = None) -> bool:
     gate = Path(path)
     print(f"[kchain] {GATE_NOTE}", flush=True)
     if not gate.exists():
-        from . import run  # noqa: F401
+        from kchain.runtime import run  # noqa: F401
 
         warm_frameworks(argv or [])
     while not gate.exists():
@@ -126,7 +127,7 @@ def released(env, argv: list[str] | None = None) -> bool:
     return gate.read_text().strip() == "go"
 
 
-# The frameworks kchain drives (runtime/hf.py, runtime/lightning.py) and their companions: libraries whose
+# The frameworks kchain drives (runtime/frameworks/hf.py, runtime/frameworks/lightning.py) and their companions: libraries whose
 # import costs seconds and reads nothing of a session's state, so a held resume may import them early.
 FRAMEWORKS = ("transformers", "peft", "accelerate", "tokenizers", "datasets", "pytorch_lightning", "lightning")
 
@@ -204,7 +205,7 @@ def main(argv: list[str]) -> int:
     config = RuntimeConfig.from_dict(json.loads(Path(argv[1]).read_text()))
     if faults.wanted(os.environ.get(layout.FAULT_ENV, "")):
         faults.lead()  # a kill fault takes this process's workers with it, as a session's end does
-    from . import torchrun  # no torch yet: a launcher of several ranks never needs it
+    from kchain.runtime import torchrun  # no torch yet: a launcher of several ranks never needs it
 
     if torchrun.in_ranks(os.environ) and os.environ.get("RANK") == "0":
         # An outer torchrun's rank 0 (or kchain's): a summary left from an earlier run on this disk is
@@ -237,9 +238,9 @@ def main(argv: list[str]) -> int:
 
 def _train(config: RuntimeConfig, current: SimpleNamespace) -> None:
     """Build the Run, import the entry and call it; after an out-of-memory error, again one rung down."""
-    from . import ladder
-    from .run import Run, SessionStopped
-    from .snapshot import seed_globals
+    from kchain.runtime import ladder
+    from kchain.runtime.checkpoint.snapshot import seed_globals
+    from kchain.runtime.run import Run, SessionStopped
 
     seed_globals()  # before the code is imported: a seed of its own, set at import or later, wins
     current.run = Run(config, os.environ, started=PROCESS_START)
@@ -272,7 +273,7 @@ def _train(config: RuntimeConfig, current: SimpleNamespace) -> None:
 
 def _crashed(run, e: BaseException) -> dict:
     """A crash: the traceback, one line naming it, and the error for the summary."""
-    from . import torchrun
+    from kchain.runtime import torchrun
 
     traceback.print_exc()
     stage = run._progress.phase if run is not None else "build"
@@ -310,7 +311,7 @@ def _close(run, error: dict | None) -> dict | None:
 
 def _report(config: RuntimeConfig, run, error: dict | None) -> int:
     """Write summary.json (rank 0), say its gist in one line, and return the exit code."""
-    from . import torchrun
+    from kchain.runtime import torchrun
 
     if run is not None and not run.is_main:
         return 1 if run.status == Status.CRASHED else 0  # kchain ddp: rank 0 writes the summary
@@ -347,7 +348,7 @@ def _no_accelerator(config: RuntimeConfig, message: str) -> int:
 def _await_state(config: RuntimeConfig) -> int | None:
     """A Kaggle session pushed to resume a state waits for it to be mounted (resumecheck.await_state),
     before any rank starts; the exit code of a session that stops because it never was, else None."""
-    from . import resumecheck
+    from kchain.common import resumecheck
 
     if os.environ.get(layout.SMOKE_ENV) == "1":
         return None
@@ -368,7 +369,7 @@ def _run_ranks(n: int, why: str, config_path: str, config: RuntimeConfig) -> int
     """kchain ddp: run N ranks, then make the summary name the first rank's error."""
     import signal
 
-    from . import torchrun
+    from kchain.runtime import torchrun
 
     kdir = layout.kchain_dir(os.environ)
     torchrun.clear_errors(kdir)

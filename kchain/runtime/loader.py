@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, Subset, default_collate
 
-from . import distributed
+from kchain.runtime import distributed
 
 
 def mix_seed(*parts: int) -> int:

@@ -22,16 +22,18 @@ from collections.abc import Callable
 
 from torch.utils.data import DataLoader, SequentialSampler
 
-from . import heartbeat, ladder, replicas, untracked, watchdog
-from .checkpointer import Checkpointer
-from .clock import SessionClock
-from .distributed import Ranks
-from .faults import Faults
-from .loader import Loader, left_on_purpose
-from .progress import Progress
-from .say import emit, say, warn
-from .sessionplan import SessionPlan
-from .trace import Trace
+from kchain.common import heartbeat
+from kchain.common.faults import Faults
+from kchain.common.say import emit, say, warn
+from kchain.common.sessionplan import SessionPlan
+from kchain.common.trace import Trace
+from kchain.runtime import ladder, replicas, watchdog
+from kchain.runtime.checkpoint.checkpointer import Checkpointer
+from kchain.runtime.checkpoint.state import untracked
+from kchain.runtime.clock import SessionClock
+from kchain.runtime.distributed import Ranks
+from kchain.runtime.loader import Loader, left_on_purpose
+from kchain.runtime.progress import Progress
 
 PLAIN_LOADER_NOTE = "data order: a DataLoader not made by run.loader restarts its order on resume"
 
@@ -374,7 +376,7 @@ class Loop:
         ))
 
     def _state_bytes(self) -> int:
-        from .publishplan import state_bytes
+        from kchain.common.publishplan import state_bytes
 
         return state_bytes(self.ckpt.states())
 

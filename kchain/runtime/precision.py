@@ -69,7 +69,7 @@ class Amp:
 
     def autocast(self, enabled: bool = True, cache_enabled: bool | None = None):
         if self.dtype == torch.float16 and not self.scaled and not self._warned and enabled:
-            from .say import warn
+            from kchain.common.say import warn
 
             self._warned = True
             warn(FP16_WITHOUT_SCALER)

@@ -25,29 +25,20 @@ import numpy as np
 import torch
 from torch.utils.data import BatchSampler, DataLoader, Dataset, RandomSampler, SequentialSampler
 
-from . import (
-    distributed,
-    ladder,
-    precision,
-    preflight,
-    resumecheck,
-    staging,
-    summary,
-    tensorboard,
-    trackers,
-    watchdog,
-)
-from .checkpointer import Checkpointer, Policy, Where
-from .clock import SessionClock
-from .config import RuntimeConfig
-from .layout import Paths
-from .loader import Loader, dataloader_options
-from .loader import subset as smoke_subset
-from .loop import Loop, SessionStopped
-from .progress import Progress
-from .say import say, warn
-from .settings import Settings
-from .trace import Trace
+from kchain.common import resumecheck, summary, trackers
+from kchain.common.config import RuntimeConfig
+from kchain.common.layout import Paths
+from kchain.common.say import say, warn
+from kchain.common.settings import Settings
+from kchain.common.trace import Trace
+from kchain.runtime import distributed, ladder, precision, preflight, staging, watchdog
+from kchain.runtime.checkpoint.checkpointer import Checkpointer, Policy, Where
+from kchain.runtime.clock import SessionClock
+from kchain.runtime.frameworks import tensorboard
+from kchain.runtime.loader import Loader, dataloader_options
+from kchain.runtime.loader import subset as smoke_subset
+from kchain.runtime.loop import Loop, SessionStopped
+from kchain.runtime.progress import Progress
 
 __all__ = ["Params", "Run", "SessionStopped"]
 
@@ -633,7 +624,7 @@ class Run:
         return self._hf().resume(trainer)
 
     def _hf(self):
-        from . import hf  # transformers is imported only inside it, only when used
+        from kchain.runtime.frameworks import hf  # transformers is imported only inside it, only when used
 
         self._tb.open()  # its TensorBoardCallback (TENSORBOARD_LOGGING_DIR) writes after the restore
         return hf.bridge(self._loop, self._paths.scratch, self.smoke, self.fraction)
@@ -680,7 +671,9 @@ class Run:
             if run.finished:                     # not after a deadline or SIGTERM stop
                 trainer.save_checkpoint(run.working / "final.ckpt")
         """
-        from . import lightning  # Lightning is imported only inside it, only when used
+        from kchain.runtime.frameworks import (
+            lightning,  # Lightning is imported only inside it, only when used
+        )
 
         return lightning.callback(self._loop, self._untracked_loader, self.fraction if self.smoke else None,
                                   self._tb.flushes)

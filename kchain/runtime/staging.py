@@ -22,8 +22,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from . import layout
-from .atomic import fsync_path
+from kchain.common import layout
+from kchain.common.atomic import fsync_path
 
 ARRAYS_EXT = "npy"  # one array, or a folder of <key>.npy files (a dict of arrays): loaded memory-mapped
 PICKLE_EXT = "pt"  # anything else torch.save can pickle: loaded with torch.load(mmap=True)

@@ -19,8 +19,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from . import atomic, layout
-from .config import RuntimeConfig
+from kchain.common import atomic, layout
+from kchain.common.config import RuntimeConfig
 
 RANK_ERRORS_DIR = "rank-errors"  # under the kchain dir: one JSON per rank that failed
 KAGGLE_SESSION_ENV = "KAGGLE_KERNEL_RUN_TYPE"  # set in every Kaggle notebook session

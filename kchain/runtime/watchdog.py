@@ -14,20 +14,10 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 
-from . import layout
-
-DEFAULT_FLOOR_S = 30 * 60
 SLOWEST_FACTOR = 10
 EXIT_HUNG = 3
-
-
-def floor_s(hang_timeout_s: float | None, env: Mapping[str, str]) -> float:
-    """The watchdog's floor: the environment's override, else train.hang_timeout_s, else 30 minutes."""
-    if env.get(layout.HANG_ENV):
-        return float(env[layout.HANG_ENV])
-    return float(DEFAULT_FLOOR_S if hang_timeout_s is None else hang_timeout_s)
 
 
 def stacks() -> str:

@@ -1,4 +1,6 @@
-"""Targets other than Kaggle: the same job rendered for SkyPilot managed jobs or a Slurm cluster.
+"""Import rule: as the laptop's kchain (never kchain.runtime); SkyPilot only in skycheck.py, run apart.
+
+Targets other than Kaggle: the same job rendered for SkyPilot managed jobs or a Slurm cluster.
 
 A target is a renderer over the job, not a second chain engine: the engine (SkyPilot, Slurm) runs,
 recovers and requeues; kchain renders the work folder, gates the push on a smoke pass, and wraps

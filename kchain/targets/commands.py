@@ -16,10 +16,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from kchain.common.atomic import write_json
 from kchain.errors import KchainError, NotSmoked, RenderError, StateError
 from kchain.ledger import Ledger, iso, new_run_id, now_utc, state_dir
 from kchain.render import Rendered
-from kchain.runtime.atomic import write_json
 from kchain.spec import Job, load_job, target_problem
 from kchain.targets import skypilot, slurm
 from kchain.targets.workfolder import TargetRendered, write_folder

@@ -35,11 +35,11 @@ from typing import Any
 import yaml
 
 from kchain import traces
+from kchain.common import layout
+from kchain.common.sink import read_pointer
+from kchain.common.summary import Summary, read_working
 from kchain.errors import KchainError, SmokeFailed
 from kchain.ledger import Ledger, new_run_id, state_dir
-from kchain.runtime import layout
-from kchain.runtime.sink import read_pointer
-from kchain.runtime.summary import Summary, read_working
 from kchain.smoke import threads_each
 from kchain.spec import Job, load_job
 from kchain.targets import skypilot, slurm

@@ -20,9 +20,9 @@ from typing import Any
 import yaml
 
 import kchain
+from kchain.common import layout
 from kchain.errors import RenderError
 from kchain.render import render_payload
-from kchain.runtime import layout
 from kchain.spec import Job, target_problem
 from kchain.targets.workfolder import (
     LAUNCH,

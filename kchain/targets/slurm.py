@@ -13,9 +13,9 @@ import math
 import shlex
 
 import kchain
+from kchain.common import layout
 from kchain.errors import RenderError
 from kchain.render import render_payload
-from kchain.runtime import layout
 from kchain.spec import Job, parse_duration, target_problem
 from kchain.targets.workfolder import LAUNCH, MASTER_PORT, TargetRendered, folder_files, run_lines
 from kchain.targets.workfolder import saved_not_done_check as after_torchrun

@@ -14,10 +14,10 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from kchain.common import atomic, layout
 from kchain.credentials import secret_strings
 from kchain.errors import RenderError
 from kchain.render import Payload
-from kchain.runtime import atomic, layout
 
 CONFIG_FILE = "config.json"
 PYTHON = "python"  # the engine's Python: SkyPilot's image and a Slurm job's activated environment

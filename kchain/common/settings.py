@@ -13,10 +13,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import keepbest, layout, sessionplan
-from .config import RuntimeConfig
-from .faults import NO_FAULTS, Faults
-from .sessionplan import SessionPlan
+from kchain.common import keepbest, layout, sessionplan
+from kchain.common.config import RuntimeConfig
+from kchain.common.faults import NO_FAULTS, Faults
+from kchain.common.sessionplan import SessionPlan
 
 # The defaults of job.yaml's train: and smoke: keys (spec.py uses these too).
 CHECKPOINT_EVERY = "10m"  # a lost session costs at most this much training
@@ -64,6 +64,16 @@ def _env_cadence(text: str) -> dict[str, float]:
         raise ValueError(f"{layout.CHECKPOINT_EVERY_ENV}={text!r} is not a cadence; write e.g. '20 steps' or '10m'") from None
 
 
+HANG_FLOOR_S = 30 * 60  # the hung-step watchdog's default floor: no step in 30 minutes
+
+
+def hang_floor_s(hang_timeout_s: float | None, env: Mapping[str, str]) -> float:
+    """The watchdog's floor: the environment's override, else train.hang_timeout_s, else 30 minutes."""
+    if env.get(layout.HANG_ENV):
+        return float(env[layout.HANG_ENV])
+    return float(HANG_FLOOR_S if hang_timeout_s is None else hang_timeout_s)
+
+
 @dataclass(frozen=True)
 class Settings:
     """Everything a Run reads from its config and environment, in numbers: parsed once, never changed."""
@@ -87,7 +97,7 @@ class Settings:
     micro_auto: bool = False  # train.micro_batch: auto, the out-of-memory ladder
     checkpoint_frozen: bool = False  # train.checkpoint_frozen: the frozen base is saved too
     keep_best: keepbest.Choice | None = keepbest.Choice()  # train.keep_best: the metric and mode; None: off
-    hang_s: float = 1800.0  # the hung-step watchdog's floor (watchdog.floor_s)
+    hang_s: float = 1800.0  # the hung-step watchdog's floor (hang_floor_s)
     cache_dataset: str = ""  # the job's staging cache dataset, as the kernel mounts it
     state_slug: str | None = None  # the slug of the job's state dataset (None in a local run)
     publish: dict | None = None  # the in-kernel publish's figures (publishplan), None when the laptop relays
@@ -101,7 +111,7 @@ class Settings:
 
     @classmethod
     def parse(cls, config: RuntimeConfig, env: Mapping[str, str], started: float | None = None) -> Settings:
-        from . import publishplan, watchdog
+        from kchain.common import publishplan
 
         train, smoke_cfg = config.train, config.smoke
         smoke = env.get(layout.SMOKE_ENV) == "1"
@@ -135,7 +145,7 @@ class Settings:
             micro_auto=train.micro_batch == "auto",
             checkpoint_frozen=bool(train.checkpoint_frozen),
             keep_best=keepbest.parse(train.keep_best),
-            hang_s=watchdog.floor_s(train.hang_timeout_s, env),
+            hang_s=hang_floor_s(train.hang_timeout_s, env),
             cache_dataset=config.kaggle.cache_dataset or f"{config.job}{layout.CACHE_SUFFIX}",
             state_slug=config.state_slug,
             publish=None if smoke else publishplan.figures(config.kaggle),

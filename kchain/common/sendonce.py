@@ -6,7 +6,7 @@ one lost answer, two dataset versions. `sent_once(api.with_retry, ...)` is a dro
 that leaves every other call to the client's own retry and sends a creating call once, retrying
 only a 429 in place (Kaggle did nothing); its caller then settles a lost answer by looking at the
 dataset or the kernel. The laptop's client (`kchain/kaggle_api.py`) and the kernel's publish
-(`kernel_templates/kchain_publish.py`) install the same one.
+(`kchain/common/publish.py`) install the same one.
 
 Standard library only (the exception is read by its attributes, not by importing requests): it is
 embedded into the kernel with the runtime, and the kaggle client there is whichever Kaggle's image has.

@@ -35,10 +35,10 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from . import atomic, layout
-from .checkpoint_files import HASH_CHUNK, CheckpointInvalid, complete, kept_best, read_manifest
-from .faults import NO_FAULTS, Faults
-from .say import say, warn
+from kchain.common import atomic, layout
+from kchain.common.checkpoint_files import HASH_CHUNK, CheckpointInvalid, complete, kept_best, read_manifest
+from kchain.common.faults import NO_FAULTS, Faults
+from kchain.common.say import say, warn
 
 POINTER = "latest"  # <sink>/latest: the newest checkpoint published whole
 

@@ -18,8 +18,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from .say import say
-from .trace import Trace, lower_is_better
+from kchain.common.say import say
+from kchain.common.trace import Trace, lower_is_better
 
 MODES = ("min", "max")
 OFF = "off"

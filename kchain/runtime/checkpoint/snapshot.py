@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .say import warn
+from kchain.common.say import warn
 
 _ATOMS = frozenset({int, float, bool, str, bytes, type(None)})
 

@@ -140,7 +140,7 @@ _FIRST_STEP: dict[str, int] = {}  # the first step this process ran (at_step_end
 
 def _newest_step() -> int | None:
     """The step of the newest complete checkpoint in this session's working dir (kill_training_at_step)."""
-    from . import layout
+    from kchain.common import layout
 
     folder = layout.kchain_dir(os.environ) / layout.CHECKPOINTS_DIR
     steps = [int(p.name.removeprefix(layout.CHECKPOINT_PREFIX)) for p in folder.glob(f"{layout.CHECKPOINT_PREFIX}*")

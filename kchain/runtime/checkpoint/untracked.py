@@ -26,7 +26,7 @@ import weakref
 import numpy as np
 import torch
 
-from . import distributed
+from kchain.runtime import distributed
 
 _HERE = os.path.dirname(os.path.dirname(__file__))  # the kchain package: not the user's frames
 _LIBRARIES = tuple({p for p in (sysconfig.get_paths().get("stdlib"), sysconfig.get_paths().get("purelib"),

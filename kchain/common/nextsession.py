@@ -1,7 +1,7 @@
 """What comes after a session, decided from the chain's records alone: one table for the laptop and the kernel.
 
 `kchain continue` (through `kchain/decide.py`, a thin adapter that turns a stop into its KchainError)
-and a kernel that chains itself (`kchain push --unattended`, `runtime/nextkernel.py`) decide with this
+and a kernel that chains itself (`kchain push --unattended`, `common/nextkernel.py`) decide with this
 same code, over plain records (the session records of `kchain/sessions.py`, JSON objects). No I/O, no
 Kaggle call, standard library only (it is embedded into the kernel). The table, first match wins:
 
@@ -35,8 +35,9 @@ from dataclasses import dataclass
 from pathlib import PurePath
 from typing import Any
 
-from kchain.runtime import layout
-from kchain.runtime.summary import Status, Summary
+from kchain.common import layout
+from kchain.common.kernel_states import LIVE, TERMINAL
+from kchain.common.summary import Status, Summary
 
 Record = Mapping[str, Any]  # a session record (kchain/sessions.py SessionRecord), a plain JSON object
 
@@ -45,9 +46,6 @@ NEEDS_A_PERSON = (Status.CRASHED, Status.HUNG, Status.NO_ACCELERATOR)
 # A session that did not see its state version mounted is pushed again without a person this many
 # times in a row at most (ready is not mounted: a 2026 measurement saw a mount 138 s late).
 REMOUNTS = 3
-# Kaggle's session states (kchain/kernel_states.py holds the same names for the laptop; the kernel has only this).
-TERMINAL = ("COMPLETE", "ERROR", "CANCEL_ACKNOWLEDGED")
-LIVE = ("PUSHING", "QUEUED", "RUNNING", "CANCEL_REQUESTED", "NEW_SCRIPT")
 # The kind of a stop: the adapter on the laptop raises ChainStop or NotSmoked for it.
 CHAIN_STOP, NOT_SMOKED = "chain_stop", "not_smoked"
 

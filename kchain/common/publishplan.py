@@ -7,7 +7,7 @@ session). The figures come from the rendered config
 (`kaggle.publish`: measured by an earlier session's publish or by the rehearsal) or, without them,
 from the assumptions below. The deadline guard keeps max(train.margin, save + publish) back.
 
-Standard library only: the publish process (kchain_publish) reads the same plan to decide whether
+Standard library only: the publish process (kchain.common.publish) reads the same plan to decide whether
 it can still finish, and the laptop relays the state when it cannot.
 """
 
@@ -17,7 +17,7 @@ import os
 import pickle
 from pathlib import Path
 
-from .config import KaggleConfig
+from kchain.common.config import KaggleConfig
 
 # Assumed on Kaggle until a session measured them: generous, since a publish cut off by the session's
 # limit wastes the whole session's progress to the relay's (slower) path, never the state itself.

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from kchain.runtime import atomic, layout
+from kchain.common import atomic, layout
 
 RESERVE_BYTES = 64 * 1024  # held for summary.json from the start, for a disk that fills up
 
@@ -67,7 +67,7 @@ class Summary:
     world_size: int | None = None  # ranks (kchain ddp)
     torch: str | None = None  # the session's torch (torch.__version__): the image it ran on, with `cuda`
     cuda: str | None = None  # the CUDA build of that torch (torch.version.cuda), None for a CPU build
-    # Written by the in-kernel publish (kernel_templates/kchain_publish.py), absent until it publishes:
+    # Written by the in-kernel publish (kchain/common/publish.py), absent until it publishes:
     published_step: int | None = None  # the step of the state it published
     published_bytes: int | None = None  # bytes uploaded (the state and a changed cache)
     publish_timing: dict | None = None  # measured figures the next session's deadline guard plans with

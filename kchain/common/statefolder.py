@@ -17,8 +17,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from kchain.runtime import layout, summary
-from kchain.runtime.checkpoint_files import (
+from kchain.common import layout, summary
+from kchain.common.checkpoint_files import (
     BEST_KEY,
     CheckpointInvalid,
     attached_names,
@@ -26,14 +26,14 @@ from kchain.runtime.checkpoint_files import (
     find_latest,
     verify,
 )
-from kchain.runtime.say import warn
+from kchain.common.say import warn
 
 STATE_MARKER = layout.STATE_MARKER
 CACHE_MARKER = "kchain-cache.json"
 EXPORT_GROUP = "export"  # run.export_dir's files travel flat as export.<path with / as -->
 
 
-def _link_or_copy(src: Path, dst: Path) -> None:
+def link_or_copy(src: Path, dst: Path) -> None:
     try:
         os.link(src, dst)
     except OSError:
@@ -61,18 +61,18 @@ def build_state_folder(kchain_dir: Path, dest: Path, published: str, job: str | 
     dest.mkdir(parents=True, exist_ok=True)
     size = 0
     for name in [*manifest.get("files", {}), layout.MANIFEST]:
-        _link_or_copy(ckpt / name, dest / name)
+        link_or_copy(ckpt / name, dest / name)
         size += (dest / name).stat().st_size
     best = _kept_best(kchain_dir, ckpt, manifest)
     best_bytes = 0
     if best is not None and best[0] != ckpt:
         for name in [*best[1]["files"], layout.MANIFEST]:
-            _link_or_copy(best[0] / name, dest / (layout.BEST_PREFIX + name))
+            link_or_copy(best[0] / name, dest / (layout.BEST_PREFIX + name))
             best_bytes += (dest / (layout.BEST_PREFIX + name)).stat().st_size
     export = kchain_dir / layout.EXPORT_DIR
     exported = attached_names(EXPORT_GROUP, export) if export.is_dir() else {}
     for flat, rel in exported.items():
-        _link_or_copy(export / rel, dest / flat)
+        link_or_copy(export / rel, dest / flat)
     ended = summary.read(kchain_dir / layout.SUMMARY)
     if ended is not None:
         # The copy that travels says who published it (the kernel itself, or the laptop's relay).
@@ -133,7 +133,7 @@ def build_cache_folder(kchain_dir: Path, dest: Path) -> int:
             shutil.copytree(src, dest / name)
             total += sum(p.stat().st_size for p in (dest / name).rglob("*") if p.is_file())
         else:
-            _link_or_copy(src, dest / name)
+            link_or_copy(src, dest / name)
             total += (dest / name).stat().st_size
     (dest / CACHE_MARKER).write_text(json.dumps({"entries": cache_entries(kchain_dir)}) + "\n")
     return total

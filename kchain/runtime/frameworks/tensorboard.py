@@ -16,27 +16,23 @@ TensorBoard shows a folder of event files as one run, so the chain keeps one fol
   the marker with which TensorBoard itself drops any later event an earlier file holds. Only the
   first: TensorBoard applies a marker to every event read before it, this session's included.
 
-Standard library only at import; torch.utils.tensorboard (which needs the tensorboard package) is
-imported when a writer is made. `state_dir` lays out the log a state folder holds (`kchain pull`).
+torch.utils.tensorboard (which needs the tensorboard package) is imported when a writer is made. The
+event files on disk (whole records, the log a state folder holds, for `kchain pull`) are
+kchain.common.eventfiles.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
-import struct
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from . import layout
-from .checkpoint_files import attached_files
-from .say import warn
-
-GROUP = layout.TENSORBOARD_DIR  # the checkpoint's group of files ("attached" in the manifest)
-EVENTS_MARK = "tfevents"  # in every event file's name: a TFRecord file, copied by whole records
-RECORD_OVERHEAD = 16  # a TFRecord: length (8 bytes), its crc (4), the data, the data's crc (4)
+from kchain.common import layout
+from kchain.common.checkpoint_files import attached_files
+from kchain.common.eventfiles import EVENTS_MARK, GROUP, complete_records, copy_prefix
+from kchain.common.statefolder import link_or_copy
 
 
 class Log:
@@ -129,11 +125,11 @@ class Log:
             dst.parent.mkdir(parents=True, exist_ok=True)
             size = src.stat().st_size
             if self._restored.get(rel) == size:
-                _link_or_copy(src, dst)  # an earlier session's file: closed, never written again
+                link_or_copy(src, dst)  # an earlier session's file: closed, never written again
                 continue
             if EVENTS_MARK in src.name:
                 size = self._complete[rel] = complete_records(src, size, self._complete.get(rel, 0))
-            _copy_prefix(src, dst, size)
+            copy_prefix(src, dst, size)
         return staged
 
     def close(self) -> None:
@@ -147,63 +143,3 @@ class NoWriter:
 
     def __getattr__(self, name):
         return lambda *args, **kwargs: None
-
-
-def complete_records(path: Path, size: int, start: int = 0) -> int:
-    """Where the last complete TFRecord that ends by `size` ends, walking the records from `start`
-    (the end of one seen before): a writer in another thread may be halfway through the next."""
-    with open(path, "rb") as f:
-        f.seek(start)
-        data = f.read(size - start)  # only what was written since the last save: read once, walked in memory
-    pos, end = 0, len(data)
-    while pos + RECORD_OVERHEAD <= end:
-        (length,) = struct.unpack_from("<Q", data, pos)
-        if pos + RECORD_OVERHEAD + length > end:
-            break
-        pos += RECORD_OVERHEAD + length
-    return start + pos
-
-
-def _copy_prefix(src: Path, dst: Path, size: int) -> None:
-    with open(src, "rb") as f, open(dst, "wb") as out:
-        left = size
-        while left > 0:
-            block = f.read(min(left, 1 << 20))
-            if not block:
-                raise OSError(f"{src}: shorter than {size} bytes while copied")
-            out.write(block)
-            left -= len(block)
-
-
-def _link_or_copy(src: Path, dst: Path) -> None:
-    try:
-        os.link(src, dst)
-    except OSError:
-        shutil.copyfile(src, dst)
-
-
-def files_in(folder: Path) -> dict[str, Path]:
-    """The TensorBoard files a checkpoint or a flat state folder holds: {path in the log dir: file}."""
-    try:
-        manifest = json.loads((folder / layout.MANIFEST).read_text())
-    except (OSError, ValueError):
-        return {}
-    return attached_files(folder, manifest, GROUP) if isinstance(manifest, dict) else {}
-
-
-def state_dir(folder: Path, dest: Path) -> Path | None:
-    """The chain's TensorBoard log held by a state folder (a state version, a checkpoint), laid out
-    in `dest` as the log dir it was (links where the disk allows): `tensorboard --logdir dest` shows
-    the chain as one run. None when the state holds no log."""
-    files = files_in(folder)
-    if not files:
-        return None
-    for rel, src in files.items():
-        if not src.is_file():
-            warn(f"{src}: missing from {folder}; the TensorBoard log is incomplete")
-            continue
-        out = dest / rel
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.unlink(missing_ok=True)
-        _link_or_copy(src, out)
-    return dest

@@ -9,7 +9,7 @@ the checkpoint, beside state.pt; the laptop's judge (kchain/statecheck.py) compa
 at every step both saved, with no torch. The logged metrics and the best value are left out: the judge
 compares the trace itself.
 
-`python -m kchain.runtime.statedigest CKPT_A CKPT_B KEY...` prints, as JSON, the largest absolute
+`python -m kchain.runtime.checkpoint.statedigest CKPT_A CKPT_B KEY...` prints, as JSON, the largest absolute
 difference of each named tensor between two checkpoints (the judge asks only when digests differ).
 """
 
@@ -80,7 +80,7 @@ def _sha(data) -> str:
 def largest_differences(a: Path, b: Path, keys: list[str]) -> dict[str, float | None]:
     """{key: the largest absolute difference between the two checkpoints' tensors} (None: not a
     tensor in both, or shapes differ)."""
-    from . import layout
+    from kchain.common import layout
 
     sa = torch.load(a / layout.STATE_FILE, map_location="cpu", weights_only=False, mmap=True)
     sb = torch.load(b / layout.STATE_FILE, map_location="cpu", weights_only=False, mmap=True)

@@ -6,11 +6,11 @@ a file. Without internet or without a credential it says so and leaves the work 
 (`kchain continue` relays the state from the session's output).
 
 Each state (and cache) version is created exactly once: the client's own `with_retry` may not
-re-send a creating call (`kchain.runtime.sendonce`), and a send whose answer was lost (a 500, a
+re-send a creating call (`kchain.common.sendonce`), and a send whose answer was lost (a 500, a
 reset connection) is settled by reading the dataset's current version, or by looking a new dataset
 up, before it is sent again; a second send happens only while the session has time for it.
 
-    python -m kchain_publish CONFIG_JSON
+    python -m kchain.common.publish CONFIG_JSON
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ from pathlib import Path
 
 PROCESS_START = time.monotonic()  # the client's start-up (the kaggle import) is measured from here
 
-from kchain.runtime import layout, nextkernel, nextsession, publishplan, sendonce, summary  # noqa: E402
-from kchain.runtime.config import RuntimeConfig  # noqa: E402
+from kchain.common import layout, nextkernel, nextsession, publishplan, sendonce, summary  # noqa: E402
+from kchain.common.config import RuntimeConfig  # noqa: E402
 
 SECRET_LABELS = ("KAGGLE_USERNAME", "KAGGLE_KEY")
 MISSING = (403, 404)  # Kaggle's answers for a dataset that does not exist, or is not visible yet
@@ -261,7 +261,7 @@ def main(config_path: str) -> int:
         return none("the job has no Kaggle owner, so there is no state dataset to publish to", alone)
     # Standard library only (statefolder finds and verifies without torch): a session near its limit
     # must not spend its last seconds importing torch.
-    from kchain.runtime.statefolder import newest_checkpoint
+    from kchain.common.statefolder import newest_checkpoint
 
     plan = publishplan.figures(config.kaggle)
     found = newest_checkpoint(kchain_dir, config.job)
@@ -337,7 +337,7 @@ def ready_version(api, ref: str, before: int | None, clock: Clock) -> int | None
 def chain_records(config: RuntimeConfig, ended: summary.Summary, resume: dict, kchain_dir: Path) -> list[dict]:
     """The chain's records as this kernel knows them: sessions before it that did not see their state
     mounted (resume.attempt), then this session, ending now."""
-    from kchain.runtime.statefolder import newest_checkpoint
+    from kchain.common.statefolder import newest_checkpoint
 
     n = int(resume.get("session") or 1)
     found = newest_checkpoint(kchain_dir, config.job)
@@ -404,7 +404,7 @@ def client():
 
 def publish(api, config: RuntimeConfig, kchain_dir: Path, work: Path, clock: Clock) -> int:
     """The state (and a changed cache) as new dataset versions; the figures into summary.json."""
-    from kchain.runtime.statefolder import build_state_folder
+    from kchain.common.statefolder import build_state_folder
 
     kaggle = config.kaggle
     marker = build_state_folder(kchain_dir, work / "state", published="kernel", job=config.job)
@@ -454,7 +454,7 @@ def record(kchain_dir: Path, step: int, nbytes: int, timing: dict) -> None:
 def publish_cache(api, config: RuntimeConfig, kchain_dir: Path, work: Path, notes: str, clock: Clock) -> int:
     """The staged cache as a version of the job's cache dataset when it changed; its bytes (0: none).
     A failure is said and left: the state stands, and the next session stages its data again."""
-    from kchain.runtime.statefolder import CACHE_MARKER, build_cache_folder, cache_entries
+    from kchain.common.statefolder import CACHE_MARKER, build_cache_folder, cache_entries
 
     entries = cache_entries(kchain_dir)
     ref = config.kaggle.cache_dataset

@@ -23,7 +23,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from . import layout
+from kchain.common import layout
 
 # mkstemp makes 0600 files; nothing written through here is secret (credentials never are).
 MODE = 0o644

@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from . import layout
+from kchain.common import layout
 
 
 class WrongState(RuntimeError):

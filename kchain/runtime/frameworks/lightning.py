@@ -59,10 +59,10 @@ from collections.abc import Callable, Mapping
 import torch
 from torch.utils.data import DataLoader
 
-from .loader import Loader
-from .loop import Loop
-from .say import say
-from .snapshot import restore_rng, rng_state
+from kchain.common.say import say
+from kchain.runtime.checkpoint.snapshot import restore_rng, rng_state
+from kchain.runtime.loader import Loader
+from kchain.runtime.loop import Loop
 
 NAME = "lightning"  # the tracked name of the Trainer's state in kchain's checkpoint
 NOT_POSITIONED = ("data order: the Trainer's training data is a {kind}, not a DataLoader kchain can rebuild: a "
@@ -401,7 +401,7 @@ def _monitored_best(trainer, model_checkpoint: type, keeper) -> None:
     """A ModelCheckpoint(monitor=..., mode=...) of the code's own onto train.keep_best (the first one with
     a monitor); it keeps writing its own files too. save_top_k, every_n_* and filename have no kchain
     counterpart: one best is kept, among the steps kchain checkpoints."""
-    from . import keepbest
+    from kchain.common import keepbest
 
     watching = [cb for cb in trainer.callbacks if isinstance(cb, model_checkpoint) and cb.monitor]
     if watching:

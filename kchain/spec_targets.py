@@ -12,7 +12,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from kchain.runtime.settings import parse_duration
+from kchain.common.settings import parse_duration
 
 # SkyPilot's store names (sky.data.storage.StoreType), lowercase as a task YAML writes them.
 STORES = ("s3", "gcs", "r2", "azure", "ibm", "oci", "nebius", "coreweave")

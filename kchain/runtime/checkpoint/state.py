@@ -28,9 +28,9 @@ from pathlib import Path
 
 import torch
 
-from . import layout
-from .atomic import fsync_path
-from .checkpoint_files import (
+from kchain.common import layout
+from kchain.common.atomic import fsync_path
+from kchain.common.checkpoint_files import (
     CheckpointInvalid,
     ResumeError,
     check_sha256,
@@ -42,10 +42,12 @@ from .checkpoint_files import (
     set_aside,
     sha256_of,
 )
-from .faults import NO_FAULTS, Faults, die
-from .publishplan import state_bytes  # the checkpoint size estimate, one for the runtime and the publish
-from .say import gb, warn
-from .statedigest import digest_state
+from kchain.common.faults import NO_FAULTS, Faults, die
+from kchain.common.publishplan import (
+    state_bytes,  # the checkpoint size estimate, one for the runtime and the publish
+)
+from kchain.common.say import gb, warn
+from kchain.runtime.checkpoint.statedigest import digest_state
 
 # Blocks torch.save writes from this size up are hashed in a second thread while they go to the
 # file; smaller ones (zip headers, the pickle) cost less to hash than to hand over.

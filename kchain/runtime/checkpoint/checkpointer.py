@@ -23,9 +23,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from . import distributed, frozen, heartbeat, keepbest, ladder, layout, sink
-from .checkpoint import CheckpointJob, Writer, check_compatible, find_and_load, load_state
-from .checkpoint_files import (
+from kchain.common import heartbeat, keepbest, layout, sink
+from kchain.common.checkpoint_files import (
     ATTACHED_KEY,
     BEST_KEY,
     MODULES_KEY,
@@ -44,15 +43,24 @@ from .checkpoint_files import (
     newest_first,
     read_manifest,
 )
-from .faults import Faults
-from .frozen import FrozenBase
-from .loader import Loader
-from .progress import Progress
-from .say import gb, say, warn
-from .sessionplan import SessionPlan
-from .snapshot import Snapshotter, available_ram, restore_rng, rng_state
-from .statedigest import digest_state
-from .trace import Trace
+from kchain.common.faults import Faults
+from kchain.common.say import gb, say, warn
+from kchain.common.sessionplan import SessionPlan
+from kchain.common.trace import Trace
+from kchain.runtime import distributed, ladder
+from kchain.runtime.checkpoint.frozen import FrozenBase
+from kchain.runtime.checkpoint.snapshot import Snapshotter, available_ram, restore_rng, rng_state
+from kchain.runtime.checkpoint.state import (
+    CheckpointJob,
+    Writer,
+    check_compatible,
+    find_and_load,
+    frozen,
+    load_state,
+)
+from kchain.runtime.checkpoint.statedigest import digest_state
+from kchain.runtime.loader import Loader
+from kchain.runtime.progress import Progress
 
 SNAPSHOT_RAM_FRACTION = 0.25  # a state above this share of free RAM is streamed, not copied
 REUSE_MAX_BYTES = 256 * 2**20  # host copies up to this size are kept for the next save (no page faults)
@@ -459,7 +467,7 @@ class Checkpointer:
         background (training goes on); a larger one is streamed to the file from the live tensors,
         blocking, so no second full copy ever exists. KCHAIN_CHECKPOINT_STREAM=1/0 forces either.
         """
-        from .publishplan import state_bytes
+        from kchain.common.publishplan import state_bytes
 
         state = state_bytes(live)  # what is copied to RAM or streamed; the attached files are on disk
         size = state + attached

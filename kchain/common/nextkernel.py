@@ -7,7 +7,7 @@ notebook by `fill_notebook` from that template, and the kernel fills the same te
 session's values, so the next notebook is, byte for byte, what the laptop would render for it.
 
 At the end of a session (in the publish process, the only one that holds the credential):
-its state version is published (kchain_publish), then `chain_on` waits until that version is ready
+its state version is published (kchain.common.publish), then `chain_on` waits until that version is ready
 (bounded by the session's time left), decides with `nextsession.decide` (the table `continue` uses)
 and `nextsession.afford`, and pushes the next kernel version exactly once (a lost answer is settled by
 the kernel's version number). What it decided and why goes into summary.json (`NEXT_KEY`) and the log,
@@ -27,7 +27,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from kchain.runtime import layout, sendonce, summary
+from kchain.common import layout, sendonce, summary
 
 NEXT_FILE = "kchain_next.json"  # in the payload: the next session's template (its presence: unattended)
 PAYLOAD_FILE = "kchain_payload.b64"  # written by the notebook's unpack cell beside the config

@@ -21,10 +21,10 @@ import zipfile
 from concurrent.futures import Future
 from pathlib import Path
 
-from . import layout
-from .atomic import fsync_path
-from .faults import NO_FAULTS, Faults
-from .say import gb, say, warn
+from kchain.common import layout
+from kchain.common.atomic import fsync_path
+from kchain.common.faults import NO_FAULTS, Faults
+from kchain.common.say import gb, say, warn
 
 HASH_CHUNK = 1 << 20  # 1 MiB reads: checkpoints can be gigabytes
 # How deep to look inside one of kchain's own state datasets: <mount>/kchain/checkpoints/step-N/
@@ -40,6 +40,7 @@ ATTACHED_KEY = "attached"
 BEST_KEY = "keep_best"
 # The manifest key naming the tracked objects that are torch modules (`kchain pull` writes their weights).
 MODULES_KEY = "modules"
+FROZEN_KEY = "frozen"  # a fine-tune's frozen base left out: {tracked name: {state_dict key: {shape, dtype, sha256}}}
 
 
 class ResumeError(Exception):

@@ -25,10 +25,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from . import distributed
-from .checkpoint_files import ResumeError
+from kchain.common.checkpoint_files import ResumeError
+from kchain.runtime import distributed
 
-MANIFEST_KEY = "frozen"  # {tracked name: {state_dict key: {shape, dtype, sha256}}}
 HASH_THREADS = 2  # hashlib releases the GIL on large buffers: two tensors hash at once
 
 

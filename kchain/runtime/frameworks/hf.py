@@ -67,10 +67,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from . import replicas
-from .loader import subset as cut
-from .loop import Loop
-from .say import say, warn
+from kchain.common.say import say, warn
+from kchain.runtime import replicas
+from kchain.runtime.loader import subset as cut
+from kchain.runtime.loop import Loop
 
 GROUP = "hf"  # the checkpoint's files from the Trainer are attached under this name (hf.<file>)
 WINDOW = "hf_trainer_log"  # the tracked name of the Trainer's unlogged loss sum
@@ -222,7 +222,7 @@ def _callback_class():
 
     class KchainCallback(TrainerCallback):
         """kchain owns the Trainer's checkpoints: when (its cadence, the deadline, SIGTERM, the end),
-        where (inside kchain's verified checkpoint) and the session's status (kchain/runtime/hf.py)."""
+        where (inside kchain's verified checkpoint) and the session's status (kchain/runtime/frameworks/hf.py)."""
 
         def __init__(self, owner: TrainerBridge):
             self.owner = owner
@@ -494,7 +494,7 @@ def best_model(args, keeper) -> None:
     The Trainer's own load at the end is turned off (its checkpoint folders live inside kchain's): the
     best checkpoint is kept, and `kchain pull --best` brings it; the model in memory at the end stays the
     last step's. The Trainer logs eval_<m> and kchain's trace names it val_<m> (logged)."""
-    from . import keepbest
+    from kchain.common import keepbest
 
     if not args.load_best_model_at_end:
         return

@@ -22,8 +22,8 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from kchain.runtime.checkpoint import state as checkpoint  # noqa: E402
 from kchain.runtime.checkpoint.state import CheckpointJob, write_checkpoint  # noqa: E402
-from kchain.runtime.checkpoint.state import state as checkpoint  # noqa: E402
 from kchain.runtime.checkpoint.statedigest import digest_state  # noqa: E402
 
 

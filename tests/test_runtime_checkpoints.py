@@ -34,7 +34,8 @@ from kchain.common.checkpoint_files import (
     sha256_of,
     verify,
 )
-from kchain.runtime.checkpoint.state import load_state, load_verified, snapshot
+from kchain.runtime.checkpoint import snapshot
+from kchain.runtime.checkpoint.state import load_state, load_verified
 from kchain.runtime.run import Run
 
 REPO = Path(__file__).resolve().parent.parent

@@ -16,7 +16,7 @@ MAX_FUNCTION_LINES = 60
 def test_the_run_holds_only_its_parts_and_records(tmp_path):
     from kchain.common import config, layout, settings, trace, trackers
     from kchain.runtime import clock, distributed, ladder, loop, precision, progress
-    from kchain.runtime.checkpoint.state import checkpointer
+    from kchain.runtime.checkpoint import checkpointer
     from kchain.runtime.frameworks import tensorboard
     from kchain.runtime.run import Params
 

@@ -37,6 +37,8 @@ def test_every_status_the_runtime_sets_is_a_status():
     # `x.status = "..."` and the stop reasons that become statuses, anywhere in the runtime.
     found = set()
     for path in [*(REPO / "kchain" / "runtime").rglob("*.py"), *(REPO / "kchain" / "common").glob("*.py")]:
+        if path.name == "publish.py":  # its `status` is a dataset's, not a session's
+            continue
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, (ast.Assign, ast.AnnAssign)):
                 targets = node.targets if isinstance(node, ast.Assign) else [node.target]

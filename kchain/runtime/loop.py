@@ -28,8 +28,8 @@ from kchain.common.say import emit, say, warn
 from kchain.common.sessionplan import SessionPlan
 from kchain.common.trace import Trace
 from kchain.runtime import ladder, replicas, watchdog
+from kchain.runtime.checkpoint import untracked
 from kchain.runtime.checkpoint.checkpointer import Checkpointer
-from kchain.runtime.checkpoint.state import untracked
 from kchain.runtime.clock import SessionClock
 from kchain.runtime.distributed import Ranks
 from kchain.runtime.loader import Loader, left_on_purpose

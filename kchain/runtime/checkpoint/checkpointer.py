@@ -27,6 +27,7 @@ from kchain.common import heartbeat, keepbest, layout, sink
 from kchain.common.checkpoint_files import (
     ATTACHED_KEY,
     BEST_KEY,
+    FROZEN_KEY,
     MODULES_KEY,
     WRITE_SLACK,
     CheckpointInvalid,
@@ -48,16 +49,10 @@ from kchain.common.say import gb, say, warn
 from kchain.common.sessionplan import SessionPlan
 from kchain.common.trace import Trace
 from kchain.runtime import distributed, ladder
+from kchain.runtime.checkpoint import frozen
 from kchain.runtime.checkpoint.frozen import FrozenBase
 from kchain.runtime.checkpoint.snapshot import Snapshotter, available_ram, restore_rng, rng_state
-from kchain.runtime.checkpoint.state import (
-    CheckpointJob,
-    Writer,
-    check_compatible,
-    find_and_load,
-    frozen,
-    load_state,
-)
+from kchain.runtime.checkpoint.state import CheckpointJob, Writer, check_compatible, find_and_load, load_state
 from kchain.runtime.checkpoint.statedigest import digest_state
 from kchain.runtime.loader import Loader
 from kchain.runtime.progress import Progress
@@ -291,7 +286,7 @@ class Checkpointer:
             return None
         path, manifest, saved = found
         distributed.check_world_size(path, manifest, self.ranks.world_size)
-        left_out = manifest.get(frozen.MANIFEST_KEY) or {}
+        left_out = manifest.get(FROZEN_KEY) or {}
         self.frozen.check_shapes(path, left_out, self.fingerprinted())  # never a resume onto another base (bytes: later)
         if self.ranks.active:  # kchain ddp: this rank's own RNGs and loader positions
             mine = saved["ranks"][self.ranks.rank]
@@ -420,7 +415,7 @@ class Checkpointer:
                     MODULES_KEY: [n for n, o in self.tracked.items() if isinstance(distributed.unwrap(o), torch.nn.Module)]}
         left_out = self.frozen.record()
         if left_out:
-            manifest[frozen.MANIFEST_KEY] = left_out
+            manifest[FROZEN_KEY] = left_out
         best = self.best.at_save(progress.step, trace)
         if best is not None:
             manifest[BEST_KEY] = best

@@ -29,7 +29,12 @@ from kchain.common.kernel_states import LIVE
 from kchain.common.nextkernel import resume_for
 from kchain.common.nextsession import Chain, Verdict, final_weights, saved_step
 from kchain.common.sessionrecord import PublishFacts, SessionRecord
-from kchain.common.statefolder import build_cache_folder, build_state_folder, cache_entries
+from kchain.common.statefolder import (
+    build_cache_folder,
+    build_state_folder,
+    cache_entries,
+    write_dataset_metadata,
+)
 from kchain.common.summary import Status
 from kchain.datasets import (
     current_version,
@@ -37,7 +42,6 @@ from kchain.datasets import (
     ensure_state_dataset,
     new_version,
     wait_ready,
-    write_dataset_metadata,
 )
 from kchain.errors import (
     BudgetExceeded,

@@ -6,10 +6,12 @@ class's exit code (listed in the README). No YAML, Jinja, kaggle or torch import
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
 import sys
+import typing
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -586,9 +588,51 @@ def _pairs(sep: str) -> Callable[[click.Context, click.Parameter, tuple[str, ...
     return parse
 
 
-def _status(ctx: click.Context, param: click.Parameter, value: str | None) -> int | None:
-    """An HTTP status chosen as text (click 8.1's Choice holds only strings), as the emulator's int."""
+def _as_int(ctx: click.Context, param: click.Parameter, value: str | None) -> int | None:
+    """A number chosen as text (click 8.1's Choice holds only strings), as the emulator's int."""
     return None if value is None else int(value)
+
+
+FAULT = "Fault: "
+
+
+def _emulator_fields(command: Callable[..., Any]) -> Callable[..., Any]:
+    """`emulator serve`'s options made from the emulator's own fields (Limits, Faults, Switches; each
+    spelled once, with its help, by switches.opt): `version_lag_s` is --version-lag, a bool a --x/--no-x pair."""
+    from kchain.emulator.faults import Faults
+    from kchain.emulator.switches import Limits, Switches
+
+    for cls, kind in ((Switches, "Switch: "), (Faults, FAULT), (Limits, "")):
+        hints = typing.get_type_hints(cls)
+        for f in reversed(dataclasses.fields(cls)):
+            if f.init and "help" in f.metadata:
+                command = _field(*_option_decls(f.name, hints[f.name], kind),
+                                 **_option_kwargs(f, hints[f.name], kind))(command)
+    return command
+
+
+def _option_decls(name: str, hint: Any, kind: str) -> tuple[str, str]:
+    """A switch's bool is a --x/--no-x pair; a fault's is a flag that turns it on."""
+    flag = name.removesuffix("_s").replace("_", "-")
+    return (f"--{flag}/--no-{flag}" if hint is bool and kind != FAULT else f"--{flag}"), name
+
+
+def _option_kwargs(f: Any, hint: Any, kind: str) -> dict[str, Any]:
+    meta = f.metadata
+    kwargs: dict[str, Any] = {"help": kind + meta["help"], "metavar": meta["metavar"]}
+    inner = [a for a in typing.get_args(hint) if a is not type(None)] or [hint]
+    if meta["choices"]:
+        kwargs.update(type=click.Choice([str(c) for c in meta["choices"]]), metavar=None)
+        if all(isinstance(c, int) for c in meta["choices"]):
+            kwargs["callback"] = _as_int
+    elif typing.get_args(inner[0]):  # a tuple: (low, high)
+        kwargs.update(type=typing.get_args(inner[0])[0], nargs=len(typing.get_args(inner[0])))
+    elif inner[0] is bool:
+        if kind == FAULT:
+            kwargs["is_flag"] = True
+    else:
+        kwargs["type"] = inner[0]
+    return kwargs
 
 
 @emulator.command()
@@ -604,74 +648,11 @@ def _status(ctx: click.Context, param: click.Parameter, value: str | None) -> in
               help="A Kaggle Secret of user NAME, readable in that user's kernels; repeatable.")
 @click.option("--competition", "competitions", multiple=True, metavar="SLUG:USER", callback=_pairs(":"),
               help="USER accepted the rules of competition SLUG (else it is an invalid source); repeatable.")
-@_field("--session-limit", "session_limit_s", type=float, metavar="SECONDS", help="A session's time limit.")
-@_field("--gpu-quota", "gpu_quota_s", type=float, metavar="SECONDS", help="The weekly GPU quota of each user.")
-@_field("--max-gpu-sessions", "max_gpu_sessions", type=int, metavar="N", help="GPU sessions a user may run at once.")
-@_field("--rate-429", "rate_429", type=float, metavar="P",
-        help="Fault: that fraction of API calls is answered 429 (Retry-After: 1).")
-@_field("--rate-500", "rate_500", type=float, metavar="P", help="Fault: that fraction of API calls is answered 500.")
-@_field("--kill-after", "kill_after_s", type=float, metavar="SECONDS",
-        help="Fault: kill every session pushed from now on this long after it starts.")
-@_field("--kill-random", "kill_random_s", type=float, nargs=2, metavar="LOW HIGH",
-        help="Fault: kill every session at a time drawn from LOW..HIGH seconds after it starts.")
-@_field("--kill-on-output", "kill_on_output", metavar="TEXT", help="Fault: kill a session as soon as its log shows TEXT.")
-@_field("--crash-runner-on-output", "crash_runner_on_output", metavar="TEXT",
-        help="Fault: the notebook runner crashes as soon as the log shows TEXT (see --crashed-runner).")
-@_field("--crash-runner-in", "crash_runner_in", type=int, metavar="N",
-        help="Fault: --crash-runner-on-output only in the Nth session the account pushes to run.")
-@_field("--kill-after-checkpoint", "kill_after_checkpoint", is_flag=True,
-        help="Fault: kill a session as soon as it saved a checkpoint past the state it resumed from.")
-@_field("--kill-training-only", "kill_training_only", is_flag=True,
-        help="Fault: --kill-after-checkpoint kills the training process alone (the OOM killer); the notebook lives on.")
-@_field("--drop-upload-every", "drop_upload_every", type=int, metavar="N",
-        help="Fault: cut off the 1st, (N+1)th, ... upload half-way through its body.")
-@_field("--processing", "processing_s", type=float, metavar="SECONDS",
-        help="Fault: a new dataset version stays processing (BLOBS_RECEIVED) this long.")
-@_field("--lose-output", "lose_output", is_flag=True,
-        help="Fault: a session killed by its limit or by a fault leaves no output, like a lost VM.")
-@_field("--fail-after-save", "fail_after_save", type=int, metavar="N",
-        help="Fault: the next N SaveKernel calls act, then answer 500 (a lost answer).")
-@_field("--rate-lost-answer", "rate_lost_answer", type=float, metavar="P",
-        help="Fault: that fraction of creating calls act, then answer 500.")
-@_field("--reset-after-acting", "reset_after_acting", type=int, metavar="N",
-        help="Fault: the next N creating calls act, then reset the connection (no answer).")
-@_field("--rate-reset-after-acting", "rate_reset_after_acting", type=float, metavar="P",
-        help="Fault: that fraction of creating calls act, then reset the connection (no answer).")
-@_field("--seed", "seed", type=int, metavar="N", help="Seed of the random faults.")
 @click.option("--lenient", is_flag=True,
               help="Start from the kind switches (404s, no lag, pins honoured, no queue, output kept, secrets "
                    "attached, GPU quota answered, a crashed runner ends, one image); the switch options below "
                    "still override it.")
-@_field("--missing-status", "missing_status", type=click.Choice(["403", "404"]), callback=_status,
-        help="Switch: the answer for a missing or invisible kernel or dataset.")
-@_field("--version-lag", "version_lag_s", type=float, metavar="SECONDS",
-        help="Switch: a new dataset version stays invisible this long.")
-@_field("--lag-status", "lag_status", type=click.Choice(["403", "404"]), callback=_status,
-        help="Switch: the status call's answer while a new version is invisible.")
-@_field("--ignore-version-pin/--no-ignore-version-pin", "ignore_version_pin",
-        help="Switch: mount the latest version whatever owner/slug/N says.")
-@_field("--log-stream/--no-log-stream", "log_stream", help="Switch: serve kernels_logs_stream live.")
-@_field("--secrets-need-attaching/--no-secrets-need-attaching", "secrets_need_attaching",
-        help="Switch: Secrets reach a kernel only once attached to it.")
-@_field("--output-at-limit", "output_at_limit", type=click.Choice(["kept", "lost"]),
-        help="Switch: the output of a session killed at its limit or cancelled.")
-@_field("--queue", "queue_s", type=float, metavar="SECONDS", help="Switch: the time a session waits QUEUED.")
-@_field("--boot", "boot_s", type=float, metavar="SECONDS",
-        help="Switch: session time spent before the first cell runs.")
-@_field("--tpu-session-limit", "tpu_session_limit_s", type=float, metavar="SECONDS",
-        help="Switch: the time limit of TPU sessions.")
-@_field("--quota-has-gpu/--no-quota-has-gpu", "quota_has_gpu",
-        help="Switch: GetAcceleratorQuotaStatistics answers with a gpuQuota.")
-@_field("--crashed-runner", "crashed_runner", type=click.Choice(["running", "error"]),
-        help="Switch: a session whose runner crashed stays RUNNING until its kernel is deleted, or ends ERROR.")
-@_field("--new-image-every", "new_image_every", type=int, metavar="N",
-        help="Switch: Kaggle releases a new image every N pushed sessions (0: never).")
-@_field("--ignore-image-pin/--no-ignore-image-pin", "ignore_image_pin",
-        help="Switch: docker_image and pinning type original have no effect: every session gets the newest image.")
-@_field("--mount-lag", "mount_lag_s", type=float, metavar="SECONDS",
-        help="Switch: a dataset version ready less than this long ago is mounted in a session only this long after ready.")
-@_field("--kernel-may-push/--no-kernel-may-push", "kernel_may_push",
-        help="Switch: a kernel may push a kernel (SaveKernel from inside a session); off answers it 403.")
+@_emulator_fields
 def serve(state_dir: Path, port: int, users: list[tuple[str, str]], tokens: list[tuple[str, str]],
           secrets: list[tuple[str, str]], competitions: list[tuple[str, str]], lenient: bool, **fields: Any) -> None:
     """Run a local Kaggle for the unmodified `kaggle` client until interrupted; prints the `export`

@@ -14,17 +14,13 @@ from collections.abc import Callable
 from pathlib import Path
 
 from kchain.common.layout import STATE_MARKER
+from kchain.common.sendonce import TAKEN, NotLanded, send_and_settle, settle
+from kchain.common.statefolder import write_dataset_metadata
 from kchain.errors import KaggleError
-from kchain.kaggle_api import KaggleClient, OutcomeUnknown, missing
+from kchain.kaggle_api import KaggleClient, lost_answer, missing
 from kchain.names import state_dataset
 
 Echo = Callable[[str], None]
-
-
-def write_dataset_metadata(folder: Path, ref: str, title: str) -> None:
-    """dataset-metadata.json as the client reads it (slug and title 6-50 characters, one license)."""
-    meta = {"id": ref, "title": title[:50].ljust(6, "-"), "licenses": [{"name": "CC0-1.0"}]}
-    (folder / "dataset-metadata.json").write_text(json.dumps(meta, indent=1) + "\n")
 
 
 def ensure_dataset(client: KaggleClient, ref: str, title: str, echo: Echo, attempts: int = 4,
@@ -37,40 +33,21 @@ def ensure_dataset(client: KaggleClient, ref: str, title: str, echo: Echo, attem
     try:
         (folder / STATE_MARKER).write_text(json.dumps({"dataset": ref, "session": 0, "step": None}) + "\n")
         write_dataset_metadata(folder, ref, title)
-        for attempt in range(attempts):
-            try:
-                client.create_dataset(folder, public=False, dir_mode="skip")
-                break
-            except OutcomeUnknown as exc:
-                # Sent again at once: if the lost one landed, Kaggle refuses the slug as taken.
-                if attempt == attempts - 1:
-                    if _appears(client, ref, settle_s):
-                        break
-                    raise KaggleError(f"{ref}: {attempts} creations in a row lost their answer and none landed "
-                                      f"({exc}); run the command again later") from exc
-            except KaggleError as exc:
-                if "already in use" in str(exc) or (attempt and _appears(client, ref, settle_s)):
-                    break  # an earlier attempt whose answer was lost created it
-                raise
+        # A new dataset may stay hidden a while, so a lost answer is read once and sent again at once: if
+        # the lost one landed, Kaggle refuses the slug as taken. Only the last is given settle_s to show.
+        try:
+            send_and_settle(lambda: client.create_dataset(folder, public=False, dir_mode="skip"),
+                            lambda: client.dataset_exists(ref), lost=lost_answer, attempts=attempts, settle_s=0.0)
+        except NotLanded as exc:
+            if not settle(lambda: client.dataset_exists(ref), settle_s):
+                raise KaggleError(f"{ref}: {exc}; run the command again later") from exc
+        except KaggleError as exc:
+            if TAKEN not in str(exc):
+                raise  # else an earlier send whose answer was lost created it
     finally:
         shutil.rmtree(folder, ignore_errors=True)
     echo(f"  created dataset {ref}")
     return True
-
-
-def _appears(client: KaggleClient, ref: str, within_s: float, poll_s: float = 1.0) -> bool:
-    return until(lambda: client.dataset_exists(ref), within_s, poll_s)
-
-
-def until(check: Callable[[], bool], within_s: float, poll_s: float = 1.0) -> bool:
-    """Whether `check()` came true within `within_s` (how a lost answer is settled: by reading)."""
-    deadline = time.monotonic() + within_s
-    while True:
-        if check():
-            return True
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(poll_s)
 
 
 def ensure_state_dataset(client: KaggleClient, owner: str, name: str, echo: Echo) -> None:
@@ -118,17 +95,17 @@ def new_version(client: KaggleClient, folder: Path, ref: str, notes: str, dir_mo
     settled by looking at the dataset's versions: a new one means it landed, else it is sent again."""
     if before is None:
         before = current_version(client, ref, echo)
-    for attempt in range(attempts):
-        try:
-            client.version_dataset(folder, notes, dir_mode=dir_mode)
-            break
-        except OutcomeUnknown as exc:
-            now = current_version(client, ref, echo)
-            if now != before:
-                echo(f"  the answer to the upload was lost, but {ref} has version {now}: using it")
-                return now
-            echo(f"  the answer to the upload was lost and {ref} has no new version: sending it again")
-            if attempt == attempts - 1:
-                raise KaggleError(f"{ref}: {attempts} uploads in a row lost their answer and none landed ({exc}); "
-                                  "run `kchain continue` again later") from exc
+
+    def landed() -> int | None:
+        now = current_version(client, ref, echo)
+        return now if now != before else None
+
+    try:
+        _, now = send_and_settle(lambda: client.version_dataset(folder, notes, dir_mode=dir_mode), landed,
+                                 lost=lost_answer, attempts=attempts, settle_s=0.0)
+    except NotLanded as exc:
+        raise KaggleError(f"{ref}: {exc}; run `kchain continue` again later") from exc
+    if now:
+        echo(f"  the answer to the upload was lost, but {ref} has version {now}: using it")
+        return now
     return current_version(client, ref, echo)

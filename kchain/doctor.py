@@ -36,8 +36,9 @@ import kchain
 from kchain import credentials
 from kchain.common import atomic
 from kchain.common.kernel_states import TERMINAL
+from kchain.common.sendonce import NotLanded, send_and_settle
 from kchain.errors import ChainStop, CredentialsError, DoctorFailed, KaggleError, ProbeFormatError
-from kchain.kaggle_api import MISSING_CREDENTIALS, KaggleClient, OutcomeUnknown
+from kchain.kaggle_api import MISSING_CREDENTIALS, KaggleClient, lost_answer, new_kernel_version
 from kchain.ledger import Ledger, iso, now_utc, state_dir
 from kchain.models import model_problem
 from kchain.names import state_dataset
@@ -243,22 +244,15 @@ def _save_once(client: KaggleClient, ref: str, folder: Path, attempts: int = 3, 
     kernel's version is polled for a while; a new one means the save landed (Kaggle's answer, and with
     it the sources it calls invalid, is lost: `answer_lost`), none means it may be sent again."""
     before = client.kernel_version(ref)
-    for attempt in range(attempts):
-        try:
-            return client.save_without_running(folder)
-        except OutcomeUnknown:
-            deadline = time.monotonic() + settle_s
-            while True:
-                version = client.kernel_version(ref)
-                if version and version != before:
-                    return {"version": version, "url": client.kernel_url(ref), "error": "", "invalid": {},
-                            "answer_lost": True}
-                if time.monotonic() > deadline:
-                    break
-                time.sleep(poll_s)
-            if attempt == attempts - 1:
-                raise
-    raise AssertionError("unreachable")
+    try:
+        answer, version = send_and_settle(lambda: client.save_without_running(folder),
+                                          lambda: new_kernel_version(client, ref, before), lost=lost_answer,
+                                          attempts=attempts, settle_s=settle_s, poll_s=poll_s)
+    except NotLanded as exc:
+        raise exc.last from None
+    if answer is not None:
+        return answer
+    return {"version": version, "url": client.kernel_url(ref), "error": "", "invalid": {}, "answer_lost": True}
 
 
 def _quick_save(client: KaggleClient, job: Job, rendered: Rendered, ref: str, check: _Checklist,

@@ -585,3 +585,18 @@ class KaggleClient:
                    "model": list(resp.invalid_model_sources or [])}
         return {"version": resp.version_number, "url": resp.url, "error": resp.error or "",
                 "invalid": {kind: names for kind, names in invalid.items() if names}}
+
+
+def lost_answer(exc: BaseException) -> bool:
+    """The laptop client's word for an answer lost after Kaggle may have acted."""
+    return isinstance(exc, OutcomeUnknown)
+
+
+def new_kernel_version(client: KaggleClient, ref: str, before: int | None) -> int | None:
+    """The kernel's version when it is newer than `before` (a send landed), else None."""
+    try:
+        version = client.kernel_version(ref)
+    except KaggleError as exc:
+        raise OutcomeUnknown(f"Kaggle push of {ref}: the answer was lost and the kernel's version could "
+                             f"not be read ({exc}); the next `kchain push` or `kchain continue` settles it") from exc
+    return version if version and version != before else None

@@ -9,17 +9,25 @@ from __future__ import annotations
 import json
 import shutil
 import tempfile
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 from kchain.budget import check_budget, plan_for
 from kchain.common.kernel_states import LIVE
+from kchain.common.sendonce import NotLanded, send_and_settle
 from kchain.common.sessionrecord import SessionRecord
 from kchain.datasets import ensure_state_dataset
 from kchain.doctor import refuse_unattended, suggest_doctor
 from kchain.errors import ChainStop, KaggleError, NotSmoked, SpecError
-from kchain.kaggle_api import InvalidSources, KaggleClient, OutcomeUnknown, SessionCapReached, missing
+from kchain.kaggle_api import (
+    InvalidSources,
+    KaggleClient,
+    OutcomeUnknown,
+    SessionCapReached,
+    lost_answer,
+    missing,
+    new_kernel_version,
+)
 from kchain.ledger import Ledger, iso, new_run_id, now_utc, state_dir
 from kchain.models import model_problem
 from kchain.names import name_problem
@@ -46,37 +54,17 @@ def kernel_ref(client: KaggleClient, job: Job) -> str:
 
 def _push_once(client: KaggleClient, ref: str, before: int | None, folder: Path, timeout_s: int,
                attempts: int = 4, settle_s: float = 6.0) -> tuple[int, str]:
-    """Send the kernel exactly once: after a lost answer, the kernel's version is polled for a bounded
-    time; a new version means the push landed (its session runs), none means it may be sent again.
-    If the version cannot be read at all, OutcomeUnknown: the record stays PUSHING ("outcome
-    unknown" in `kchain status`) and nothing is pushed until Kaggle's versions settle it."""
-    for attempt in range(attempts):
-        try:
-            return client.push(folder, timeout_s=timeout_s)
-        except OutcomeUnknown:
-            landed = _new_kernel_version(client, ref, before, settle_s)
-            if landed is not None:
-                return landed, client.kernel_url(ref)
-            if attempt == attempts - 1:
-                raise
-    raise AssertionError("unreachable")
-
-
-def _new_kernel_version(client: KaggleClient, ref: str, before: int | None, settle_s: float,
-                        poll_s: float = 1.0) -> int | None:
-    deadline = time.monotonic() + settle_s
-    while True:
-        try:
-            version = client.kernel_version(ref)
-        except KaggleError as exc:
-            raise OutcomeUnknown(f"Kaggle push of {ref}: the answer was lost and the kernel's version could "
-                                 f"not be read ({exc}); the next `kchain push` or `kchain continue` settles it"
-                                 ) from exc
-        if version and version != before:
-            return version
-        if time.monotonic() > deadline:
-            return None
-        time.sleep(poll_s)
+    """Send the kernel exactly once (sendonce.send_and_settle): a lost answer is settled by the kernel's
+    version, a new one means the push landed (its session runs). If the version cannot be read at all,
+    OutcomeUnknown: the record stays PUSHING ("outcome unknown" in `kchain status`) and nothing is pushed
+    until Kaggle's versions settle it."""
+    try:
+        answer, landed = send_and_settle(lambda: client.push(folder, timeout_s=timeout_s),
+                                         lambda: new_kernel_version(client, ref, before), lost=lost_answer,
+                                         attempts=attempts, settle_s=settle_s)
+    except NotLanded as exc:
+        raise exc.last from None
+    return answer if answer is not None else (landed, client.kernel_url(ref))
 
 
 def refuse_a_second_session(client: KaggleClient, ref: str, before: int | None, again: str) -> None:

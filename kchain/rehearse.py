@@ -32,8 +32,9 @@ from kchain import statecheck
 from kchain.chain import decide_and_continue, watch
 from kchain.common import layout
 from kchain.common.kernel_states import TERMINAL
+from kchain.common.statefolder import write_dataset_metadata
 from kchain.common.summary import Status, Summary, read_working
-from kchain.datasets import wait_ready, write_dataset_metadata
+from kchain.datasets import wait_ready
 from kchain.emulator import Emulator, Faults
 from kchain.emulator.sessions import CHECKPOINT_KILL, kill_tree
 from kchain.emulator.switches import Switches

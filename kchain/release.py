@@ -4,7 +4,7 @@ Laptop side, through the official client only: `model_create_new` (model-metadat
 does not exist, `model_instance_create` (model-instance-metadata.json, the files as version 1) when the
 variation does not exist, else `model_instance_version_create`. Each creating call is sent once
 (common/sendonce.py, kaggle_api's OutcomeUnknown); a lost answer is settled by reading Kaggle
-(`datasets.until`: the model, the variation, or a new version number appears), and only a call that
+(`sendonce.send_and_settle`: the model, the variation, or a new version number appears), and only a call that
 did not land is sent again. The description holds a card: the metric and step, sessions, GPU-hours,
 the code's fingerprint, kchain's version.
 """
@@ -20,9 +20,11 @@ from pathlib import Path
 
 import kchain
 from kchain.common import layout
-from kchain.datasets import ensure_dataset, new_version, until, write_dataset_metadata
+from kchain.common.sendonce import NotLanded, send_and_settle, settle
+from kchain.common.statefolder import write_dataset_metadata
+from kchain.datasets import ensure_dataset, new_version
 from kchain.errors import KaggleError, KchainError
-from kchain.kaggle_api import KaggleClient, OutcomeUnknown, missing
+from kchain.kaggle_api import KaggleClient, lost_answer, missing
 from kchain.pull import METRICS_FILE, Want, pull
 from kchain.spec import MODEL_SLUG_RE, OWNER_RE, SLUG_RE
 
@@ -113,23 +115,17 @@ def release(job_file: Path, want: Want, model: str | None, dataset: str | None, 
 
 
 def _send_once(send: Callable[[], None], landed: Callable[[], bool], what: str, echo: Echo) -> None:
-    """Send a creating call; a lost answer is settled by reading (`landed`), and sent again only if not."""
-    for attempt in range(ATTEMPTS):
-        try:
-            send()
-            return
-        except OutcomeUnknown as exc:
-            if until(landed, SETTLE_S):
-                echo(f"  the answer to {what} was lost, but it landed")
-                return
-            echo(f"  the answer to {what} was lost and it did not land: sending it again")
-            if attempt == ATTEMPTS - 1:
-                raise KaggleError(f"{what}: {ATTEMPTS} sends in a row lost their answer and none landed ({exc}); "
-                                  "run the command again later") from exc
-        except KaggleError as exc:
-            if "already" in str(exc) and landed():
-                return  # an earlier send whose answer was lost made it
-            raise
+    """A creating call sent once (sendonce.send_and_settle): a lost answer settled by reading (`landed`)."""
+    try:
+        _, seen = send_and_settle(send, landed, lost=lost_answer, attempts=ATTEMPTS, settle_s=SETTLE_S)
+    except NotLanded as exc:
+        raise KaggleError(f"{what}: {exc}; run the command again later") from exc
+    except KaggleError as exc:
+        if "already" in str(exc) and landed():
+            return  # an earlier send whose answer was lost made it
+        raise
+    if seen:
+        echo(f"  the answer to {what} was lost, but it landed")
 
 
 def _versions(client: KaggleClient, instance: str) -> list[int] | None:
@@ -171,7 +167,7 @@ def publish_model(client: KaggleClient, target: Target, folder: Path, descriptio
                    f"versioning {target.instance}", echo)
         number = max(before, default=0) + 1
     echo(f"  waiting for {target.instance}/{number} to be processed")
-    if not until(lambda: number in (_versions(client, target.instance) or []), READY_S, poll_s=2.0):
+    if not settle(lambda: number in (_versions(client, target.instance) or []), READY_S, poll_s=2.0):
         raise KaggleError(f"{target.instance}/{number} was sent but is not listed after {READY_S:.0f}s; look at it "
                           "on Kaggle before releasing again")
     return number

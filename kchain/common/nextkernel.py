@@ -131,34 +131,31 @@ def push_once(api: Any, folder: Path, ref: str, timeout_s: int, until: float) ->
     Returns {version | refused | unknown, version_before}."""
     before = kernel_version(api, ref)
     out: dict[str, Any] = {"version_before": before}
-    for _attempt in range(2):
-        try:
-            answer = api.kernels_push(str(folder), timeout=str(int(timeout_s)))
-        except Exception as exc:  # noqa: BLE001 - the kernel's versions say what happened
-            code = sendonce.status_code(exc)
-            if code is not None and 400 <= code < 500 and code != 429:
-                return {**out, "refused": f"HTTP {code}: {str(exc)[:160]}"}
-            landed = _landed(api, ref, before, min(until, time.monotonic() + SETTLE_S))
-            if landed is not None:
-                return {**out, "version": landed}
-            if before is None or time.monotonic() + SETTLE_S > until:
-                return {**out, "unknown": f"{type(exc).__name__}: {str(exc)[:160]}"}
-            continue
-        error = getattr(answer, "error", None)
-        if error:
-            return {**out, "refused": str(error)[:200]}
-        return {**out, "version": int(getattr(answer, "version_number", 0) or 0) or None}
-    return {**out, "unknown": "the push failed twice and the kernel's version shows neither"}
 
-
-def _landed(api: Any, ref: str, before: int | None, until: float) -> int | None:
-    while True:
+    def landed() -> int | None:
         now = kernel_version(api, ref)
-        if now is not None and now != before:
-            return now
-        if time.monotonic() > until:
-            return None
-        time.sleep(1.0)
+        return now if now is not None and now != before else None
+
+    try:  # whatever broke but a refusal (a 4xx other than 429), the kernel's versions say what happened
+        answer, seen = sendonce.send_and_settle(
+            lambda: api.kernels_push(str(folder), timeout=str(int(timeout_s))), landed, lost=_not_refused,
+            attempts=2, settle_s=max(0.0, min(SETTLE_S, until - time.monotonic())),
+            may_resend=lambda: before is not None and time.monotonic() + SETTLE_S <= until)
+    except sendonce.NotLanded as exc:
+        return {**out, "unknown": f"{type(exc.last).__name__}: {str(exc.last)[:160]}"}
+    except Exception as exc:  # noqa: BLE001 - a refusal: Kaggle acted on nothing
+        return {**out, "refused": f"HTTP {sendonce.status_code(exc)}: {str(exc)[:160]}"}
+    if seen:
+        return {**out, "version": seen}
+    error = getattr(answer, "error", None)
+    if error:
+        return {**out, "refused": str(error)[:200]}
+    return {**out, "version": int(getattr(answer, "version_number", 0) or 0) or None}
+
+
+def _not_refused(exc: BaseException) -> bool:
+    code = sendonce.status_code(exc)
+    return not (code is not None and 400 <= code < 500 and code != 429)
 
 
 def write_kernel(folder: Path, name: str, notebook: str, metadata: str) -> None:

@@ -23,6 +23,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 PROCESS_START = time.monotonic()  # the client's start-up (the kaggle import) is measured from here
 
@@ -35,7 +36,6 @@ ATTEMPTS = 4  # sends of one version at most, each after the dataset showed the 
 SETTLE_S = 600.0  # the longest wait for a dataset to be ready again after a lost answer (hidden, processing)
 APPEAR_S = 30.0  # how long a new dataset may stay hidden after its creation
 RESERVE_S = 10.0  # kept back from the session's limit by a wait or a second send: the summary, the notebook's end
-TAKEN = "already in use"  # the client's and Kaggle's words for a dataset slug that exists
 SENT_KEY = layout.PUBLISH_SENT_KEY
 
 
@@ -172,7 +172,7 @@ def refused(result, ref: str) -> bool:
     error = getattr(result, "error", None) or (result.get("error") if isinstance(result, dict) else None)
     if str(status).lower() == "ok":
         return False
-    if TAKEN in str(error):
+    if sendonce.TAKEN in str(error):
         return True
     raise RuntimeError(f"{ref}: {error or status}")
 
@@ -186,53 +186,59 @@ def version_once(api, folder: Path, ref: str, notes: str, dir_mode: str, clock: 
     before = version_number(api, ref, clock.until(SETTLE_S))
     if on_send is not None:
         on_send(before)
-    for attempt in range(ATTEMPTS):
-        try:
-            result = api.dataset_create_version(str(folder), notes, quiet=True, dir_mode=dir_mode)
-        except Exception as exc:  # noqa: BLE001 - whatever broke, the dataset's versions say what happened
-            if before is None:
-                raise RuntimeError(f"the upload to {ref} failed ({brief(exc)}) and this kaggle client cannot "
-                                   "read the dataset's version to tell whether it landed") from exc
-            now = version_number(api, ref, clock.until(SETTLE_S))
-            if now != before:
-                say(f"the answer was lost, but {ref} has version {now}: using it")
-                return
-            if attempt == ATTEMPTS - 1 or not clock.room_to_send(publishplan.tree_bytes(folder)):
-                raise RuntimeError(f"the upload to {ref} failed ({brief(exc)}), it has no new version, and "
-                                   f"{'no attempts' if attempt == ATTEMPTS - 1 else 'no time'} are left") from exc
-            say(f"the upload failed ({brief(exc)}) and {ref} has no new version: sending it again")
-            continue
-        if refused(result, ref):  # a taken slug says nothing about a version: Kaggle said no all the same
-            raise RuntimeError(f"{ref}: Kaggle refused the new version: {getattr(result, 'error', '')}")
-        return
+
+    def landed() -> int | None:
+        now = version_number(api, ref, clock.until(SETTLE_S))
+        return now if now != before else None
+
+    try:  # whatever broke, the dataset's versions say what happened (a client that cannot read them: no resend)
+        result, now = sendonce.send_and_settle(
+            lambda: api.dataset_create_version(str(folder), notes, quiet=True, dir_mode=dir_mode), landed,
+            lost=lambda exc: before is not None, attempts=ATTEMPTS, settle_s=0.0,
+            may_resend=lambda: clock.room_to_send(publishplan.tree_bytes(folder)))
+    except sendonce.NotLanded as exc:
+        raise RuntimeError(f"the upload to {ref} failed ({brief(exc.last)}), it has no new version after "
+                           f"{exc.attempts} sends, and no attempts or no time are left") from exc
+    except Exception as exc:
+        if before is not None:
+            raise  # the dataset's state said no (failed, deleted) or the time for the publish ran out
+        raise RuntimeError(f"the upload to {ref} failed ({brief(exc)}) and this kaggle client cannot "
+                           "read the dataset's version to tell whether it landed") from exc
+    if now:
+        say(f"the answer was lost, but {ref} has version {now}: using it")
+    elif refused(result, ref):  # a taken slug says nothing about a version: Kaggle said no all the same
+        raise RuntimeError(f"{ref}: Kaggle refused the new version: {getattr(result, 'error', '')}")
 
 
 def create_once(api, folder: Path, ref: str, dir_mode: str, clock: Clock) -> bool:
     """folder as the first version of the new dataset ref; False if ref existed already. A send that
     fails is settled by looking ref up (a new dataset hides a while); else it is sent again, while the
     session has time for another upload."""
-    for attempt in range(ATTEMPTS):
-        try:
-            result = api.dataset_create_new(str(folder), public=False, quiet=True, dir_mode=dir_mode)
-        except Exception as exc:  # noqa: BLE001 - whatever broke, looking the dataset up says what happened
-            if appears(api, ref, clock.until(APPEAR_S)):
-                say(f"the answer was lost, but {ref} exists: using it")
-                return True
-            if attempt == ATTEMPTS - 1 or not clock.room_to_send(publishplan.tree_bytes(folder)):
-                raise RuntimeError(f"creating {ref} failed ({brief(exc)}), it does not exist, and "
-                                   f"{'no attempts' if attempt == ATTEMPTS - 1 else 'no time'} are left") from exc
-            say(f"creating {ref} failed ({brief(exc)}) and it does not exist: sending it again")
-            continue
-        if refused(result, ref):  # the slug is taken: by an earlier send of ours, or before this session
-            return attempt > 0
+    sends = []
+
+    def send() -> Any:
+        sends.append(1)
+        return api.dataset_create_new(str(folder), public=False, quiet=True, dir_mode=dir_mode)
+
+    try:  # whatever broke, looking the dataset up says what happened
+        result, seen = sendonce.send_and_settle(
+            send, lambda: appears(api, ref, clock.until(APPEAR_S)), lost=lambda exc: True, attempts=ATTEMPTS,
+            settle_s=0.0, may_resend=lambda: clock.room_to_send(publishplan.tree_bytes(folder)))
+    except sendonce.NotLanded as exc:
+        raise RuntimeError(f"creating {ref} failed ({brief(exc.last)}), it does not exist after {exc.attempts} "
+                           "sends, and no attempts or no time are left") from exc
+    if seen:
+        say(f"the answer was lost, but {ref} exists: using it")
         return True
-    raise AssertionError("unreachable")
+    # A taken slug: by an earlier send of ours whose answer was lost, or before this session.
+    return len(sends) > 1 if refused(result, ref) else True
 
 
 def publish_folder(api, folder: Path, ref: str, title: str, notes: str, dir_mode: str, clock: Clock,
                    on_send: Callable[[int | None], None] | None = None) -> None:
-    (folder / "dataset-metadata.json").write_text(json.dumps(
-        {"id": ref, "title": title, "licenses": [{"name": "CC0-1.0"}]}))
+    from kchain.common.statefolder import write_dataset_metadata
+
+    write_dataset_metadata(folder, ref, title)
     if not exists(api, ref) and create_once(api, folder, ref, dir_mode, clock):
         return
     version_once(api, folder, ref, notes, dir_mode, clock, on_send)

@@ -1,4 +1,13 @@
-"""The official kaggle client's creating calls, sent once: its own `with_retry` is not let re-send them.
+"""Every creating call kchain makes, sent once: the one rule, for the laptop and the kernel alike.
+
+The rule (`send_and_settle`): a creating call (a kernel push, a quick save, a dataset's creation or
+version, a model's, a variation's) is sent once. When its answer is lost (a 5xx, a reset, a timeout:
+Kaggle may have acted), Kaggle is read until it shows the call landed (a new version number, the thing
+now exists) or a settle time passes; only a call Kaggle shows did not land is sent again, while
+attempts (and the caller's time) remain. Its callers: push.py, doctor.py (the quick save), datasets.py,
+release.py, and in the kernel publish.py and nextkernel.py.
+
+Below it, the client's own retry:
 
 kaggle 2.2.5 wraps CreateDataset and CreateDatasetVersion[ById] in `KaggleApi.with_retry` (up to 10
 attempts), which re-sends on a connection error even when Kaggle acted before the connection broke:
@@ -17,7 +26,7 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 # The SDK client methods that create something, by name. save_kernel is not wrapped in 2.2.5; it is
 # listed so that a client which starts wrapping it changes nothing.
@@ -25,6 +34,51 @@ CREATING_SDK_CALLS = ("save_kernel", "create_dataset", "create_dataset_version",
                       "create_model", "create_model_instance", "create_model_instance_version")
 
 Delay = Callable[[int, BaseException], float]
+TAKEN = "already in use"  # the client's and Kaggle's words for a slug that exists: a resend of one that landed
+T = TypeVar("T")
+
+
+class NotLanded(Exception):
+    """Every send lost its answer and Kaggle shows none of them landed; `last` is the last send's error."""
+
+    def __init__(self, attempts: int, last: BaseException):
+        super().__init__(f"{attempts} sends in a row lost their answer and none landed ({last})")
+        self.attempts, self.last = attempts, last
+
+
+def send_and_settle(send: Callable[[], T], landed: Callable[[], Any], *, lost: Callable[[BaseException], bool],
+                    attempts: int = 4, settle_s: float = 6.0, poll_s: float = 1.0,
+                    may_resend: Callable[[], bool] = lambda: True, sleep: Callable[[float], None] = time.sleep,
+                    monotonic: Callable[[], float] = time.monotonic) -> tuple[T | None, Any]:
+    """(send's answer, None) when it answered; (None, what landed() read) when an answer was lost but
+    Kaggle shows the call landed. landed() reads Kaggle: a true value (the new version, True) once the
+    call shows, a false one until then; it is read at least once and for settle_s at most. An error
+    `lost` does not call a lost answer (a refusal) is raised as it is; after the last lost answer, or
+    when may_resend() says no, NotLanded (its `last` the send's own error)."""
+    for attempt in range(attempts):
+        try:
+            return send(), None
+        except Exception as exc:
+            if not lost(exc):
+                raise
+            seen = settle(landed, settle_s, poll_s, sleep, monotonic)
+            if seen:
+                return None, seen
+            if attempt == attempts - 1 or not may_resend():
+                raise NotLanded(attempt + 1, exc) from exc
+    raise AssertionError("unreachable")
+
+
+def settle(landed: Callable[[], Any], within_s: float, poll_s: float = 1.0, sleep: Callable[[float], None] = time.sleep,
+           monotonic: Callable[[], float] = time.monotonic) -> Any:
+    """What landed() reads once it is true, polled for within_s at most (read once at least); else its last
+    false answer. How a lost answer is settled, and how a sent call is waited for: by reading."""
+    deadline = monotonic() + within_s
+    while True:
+        seen = landed()
+        if seen or monotonic() + poll_s > deadline:
+            return seen
+        sleep(poll_s)
 
 
 def status_code(exc: BaseException | None) -> int | None:

@@ -33,6 +33,15 @@ CACHE_MARKER = "kchain-cache.json"
 EXPORT_GROUP = "export"  # run.export_dir's files travel flat as export.<path with / as -->
 
 
+DATASET_METADATA = "dataset-metadata.json"  # what the client reads to create or version a dataset
+
+
+def write_dataset_metadata(folder: Path, ref: str, title: str) -> None:
+    """dataset-metadata.json as the client reads it (slug and title 6-50 characters, one license)."""
+    meta = {"id": ref, "title": title[:50].ljust(6, "-"), "licenses": [{"name": "CC0-1.0"}]}
+    (folder / DATASET_METADATA).write_text(json.dumps(meta, indent=1) + "\n")
+
+
 def link_or_copy(src: Path, dst: Path) -> None:
     try:
         os.link(src, dst)

@@ -11,54 +11,56 @@ import random
 import threading
 from dataclasses import dataclass, field
 
+from kchain.emulator.switches import opt
+
 
 @dataclass
 class Faults:
     # Fraction of API calls (POST /api/v1/...) answered 429 with Retry-After: 1, then 500.
-    rate_429: float = 0.0
-    rate_500: float = 0.0
+    rate_429: float = opt(0.0, 'that fraction of API calls is answered 429 (Retry-After: 1).', metavar='P')
+    rate_500: float = opt(0.0, 'that fraction of API calls is answered 500.', metavar='P')
     # Kill every session pushed from now on this many seconds after it starts.
-    kill_after_s: float | None = None
+    kill_after_s: float | None = opt(None, 'kill every session pushed from now on this long after it starts.', metavar='SECONDS')
     # Or at a time drawn uniformly from (low, high) seconds after it starts.
-    kill_random_s: tuple[float, float] | None = None
+    kill_random_s: tuple[float, float] | None = opt(None, 'kill every session at a time drawn from LOW..HIGH seconds after it starts.', metavar='LOW HIGH')
     # Or as soon as the session's log shows this text (a marker the notebook prints): a kill that
     # never races the machine's speed.
-    kill_on_output: str | None = None
+    kill_on_output: str | None = opt(None, 'kill a session as soon as its log shows TEXT.', metavar='TEXT')
     # Or as soon as the session has saved a checkpoint past the state it resumed from (a complete
     # step-N folder in working/kchain/checkpoints, N above the attached state's step): a kill after
     # real progress, whatever the job's loop prints (an explicit run.save loop prints no heartbeat).
-    kill_after_checkpoint: bool = False
+    kill_after_checkpoint: bool = opt(False, 'kill a session as soon as it saved a checkpoint past the state it resumed from.')
     # With kill_after_checkpoint: SIGKILL the training process tree alone (the OOM killer, a segfault), not the
     # session: the notebook lives on, and an unattended kernel publishes that checkpoint and pushes the next.
-    kill_training_only: bool = False
+    kill_training_only: bool = opt(False, '--kill-after-checkpoint kills the training process alone (the OOM killer); the notebook lives on.')
     # The notebook's runner crashes as soon as the session's log shows this text: its process tree dies
     # (SIGKILL) with no word to Kaggle, and the session then shows what `switches.crashed_runner` says.
-    crash_runner_on_output: str | None = None
+    crash_runner_on_output: str | None = opt(None, 'the notebook runner crashes as soon as the log shows TEXT (see --crashed-runner).', metavar='TEXT')
     # Only in the Nth session the account pushes to run (1-based, counted over every kernel, so a
     # kernel deleted and pushed again keeps counting); None: in every session pushed while it is set.
-    crash_runner_in: int | None = None
+    crash_runner_in: int | None = opt(None, '--crash-runner-on-output only in the Nth session the account pushes to run.', metavar='N')
     # Upload PUTs that carry bytes are cut off after reading half their body: the 1st, the
     # (N+1)th, ... (1 = every one).
-    drop_upload_every: int = 0
+    drop_upload_every: int = opt(0, 'cut off the 1st, (N+1)th, ... upload half-way through its body.', metavar='N')
     # New dataset versions stay "processing" (BLOBS_RECEIVED) for this many seconds.
-    processing_s: float = 0.0
+    processing_s: float = opt(0.0, 'a new dataset version stays processing (BLOBS_RECEIVED) this long.', metavar='SECONDS')
     # A session killed by its limit or by a fault leaves no output, like a lost VM.
-    lose_output: bool = False
+    lose_output: bool = opt(False, 'a session killed by its limit or by a fault leaves no output, like a lost VM.')
     # The next N SaveKernel calls create the version (and start its session), then answer 500:
     # a push whose answer is lost after Kaggle acted on it.
-    fail_after_save: int = 0
+    fail_after_save: int = opt(0, 'the next N SaveKernel calls act, then answer 500 (a lost answer).', metavar='N')
     # Sessions get no GPU though the kernel asked for one (quota spent): the runtime's granted-
     # accelerator check sees what a real GPU-less session shows it.
     no_gpu: bool = False
     # That fraction of creating calls (SaveKernel, CreateDataset, CreateDatasetVersion[ById]) act, then
     # answer 500: a lost answer, drawn from the seeded RNG.
-    rate_lost_answer: float = 0.0
+    rate_lost_answer: float = opt(0.0, 'that fraction of creating calls act, then answer 500.', metavar='P')
     # The next N creating calls act, then reset the connection (a TCP reset, no HTTP answer at all): the
     # lost answer the official client's own `with_retry` re-sends (it retries connection errors, never a 500).
-    reset_after_acting: int = 0
+    reset_after_acting: int = opt(0, 'the next N creating calls act, then reset the connection (no answer).', metavar='N')
     # That fraction of creating calls act, then reset the connection, drawn from the seeded RNG.
-    rate_reset_after_acting: float = 0.0
-    seed: int = 0
+    rate_reset_after_acting: float = opt(0.0, 'that fraction of creating calls act, then reset the connection (no answer).', metavar='P')
+    seed: int = opt(0, 'Seed of the random faults.', metavar='N')
     _rng: random.Random = field(default=None, init=False, repr=False)  # type: ignore[assignment]
     _rng_seed: int | None = field(default=None, init=False, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)

@@ -8,8 +8,16 @@ kind set (the emulator as it was before these switches). docs/emulator.md gives 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
+
+
+def opt(default: Any, help: str, metavar: str | None = None, choices: tuple[Any, ...] | None = None) -> Any:
+    """A field that is also an option of `kchain emulator serve`, spelled once: the option is the field's
+    name without its `_s` unit and with dashes (`version_lag_s`: --version-lag); a bool is a --x/--no-x
+    pair; `help` is its line (cli.py puts "Switch:" or "Fault:" before it)."""
+    return field(default=default, metadata={"help": help, "metavar": metavar, "choices": choices})
+
 
 KEPT, LOST = "kept", "lost"
 RUNNING, ERROR = "running", "error"  # what a session whose runner crashed shows
@@ -19,56 +27,56 @@ RUNNING, ERROR = "running", "error"  # what a session whose runner crashed shows
 class Limits:
     """The account's limits: a session's time limit, the weekly GPU quota, the GPU concurrency cap, and
     when the account's quota week starts (this long after Saturday 00:00 UTC; accounts may differ)."""
-    session_limit_s: float = 12 * 3600
-    gpu_quota_s: float = 30 * 3600
-    max_gpu_sessions: int = 2
-    quota_week_offset_s: float = 0.0
+    session_limit_s: float = opt(12 * 3600, "A session's time limit.", metavar='SECONDS')
+    gpu_quota_s: float = opt(30 * 3600, 'The weekly GPU quota of each user.', metavar='SECONDS')
+    max_gpu_sessions: int = opt(2, 'GPU sessions a user may run at once.', metavar='N')
+    quota_week_offset_s: float = opt(0.0, "When the quota week starts, this long after Saturday 00:00 UTC.", metavar="SECONDS")
 
 
 @dataclass
 class Switches:
     # HTTP status for a kernel or dataset that does not exist or that the caller may not see
     # (Kaggle answers 403 so the namespace cannot be probed); 404 is the kind alternative.
-    missing_status: int = 403
+    missing_status: int = opt(403, 'the answer for a missing or invisible kernel or dataset.', choices=(403, 404))
     # A new dataset version stays invisible this long after it was created: the dataset's status
     # call answers `lag_status` and GetDataset still names the previous version number.
-    version_lag_s: float = 2.0
-    lag_status: int = 404
+    version_lag_s: float = opt(2.0, 'a new dataset version stays invisible this long.', metavar='SECONDS')
+    lag_status: int = opt(404, "the status call's answer while a new version is invisible.", choices=(403, 404))
     # The version pin in `dataset_sources: [owner/slug/N]` is ignored: the latest ready version is
     # mounted. (The pin is still checked at SaveKernel: a pin to a missing version is invalid.)
-    ignore_version_pin: bool = True
+    ignore_version_pin: bool = opt(True, 'mount the latest version whatever owner/slug/N says.')
     # `GET /api/v1/kernels/logs/stream/<owner>/<slug>` (kernels_logs_stream) streams live lines.
     # Off: it answers 404, and the log exists only once the session has ended.
-    log_stream: bool = True
+    log_stream: bool = opt(True, 'serve kernels_logs_stream live.')
     # A kernel sees the user's Secrets only after `emu.attach_secrets(ref)` ("attached in the web UI").
-    secrets_need_attaching: bool = True
+    secrets_need_attaching: bool = opt(True, 'Secrets reach a kernel only once attached to it.')
     # What a session killed at its time limit (or cancelled) leaves behind: "kept" or "lost".
-    output_at_limit: str = LOST
+    output_at_limit: str = opt(LOST, 'the output of a session killed at its limit or cancelled.', choices=('kept', 'lost'))
     # A session waits QUEUED this long; then its clock starts (RUNNING), and the notebook's first
     # cell runs `boot_s` later (the container starts on the session's time).
-    queue_s: float = 1.0
-    boot_s: float = 1.0
+    queue_s: float = opt(1.0, 'the time a session waits QUEUED.', metavar='SECONDS')
+    boot_s: float = opt(1.0, 'session time spent before the first cell runs.', metavar='SECONDS')
     # TPU sessions (enableTpu, or a machineShape starting with "Tpu") end after this many seconds.
-    tpu_session_limit_s: float = 9 * 3600
+    tpu_session_limit_s: float = opt(9 * 3600, 'the time limit of TPU sessions.', metavar='SECONDS')
     # GetAcceleratorQuotaStatistics answers with a `gpuQuota` (False: no GPU figures at all).
-    quota_has_gpu: bool = False
+    quota_has_gpu: bool = opt(False, 'GetAcceleratorQuotaStatistics answers with a gpuQuota.')
     # What a session whose notebook runner crashed (faults.crash_runner_on_output) shows: "running" stays
     # RUNNING, its time limit ignored and its GPU time counted, until its kernel is deleted; "error" ends ERROR.
-    crashed_runner: str = RUNNING
+    crashed_runner: str = opt(RUNNING, 'a session whose runner crashed stays RUNNING until its kernel is deleted, or ends ERROR.', choices=('running', 'error'))
     # Kaggle releases a new image every N sessions the account pushes to run (0: never). A session runs on
     # the newest one unless its push pins another (`docker_image`, or `docker_image_pinning_type: original`:
     # the image of the kernel's first version).
-    new_image_every: int = 1
+    new_image_every: int = opt(1, 'Kaggle releases a new image every N pushed sessions (0: never).', metavar='N')
     # A push's image pins (`docker_image`, pinning type `original`) are ignored: every session gets the newest.
-    ignore_image_pin: bool = False
+    ignore_image_pin: bool = opt(False, 'docker_image and pinning type original have no effect: every session gets the newest image.')
     # "Ready" is not "mounted": a dataset version that became ready less than this long before a session
     # started appears in the session's input only this long after it became ready (until then the
     # dataset's folder is absent). A 2026 measurement saw 138 s once (docs/emulator.md); in the
     # emulator's compressed time, seconds.
-    mount_lag_s: float = 3.0
+    mount_lag_s: float = opt(3.0, 'a dataset version ready less than this long ago is mounted in a session only this long after ready.', metavar='SECONDS')
     # A kernel may push a kernel (SaveKernel sent from inside a running session, with the user's key from
     # Secrets). Kaggle documents neither way: False, the worse case, answers such a SaveKernel 403.
-    kernel_may_push: bool = False
+    kernel_may_push: bool = opt(False, "A kernel may push a kernel (SaveKernel from inside a session); off answers it 403.")
 
     def __post_init__(self) -> None:
         if self.missing_status not in (403, 404) or self.lag_status not in (403, 404):

@@ -27,3 +27,10 @@ def test_every_runtime_module_has_its_row_in_the_design_table():
     missing, gone = sorted(modules - rows), sorted(rows - modules)
     assert missing == [], f"docs/design.md's module table has no row for: {', '.join(missing)}"
     assert gone == [], f"docs/design.md's module table names modules that are gone: {', '.join(gone)}"
+
+
+def test_the_readme_opens_with_the_pitch_the_set_up_and_a_week():
+    top = (REPO / "README.md").read_text().splitlines()[:40]
+    headings = [line for line in top if line.startswith("## ")]
+    assert headings == ["## Set-up: two commands", "## A week with kchain"], headings
+    assert sum(line.startswith("```") for line in top) == 4  # both blocks, closed within the 40 lines

@@ -76,3 +76,10 @@ def loss_trace(root: Path) -> list[tuple[int, float]]:
 
     lines = (root / layout.WORKING_DIR / layout.KCHAIN_DIR / layout.METRICS).read_text().splitlines()
     return [(r["step"], r["loss"]) for r in map(json.loads, lines) if "loss" in r]
+
+
+def paths(run):
+    """Where a Run's files are, from its public face (run.working), as the runtime lays them out."""
+    from kchain.common import layout
+
+    return layout.Paths.of({layout.ROOT_ENV: str(run.working.parent)})

@@ -7,7 +7,7 @@ import zipfile
 from pathlib import Path
 
 import torch
-from helpers import make_run
+from helpers import make_run, paths
 from torch import nn
 
 from kchain.common import layout
@@ -71,5 +71,5 @@ def test_foreign_archives_and_manifests_under_input_are_never_opened(tmp_path, c
     run = tiny_training(s2, 3)
     assert run.resumed_from is None and run.session == 1
     assert "skipping archive" not in capsys.readouterr().out
-    scratch = run._paths.kchain / ".scratch"
+    scratch = paths(run).kchain / ".scratch"
     assert not scratch.exists() or not any(scratch.iterdir())

@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from helpers import paths
 from torch import nn
 
 from kchain.common import checkpoint_files, layout, publishplan
@@ -127,7 +128,7 @@ def train(root: Path, steps: int, model: nn.Module | None = None, **env: str) ->
 
 def test_a_manifest_without_its_file_list_does_not_verify(tmp_path):
     run = train(tmp_path, 2)
-    ckpt = run._paths.checkpoints / layout.checkpoint_name(2)
+    ckpt = paths(run).checkpoints / layout.checkpoint_name(2)
     manifest = json.loads((ckpt / layout.MANIFEST).read_text())
     del manifest["files"]
     (ckpt / layout.MANIFEST).write_text(json.dumps(manifest))
@@ -180,7 +181,7 @@ def test_tied_weights_are_written_once(tmp_path):
         root = tmp_path / stream
         model = Tied()
         run = train(root, 2, model, KCHAIN_CHECKPOINT_STREAM=stream)
-        path = run._paths.checkpoints / layout.checkpoint_name(2) / layout.STATE_FILE
+        path = paths(run).checkpoints / layout.checkpoint_name(2) / layout.STATE_FILE
         one_copy = 1000 * 64 * 4
         assert one_copy < path.stat().st_size < 1.5 * one_copy, stream
         saved = load_state(path.parent)["tracked"]["model"]
@@ -189,7 +190,7 @@ def test_tied_weights_are_written_once(tmp_path):
 
 def test_resume_loads_memory_mapped(tmp_path):
     run = train(tmp_path, 2)
-    path = run._paths.checkpoints / layout.checkpoint_name(2)
+    path = paths(run).checkpoints / layout.checkpoint_name(2)
     state = load_state(path)
     maps = Path("/proc/self/maps").read_text()
     assert str(path / layout.STATE_FILE) in maps
@@ -263,7 +264,7 @@ def test_the_checkpoint_plan_states_the_size_of_a_mostly_python_state(tmp_path, 
     run.close()
     said = next(line for line in capsys.readouterr().out.splitlines() if "checkpoint plan: " in line)
     planned = float(said.split("checkpoint plan: ")[1].split(" MB per checkpoint")[0]) * 1e6
-    written = (run._paths.checkpoints / layout.checkpoint_name(1) / layout.STATE_FILE).stat().st_size
+    written = (paths(run).checkpoints / layout.checkpoint_name(1) / layout.STATE_FILE).stat().st_size
     assert 0.9 < planned / written < 1.1, said
 
 
@@ -273,7 +274,7 @@ def test_the_checkpoint_plan_states_the_size_of_a_mostly_python_state(tmp_path, 
 @pytest.mark.parametrize("stream", ["0", "1"])
 def test_the_checksum_hashed_while_writing_is_the_files(tmp_path, stream):
     run = train(tmp_path, 2, nn.Linear(300, 300), KCHAIN_CHECKPOINT_STREAM=stream)  # ~360 KB: hashed in blocks
-    ckpt = run._paths.checkpoints / layout.checkpoint_name(2)
+    ckpt = paths(run).checkpoints / layout.checkpoint_name(2)
     manifest = verify(ckpt)
     data = (ckpt / layout.STATE_FILE).read_bytes()
     assert manifest["files"][layout.STATE_FILE] == {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data)}
@@ -335,7 +336,7 @@ def test_the_hash_started_at_run_start_is_used_only_for_the_file_it_hashed(tmp_p
 
 def test_an_intact_checkpoint_loads_verified_as_torch_loads_it(tmp_path):
     run = train(tmp_path, 2, nn.Linear(64, 64))
-    ckpt = run._paths.checkpoints / layout.checkpoint_name(2)
+    ckpt = paths(run).checkpoints / layout.checkpoint_name(2)
     got = load_verified(ckpt, read_manifest(ckpt))["tracked"]["model"]
     want = torch.load(ckpt / layout.STATE_FILE, weights_only=False)["tracked"]["model"]
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import make_run
+from helpers import make_run, paths
 
 from kchain.common import layout
 from kchain.runtime import staging
@@ -32,16 +32,16 @@ def test_stage_hits_on_same_params_and_renames_on_a_changed_one(tmp_path, capsys
     assert isinstance(second["x"], np.memmap) and np.array_equal(first["x"], second["x"])
     run.stage("tokens", {"n": 11}, build)
     assert len(builds) == 2
-    names = sorted(p.name for p in run._paths.cache.iterdir())
+    names = sorted(p.name for p in paths(run).cache.iterdir())
     assert len(names) == 2 and names[0] != names[1] and all(n.startswith("tokens-") for n in names)
     # Anything else picklable goes through torch.save.
     vocab = run.stage("vocab", {"v": 1}, lambda p: {"chars": ["a", "b"], "v": p["v"]})
-    assert vocab == {"chars": ["a", "b"], "v": 1} and (run._paths.cache / f"{names[0].rsplit('.', 1)[0]}.npy").exists()
+    assert vocab == {"chars": ["a", "b"], "v": 1} and (paths(run).cache / f"{names[0].rsplit('.', 1)[0]}.npy").exists()
     run.close()
 
     # The cache attached as a dataset in a later session (fresh working dir) is a hit too.
     other = tmp_path / "other"
-    shutil.copytree(run._paths.cache, other / "input/datasets/me/unit-cache/cache")
+    shutil.copytree(paths(run).cache, other / "input/datasets/me/unit-cache/cache")
     later = make_run(other)
     later.stage("tokens", {"n": 10}, build)
     assert len(builds) == 2
@@ -74,7 +74,7 @@ def test_every_staged_kind_comes_back_memory_mapped_and_equal_and_a_miss_builds_
 
     for attempt in ("miss", "hit"):
         got = run.stage("obj", {"kind": "mixed"}, build)
-        entry = str(run._paths.cache / f"obj-{staging.fingerprint('obj', {'kind': 'mixed'})}.pt")
+        entry = str(paths(run).cache / f"obj-{staging.fingerprint('obj', {'kind': 'mixed'})}.pt")
         # Tensors and the numpy arrays inside the dict are views of the cache file, not copies in RAM.
         assert _mapped_file(got["w"].data_ptr()) == entry, attempt
         assert _mapped_file(got["ids"].ctypes.data) == entry, attempt
@@ -121,7 +121,7 @@ def test_a_staged_object_comes_back_exactly_and_its_large_arrays_mapped_wherever
             if isinstance(obj, dict):
                 assert list(got) == list(obj), (name, attempt)
         got = {name: run.stage(name, {}, lambda p: 1 / 0) for name in objects}  # hits: nothing rebuilt
-        entry = str(run._paths.cache / f"custom-{staging.fingerprint('custom', {})}.pt")
+        entry = str(paths(run).cache / f"custom-{staging.fingerprint('custom', {})}.pt")
         assert _mapped_file(got["custom"].ids.ctypes.data) == entry and got["custom"].offsets == [0, 10]
         assert np.array_equal(got["custom"].ids, big)
         assert got["fortran"]["m"].flags.f_contiguous and np.array_equal(got["fortran"]["m"], fortran)
@@ -154,7 +154,7 @@ def test_stage_looks_only_in_its_own_cache_dataset_never_in_other_attached_data(
     run = Run(config, {layout.ROOT_ENV: str(tmp_path)})
     assert run.stage("tokens", params, build) == {"built": 5} and len(builds) == 1
     run.close()
-    shutil.rmtree(run._paths.cache)  # a later session: a fresh working dir, the job's cache dataset attached
+    shutil.rmtree(paths(run).cache)  # a later session: a fresh working dir, the job's cache dataset attached
     own = inputs / "datasets/me/unit-cache"
     own.mkdir(parents=True)
     torch.save({"from": "own cache dataset"}, own / entry)

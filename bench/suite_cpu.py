@@ -1,7 +1,7 @@
 """CPU seconds of each test file, its child processes included: where the suite's time goes.
 
     python bench/suite_cpu.py                           # every tests/test_*.py, one pytest process each
-    python bench/suite_cpu.py tests/test_smoke.py ...   # only these files
+    python bench/suite_cpu.py tests/scenarios/test_smoke.py ...   # only these files
 
 Each file runs in its own `python -m pytest -q -n 0` process; its user+sys CPU is read from the
 rusage `wait4` returns, which counts every descendant the process waited for (notebook executors,

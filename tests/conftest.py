@@ -24,7 +24,9 @@ for _var in ("KAGGLE_USERNAME", "KAGGLE_KEY", "KAGGLE_API_TOKEN", "KAGGLE_CONFIG
     os.environ.pop(_var, None)
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "tests"))
+# The shared helpers (tests/*.py), and each folder's test modules by their unique names: a test may use
+# another's fixture builders (`from test_checkpointer import parts`), as pytest imports them (rootdir, prepend).
+sys.path[:0] = [str(REPO / "tests"), *sorted({str(p.parent) for p in (REPO / "tests").glob("*/**/test_*.py")})]
 
 
 @pytest.fixture(autouse=True)

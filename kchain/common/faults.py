@@ -4,7 +4,7 @@
 that inject (the loop driver, the checkpoint writer, the out-of-memory ladder) receive it and ask
 it, never a dict. A key it does not know is an error: a misspelled fault that silently never fires
 would make a test prove nothing. The emulator's faults (Kaggle's side) are in
-kchain/emulator/faults.py; docs/runtime.md lists these ones, and tests/test_faults.py checks the
+kchain/emulator/faults.py; docs/runtime.md lists these ones, and tests/common/test_faults.py checks the
 list against this class.
 
 The kills are real deaths, as when a Kaggle session ends: the whole machine goes, with every

@@ -2,7 +2,7 @@
 
 The names are those of kagglesdk's `KernelWorkerStatus` enum (kagglesdk 0.1.38,
 kagglesdk/kernels/types/kernels_enums.py), which `kaggle kernels status` prints and the emulator
-answers; tests/test_kernel_states.py checks them against the installed client.
+answers; tests/common/test_kernel_states.py checks them against the installed client.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The session record: one session of a chain, as the laptop's ledger keeps it (sessions.json) and as a
 kernel that chains itself reads its chain (nextsession). A plain JSON object; this TypedDict names every
 key once, and mypy checks every literal key read or written against it
-(tests/test_session_record.py checks the keys the code uses).
+(tests/common/test_sessionrecord.py checks the keys the code uses).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The loop shapes people port to kchain, one entry each (tests/test_runtime_loops.py kills them).
+"""The loop shapes people port to kchain, one entry each (tests/scenarios/test_runtime_loops.py kills them).
 
 Every entry trains the same tiny classifier on NoisyRows (per-fetch noise, dropout, Adam), logs
 `loss` once per step, and picks its loop shape from the entry name.

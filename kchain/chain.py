@@ -242,10 +242,10 @@ def decide_and_continue(job: Job, ledger: Ledger, client: KaggleClient, retry: b
         now = look(client, ledger, job, owner)
         decision = decide(now, job.path, retry=retry, skip_smoke=skip_smoke)
         if decision.action == "refetch":
-            fetch_or_stop(client, ledger, job, owner, now.chain, from_state, echo)
+            fetch_or_stop(client, ledger, job, owner, now.records, from_state, echo)
             # A fetch that worked filled in the last record: decide again on its summary.
             decision = decide(now, job.path, retry=retry, skip_smoke=skip_smoke, output_settled=True)
-        return act(decision, job, ledger, client, owner, now.chain, force, echo)
+        return act(decision, job, ledger, client, owner, now.records, force, echo)
 
 
 def look(client: KaggleClient, ledger: Ledger, job: Job, owner: str) -> Chain:

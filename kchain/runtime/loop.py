@@ -107,7 +107,7 @@ class Loop:
     def epochs(self, epochs: int, lo: Loader):
         """run.epochs: yield epoch numbers from the restored one to epochs-1 (see Run.epochs)."""
         p = self.progress
-        p.total = self.capped(epochs * len(lo))
+        p.total = self.capped(epochs * lo.steps_per_epoch())
         self.restore()
         self.start_loop()
         lo.hooks = self

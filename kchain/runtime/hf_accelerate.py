@@ -63,6 +63,8 @@ LOAD_STATE = ("accelerator.load_state(...): kchain restores its newest checkpoin
               "starts; delete this call and the resume code around it (starting_epoch, skip_first_batches)")
 SKIP = ("accelerator.skip_first_batches(train_dataloader, ...): kchain's loader resumes at its own position; "
         "delete the call and read train_dataloader")
+ITERABLE = ("data order: the training DataLoader reads an IterableDataset; a resume replays its epoch and skips "
+            "the batches already trained, exact only if the stream yields the same items each time")
 
 
 class AccelerateSetupError(RuntimeError):
@@ -169,7 +171,13 @@ class Bridge:
             raise AccelerateSetupError("GradientAccumulationPlugin(sync_with_dataloader=False) carries an "
                                        "accumulation over an epoch's end; kchain's steps end with the epoch: "
                                        "leave sync_with_dataloader at True")
+        if self.split_batches:
+            raise AccelerateSetupError("Accelerator(split_batches=True) splits each batch over the processes; "
+                                       "kchain's loader gives each rank batch_size rows: leave split_batches "
+                                       "False and give the DataLoader the batch size of one process")
         lo = self._kc_make_loader(dl, self._kc_fraction)
+        if lo.iterable:
+            self._kc_loop.progress.not_exact.append(ITERABLE)
         ckpt = self._kc_loop.ckpt
         ckpt.track(ckpt.free_name("loader"), lo)
         lo.batches_per_step = max(1, int(self.gradient_accumulation_steps))

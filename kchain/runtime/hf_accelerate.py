@@ -134,7 +134,7 @@ class Bridge:
         if data_loader is self._kc_train:
             self._kc_train = None  # not held: kchain's loop would name it a DataLoader that restarts its order
             return self._kc_training_loader(data_loader, device_placement)
-        return super().prepare_data_loader(_smoke_cut(data_loader, self._kc_fraction, self.num_processes),
+        return super().prepare_data_loader(smoke_cut(data_loader, self._kc_fraction, self.num_processes),
                                            device_placement=device_placement,
                                            slice_fn_for_dispatch=slice_fn_for_dispatch)
 
@@ -270,7 +270,7 @@ class EpochEnd:
         return 0 if lo.drop_last else rows % (lo.batch_size * lo.world_size)
 
 
-def _smoke_cut(dl: DataLoader, fraction: float | None, ranks: int) -> DataLoader:
+def smoke_cut(dl: DataLoader, fraction: float | None, ranks: int) -> DataLoader:
     """In a smoke, a sequential (evaluation) DataLoader over smoke.fraction of its rows, at least a batch
     per rank; any other DataLoader, or one outside a smoke, as it is."""
     dataset = dl.dataset

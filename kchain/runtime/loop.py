@@ -20,7 +20,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from torch.utils.data import DataLoader, SequentialSampler
+from torch.utils.data import DataLoader, DistributedSampler, SequentialSampler
 
 from . import heartbeat, ladder, replicas, untracked, watchdog
 from .checkpointer import Checkpointer
@@ -435,7 +435,7 @@ class Loop:
             # A sequential one (a validation loader) restarting from its start is what it should do.
             return [o for o in gc.get_objects()
                     if issubclass(type(o), DataLoader) and id(o) not in ours and id(o) not in tracked
-                    and not isinstance(o.sampler, SequentialSampler)]
+                    and not isinstance(o.sampler, SequentialSampler) and not _sequential_shards(o.sampler)]
 
         # A DataLoader made for one batch (a preflight check) is garbage, not a loader in use: when
         # there is a candidate, collect (a full pass over torch's objects, ~0.2 s) and look again.
@@ -452,6 +452,11 @@ class Loop:
         del plain
         for line in not_exact:
             warn(f"not exact on resume: {line}")
+
+
+def _sequential_shards(sampler) -> bool:
+    """A DistributedSampler that does not shuffle (a framework's evaluation loader): each rank's rows in order."""
+    return isinstance(sampler, DistributedSampler) and not sampler.shuffle
 
 
 def loader_name(loader) -> str:

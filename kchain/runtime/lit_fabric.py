@@ -41,6 +41,7 @@ with the same arguments). What it does differently, all of it in this module:
 from __future__ import annotations
 
 import functools
+import sys
 
 import torch
 from torch.utils.data import DataLoader, SequentialSampler
@@ -60,7 +61,10 @@ class FabricSetupError(RuntimeError):
 
 
 def framework():
-    """The Fabric package the code uses: lightning.fabric, or lightning_fabric."""
+    """The Fabric package the code uses: lightning.fabric, or lightning_fabric (the one it imported first)."""
+    for name in ("lightning.fabric", "lightning_fabric"):
+        if name in sys.modules:
+            return sys.modules[name]
     try:
         import lightning.fabric as fabric
     except ImportError:

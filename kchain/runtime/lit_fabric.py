@@ -28,7 +28,8 @@ with the same arguments). What it does differently, all of it in this module:
   counts its accumulation with `enumerate(train_loader)` counts from the loader's position after a
   resume mid-epoch: `enumerate(train_loader, train_loader.position)`.
 - The state. The set-up module (`model`, ...), each optimizer (`optimizer`, ...), the scheduler given to
-  `setup(..., scheduler=)` (`scheduler`) and the loader (`loader`) are tracked in kchain's checkpoint, the
+  `setup(..., scheduler=)` (`scheduler`), the fp16 GradScaler of "16-mixed" (`scaler`) and the loader
+  (`loader`) are tracked in kchain's checkpoint, the
   RNG states with them. `fabric.save(...)` writes its file as usual (an export, your output: no session
   resumes from it); `fabric.load(...)` is refused with one line saying what to delete (`load_raw`, a
   plain weights file, stays). `model.training_step(batch)` called on the set-up
@@ -118,6 +119,9 @@ class Bridge:
             say(f"fabric: {type(self.strategy).__name__} runs over kchain's {loop.ranks.world_size} ranks")
         super().launch()  # the processes exist (kchain's ranks): this sets up the strategy; a launch() of the
         # script's own is then a no-op (or runs the function it is given), and a script without one runs too
+        scaler = getattr(self._precision, "scaler", None)  # "16-mixed" on a GPU: Fabric's GradScaler
+        if scaler is not None:
+            loop.ckpt.track(loop.ckpt.free_name("scaler"), scaler)
 
     # --- setup ----------------------------------------------------------------------------------------
 

@@ -39,6 +39,9 @@ TIMEIT = ("a benchmark that runs its statement many times", "delete it, or time 
 UNKNOWN = ("an IPython magic the training process does not have", "write it in Python, or delete it")
 EXTENSION = ("an IPython extension", "import what it provides in Python instead")
 GET_IPYTHON = ("IPython's get_ipython()", "the training is a plain Python process: write it in Python")
+LAUNCHER = ("accelerate's notebook_launcher starts training processes of its own, and kchain's ranks are the "
+            "job's processes (one per GPU)", "call the function itself, e.g. training_function(*args), with its "
+            "Accelerator from run.accelerator(...)")
 
 # Line magics that only display or steer the interactive session: dropped, the line becomes `pass`.
 DISPLAY_LINE = {
@@ -139,6 +142,10 @@ def to_module(data: bytes, name: str, function: str = "main", named: bool = Fals
         notes += cell.notes
         if converted is not None:
             kept.append((cell, *converted))
+    for cell, _, tree in kept:
+        launch = next((n for n in ast.walk(tree) if isinstance(n, ast.Call) and _called(n) == "notebook_launcher"), None)
+        if launch is not None:
+            raise cell.refuse(launch.lineno, LAUNCHER)
     entry = _entry([(cell, tree) for cell, _, tree in kept], name, function, named)
     text = _module_text(name, [(cell.filename, code) for cell, code, _ in kept], entry, notes)
     return Module(text=text, entry=entry, code_cells=len(cells), other_cells=other, notes=tuple(notes))
@@ -356,6 +363,12 @@ def _takes_run(node: ast.stmt) -> bool:
     positional = args.posonlyargs + args.args
     required = len(positional) - len(args.defaults)
     return required <= 1 and bool(positional or args.vararg) and all(d is not None for d in args.kw_defaults)
+
+
+def _called(call: ast.Call) -> str | None:
+    """The name a call calls: `f(...)` and `mod.f(...)` both call f."""
+    func = call.func
+    return func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else None
 
 
 def _module_scope_runs(node: ast.AST) -> Iterator[ast.Name]:

@@ -206,6 +206,11 @@ class Loader:
         self.epoch = 0
         self.position = 0  # batches of this epoch already handed to the user
         self.hooks: StepHooks | None = None  # the epoch loop whose steps these batches are (run.epochs)
+        # A framework's loop (hf_accelerate.py): a step may span several batches (gradient accumulation);
+        # `step_done()` says, after a batch's body, whether it ended one (None: every batch is a step).
+        self.step_done: Callable[[], bool] | None = None
+        self.batches_per_step = 1  # for the loop's total: batches of an epoch per step (its last one may be short)
+        self.place: Callable | None = None  # a batch moved where the step uses it, as it is handed out
         self._on_wait = on_wait
         self._it = None
         self._skip = 0  # batches of an iterable epoch to drop after a resume
@@ -237,6 +242,10 @@ class Loader:
             generator=self._gen,
             **options,
         )
+
+    def steps_per_epoch(self) -> int:
+        """The steps an epoch of this loader gives under run.epochs."""
+        return -(-len(self) // self.batches_per_step)
 
     def __len__(self):
         if self.iterable:
@@ -285,7 +294,7 @@ class Loader:
         if self._on_wait:
             self._on_wait(time.perf_counter() - t0)
         self.position += 1
-        return batch
+        return batch if self.place is None else self.place(batch)
 
     def _epoch_done(self) -> bool:
         """Every batch of this epoch was handed out (unknown for a stream without a length: False)."""
@@ -312,8 +321,9 @@ class Loader:
             # the next epoch, not the empty rest of the last one. (Under run.epochs the end is asked
             # for, and a resume at an epoch's last batch must give that epoch's code its turn.)
             self.next_epoch()
+        step = None  # the step the batches handed out belong to, until one ends it (step_done)
         while True:
-            if hooks is not None and not hooks.may_start():
+            if hooks is not None and step is None and not hooks.may_start():
                 if not hooks.stopping():
                     return  # the step cap: the epoch loop ends here and saves
                 if not self._epoch_done():
@@ -330,14 +340,17 @@ class Loader:
             if hooks is None:
                 yield batch
                 continue
-            step = hooks.begin()
+            if step is None:
+                step = hooks.begin()
             try:
                 yield batch
             except GeneratorExit:
                 if left_on_purpose():  # `break` out of the batches: the batch counts as done
                     hooks.end(step)
                 raise
-            hooks.end(step)
+            if self.step_done is None or self.step_done() or self._epoch_done():
+                hooks.end(step)
+                step = None
 
     def close(self) -> None:
         """End the worker processes now. Left to the garbage collector (the loader and its sampler

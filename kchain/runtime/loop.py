@@ -20,7 +20,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from torch.utils.data import DataLoader, SequentialSampler
+from torch.utils.data import DataLoader, DistributedSampler, SequentialSampler
 
 from kchain.common import heartbeat
 from kchain.common.faults import Faults
@@ -109,7 +109,7 @@ class Loop:
     def epochs(self, epochs: int, lo: Loader):
         """run.epochs: yield epoch numbers from the restored one to epochs-1 (see Run.epochs)."""
         p = self.progress
-        p.total = self.capped(epochs * len(lo))
+        p.total = self.capped(epochs * lo.steps_per_epoch())
         self.restore()
         self.start_loop()
         lo.hooks = self
@@ -437,7 +437,7 @@ class Loop:
             # A sequential one (a validation loader) restarting from its start is what it should do.
             return [o for o in gc.get_objects()
                     if issubclass(type(o), DataLoader) and id(o) not in ours and id(o) not in tracked
-                    and not isinstance(o.sampler, SequentialSampler)]
+                    and not isinstance(o.sampler, SequentialSampler) and not _sequential_shards(o.sampler)]
 
         # A DataLoader made for one batch (a preflight check) is garbage, not a loader in use: when
         # there is a candidate, collect (a full pass over torch's objects, ~0.2 s) and look again.
@@ -454,6 +454,11 @@ class Loop:
         del plain
         for line in not_exact:
             warn(f"not exact on resume: {line}")
+
+
+def _sequential_shards(sampler) -> bool:
+    """A DistributedSampler that does not shuffle (a framework's evaluation loader): each rank's rows in order."""
+    return isinstance(sampler, DistributedSampler) and not sampler.shuffle
 
 
 def loader_name(loader) -> str:

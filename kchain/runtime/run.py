@@ -678,6 +678,60 @@ class Run:
         return lightning.callback(self._loop, self._untracked_loader, self.fraction if self.smoke else None,
                                   self._tb.flushes)
 
+    def accelerator(self, **kwargs):
+        """A Hugging Face `accelerate.Accelerator` (built with `kwargs`, its own) whose loop kchain checkpoints.
+
+        Replace `Accelerator(...)` with it and `for epoch in range(n)` with `for epoch in run.epochs(n)`; the
+        rest of the script stays (prepare, accumulate, backward, clip_grad_norm_, gather_for_metrics, log).
+        prepare() hands back the training DataLoader as a run.loader Loader (its position in the checkpoint),
+        the prepared models, optimizers, schedulers, the scaler and register_for_checkpointing's objects are
+        tracked, a step is one optimizer step (gradient_accumulation_steps batches under accumulate), and
+        kchain saves, stops (SessionStopped out of the loop) and resumes mid-epoch there. save_state and
+        load_state are refused with what to delete. See docs/runtime.md, "Hugging Face Accelerate".
+
+        Example::
+
+            accelerator = run.accelerator(mixed_precision="fp16", gradient_accumulation_steps=4)
+            model, optimizer, train_dl, eval_dl, scheduler = accelerator.prepare(
+                model, optimizer, train_dl, eval_dl, scheduler)
+            for epoch in run.epochs(num_epochs):
+                for batch in train_dl:
+                    with accelerator.accumulate(model):
+                        accelerator.backward(model(**batch).loss)
+                        optimizer.step(); scheduler.step(); optimizer.zero_grad()
+        """
+        from kchain.runtime.frameworks import hf_accelerate  # accelerate imported inside it, when used
+
+        return hf_accelerate.accelerator(self._loop, self._untracked_loader, self.fraction if self.smoke else None,
+                                         self.device, kwargs)
+
+    def fabric(self, **kwargs):
+        """A Lightning `Fabric` (built with `kwargs`, its own) whose loop kchain checkpoints.
+
+        Replace `Fabric(...)` with it and `for epoch in range(n)` with `for epoch in run.epochs(n)`; the rest
+        stays (launch, setup, setup_dataloaders, backward, clip_gradients, no_backward_sync, log). Fabric's
+        processes are kchain's ranks; setup_dataloaders hands back the training DataLoader as a run.loader
+        Loader (its position in the checkpoint); the set-up modules, optimizers and the scheduler given to
+        setup(..., scheduler=) are tracked; a step ends with an optimizer step, and kchain saves, stops
+        (SessionStopped out of the loop) and resumes mid-epoch there. fabric.save and fabric.load are
+        refused with what to delete. See docs/runtime.md, "Lightning Fabric".
+
+        Example::
+
+            fabric = run.fabric(accelerator="cuda", devices="auto", precision="16-mixed")
+            fabric.launch()
+            model, optimizer = fabric.setup(model, optimizer, scheduler=scheduler)
+            train_loader = fabric.setup_dataloaders(train_loader)
+            for epoch in run.epochs(num_epochs):
+                for batch in train_loader:
+                    fabric.backward(model.training_step(batch))
+                    optimizer.step(); optimizer.zero_grad()
+        """
+        from kchain.runtime.frameworks import lit_fabric  # Fabric imported inside it, when used
+
+        return lit_fabric.fabric(self._loop, self._untracked_loader, self.fraction if self.smoke else None,
+                                 self.device, kwargs)
+
     def _untracked_loader(self, dataloader: DataLoader, fraction: float | None = None) -> Loader:
         """A framework's DataLoader rebuilt as run.loader rebuilds one, not tracked: the framework's own
         checkpoint holds its position (lightning.py). With `fraction` (a smoke) its dataset is cut as

@@ -14,7 +14,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "kchain"
 DESIGN = ROOT / "docs" / "design.md"
-RUNTIME_LAZY = {"transformers", "lightning", "pytorch_lightning", "accelerate", "peft", "safetensors", "tensorboard"}
+RUNTIME_LAZY = {"transformers", "lightning", "lightning_fabric", "pytorch_lightning", "accelerate", "peft", "safetensors",
+                "tensorboard"}
 
 
 def module_name(path: Path) -> str:

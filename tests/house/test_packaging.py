@@ -48,7 +48,7 @@ def test_the_wheel_and_sdist_build_without_warnings_with_their_metadata_template
     assert metadata["Version"] == kchain.__version__
     assert metadata["Requires-Python"] == ">=3.11"
     assert metadata["License-Expression"] == "Apache-2.0"
-    assert metadata.get_all("Provides-Extra") == ["hf", "lightning", "plot", "trackers", "dev"]
+    assert metadata.get_all("Provides-Extra") == ["hf", "lightning", "accelerate", "plot", "trackers", "dev"]
     requires = metadata.get_all("Requires-Dist")
     assert [r for r in requires if r.startswith("matplotlib")] == ['matplotlib>=3.7; extra == "plot"',
                                                                   'matplotlib>=3.7; extra == "dev"']

@@ -117,6 +117,8 @@ def test_display_magics_are_dropped_with_a_note(line, why):
     ("%store x", 1, notebook_code.UNKNOWN),
     ("%%sql\nSELECT 1", 1, notebook_code.UNKNOWN),
     ("shell = get_ipython()", 1, notebook_code.GET_IPYTHON),
+    ("from accelerate import notebook_launcher\nnotebook_launcher(train, (config,), num_processes=2)", 2,
+     notebook_code.LAUNCHER),
     ("%foo a \\\n  b", 1, ("a magic or shell line continued onto the next line",
                           "write it on one line, or in Python")),
     ("x = (1,\ny = 2", 1, ("'(' was never closed", "fix the syntax")),

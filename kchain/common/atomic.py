@@ -38,7 +38,7 @@ def fsync_path(path: Path) -> None:
         os.close(fd)
 
 
-def write_bytes(path: str | os.PathLike[str], data: bytes, tmp: Path | None = None) -> None:
+def write_bytes(path: str | os.PathLike[str], data: bytes, tmp: str | os.PathLike[str] | None = None) -> None:
     """Replace path's content by data, atomically and durably (its folder is made if missing).
 
     `tmp`: a fixed temporary name instead of a random one, for a file with one writer by

@@ -392,7 +392,8 @@ def other_job(path: Path, manifest: dict, job: str | None) -> bool:
 def find_checkpoints(checkpoints: Path, input_root: Path, scratch: Path, job: str | None,
                      state_slug: str | None = None) -> tuple[list[tuple[Path, dict]], list[str]]:
     """(every checkpoint that verifies, newest first; one line per damaged one)."""
-    good, damaged = [], []
+    good: list[tuple[Path, dict]] = []
+    damaged: list[str] = []
     for path in newest_first(checkpoints, input_root, scratch, state_slug):
         try:
             manifest = verify(path)

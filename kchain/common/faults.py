@@ -81,7 +81,7 @@ class Faults:
             key, _, value = (part.strip() for part in item.partition("="))
             if key not in known:
                 raise FaultSpecError(f"KCHAIN_FAULT: unknown fault {key!r}; known: {', '.join(known)}")
-            given[key] = _value(key, value, known[key].type)
+            given[key] = _value(key, value, str(known[key].type))  # a str: annotations are postponed
         if given.get("kill_in_save") not in (None, *SAVE_POINTS):
             raise FaultSpecError(f"KCHAIN_FAULT: kill_in_save={given['kill_in_save']} is not one of {', '.join(SAVE_POINTS)}")
         if given.get("sink_kill") not in (None, *SINK_POINTS):

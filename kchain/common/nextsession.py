@@ -37,9 +37,10 @@ from typing import Any
 
 from kchain.common import layout
 from kchain.common.kernel_states import LIVE, TERMINAL
+from kchain.common.sessionrecord import SessionRecord
 from kchain.common.summary import Status, Summary
 
-Record = Mapping[str, Any]  # a session record (kchain/sessions.py SessionRecord), a plain JSON object
+Record = SessionRecord  # a session record (sessions.json), a plain JSON object
 
 # Session ends that another identical session would repeat: each needs --retry (or a code change).
 NEEDS_A_PERSON = (Status.CRASHED, Status.HUNG, Status.NO_ACCELERATOR)
@@ -221,8 +222,9 @@ def saved_step(record: Record) -> int | None:
     """The step of the newest checkpoint a session left: the state published from it, else what its
     downloaded output holds, else the checkpoint its summary names (which may be the one it resumed)."""
     publish = record.get("publish") or {}
-    if publish.get("published") and publish.get("step") is not None:
-        return int(publish["step"])
+    step = publish.get("step")
+    if publish.get("published") and step is not None:
+        return int(step)
     if "saved_step" in record:
         return record["saved_step"]
     name = PurePath(summary_of(record).checkpoint or "").name
@@ -235,10 +237,10 @@ def crash_of(record: Record) -> dict[str, Any] | None:
     summary = summary_of(record)
     if summary.status in NEEDS_A_PERSON:
         return record.get("error") or summary.error or {"type": summary.status, "message": ""}
-    if record["status"] == "ERROR" and record.get("error") and record["error"].get("type") not in (
+    if record["status"] == "ERROR" and (error := record.get("error")) and error.get("type") not in (
         "SessionError", "TrainingFailed",
     ):
-        return record["error"]
+        return error
     return None
 
 

@@ -29,6 +29,7 @@ PROCESS_START = time.monotonic()  # the client's start-up (the kaggle import) is
 
 from kchain.common import layout, nextkernel, nextsession, publishplan, sendonce, summary  # noqa: E402
 from kchain.common.config import RuntimeConfig  # noqa: E402
+from kchain.common.sessionrecord import SessionRecord  # noqa: E402
 
 SECRET_LABELS = ("KAGGLE_USERNAME", "KAGGLE_KEY")
 MISSING = (403, 404)  # Kaggle's answers for a dataset that does not exist, or is not visible yet
@@ -270,6 +271,7 @@ def main(config_path: str) -> int:
     from kchain.common.statefolder import newest_checkpoint
 
     plan = publishplan.figures(config.kaggle)
+    assert plan is not None  # figures are None only without internet or a state dataset, returned for above
     found = newest_checkpoint(kchain_dir, config.job)
     resumed = int((config.kaggle.resume or {}).get("step") or 0)
     if found is None and not alone:
@@ -310,6 +312,7 @@ def chain_next(api, template: dict, raw: dict, config: RuntimeConfig, kchain_dir
     ended = summary.read(kchain_dir / layout.SUMMARY) or summary.Summary()
     resume = config.kaggle.resume or {}
     try:
+        assert config.kaggle.state_dataset, "main returns before this without a state dataset"
         version = ready_version(api, config.kaggle.state_dataset, before, clock)
     except Exception as exc:  # noqa: BLE001 - the laptop takes over
         nextkernel.record(kchain_dir, {"decision": "left to the laptop", "pushed": False,
@@ -340,21 +343,25 @@ def ready_version(api, ref: str, before: int | None, clock: Clock) -> int | None
         time.sleep(1.0)
 
 
-def chain_records(config: RuntimeConfig, ended: summary.Summary, resume: dict, kchain_dir: Path) -> list[dict]:
+def chain_records(config: RuntimeConfig, ended: summary.Summary, resume: dict,
+                  kchain_dir: Path) -> list[SessionRecord]:
     """The chain's records as this kernel knows them: sessions before it that did not see their state
     mounted (resume.attempt), then this session, ending now."""
     from kchain.common.statefolder import newest_checkpoint
 
     n = int(resume.get("session") or 1)
     found = newest_checkpoint(kchain_dir, config.job)
-    own = {"session": n, "status": "COMPLETE", "fingerprint": config.fingerprint, "summary": ended.to_dict(),
-           "resumes_at": int(resume.get("step") or 0), "state_version": resume.get("state_version"),
-           "saved_step": int(found[1].get("step") or 0) if found is not None else None}
+    own: SessionRecord = {
+        "session": n, "status": "COMPLETE", "fingerprint": config.fingerprint or "", "summary": ended.to_dict(),
+        "resumes_at": int(resume.get("step") or 0), "state_version": resume.get("state_version"),
+        "saved_step": int(found[1].get("step") or 0) if found is not None else None}
+    attempt = int(resume.get("attempt") or 1)
+    # Made before own's publish facts go in: those sessions published nothing.
+    unmounted: list[SessionRecord] = [
+        {**own, "session": n - k, "summary": {"status": summary.Status.STATE_NOT_MOUNTED}, "saved_step": None}
+        for k in range(attempt - 1, 0, -1)]
     if ended.published == "kernel":
         own["publish"] = {"published": "kernel", "step": ended.published_step}
-    attempt = int(resume.get("attempt") or 1)
-    unmounted = [{**own, "session": n - k, "summary": {"status": summary.Status.STATE_NOT_MOUNTED},
-                  "publish": None, "saved_step": None} for k in range(attempt - 1, 0, -1)]
     return [*unmounted, own]
 
 
@@ -379,7 +386,7 @@ def push_next(api, unpacked: tuple[dict, Path], raw: dict, config: RuntimeConfig
         version_number(api, cache, clock.until(SETTLE_S))  # ready before it is attached
         sources.append(cache)
     n = int(resume.get("session") or 1) + 1
-    plan = {"session": n, "sources": sources, "publish": ended.publish_timing or config.kaggle.publish,
+    plan: dict[str, Any] = {"session": n, "sources": sources, "publish": ended.publish_timing or config.kaggle.publish,
             "resume": nextkernel.resume_for(n, int(step or 0), version, verdict.attempt if verdict.again else 1)}
     t0 = time.monotonic()
     sent = nextkernel.send_next(api, template, src, raw, plan, clock.until(SETTLE_S * 3))
@@ -413,6 +420,7 @@ def publish(api, config: RuntimeConfig, kchain_dir: Path, work: Path, clock: Clo
     from kchain.common.statefolder import build_state_folder
 
     kaggle = config.kaggle
+    assert kaggle.state_dataset, "main returns before this without a state dataset"
     marker = build_state_folder(kchain_dir, work / "state", published="kernel", job=config.job)
     if marker is None:
         return none("no verified checkpoint in this session's output")

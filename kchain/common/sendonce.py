@@ -96,8 +96,8 @@ def status_code(exc: BaseException | None) -> int | None:
 def retry_delay_s(attempt: int, exc: BaseException, base_s: float = 1.0, cap_s: float = 30.0) -> float:
     """Seconds before attempt+1: a 429's Retry-After in seconds when it gives one, else an
     exponential backoff with equal jitter (a floor, and retries spread apart)."""
-    headers = getattr(getattr(exc, "response", None), "headers", None)
-    after = headers.get("Retry-After") if hasattr(headers, "get") else None
+    headers: Any = getattr(getattr(exc, "response", None), "headers", None)  # any client's answer
+    after: Any = headers.get("Retry-After") if hasattr(headers, "get") else None
     try:
         return min(max(0.0, float(after)), cap_s) + random.uniform(0, 0.25)
     except (TypeError, ValueError):

@@ -13,6 +13,7 @@ import json
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import IO
 
 LOWER_IS_BETTER = ("loss", "err", "perplexity", "ppl")  # in a val* metric's name: lower is better
 
@@ -32,7 +33,7 @@ class Trace:
         self.best: dict | None = None  # {'name', 'value', 'step'} of the first val* metric logged
         self.logged_at: dict[str, int] = {}  # the step each name was last logged at (keepbest.py reads it)
         self.bytes = 0  # the file's size after the last complete row: what a checkpoint copies
-        self._file = None  # opened by the first row
+        self._file: IO[bytes] | None = None  # opened by the first row
         self.mirror: Callable[[int, dict], None] | None = None  # rank 0: each row also goes here (TensorBoard)
         if writes:
             path.write_bytes(b"")  # this session's lines; a resume puts the history before them

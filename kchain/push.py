@@ -188,7 +188,7 @@ def push_session(
         raise
     finally:
         shutil.rmtree(folder, ignore_errors=True)
-    record.update(status="QUEUED", version=version, url=url, started=iso(now_utc()))
+    record.update({"status": "QUEUED", "version": version, "url": url, "started": iso(now_utc())})
     ledger.save_session(job.name, record)
     return record
 
@@ -266,9 +266,10 @@ def reconcile(client: KaggleClient, ledger: Ledger, job: Job) -> list[SessionRec
             continue
         version = client.kernel_version(record["kernel"])
         if version and version != record.get("version_before"):
-            record.update(status="QUEUED", version=version, url=client.kernel_url(record["kernel"]),
-                          started=record.get("requested"))
+            record.update({"status": "QUEUED", "version": version, "url": client.kernel_url(record["kernel"])})
+            if "requested" in record:  # always: push_session and adopt_pushed write it first
+                record["started"] = record["requested"]
         else:
-            record.update(status="FAILED_TO_PUSH")
+            record["status"] = "FAILED_TO_PUSH"
         ledger.save_session(job.name, record)
     return [s for s in ledger.sessions(job.name) if s["status"] != "FAILED_TO_PUSH"]

@@ -83,14 +83,14 @@ def fetch_output(client: KaggleClient, ledger: Ledger, job: str, record: Session
     summary = read_working(dest, search=True)  # an output may come with an extra folder level
     body = log_text(entries)
     failure = diagnose.from_summary(summary) or (diagnose.from_log(body) if record["status"] == "ERROR" else None)
-    record.update(
-        output=str(dest),
-        output_files=len(files),
-        summary=None if summary is None else summary.to_dict(),
-        heartbeat=last_heartbeat(body),
-        saved_step=saved_step(dest),
-        error=None if failure is None else {"type": failure.type, "message": failure.message, "stage": failure.stage},
-    )
+    record.update({
+        "output": str(dest),
+        "output_files": len(files),
+        "summary": None if summary is None else summary.to_dict(),
+        "heartbeat": last_heartbeat(body),
+        "saved_step": saved_step(dest),
+        "error": None if failure is None else {"type": failure.type, "message": failure.message, "stage": failure.stage},
+    })
     if summary is not None:
         record["step"] = summary.step
         record["total"] = summary.total
@@ -195,9 +195,9 @@ def adopt_pushed(ledger: Ledger, job: str) -> bool:
         "version_before": pushed.get("version_before"), "unattended": True, "pushed_by": "kernel",
     }
     if pushed.get("version"):
-        record.update(status="QUEUED", version=pushed["version"], started=record["requested"])
+        record.update({"status": "QUEUED", "version": pushed["version"], "started": record["requested"]})
     elif pushed.get("decision") == "outcome unknown":
-        record.update(status="PUSHING", version=None)
+        record.update({"status": "PUSHING", "version": None})
     else:
         return False
     ledger.save_session(job, record)
@@ -407,14 +407,14 @@ def session_note(s: SessionRecord, stale_now: dict[int, Stale] | None = None) ->
                 "kernel's versions before pushing again")
     if s.get("invalid_sources"):
         return f"Kaggle dropped {s['invalid_sources']}: the session ran without them"
-    if s.get("error"):
-        return f"{s['error']['type']}: {s['error']['message']}"
-    if s.get("failure_message"):
-        return s["failure_message"]
-    if s.get("heartbeat"):
-        return s["heartbeat"]
-    if s.get("end_status"):
-        return s["end_status"] + (f", {s['ranks']} ranks" if (s.get("ranks") or 1) > 1 else "")
+    if error := s.get("error"):
+        return f"{error['type']}: {error['message']}"
+    if failure := s.get("failure_message"):
+        return failure
+    if heartbeat := s.get("heartbeat"):
+        return heartbeat
+    if end := s.get("end_status"):
+        return end + (f", {s['ranks']} ranks" if (s.get("ranks") or 1) > 1 else "")
     return ""
 
 

@@ -28,7 +28,7 @@ from kchain.common import layout, nextsession
 from kchain.common.kernel_states import LIVE
 from kchain.common.nextkernel import resume_for
 from kchain.common.nextsession import Chain, Verdict, final_weights, saved_step
-from kchain.common.sessionrecord import PublishFacts, SessionRecord
+from kchain.common.sessionrecord import PendingRelay, PublishFacts, SessionRecord
 from kchain.common.statefolder import (
     build_cache_folder,
     build_state_folder,
@@ -96,7 +96,7 @@ def relay_state(client: KaggleClient, job: Job, owner: str, record: SessionRecor
         state_ref = state_dataset(owner, job.name)
         uploaded = sum(p.stat().st_size for p in (work / "state").iterdir() if p.is_file())
         notes = f"kchain session {record['session']} step {marker['step']}"
-        pending = dict((record.get("publish") or {}).get("pending") or {})
+        pending: PendingRelay = {**((record.get("publish") or {}).get("pending") or {})}
         sent = (record.get("summary") or {}).get(layout.PUBLISH_SENT_KEY) or {}
         by_kernel = not pending and sent.get("step") == marker["step"] and sent.get("before") is not None
         if by_kernel:  # the kernel sent this state and ended before it could tell whether it landed
@@ -147,26 +147,26 @@ def ready_state(client: KaggleClient, job: Job, owner: str, chain: list[SessionR
     summary = summary_of(last)
     facts: PublishFacts = {"published": None, "uploaded_bytes": 0}
     if summary.published == "kernel":
-        facts.update(published="kernel", step=summary.published_step,
-                     uploaded_bytes=summary.published_bytes or 0)
+        facts.update({"published": "kernel", "step": summary.published_step,
+                      "uploaded_bytes": summary.published_bytes or 0})
         echo(f"  the kernel published step {facts['step']} to {state_ref} itself "
              f"({facts['uploaded_bytes'] / 1e6:.2f} MB)")
     else:
         marker = relay_state(client, job, owner, last, echo, save or (lambda _facts: None))
         if marker is not None:
-            facts.update(published="relay", step=marker["step"], uploaded_bytes=marker["uploaded_bytes"],
-                         checkpoint_bytes=marker["checkpoint_bytes"], cache_bytes=marker["cache_bytes"],
-                         cache=marker["cache"])
+            facts.update({"published": "relay", "step": marker["step"], "uploaded_bytes": marker["uploaded_bytes"],
+                          "checkpoint_bytes": marker["checkpoint_bytes"], "cache_bytes": marker["cache_bytes"],
+                          "cache": marker["cache"]})
     facts["version"] = current_version(client, state_ref, echo)
     if facts["published"] is None:
         # Nothing new survived: the newest ready version is the last one a session published.
-        earlier = [s["publish"]["step"] for s in chain[:-1] if (s.get("publish") or {}).get("step") is not None]
-        facts["step"] = max(earlier, default=0)
-        facts["steps_lost"], lost = steps_lost(last, facts["step"])
+        earlier = [step for s in chain[:-1] if (step := (s.get("publish") or {}).get("step")) is not None]
+        facts["step"] = step = max(earlier, default=0)
+        facts["steps_lost"], lost = steps_lost(last, step)
         echo(f"  session {last['session']} left no checkpoint: resuming from step {facts['step']} "
              f"(state version {facts['version']}); {lost}")
-    elif facts.get("step") is not None:
-        facts["steps_lost"], lost = steps_lost(last, facts["step"])
+    elif (step := facts.get("step")) is not None:
+        facts["steps_lost"], lost = steps_lost(last, step)
         if facts["steps_lost"]:  # e.g. killed between two saves
             echo(f"  session {last['session']} trained past its newest checkpoint (step {facts['step']}): {lost}")
     facts["resumes_at"] = facts["step"] or 0
@@ -213,7 +213,7 @@ def fetch_or_stop(client: KaggleClient, ledger: Ledger, job: Job, owner: str, ch
             time.sleep(min(30.0, 2.0 * 2 ** attempt) if attempt < attempts - 1 else 0)
     state_ref = state_dataset(owner, job.name)
     version = current_version(client, state_ref, echo)
-    earlier = [s["publish"]["step"] for s in chain[:-1] if (s.get("publish") or {}).get("step") is not None]
+    earlier = [step for s in chain[:-1] if (step := (s.get("publish") or {}).get("step")) is not None]
     step = max(earlier, default=0)
     reached = last.get("step") or _heartbeat_step(last.get("heartbeat"))
     lost = (f"{reached - step} steps (it reached step {reached})" if reached is not None
@@ -313,7 +313,7 @@ def push_next(job: Job, ledger: Ledger, client: KaggleClient, owner: str, chain:
     last = chain[-1]
 
     def save_publish(progress: PublishFacts) -> None:
-        last.update(publish=progress)
+        last["publish"] = progress
         ledger.save_session(job.name, last)
 
     facts = ready_state(client, job, owner, chain, echo, save_publish)
@@ -529,8 +529,8 @@ def delete_plan(client: KaggleClient, job: Job, chain: list[SessionRecord], reco
     ended = [s for s in chain if s.get("version") and s["status"] not in LIVE and not s.get("kernel_deleted")]
     blockers = [f"session {s['session']}'s output, never downloaded ({s.get('output_error') or 'not fetched'}): "
                 "run `kchain status` to fetch it" for s in ended if not s.get("output")]
-    published = max((s["publish"]["step"] for s in chain if (s.get("publish") or {}).get("version")
-                     and s["publish"].get("step") is not None), default=0)
+    published = max((step for s in chain if (s.get("publish") or {}).get("version")
+                     and (step := s["publish"].get("step")) is not None), default=0)
     newest = max((saved_step(s) or 0 for s in ended), default=0)
     if newest > published:
         blockers.append(f"the checkpoint at step {newest}, which is in no state version yet (only in a download here)")
@@ -566,8 +566,8 @@ def delete_kernel_of(ledger: Ledger, client: KaggleClient, job: Job, record: Ses
         if s.get("kernel") == plan.kernel and s.get("version") is not None and not s.get("kernel_deleted"):
             s["kernel_deleted"] = when
             if s["status"] in LIVE:
-                s.update(status="CANCEL_ACKNOWLEDGED", ended=when, stopped_by_user=True,
-                         failure_message="stopped by `kchain stop --delete`: its kernel was deleted, with its output")
+                s.update({"status": "CANCEL_ACKNOWLEDGED", "ended": when, "stopped_by_user": True,
+                          "failure_message": "stopped by `kchain stop --delete`: its kernel was deleted, with its output"})
             ledger.save_session(job.name, s)
     echo(f"deleted {plan.kernel}: session {record['session']} ended with it, and its GPU time with it; "
          f"`kchain continue {plan.job_file}` pushes the next session (a new kernel of the same name) from "

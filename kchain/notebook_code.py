@@ -25,6 +25,7 @@ import threading
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import TypeGuard, cast
 
 MAX_SHOWN = 60  # characters of a cell's line quoted in a message
 
@@ -272,17 +273,17 @@ def _apply_magics(code: str, tree: ast.Module, cell: _Cell) -> tuple[str, ast.Mo
     lines = code.split("\n")
     handled: set[int] = set()
     for node in ast.walk(tree):
-        call = node.value if isinstance(node, ast.Expr) else None
-        if not _is_magic(call) or node.lineno != node.end_lineno:
+        if not isinstance(node, ast.Expr) or not _is_magic(node.value) or node.lineno != node.end_lineno:
             continue
+        call = node.value
         replacement = _magic(call, cell, node.lineno)
-        handled.add(id(call.func.value.func))
+        handled.add(id(_get_ipython(call)))
         line = lines[node.lineno - 1]
         lines[node.lineno - 1] = (f"{line[:node.col_offset]}{replacement}{line[node.end_col_offset:]}"
                                   f"  # kchain: {cell.lines[node.lineno - 1].strip()}")
     for node in ast.walk(tree):
         if isinstance(node, ast.Name) and node.id == "get_ipython" and id(node) not in handled:
-            outer = next((c for c in ast.walk(tree) if _is_magic(c) and c.func.value.func is node), None)
+            outer = next((c for c in ast.walk(tree) if _is_magic(c) and _get_ipython(c) is node), None)
             raise cell.refuse(node.lineno, _refusal(outer) if outer is not None else GET_IPYTHON)
     if not handled:
         return code, tree
@@ -290,11 +291,21 @@ def _apply_magics(code: str, tree: ast.Module, cell: _Cell) -> tuple[str, ast.Mo
     return code, _compile(code, cell)
 
 
-def _is_magic(node: ast.AST | None) -> bool:
+def _is_magic(node: ast.AST | None) -> TypeGuard[ast.Call]:
     """get_ipython().method(...): how IPython writes a magic, a shell line or a help line."""
     return (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
             and isinstance(node.func.value, ast.Call) and not node.func.value.args
             and isinstance(node.func.value.func, ast.Name) and node.func.value.func.id == "get_ipython")
+
+
+def _method(magic: ast.Call) -> str:
+    """The method a magic calls (run_line_magic, system, ...); its func is an Attribute (_is_magic)."""
+    return cast(ast.Attribute, magic.func).attr
+
+
+def _get_ipython(magic: ast.Call) -> ast.expr:
+    """The `get_ipython` name a magic calls; its func is get_ipython().method (_is_magic)."""
+    return cast(ast.Call, cast(ast.Attribute, magic.func).value).func
 
 
 def _arguments(call: ast.Call) -> list[str]:
@@ -303,7 +314,7 @@ def _arguments(call: ast.Call) -> list[str]:
 
 def _refusal(call: ast.Call) -> tuple[str, str]:
     """Why a magic used as a value (`x = !ls`, `y = %sx ls`) is refused."""
-    method, args = call.func.attr, _arguments(call)
+    method, args = _method(call), _arguments(call)
     if method in ("system", "getoutput"):
         return INSTALL if args and _INSTALL_COMMAND.search(args[0]) else SHELL
     if method == "run_line_magic" and args:
@@ -313,7 +324,7 @@ def _refusal(call: ast.Call) -> tuple[str, str]:
 
 def _magic(call: ast.Call, cell: _Cell, line: int) -> str:
     """The Python a magic statement becomes (`pass` for one dropped, with a note); or the refusal."""
-    method, args = call.func.attr, _arguments(call)
+    method, args = _method(call), _arguments(call)
     if method != "run_line_magic" or len(args) != 2 or len(call.args) != 2:
         raise cell.refuse(line, _refusal(call))
     name, arg = args
@@ -387,6 +398,7 @@ def _entry(cells: list[tuple[_Cell, ast.Module]], name: str, function: str, name
     if bound:
         cell, node = bound[-1]  # as in Jupyter, the last definition wins
         if not _takes_run(node):
+            assert isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))  # _takes_run is True for the rest
             signature = f"{'async ' * isinstance(node, ast.AsyncFunctionDef)}def {function}({ast.unparse(node.args)})"
             raise cell.refuse(node.lineno, (f"`{signature}` cannot be called as {function}(run)",
                                             f"write def {function}(run):"))

@@ -25,7 +25,7 @@ from kchain.errors import KchainError, exit_code_lines
 class Seconds(click.FloatRange):
     """A number of seconds in a range; unlike FloatRange, nan is refused (it compares false to both ends)."""
 
-    def convert(self, value, param, ctx):  # type: ignore[no-untyped-def]
+    def convert(self, value, param, ctx):
         number = super().convert(value, param, ctx)
         if not math.isfinite(number):
             self.fail(f"{value!r} is not a number of seconds", param, ctx)
@@ -67,7 +67,7 @@ class KchainGroup(click.Group):
             return super().invoke(ctx)
         except KchainError as exc:
             error = click.ClickException(str(exc))
-            error.exit_code = exc.exit_code
+            error.exit_code = exc.exit_code  # type: ignore[misc]  # click's stubs say ClassVar; click reads the instance's
             raise error from None
 
 
@@ -690,4 +690,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

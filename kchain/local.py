@@ -64,7 +64,7 @@ def _live_client_class():  # noqa: ANN202  (nbclient is imported only when a not
         on_output: OutputFn | None = None
         kernel_ready: float = 0.0
 
-        def output(self, outs, msg, display_id, cell_index):  # type: ignore[override]
+        def output(self, outs, msg, display_id, cell_index):
             content = msg.get("content", {})
             if msg.get("msg_type") == "stream":
                 name, text = content.get("name", "stdout"), content.get("text", "")
@@ -78,7 +78,7 @@ def _live_client_class():  # noqa: ANN202  (nbclient is imported only when a not
                     self.on_output(name, text)
             return super().output(outs, msg, display_id, cell_index)
 
-        async def async_start_new_kernel_client(self):  # type: ignore[override]
+        async def async_start_new_kernel_client(self):
             result = await super().async_start_new_kernel_client()
             self.kernel_ready = time.time() - self.t0
             return result

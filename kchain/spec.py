@@ -13,6 +13,7 @@ import datetime
 import difflib
 import math
 import re
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
@@ -421,7 +422,7 @@ class _JobLoader(yaml.SafeLoader):
         super().__init__(stream)
         self._depth = 0
 
-    def compose_node(self, parent, index):  # type: ignore[no-untyped-def]
+    def compose_node(self, parent, index):
         self._depth += 1
         try:
             if self._depth > MAX_DEPTH:
@@ -433,7 +434,7 @@ class _JobLoader(yaml.SafeLoader):
         finally:
             self._depth -= 1
 
-    def construct_mapping(self, node, deep=False):  # type: ignore[no-untyped-def, override]
+    def construct_mapping(self, node, deep=False):
         seen: set[Any] = set()
         for key_node, _ in node.value if isinstance(node, yaml.MappingNode) else []:
             if key_node.tag == _MERGE_TAG:
@@ -585,7 +586,7 @@ def decode_text(data: bytes) -> str:
         raise ValueError(f"is not UTF-8 (byte {data[exc.start]:#04x} at offset {exc.start}; Latin-1?)") from None
 
 
-def _describe(error: dict[str, Any]) -> str:
+def _describe(error: Mapping[str, Any]) -> str:
     loc = tuple(error["loc"])
     key = key_path(loc)
     if error["type"] == "extra_forbidden":
@@ -653,9 +654,9 @@ def load_job(path: str | Path) -> Job:
         raise SpecError(f"{label}: " + "; ".join(problems) + more) from None
     _check_code_path(job, label)
     _check_entry(job, label)
-    problem = target_problem(job, job.target)
-    if problem:
-        raise SpecError(f"{label}: {problem}")
+    unfit = target_problem(job, job.target)
+    if unfit:
+        raise SpecError(f"{label}: {unfit}")
     for slug in job.kaggle.local:
         known = {ref.split("/")[1] for ref in job.kaggle.datasets}
         # A model's stand-in is named by its slug, or by its full ref when two attached versions share it.

@@ -11,7 +11,7 @@ import re
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Final
 
 from kchain.common import keepbest, layout, sessionplan
 from kchain.common.config import RuntimeConfig
@@ -24,7 +24,7 @@ KEEP = 2
 SESSION_LIMIT = "12h"  # Kaggle's GPU session limit
 MARGIN = "15m"  # kept back for the final save and the kernel's own output upload
 HEARTBEAT = "60s"
-PRECISION = "auto"
+PRECISION: Final = "auto"
 SMOKE_FRACTION = 0.02
 SMOKE_STEPS = 2
 SHORT_LIMIT_MARGIN = 0.2  # with an overridden (short, local) limit, keep at most 20% back

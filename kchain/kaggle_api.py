@@ -17,6 +17,7 @@ creates a config directory.
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import json
 import random
@@ -37,7 +38,7 @@ from requests.adapters import HTTPAdapter
 from kchain import credentials
 from kchain.common.kernel_states import LIVE
 from kchain.common.sendonce import CREATING_SDK_CALLS, sent_once  # noqa: F401 - CREATING_SDK_CALLS: re-exported
-from kchain.errors import CredentialsError, KaggleError
+from kchain.errors import CredentialsError, KaggleError, KchainError
 
 T = TypeVar("T")
 
@@ -116,9 +117,15 @@ def _http_error(exc: BaseException) -> requests.HTTPError | None:
     return None
 
 
-def _status_code(exc: BaseException) -> int | None:
+def _response(exc: BaseException) -> requests.Response | None:
+    """Kaggle's answer behind exc (None: no answer came)."""
     http = _http_error(exc)
-    return http.response.status_code if http is not None else None
+    return http.response if http is not None else None
+
+
+def _status_code(exc: BaseException) -> int | None:
+    response = _response(exc)
+    return response.status_code if response is not None else None
 
 
 def _retry_after_s(response: requests.Response) -> float | None:
@@ -209,18 +216,18 @@ class KaggleClient:
             self._api = api
         return self._api
 
-    def _translate(self, exc: BaseException, what: str) -> KaggleError:
-        http = _http_error(exc)
-        if http is not None and http.response.status_code == 401:
+    def _translate(self, exc: BaseException, what: str) -> KchainError:
+        http, code = _http_error(exc), _status_code(exc)
+        if code == 401:
             return CredentialsError(REJECTED_CREDENTIALS)
         if http is not None:
-            return KaggleError(f"Kaggle {what} failed: HTTP {http.response.status_code}: {http}")
+            return KaggleError(f"Kaggle {what} failed: HTTP {code}: {http}")
         return KaggleError(f"Kaggle {what} failed: {type(exc).__name__}: {exc}")
 
     def _delay(self, attempt: int, exc: BaseException) -> float:
-        http = _http_error(exc)
-        if http is not None and http.response.status_code == 429:
-            after = _retry_after_s(http.response)
+        response = _response(exc)
+        if response is not None and response.status_code == 429:
+            after = _retry_after_s(response)
             if after is not None:
                 return min(after, self.max_backoff_s) + random.uniform(0, 0.25)
         base = min(self.max_backoff_s, self.backoff_s * 2 ** attempt)
@@ -231,8 +238,7 @@ class KaggleClient:
             try:
                 return fn()
             except (requests.RequestException, ValueError) as exc:
-                http = _http_error(exc)
-                code = http.response.status_code if http is not None else None
+                http, code = _http_error(exc), _status_code(exc)
                 request = getattr(http or exc, "request", None)
                 url = getattr(request, "url", "") or ""
                 sent_creating = creating and (not url or url.endswith(CREATING_RPCS))
@@ -384,8 +390,8 @@ class KaggleClient:
         cutoff = time.time() - window_h * 3600
         running: list[dict[str, Any]] = []
         for page in range(1, pages + 1):
-            listed = self._call("kernels list", lambda p=page: self.api.kernels_list(
-                mine=True, page=p, page_size=page_size, sort_by="dateRun")) or []
+            listed = self._call("kernels list", functools.partial(self.api.kernels_list,
+                mine=True, page=page, page_size=page_size, sort_by="dateRun")) or []
             for kernel in listed:
                 last = _utc_epoch(getattr(kernel, "last_run_time", None))
                 if last is not None and last < cutoff:
@@ -546,8 +552,8 @@ class KaggleClient:
         numbers: list[int] = []
         token: str | None = None
         while True:
-            page = self._call("model versions", lambda t=token: self.api.model_instance_versions_list(
-                instance, page_size=page_size, page_token=t))
+            page = self._call("model versions", functools.partial(self.api.model_instance_versions_list,
+                instance, page_size=page_size, page_token=token))
             listed = page.version_list.versions if page.version_list else []
             numbers += [int(v.version_number) for v in listed]
             token = page.next_page_token or None

@@ -24,7 +24,7 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -330,7 +330,7 @@ def _module_state(value: Any) -> dict | None:
 
 
 def write_weights(state_file: Path, modules: list[str] | None, folder: Path,
-                  attached: list[str] = ()) -> tuple[dict[str, str], str | None]:
+                  attached: Sequence[str] = ()) -> tuple[dict[str, str], str | None]:
     """Each tracked module's weights from state.pt as safetensors (torch imported here only).
 
     One module: model.safetensors; several: <tracked name>.safetensors each. A tensor sharing storage

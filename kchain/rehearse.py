@@ -662,8 +662,8 @@ def parse_fault_spec(text: str, seed: int = 0) -> Faults:
                               "rate in [0, 1), e.g. --faults 429=0.15,500=0.10,lost_answer=0.1,drop_upload=0.1")
         if name == "drop_upload":
             faults.drop_upload_every = round(1 / rate) if rate else 0
-        elif not hasattr(faults, FAULT_NAMES[name]):
+        elif (attr := FAULT_NAMES[name]) is None or not hasattr(faults, attr):
             raise KchainError(f"--faults {item!r}: this local Kaggle cannot inject {name} yet")
         else:
-            setattr(faults, FAULT_NAMES[name], rate)
+            setattr(faults, attr, rate)
     return faults

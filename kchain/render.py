@@ -100,7 +100,7 @@ def _runtime_files() -> dict[str, bytes]:
 
 def _ignore_specs(job: Job) -> list[tuple[Path, pathspec.PathSpec]]:
     """.kchainignore files, in the job's folder and in the code folder, each relative to its folder."""
-    specs = []
+    specs: list[tuple[Path, pathspec.PathSpec]] = []
     for folder in dict.fromkeys([job.root.resolve(), job.code_path if job.code_path.is_dir() else None]):
         if folder is None or not (folder / IGNORE_FILE).is_file():
             continue

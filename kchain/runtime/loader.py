@@ -272,6 +272,7 @@ class Loader:
         else:
             idx = _draw(self.sampler, self.seed, epoch) if self.sampler is not None else self.order(epoch).tolist()
             bs = self.batch_size
+            assert bs is not None  # run.loader refuses a loader with neither batch_size nor batch_sampler
             out = [idx[i : i + bs] for i in range(0, len(idx), bs)]
             if self.drop_last and out and len(out[-1]) < bs:
                 out.pop()

@@ -81,8 +81,13 @@ class _MappingPickler(pickle.Pickler):
         return _mapped_array, (tensor, fortran)
 
 
-_MAPPING_PICKLE = types.ModuleType("kchain_mapping_pickle")  # what torch.save takes as its pickle_module
-_MAPPING_PICKLE.Pickler = _MappingPickler
+class _MappingPickleModule(types.ModuleType):
+    """What torch.save takes as its pickle_module: a module (torch reads its __name__) with our Pickler."""
+
+    Pickler = _MappingPickler
+
+
+_MAPPING_PICKLE = _MappingPickleModule("kchain_mapping_pickle")
 
 
 def _load(path: Path):

@@ -16,7 +16,7 @@ import errno
 import os
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Set
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -80,7 +80,7 @@ def state_of(obj):
     return obj.state_dict()
 
 
-def load_into(obj, state, frozen_keys: set[str] = frozenset()) -> None:
+def load_into(obj, state, frozen_keys: Set[str] = frozenset()) -> None:
     """Load a tracked object's saved state; a module's `frozen_keys` were left out of it (frozen.py)."""
     obj = distributed.unwrap(obj)
     if isinstance(obj, torch.Generator):
@@ -334,6 +334,7 @@ class Checkpointer:
             return None
         path, manifest = found[0]
         saved = self._loaded if self.ranks.is_main else load_state(path)
+        assert saved is not None  # rank 0's find() loaded the state of the checkpoint it found
         self._loaded = None  # the live objects hold it from here on
         self.resumed = (path, manifest)
         if self.sink is not None and path.parent == self.where.checkpoints:

@@ -21,6 +21,7 @@ mid-run (progressive unfreezing) is saved from its first checkpoint after that.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Set
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
@@ -142,10 +143,11 @@ class FrozenBase:
             params = dict(live.named_parameters(remove_duplicate=False)) if isinstance(live, torch.nn.Module) else {}
             for key, want in keys.items():
                 t = params.get(key)
-                got = None if t is None else (list(t.shape), str(t.dtype).removeprefix("torch."))
+                if t is None:
+                    raise _differs(ckpt, f"{name}.{key} is missing")
+                got = (list(t.shape), str(t.dtype).removeprefix("torch."))
                 if got != (want["shape"], want["dtype"]):
-                    what = "is missing" if t is None else f"is {got[1]} {got[0]}, was {want['dtype']} {want['shape']}"
-                    raise _differs(ckpt, f"{name}.{key} {what}")
+                    raise _differs(ckpt, f"{name}.{key} is {got[1]} {got[0]}, was {want['dtype']} {want['shape']}")
                 if t.requires_grad:
                     raise _differs(ckpt, f"{name}.{key} is trainable now; it was frozen (left out of the checkpoint)")
 
@@ -158,7 +160,7 @@ def _differs(ckpt, what: str) -> ResumeError:
     )
 
 
-def load_module(module: torch.nn.Module, state: dict, frozen_keys: set[str]) -> None:
+def load_module(module: torch.nn.Module, state: dict, frozen_keys: Set[str]) -> None:
     """load_state_dict of a checkpoint that left `frozen_keys` out: strict about every other key."""
     result = module.load_state_dict(state, strict=not frozen_keys)
     if frozen_keys:

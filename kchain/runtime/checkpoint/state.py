@@ -22,7 +22,7 @@ import shutil
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -92,7 +92,7 @@ class HashingFile:
     def __init__(self, f, pool: ThreadPoolExecutor):
         self._f = f
         self._pool = pool  # at most two tasks at a time: one hashes, one syncs
-        self._sync = None  # the background fdatasync in flight, if any
+        self._sync: Future[None] | None = None  # the background fdatasync in flight, if any
         self._synced_at = 0
         self.sha256 = hashlib.sha256()
         self.size = 0
@@ -148,7 +148,7 @@ def write_checkpoint(state: dict, job: CheckpointJob, faults: Faults = NO_FAULTS
 def write_failure(e: OSError, where: Path, need: int) -> str:
     """'checkpoint write failed: no space left on /kaggle/working (needs 12.1 GB, 3.2 GB free)'."""
     why = {errno.ENOSPC: "no space left", errno.EDQUOT: "disk quota exceeded",
-           errno.EFBIG: "file too large (a file-size limit)"}.get(e.errno, e.strerror or str(e))
+           errno.EFBIG: "file too large (a file-size limit)"}.get(e.errno or 0, e.strerror or str(e))
     try:
         free = gb(shutil.disk_usage(where).free)
     except OSError:
@@ -252,7 +252,7 @@ class Writer:
 
     def __init__(self, faults: Faults = NO_FAULTS):
         self.faults = faults  # kill_in_save ends the writer at a point; kill_after_checkpoint after the first
-        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._jobs: queue.SimpleQueue[tuple[dict, CheckpointJob]] = queue.SimpleQueue()
         self._idle = threading.Event()
         self._idle.set()
         self._thread: threading.Thread | None = None

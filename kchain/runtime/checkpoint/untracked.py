@@ -151,7 +151,7 @@ def _user_frames():
 
 def _attrs(values) -> list:
     """One level down: the attributes of the frames' objects (`self.ema`), modules aside."""
-    out = []
+    out: list = []
     for value in list(values):
         d = getattr(value, "__dict__", None)
         if isinstance(d, dict) and not isinstance(value, (type, types.ModuleType)):

@@ -357,6 +357,7 @@ def _await_state(config: RuntimeConfig) -> int | None:
         resumecheck.await_state(resume, layout.input_root(os.environ), config.kaggle.mount_wait_s,
                                 lambda text: print(f"[kchain] {text}", flush=True))
     except resumecheck.StateNotMounted as e:
+        assert resume is not None  # await_state raises it only for an expected state
         print(f"[kchain] state-not-mounted: {e}", flush=True)
         summary.write(layout.kchain_dir(os.environ) / layout.SUMMARY, Summary(
             status=Status.STATE_NOT_MOUNTED, error={"type": "StateNotMounted", "message": str(e), "stage": "start"},

@@ -19,6 +19,8 @@ import signal
 import threading
 import time
 from collections.abc import Callable
+from types import FrameType
+from typing import Any, NoReturn
 
 from torch.utils.data import DataLoader, DistributedSampler, SequentialSampler
 
@@ -67,7 +69,7 @@ class Loop:
         self.optimizers: list = []  # every optimizer run.optimize was given (tracked or not)
         self.data_wait = 0.0  # seconds the steps waited for a batch
         self._dog: watchdog.Watchdog | None = None  # the hung-step watchdog, while a loop runs
-        self._handlers = None  # the signal handlers ours replaced
+        self._handlers: dict[signal.Signals, Any] | None = None  # the signal handlers ours replaced
         self._last_heartbeat = 0.0
         self._planned = False
         self._sharded: bool | None = None  # kchain ddp: FSDP or DTensor parameters (found once)
@@ -155,6 +157,7 @@ class Loop:
 
     def may_start(self) -> bool:
         """False once the loop must end: the step cap reached, or a deadline or signal stop."""
+        assert self.progress.total is not None  # the loop that asks set it (steps, epochs, a framework's)
         return self.progress.step < self.progress.total and not self._must_stop()
 
     def stopping(self) -> bool:
@@ -168,7 +171,7 @@ class Loop:
     def end(self, step: int) -> None:
         self._end_step(step, self._t0)
 
-    def stop_here(self) -> None:
+    def stop_here(self) -> NoReturn:
         """A deadline or signal stop before the next step: save the state as it is now, end main(run).
 
         Nothing of the user's code runs after this in the session (see SessionStopped), so the
@@ -366,6 +369,7 @@ class Loop:
             return
         self._last_heartbeat = now
         p = self.progress
+        assert p.started_at is not None and p.total is not None  # set when the loop started (start_loop, steps)
         elapsed = now - p.started_at
         rate = p.loop_steps / elapsed if elapsed > 0 else 0.0
         eta = (p.total - p.step) / rate if rate else None
@@ -383,7 +387,7 @@ class Loop:
     def add_wait(self, seconds: float) -> None:
         self.data_wait += seconds
 
-    def _install_signals(self):
+    def _install_signals(self) -> dict[signal.Signals, Any] | None:
         if threading.current_thread() is not threading.main_thread():
             return None
 
@@ -467,7 +471,7 @@ def loader_name(loader) -> str:
     import sys
 
     what = f"a DataLoader over {type(loader.dataset).__name__}, batch_size {loader.batch_size}"
-    frame = sys._getframe(1)
+    frame: FrameType | None = sys._getframe(1)
     here = os.path.dirname(__file__)
     while frame is not None:
         if not frame.f_code.co_filename.startswith(here):

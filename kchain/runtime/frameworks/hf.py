@@ -63,6 +63,7 @@ import time
 import weakref
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -258,7 +259,7 @@ class TrainerBridge:
         self.loop = loop
         self.scratch = scratch  # where the folder the Trainer resumes from is laid out
         self.smoke, self.fraction = smoke, fraction
-        self.trainer = None
+        self.trainer: Any = None  # the transformers Trainer (read as Any), from hf_resume on
         self.window = LogWindow()
         self.resumed: str | None = None  # the folder hf_resume returned ("" when fresh); None before
         self._callback = None

@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 from torch.utils.data import DataLoader
@@ -313,6 +314,7 @@ class Bridge:
             if stepped is not None:
                 self.state.trainer.fit_loop.epoch_loop._batches_that_stepped = stepped
         p = loop.progress
+        assert p.total is not None  # set before the first batch (on_train_start)
         p.total = max(p.total, p.step + 1)  # the Trainer asks for another step: there is one
         if not loop.may_start():  # a deadline or a signal (agreed by every rank)
             loop.stop_here()  # saves this state and raises SessionStopped out of trainer.fit()
@@ -386,7 +388,7 @@ def _check_ranks(trainer, world_size: int) -> None:
             "'ddp' (kchain's ranks are its processes), or set train.gpus to the devices it uses")
 
 
-def _drop_default_checkpoint(trainer, model_checkpoint: type) -> None:
+def _drop_default_checkpoint(trainer, model_checkpoint: type[Any]) -> None:
     """Take out the ModelCheckpoint the Trainer added by itself (enable_checkpointing=True): kchain's
     checkpoint replaces it. One with settings of the code's own stays."""
     default = model_checkpoint()
@@ -397,7 +399,7 @@ def _drop_default_checkpoint(trainer, model_checkpoint: type) -> None:
             say("Lightning's default ModelCheckpoint is off: kchain's checkpoints replace it")
 
 
-def _monitored_best(trainer, model_checkpoint: type, keeper) -> None:
+def _monitored_best(trainer, model_checkpoint: type[Any], keeper) -> None:
     """A ModelCheckpoint(monitor=..., mode=...) of the code's own onto train.keep_best (the first one with
     a monitor); it keeps writing its own files too. save_top_k, every_n_* and filename have no kchain
     counterpart: one best is kept, among the steps kchain checkpoints."""
@@ -420,7 +422,8 @@ def _map(data, fn: Callable):
     """`fn` over each loader in what a train_dataloader() returns: one, a list, a tuple, a dict, or a
     CombinedLoader (its loaders replaced in place)."""
     if isinstance(data, Mapping):
-        return type(data)((k, _map(v, fn)) for k, v in data.items())
+        mapping: Callable[..., Any] = type(data)  # a concrete one (dict, OrderedDict): built from its items
+        return mapping((k, _map(v, fn)) for k, v in data.items())
     if isinstance(data, (list, tuple)):
         return type(data)(_map(v, fn) for v in data)
     if hasattr(data, "flattened") and hasattr(data, "iterables"):  # a CombinedLoader

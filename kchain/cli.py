@@ -67,7 +67,8 @@ class KchainGroup(click.Group):
             return super().invoke(ctx)
         except KchainError as exc:
             error = click.ClickException(str(exc))
-            error.exit_code = exc.exit_code  # type: ignore[misc]  # click's stubs say ClassVar; click reads the instance's
+            # click types exit_code as a ClassVar; click exits with the instance's (Command.main)
+            error.exit_code = exc.exit_code  # type: ignore[misc]
             raise error from None
 
 

@@ -398,7 +398,7 @@ def _entry(cells: list[tuple[_Cell, ast.Module]], name: str, function: str, name
     if bound:
         cell, node = bound[-1]  # as in Jupyter, the last definition wins
         if not _takes_run(node):
-            assert isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))  # _takes_run is True for the rest
+            assert isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))  # _takes_run is True otherwise
             signature = f"{'async ' * isinstance(node, ast.AsyncFunctionDef)}def {function}({ast.unparse(node.args)})"
             raise cell.refuse(node.lineno, (f"`{signature}` cannot be called as {function}(run)",
                                             f"write def {function}(run):"))

@@ -266,7 +266,8 @@ def reconcile(client: KaggleClient, ledger: Ledger, job: Job) -> list[SessionRec
             continue
         version = client.kernel_version(record["kernel"])
         if version and version != record.get("version_before"):
-            record.update({"status": "QUEUED", "version": version, "url": client.kernel_url(record["kernel"])})
+            url = client.kernel_url(record["kernel"])
+            record.update({"status": "QUEUED", "version": version, "url": url})
             if "requested" in record:  # always: push_session and adopt_pushed write it first
                 record["started"] = record["requested"]
         else:

@@ -386,8 +386,9 @@ def push_next(api, unpacked: tuple[dict, Path], raw: dict, config: RuntimeConfig
         version_number(api, cache, clock.until(SETTLE_S))  # ready before it is attached
         sources.append(cache)
     n = int(resume.get("session") or 1) + 1
-    plan: dict[str, Any] = {"session": n, "sources": sources, "publish": ended.publish_timing or config.kaggle.publish,
-            "resume": nextkernel.resume_for(n, int(step or 0), version, verdict.attempt if verdict.again else 1)}
+    plan: dict[str, Any] = {
+        "session": n, "sources": sources, "publish": ended.publish_timing or config.kaggle.publish,
+        "resume": nextkernel.resume_for(n, int(step or 0), version, verdict.attempt if verdict.again else 1)}
     t0 = time.monotonic()
     sent = nextkernel.send_next(api, template, src, raw, plan, clock.until(SETTLE_S * 3))
     out = {"session": n, "state_version": version, "resumes_at": int(step or 0), "attempt": plan["resume"].get(

@@ -369,7 +369,7 @@ class Loop:
             return
         self._last_heartbeat = now
         p = self.progress
-        assert p.started_at is not None and p.total is not None  # set when the loop started (start_loop, steps)
+        assert p.started_at is not None and p.total is not None  # set as the loop started (start_loop)
         elapsed = now - p.started_at
         rate = p.loop_steps / elapsed if elapsed > 0 else 0.0
         eta = (p.total - p.step) / rate if rate else None

@@ -27,7 +27,7 @@ def annotation_kind(node: ast.expr | None) -> str | None:
     if node is None:
         return None
     text = re.sub(r"\b\w+\.(?=SessionRecord|PublishFacts)", "", ast.unparse(node)).removesuffix(" | None")
-    # (common/nextsession.py, which the kernel runs too, names a record `Record`: a plain mapping.)
+    # (common/nextsession.py, which the kernel runs too, names a record `Record`: its alias of SessionRecord.)
     return {"SessionRecord": RECORD, "list[SessionRecord]": CHAIN, "dict[str, list[SessionRecord]]": JOBS,
             "PublishFacts": PUBLISH, "Record": RECORD, "list[Record]": CHAIN}.get(text)
 

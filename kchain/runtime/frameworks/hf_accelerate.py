@@ -44,6 +44,7 @@ read (`_add_dataloader`), which `accumulate` and `gather_for_metrics` read the e
 from __future__ import annotations
 
 import functools
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.utils.data import DataLoader, IterableDataset, SequentialSampler
@@ -98,7 +99,13 @@ def accelerator(loop: Loop, make_loader, fraction: float | None, device: torch.d
     return kind(loop, make_loader, fraction, **kwargs)
 
 
-class Bridge:
+if TYPE_CHECKING:
+    _Accelerator = Any  # the class Bridge is mixed into (accelerate's, read as Any): its attributes and super()
+else:
+    _Accelerator = object
+
+
+class Bridge(_Accelerator):
     """What KchainAccelerator changes of accelerate's Accelerator (this class mixed in before it)."""
 
     NAME = "accelerator"  # the tracked name of accelerator.step

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import functools
 import sys
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.utils.data import DataLoader, SequentialSampler
@@ -97,7 +98,13 @@ def fabric(loop: Loop, make_loader, fraction: float | None, device: torch.device
     return kind(loop, make_loader, fraction, accumulate, **kwargs)
 
 
-class Bridge:
+if TYPE_CHECKING:
+    _Fabric = Any  # the class Bridge is mixed into (Lightning's Fabric, read as Any): its attributes and super()
+else:
+    _Fabric = object
+
+
+class Bridge(_Fabric):
     """What KchainFabric changes of Fabric (this class mixed in before it)."""
 
     def __init__(self, loop: Loop, make_loader, fraction: float | None, accumulate: int, **kwargs):

@@ -602,11 +602,15 @@ def _status(ctx: click.Context, param: click.Parameter, value: str | None) -> in
               help="An access token (as KAGGLE_API_TOKEN holds it) and the user it belongs to; repeatable.")
 @click.option("--secret", "secrets", multiple=True, metavar="NAME:LABEL=VALUE", callback=_pairs(":"),
               help="A Kaggle Secret of user NAME, readable in that user's kernels; repeatable.")
+@click.option("--attach-secret", "attached", multiple=True, metavar="OWNER/SLUG",
+              help="The user attached their Secrets to kernel OWNER/SLUG in the web UI (and attaches them again after "
+                   "each push of their own: see --secrets-reset-on-push); repeatable.")
 @click.option("--competition", "competitions", multiple=True, metavar="SLUG:USER", callback=_pairs(":"),
               help="USER accepted the rules of competition SLUG (else it is an invalid source); repeatable.")
 @_field("--session-limit", "session_limit_s", type=float, metavar="SECONDS", help="A session's time limit.")
 @_field("--gpu-quota", "gpu_quota_s", type=float, metavar="SECONDS", help="The weekly GPU quota of each user.")
 @_field("--max-gpu-sessions", "max_gpu_sessions", type=int, metavar="N", help="GPU sessions a user may run at once.")
+@_field("--max-cpu-sessions", "max_cpu_sessions", type=int, metavar="N", help="CPU sessions a user may run at once.")
 @_field("--rate-429", "rate_429", type=float, metavar="P",
         help="Fault: that fraction of API calls is answered 429 (Retry-After: 1).")
 @_field("--rate-500", "rate_500", type=float, metavar="P", help="Fault: that fraction of API calls is answered 500.")
@@ -672,8 +676,11 @@ def _status(ctx: click.Context, param: click.Parameter, value: str | None) -> in
         help="Switch: a dataset version ready less than this long ago is mounted in a session only this long after ready.")
 @_field("--kernel-may-push/--no-kernel-may-push", "kernel_may_push",
         help="Switch: a kernel may push a kernel (SaveKernel from inside a session); off answers it 403.")
+@_field("--secrets-reset-on-push/--no-secrets-reset-on-push", "secrets_reset_on_push",
+        help="Switch: a push resets the kernel's Secrets; a version pushed from inside a kernel sees none.")
 def serve(state_dir: Path, port: int, users: list[tuple[str, str]], tokens: list[tuple[str, str]],
-          secrets: list[tuple[str, str]], competitions: list[tuple[str, str]], lenient: bool, **fields: Any) -> None:
+          secrets: list[tuple[str, str]], attached: tuple[str, ...], competitions: list[tuple[str, str]],
+          lenient: bool, **fields: Any) -> None:
     """Run a local Kaggle for the unmodified `kaggle` client until interrupted; prints the `export`
     lines a shell needs. Switches default to Kaggle's strict behaviour; faults to none
     (docs/emulator.md gives each one's source).
@@ -683,6 +690,9 @@ def serve(state_dir: Path, port: int, users: list[tuple[str, str]], tokens: list
       kchain emulator serve --state /tmp/kaggle --session-limit 60
       kchain emulator serve --state /tmp/kaggle --user alice:0123abcd --missing-status 404
       kchain emulator serve --state /tmp/kaggle --lenient --version-lag 5 --rate-429 0.1
+      kchain emulator serve --state /tmp/kaggle --user kchain:0123abcd --secret kchain:KAGGLE_USERNAME=kchain \\
+        --secret kchain:KAGGLE_KEY=0123abcd --attach-secret kchain/myjob --attach-secret kchain/myjob-doctor \\
+        --kernel-may-push --no-secrets-reset-on-push     # what `kchain push --unattended` needs
     """
     from kchain.emulator.app import emulator_options
     from kchain.emulator.app import serve as run_emulator
@@ -696,7 +706,7 @@ def serve(state_dir: Path, port: int, users: list[tuple[str, str]], tokens: list
         accepted.setdefault(slug, []).append(user)
     given = {name: value for name, value in fields.items() if value is not None}
     run_emulator(state_dir, port=port, users=dict(users), tokens=dict(tokens), secrets=labels, competitions=accepted,
-                 **emulator_options(lenient, **given))
+                 attached=list(attached), **emulator_options(lenient, **given))
 
 
 def main() -> None:

@@ -26,7 +26,7 @@ import kchain
 from kchain import notebook_code
 from kchain.credentials import secret_strings
 from kchain.errors import RenderError
-from kchain.names import cache_dataset, state_dataset
+from kchain.names import cache_dataset, doctor_kernel, state_dataset
 from kchain.runtime import atomic, layout, nextkernel
 from kchain.runtime.config import KaggleConfig
 from kchain.spec import Job, decode_text, notebook_name, parse_duration, runtime_config
@@ -378,7 +378,9 @@ def _next_template(env: jinja2.Environment, values: dict[str, Any], job: Job, ow
     notebook = _canonical(env.get_template("notebook.ipynb.j2").render(**{**values, **placeholders}))
     chain = {"kernel": f"{owner}/{job.name}", "session_limit_s": parse_duration(job.train.session_limit),
              "weekly_gpu_hours": job.budget.weekly_gpu_hours, "gpu": job.gpu, "job_file": job.path.name,
-             "cache_dataset": cache_dataset(owner, job.name) if owner else None, "image": None}
+             "cache_dataset": cache_dataset(owner, job.name) if owner else None, "image": None,
+             # A GPU chain hands each push to a CPU relay (runtime/relay.py), so it holds one GPU slot at a time.
+             "relay": doctor_kernel(owner, job.name) if owner and job.gpu else None}
     return json.dumps({"format": nextkernel.FORMAT, "notebook": notebook, "chain": chain,
                        "metadata": _canonical(_metadata(env, job, owner, None))}, sort_keys=True)
 

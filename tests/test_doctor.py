@@ -282,3 +282,22 @@ def test_the_probe_renders_byte_identical_and_never_asks_for_an_accelerator(tmp_
     assert (metadata["enable_internet"], metadata["dataset_sources"], metadata["competition_sources"]) == (
         True, [DATA], ["titanic"])
     assert json.loads(notebook)["metadata"]["kaggle"]["accelerator"] == "none"
+
+
+def test_push_unattended_says_what_the_doctor_saw_of_a_kernel_pushed_kernels_secrets(tmp_path):
+    from kchain.doctor import doctor_file, unattended_note
+    from kchain.runtime import atomic
+    from kchain.spec import load_job
+
+    job = load_job(job_file(tmp_path))
+    for kept in (True, False, None):
+        atomic.write_json(doctor_file(job), {"format": 1, "jobs": {NAME: {"hop": {"version": 3, "secrets_kept": kept}}}})
+        note = unattended_note(job)
+        if kept:
+            assert note is None
+        elif kept is False:
+            assert note is not None and note.startswith("  hand-over: kchain doctor saw a kernel-pushed kernel lose")
+        else:
+            assert note == ("  note: kchain doctor did not see whether a kernel-pushed kernel keeps its Secrets; if it "
+                            "does not, the laptop takes the chain over after session 1 (`kchain doctor "
+                            f"{job.path}` checks it)")

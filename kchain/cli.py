@@ -487,6 +487,9 @@ def release(job: Path, which: str, model: str | None, dataset: str | None, publi
 @click.option("--unattended", is_flag=True,
               help="Rehearse `push --unattended`: each session pushes the next; passes only with zero laptop pushes "
                    "after session 1, zero overlapping sessions and zero duplicate state versions.")
+@click.option("--busy-gpu", is_flag=True,
+              help="With --unattended: another GPU session of the account runs throughout (a notebook in the browser), "
+                   "so the chain has one of Kaggle's two GPU slots to hold.")
 @click.option("--ranks", type=click.IntRange(1, 2), default=None,
               help="Ranks per session and in the uninterrupted run (default: as many as the job gets on Kaggle, "
                    "as gloo ranks on the CPU).")
@@ -499,7 +502,7 @@ def release(job: Path, which: str, model: str | None, dataset: str | None, publi
               help="Kaggle's strict behaviour (403s, lagging versions, ignored pins, lost output) or a kind one.")
 @TARGET
 def rehearse(job: Path, sessions: int, by_time: bool, session_limit: float | None, kills: int, unattended: bool,
-             ranks: int | None, seed: int, sets: dict[str, Any], fault_spec: str, strict: bool,
+             busy_gpu: bool, ranks: int | None, seed: int, sets: dict[str, Any], fault_spec: str, strict: bool,
              target: str | None) -> None:
     """The whole chain on this machine against a local Kaggle, compared with one uninterrupted run.
 
@@ -512,6 +515,7 @@ def rehearse(job: Path, sessions: int, by_time: bool, session_limit: float | Non
       kchain rehearse myjob/job.yaml
       kchain rehearse myjob/job.yaml --sessions 4 --kills 2 --faults 429=0.15,500=0.10
       kchain rehearse myjob/job.yaml --unattended      # each session pushes the next
+      kchain rehearse myjob/job.yaml --unattended --busy-gpu   # beside another GPU session
       kchain rehearse myjob/job.yaml --by-time --session-limit 60 --set steps=300
       kchain rehearse myjob/job.yaml --target slurm    # with a slurm: section: the sbatch script
     """
@@ -519,6 +523,9 @@ def rehearse(job: Path, sessions: int, by_time: bool, session_limit: float | Non
     from kchain.rehearse import emulator_switches, parse_fault_spec
     from kchain.rehearse import rehearse as run_rehearse
 
+    if busy_gpu and not unattended:
+        raise click.UsageError("--busy-gpu is for --unattended: an attended chain pushes each session after the last "
+                               "one ended, so it never holds more than one GPU slot")
     if target:
         from kchain.targets.rehearsal import rehearse_target
 
@@ -527,7 +534,8 @@ def rehearse(job: Path, sessions: int, by_time: bool, session_limit: float | Non
 
     result = run_rehearse(job, sessions=None if by_time else sessions, session_limit_s=session_limit, kills=kills,
                           seed=seed, params=sets, faults=parse_fault_spec(fault_spec, seed),
-                          switches=emulator_switches(strict), echo=click.echo, ranks=ranks, unattended=unattended)
+                          switches=emulator_switches(strict), echo=click.echo, ranks=ranks, unattended=unattended,
+                          busy_gpu=busy_gpu)
     if not result.passed:
         raise KchainError(f"rehearsal: the chained run {result.verdict}")
 

@@ -29,16 +29,12 @@ import zipfile
 from pathlib import Path
 from typing import Any
 
-from kchain.runtime import atomic, layout, nextkernel, sendonce
+from kchain.runtime import atomic, layout, nextkernel, sendonce, summary
 
 RELAY_FILE = "kchain-relay.json"  # the relay's output: what it did (its `version` is the session it pushed)
 FORMAT = "kchain-relay/1"
 NEXT_DIR = "next"  # in the relay's payload: the next session's kernel folder, rendered by session N
 CONFIG_FILE = "relay-config.json"
-# The runtime files the relay runs with (standard library only), taken from session N's unpacked payload.
-FILES = ("kchain/__init__.py", "kchain/runtime/__init__.py", "kchain/runtime/layout.py", "kchain/runtime/atomic.py",
-         "kchain/runtime/summary.py", "kchain/runtime/sendonce.py", "kchain/runtime/nextkernel.py",
-         "kchain/runtime/relay.py")
 SECRET_LABELS = ("KAGGLE_USERNAME", "KAGGLE_KEY")
 GRACE_S = 600.0  # how much longer than session N's time left the relay waits for Kaggle to say it ended
 CPU_LIMIT_S = 12 * 3600  # a CPU session's limit (kaggle-api.md 6.1); sessionTimeoutSeconds must stay below it
@@ -91,12 +87,25 @@ def metadata(relay: str) -> str:
                                  "enable_tpu": False, "enable_internet": True})
 
 
-def payload(src: Path, next_folder: Path) -> str:
+def sources() -> dict[str, bytes]:
+    """The modules the relay runs with (this one and what it imports, standard library only) and their
+    packages' `__init__.py`, by path, as this process loaded them: a moved module moves with its import."""
+    files: dict[str, bytes] = {}
+    for module in (sys.modules[__name__], atomic, layout, nextkernel, sendonce, summary):
+        parts = module.__name__.split(".")
+        for depth in range(1, len(parts)):
+            package = sys.modules[".".join(parts[:depth])]
+            files["/".join(parts[:depth]) + "/__init__.py"] = Path(str(package.__file__)).read_bytes()
+        files["/".join(parts) + ".py"] = Path(str(module.__file__)).read_bytes()
+    return files
+
+
+def payload(next_folder: Path) -> str:
     """The runtime files the relay needs and the next session's kernel folder, as a base64 zip."""
     buf = io.BytesIO()
     with zipfile.ZipFile(buf, "w", zipfile.ZIP_DEFLATED) as zf:
-        for name in FILES:
-            zf.writestr(name, (src / name).read_bytes())
+        for name, data in sorted(sources().items()):
+            zf.writestr(name, data)
         for path in sorted(next_folder.iterdir()):
             zf.writestr(f"{NEXT_DIR}/{path.name}", path.read_bytes())
     return base64.b64encode(buf.getvalue()).decode("ascii")
@@ -121,7 +130,7 @@ def send(api: Any, template: dict[str, Any], src: Path, config: dict[str, Any], 
         relay_config = {"format": FORMAT, "kernel": kernel, "after_version": before, "session": plan["session"],
                         "wait_s": round(wait_s, 1), "timeout_s": int(chain["session_limit_s"])}
         nextkernel.write_kernel(work / "relay", relay.split("/", 1)[1], notebook(relay_config, payload(
-            src, work / NEXT_DIR)), metadata(relay))
+            work / NEXT_DIR)), metadata(relay))
         sent = nextkernel.push_once(api, work / "relay", relay, int(wait_s + GRACE_S), until)  # its own limit
     finally:
         shutil.rmtree(work, ignore_errors=True)

@@ -34,7 +34,6 @@ from kchain.runtime import atomic, layout, nextkernel, sendonce, summary
 RELAY_FILE = "kchain-relay.json"  # the relay's output: what it did (its `version` is the session it pushed)
 FORMAT = "kchain-relay/1"
 NEXT_DIR = "next"  # in the relay's payload: the next session's kernel folder, rendered by session N
-CONFIG_FILE = "relay-config.json"
 SECRET_LABELS = ("KAGGLE_USERNAME", "KAGGLE_KEY")
 GRACE_S = 600.0  # how much longer than session N's time left the relay waits for Kaggle to say it ended
 CPU_LIMIT_S = 12 * 3600  # a CPU session's limit (kaggle-api.md 6.1); sessionTimeoutSeconds must stay below it
@@ -73,8 +72,8 @@ def notebook(config: dict[str, Any], payload_b64: str) -> str:
     """The relay's notebook: one cell that unpacks the payload and runs `main` in its own process."""
     source = CELL.replace("@CONFIG@", json.dumps(json.dumps(config, sort_keys=True))).replace(
         "@PAYLOAD@", json.dumps(payload_b64))
-    cell: dict[str, Any] = {"cell_type": "code", "execution_count": None, "id": "kchain-relay", "metadata": {}, "outputs": [],
-            "source": source}
+    cell: dict[str, Any] = {"cell_type": "code", "execution_count": None, "id": "kchain-relay", "metadata": {},
+                            "outputs": [], "source": source}
     return nextkernel.canonical({"cells": [cell], "metadata": {"kernelspec": {
         "display_name": "Python 3", "language": "python", "name": "python3"}}, "nbformat": 4, "nbformat_minor": 5})
 
@@ -214,7 +213,12 @@ def relay(config: dict[str, Any], src: Path) -> dict[str, Any]:
 def main(config_path: str) -> int:
     t0 = time.monotonic()
     config = json.loads(Path(config_path).read_text(encoding="utf-8"))
-    record = relay(config, Path(config_path).parent)
+    try:
+        record = relay(config, Path(config_path).parent)
+    except Exception as exc:  # noqa: BLE001 - whether it pushed is then read from the kernel's versions
+        said = f"{type(exc).__name__}: {str(exc)[:200]}"
+        record = {"pushed": False, "unknown": said, "why": f"the relay failed ({said}); the laptop settles from "
+                                                             "the kernel's versions whether it pushed"}
     record = {"format": FORMAT, "session": config["session"], **record, "waited_s": round(time.monotonic() - t0, 3)}
     atomic.write_json(layout.working_root(os.environ) / RELAY_FILE, record)
     say(record["why"])

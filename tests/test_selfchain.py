@@ -2,7 +2,8 @@
 
 The laptop side does nothing after session 1 but watch; the records are rebuilt from Kaggle's outputs
 alone (each session's summary says what it decided and which kernel version it pushed). Sessions are
-real notebook processes against the local Kaggle with the unmodified client, its kernel_may_push switch on.
+real notebook processes against the local Kaggle with the unmodified client, its kernel_may_push switch on;
+a GPU job's sessions hand each push to a CPU relay (kchain/runtime/relay.py), so the chain holds one GPU slot.
 """
 
 import secrets

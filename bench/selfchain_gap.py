@@ -52,7 +52,8 @@ def session_rows(record: dict[str, Any]) -> list[dict[str, Any]]:
 
 def gaps(result: Rehearsal) -> list[dict[str, Any]]:
     """One row per boundary: the times of the gap's parts, from the emulator's records and the traces."""
-    emulated = {s["version"]: s for s in result.emulator_sessions}  # a rehearsal runs the job's kernel only
+    ours = [s for s in result.emulator_sessions if s["kernel"] == result.sessions[0]["kernel"]]  # not the relays
+    emulated = {s["version"]: s for s in ours}
     out = []
     for before, after in zip(result.sessions, result.sessions[1:], strict=False):
         last, first = session_rows(before), session_rows(after)

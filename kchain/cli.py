@@ -490,6 +490,9 @@ def release(job: Path, which: str, model: str | None, dataset: str | None, publi
 @click.option("--unattended", is_flag=True,
               help="Rehearse `push --unattended`: each session pushes the next; passes only with zero laptop pushes "
                    "after session 1, zero overlapping sessions and zero duplicate state versions.")
+@click.option("--busy-gpu", is_flag=True,
+              help="With --unattended: another GPU session of the account runs throughout (a notebook in the browser), "
+                   "so the chain has one of Kaggle's two GPU slots to hold.")
 @click.option("--ranks", type=click.IntRange(1, 2), default=None,
               help="Ranks per session and in the uninterrupted run (default: as many as the job gets on Kaggle, "
                    "as gloo ranks on the CPU).")
@@ -502,7 +505,7 @@ def release(job: Path, which: str, model: str | None, dataset: str | None, publi
               help="Kaggle's strict behaviour (403s, lagging versions, ignored pins, lost output) or a kind one.")
 @TARGET
 def rehearse(job: Path, sessions: int, by_time: bool, session_limit: float | None, kills: int, unattended: bool,
-             ranks: int | None, seed: int, sets: dict[str, Any], fault_spec: str, strict: bool,
+             busy_gpu: bool, ranks: int | None, seed: int, sets: dict[str, Any], fault_spec: str, strict: bool,
              target: str | None) -> None:
     """The whole chain on this machine against a local Kaggle, compared with one uninterrupted run.
 
@@ -515,6 +518,7 @@ def rehearse(job: Path, sessions: int, by_time: bool, session_limit: float | Non
       kchain rehearse myjob/job.yaml
       kchain rehearse myjob/job.yaml --sessions 4 --kills 2 --faults 429=0.15,500=0.10
       kchain rehearse myjob/job.yaml --unattended      # each session pushes the next
+      kchain rehearse myjob/job.yaml --unattended --busy-gpu   # beside another GPU session
       kchain rehearse myjob/job.yaml --by-time --session-limit 60 --set steps=300
       kchain rehearse myjob/job.yaml --target slurm    # with a slurm: section: the sbatch script
     """
@@ -522,6 +526,9 @@ def rehearse(job: Path, sessions: int, by_time: bool, session_limit: float | Non
     from kchain.rehearse import emulator_switches, parse_fault_spec
     from kchain.rehearse import rehearse as run_rehearse
 
+    if busy_gpu and not unattended:
+        raise click.UsageError("--busy-gpu is for --unattended: an attended chain pushes each session after the last "
+                               "one ended, so it never holds more than one GPU slot")
     if target:
         from kchain.targets.rehearsal import rehearse_target
 
@@ -530,7 +537,8 @@ def rehearse(job: Path, sessions: int, by_time: bool, session_limit: float | Non
 
     result = run_rehearse(job, sessions=None if by_time else sessions, session_limit_s=session_limit, kills=kills,
                           seed=seed, params=sets, faults=parse_fault_spec(fault_spec, seed),
-                          switches=emulator_switches(strict), echo=click.echo, ranks=ranks, unattended=unattended)
+                          switches=emulator_switches(strict), echo=click.echo, ranks=ranks, unattended=unattended,
+                          busy_gpu=busy_gpu)
     if not result.passed:
         raise KchainError(f"rehearsal: the chained run {result.verdict}")
 
@@ -647,6 +655,9 @@ def _option_kwargs(f: Any, hint: Any, kind: str) -> dict[str, Any]:
               help="An access token (as KAGGLE_API_TOKEN holds it) and the user it belongs to; repeatable.")
 @click.option("--secret", "secrets", multiple=True, metavar="NAME:LABEL=VALUE", callback=_pairs(":"),
               help="A Kaggle Secret of user NAME, readable in that user's kernels; repeatable.")
+@click.option("--attach-secret", "attached", multiple=True, metavar="OWNER/SLUG",
+              help="The user attached their Secrets to kernel OWNER/SLUG in the web UI (and attaches them again after "
+                   "each push of their own: see --secrets-reset-on-push); repeatable.")
 @click.option("--competition", "competitions", multiple=True, metavar="SLUG:USER", callback=_pairs(":"),
               help="USER accepted the rules of competition SLUG (else it is an invalid source); repeatable.")
 @click.option("--lenient", is_flag=True,
@@ -655,7 +666,8 @@ def _option_kwargs(f: Any, hint: Any, kind: str) -> dict[str, Any]:
                    "still override it.")
 @_emulator_fields
 def serve(state_dir: Path, port: int, users: list[tuple[str, str]], tokens: list[tuple[str, str]],
-          secrets: list[tuple[str, str]], competitions: list[tuple[str, str]], lenient: bool, **fields: Any) -> None:
+          secrets: list[tuple[str, str]], attached: tuple[str, ...], competitions: list[tuple[str, str]],
+          lenient: bool, **fields: Any) -> None:
     """Run a local Kaggle for the unmodified `kaggle` client until interrupted; prints the `export`
     lines a shell needs. Switches default to Kaggle's strict behaviour; faults to none
     (docs/emulator.md gives each one's source).
@@ -665,6 +677,9 @@ def serve(state_dir: Path, port: int, users: list[tuple[str, str]], tokens: list
       kchain emulator serve --state /tmp/kaggle --session-limit 60
       kchain emulator serve --state /tmp/kaggle --user alice:0123abcd --missing-status 404
       kchain emulator serve --state /tmp/kaggle --lenient --version-lag 5 --rate-429 0.1
+      kchain emulator serve --state /tmp/kaggle --user kchain:0123abcd --secret kchain:KAGGLE_USERNAME=kchain \\
+        --secret kchain:KAGGLE_KEY=0123abcd --attach-secret kchain/myjob --attach-secret kchain/myjob-doctor \\
+        --kernel-may-push --no-secrets-reset-on-push     # what `kchain push --unattended` needs
     """
     from kchain.emulator.app import emulator_options
     from kchain.emulator.app import serve as run_emulator
@@ -678,7 +693,7 @@ def serve(state_dir: Path, port: int, users: list[tuple[str, str]], tokens: list
         accepted.setdefault(slug, []).append(user)
     given = {name: value for name, value in fields.items() if value is not None}
     run_emulator(state_dir, port=port, users=dict(users), tokens=dict(tokens), secrets=labels, competitions=accepted,
-                 **emulator_options(lenient, **given))
+                 attached=list(attached), **emulator_options(lenient, **given))
 
 
 def main() -> None:

@@ -11,7 +11,9 @@ Stages, each a list of checklist lines (`ok` / `warn` / `FAIL`, the fix in the t
    `no_run`) as the separate kernel `<name>-doctor`, and every source Kaggle calls invalid named;
 4. image (`--no-probe` skips it): the probe notebook as the next version of `<name>-doctor` on a
    free CPU session (accelerator none, the job's internet setting and inputs, the state dataset),
-   its output parsed strictly (`kchain-probe/1`) and compared with this laptop;
+   its output parsed strictly (`kchain-probe/1`) and compared with this laptop; with internet and the
+   Secrets, the probe pushes the next version of its kernel from inside itself (a CPU session), and the
+   doctor reads whether that kernel-pushed version still saw the Secrets (`hop` in doctor.json);
 5. publishing: in-kernel publish or the laptop relay, said plainly.
 
 Everything learned goes to `doctor.json` next to the run log, atomically; no credential ever goes
@@ -41,7 +43,7 @@ from kchain.errors import ChainStop, CredentialsError, DoctorFailed, KaggleError
 from kchain.kaggle_api import MISSING_CREDENTIALS, KaggleClient, lost_answer, new_kernel_version
 from kchain.ledger import Ledger, iso, now_utc, state_dir
 from kchain.models import model_problem
-from kchain.names import state_dataset
+from kchain.names import doctor_kernel, state_dataset
 from kchain.render import METADATA_FILE, Rendered, render_job, render_probe
 from kchain.spec import Job, load_job
 
@@ -51,6 +53,7 @@ DOCTOR_FILE = "doctor.json"
 FORMAT = 1
 PROBE_FORMAT = "kchain-probe/1"
 PROBE_OUTPUT = "kchain-probe.json"
+HOP_OUTPUT, HOP_FORMAT = "kchain-hop.json", "kchain-hop/1"  # the probe's kernel-pushed version (kchain_probe.py)
 SECRET_LABELS = ("KAGGLE_USERNAME", "KAGGLE_KEY")
 # What the probe must report, with the type each key holds (the format is parsed strictly).
 PROBE_KEYS: dict[str, type | tuple[type, ...]] = {
@@ -227,7 +230,7 @@ def _sources(client: KaggleClient, job: Job, owner: str, check: _Checklist, repo
 
 def doctor_slug(job: Job) -> str:
     """The doctor's own kernel, never the job's: `<name>-doctor` within Kaggle's 50 characters."""
-    return f"{job.name[:43].rstrip('-')}-doctor"
+    return doctor_kernel("", job.name).split("/", 1)[1]
 
 
 def _kernel_folder(folder: Path, notebook: str, metadata: dict[str, Any], slug: str) -> Path:
@@ -511,17 +514,71 @@ def _online(job: Job, probe: bool, probe_timeout_s: float, check: _Checklist, re
     _publishing(job, result, owner, report, check)
     if result is not None and result.get("kernel_push"):
         _kernel_push(result["kernel_push"], ref, check)
+        _hop(client, job, ref, result["kernel_push"], probe_timeout_s, check, report)
     return result is not None
 
 
 def _kernel_push(answer: dict[str, Any], ref: str, check: _Checklist) -> None:
     """The probe's try at a kernel push from inside a kernel: what `kchain push --unattended` needs."""
     if answer.get("ok"):
-        check("ok", "unattended", f"a kernel may push a kernel on this account: the probe saved {ref} from inside "
+        check("ok", "unattended", f"a kernel may push a kernel on this account: the probe pushed {ref} from inside "
                                   "itself; `kchain push --unattended` can chain sessions with the laptop shut")
     else:
         check("warn", "unattended", f"the probe could not push a kernel from inside itself ({answer.get('error')}): "
                                     "`kchain push --unattended` is refused; chains go on through `kchain continue`")
+
+
+def _hop_secrets(client: KaggleClient, job: Job, ref: str, number: int, timeout_s: float) -> tuple[str, bool | None]:
+    """The status of the version the probe pushed, and whether it saw both Secret labels (None: unknown)."""
+    status, _message = _wait(client, ref, number, timeout_s)
+    if status not in TERMINAL:
+        return status, None
+    dest = state_dir(job.path) / "doctor-probe" / f"{job.name}-hop"
+    shutil.rmtree(dest, ignore_errors=True)
+    try:
+        files, _log = client.output(ref, number, dest)
+        data = json.loads(next(f for f in files if f.name == HOP_OUTPUT).read_text(encoding="utf-8"))
+        seen = data["secrets"]["visible"] if data.get("format") == HOP_FORMAT else None
+    except (KaggleError, StopIteration, OSError, ValueError, KeyError, TypeError):
+        seen = None
+    return status, None if not isinstance(seen, dict) else all(seen.get(label) is True for label in SECRET_LABELS)
+
+
+def _hop(client: KaggleClient, job: Job, ref: str, answer: dict[str, Any], timeout_s: float, check: _Checklist,
+         report: Report) -> None:
+    """The version the probe pushed from inside itself: did it keep its Secrets? Every kernel-pushed session of
+    an unattended chain, and its relay, need them (a report says a push resets them: kaggle-api.md 6.5)."""
+    number = answer.get("version")
+    if not (answer.get("ok") and number):
+        return
+    status, kept = _hop_secrets(client, job, ref, int(number), timeout_s)
+    report.facts["hop"] = {"version": number, "status": status, "secrets_kept": kept}
+    pushed = f"{ref} version {number}, pushed from inside the probe,"
+    if kept:
+        check("ok", "secrets", f"{pushed} still saw Secrets {' and '.join(SECRET_LABELS)}: a kernel-pushed kernel "
+                               "keeps them, so an unattended chain's relays and sessions can push")
+    elif kept is False:
+        check("warn", "secrets", f"{pushed} saw no Secrets: Kaggle reset them at the push (as a report says "
+                                 "`kaggle kernels push` does), so an unattended chain hands over to the laptop on "
+                                 "its first hop (`kchain continue` pushes each session after the first)")
+    else:
+        check("warn", "secrets", f"whether a kernel-pushed kernel keeps its Secrets is unknown: {ref} version "
+                                 f"{number} ended {status} without {HOP_OUTPUT}; run `kchain doctor {job.path}` again")
+
+
+def unattended_note(job: Job) -> str | None:
+    """For `kchain push --unattended`: one line when the doctor saw a kernel-pushed kernel lose its Secrets (the
+    chain hands over to the laptop on its first hop), or could not tell; None when it saw them kept."""
+    entry = (_read_json(doctor_file(job), {}) or {}).get("jobs", {}).get(job.name) or {}
+    kept = (entry.get("hop") or {}).get("secrets_kept")
+    if kept:
+        return None
+    if kept is False:
+        return (f"  hand-over: kchain doctor saw a kernel-pushed kernel lose its Secrets on this account, so no kernel "
+                f"can push the next session: session 1 publishes its state, then the laptop takes the chain over "
+                f"(run `kchain continue --watch {job.path}`)")
+    return (f"  note: kchain doctor did not see whether a kernel-pushed kernel keeps its Secrets; if it does not, the "
+            f"laptop takes the chain over after session 1 (`kchain doctor {job.path}` checks it)")
 
 
 def refuse_unattended(job: Job) -> None:

@@ -1,7 +1,7 @@
 """Names kchain derives from a job's name, and whether Kaggle can hold them.
 
 A chain uses three Kaggle names: the kernel `<owner>/<name>` and the datasets `<owner>/<name>-state`
-and `<owner>/<name>-cache`. Kaggle's dataset slugs are 6 to 50 characters, so a name longer than
+and `<owner>/<name>-cache` (and the doctor's CPU kernel `<owner>/<name>-doctor`, an unattended chain's relay). Kaggle's dataset slugs are 6 to 50 characters, so a name longer than
 50 - len("-state") = 44 characters cannot carry its state. spec.py may call `name_problem` to
 refuse such a name when the job is loaded; push and continue call it before creating anything.
 """
@@ -23,6 +23,12 @@ def state_dataset(owner: str, name: str) -> str:
 def cache_dataset(owner: str, name: str) -> str:
     """`<owner>/<name>-cache`: the data staged by run.stage, versioned when it changes."""
     return f"{owner}/{name}{CACHE_SUFFIX}"
+
+
+def doctor_kernel(owner: str, name: str) -> str:
+    """`<owner>/<name>-doctor`: the doctor's CPU kernel (quick save, probe), and an unattended chain's relay
+    (common/relay.py: the kernel whose Secrets and kernel push the doctor proved), within 50 characters."""
+    return f"{owner}/{name[:43].rstrip('-')}-doctor"
 
 
 def name_problem(name: str) -> str | None:

@@ -17,7 +17,7 @@ from kchain.common.kernel_states import LIVE
 from kchain.common.sendonce import NotLanded, send_and_settle
 from kchain.common.sessionrecord import SessionRecord
 from kchain.datasets import ensure_state_dataset
-from kchain.doctor import refuse_unattended, suggest_doctor
+from kchain.doctor import refuse_unattended, suggest_doctor, unattended_note
 from kchain.errors import ChainStop, KaggleError, NotSmoked, SpecError
 from kchain.kaggle_api import (
     InvalidSources,
@@ -30,7 +30,7 @@ from kchain.kaggle_api import (
 )
 from kchain.ledger import Ledger, iso, new_run_id, now_utc, state_dir
 from kchain.models import model_problem
-from kchain.names import name_problem
+from kchain.names import doctor_kernel, name_problem
 from kchain.render import Rendered, render_job, write_rendered
 from kchain.sessions import rebuild
 from kchain.spec import Job, load_job, parse_duration
@@ -198,6 +198,9 @@ def push(job_file: Path, skip_smoke: bool = False, force: bool = False, echo: Ec
     job = load_job(job_file)
     if unattended:
         refuse_unattended(job)  # the doctor must have seen a kernel push a kernel on this account
+        note = unattended_note(job)  # a kernel-pushed kernel without its Secrets: the laptop takes over
+        if note:
+            echo(note)
     suggest_doctor(job, echo)  # one line when doctor.json is missing or stale; never blocks
     return push_job(job, Ledger(state_dir(job.path)), KaggleClient(), skip_smoke=skip_smoke, force=force, echo=echo,
                     unattended=unattended)
@@ -235,7 +238,7 @@ def push_job(job: Job, ledger: Ledger, client: KaggleClient, skip_smoke: bool = 
         raise NotSmoked.for_job(job_file)
     plan = plan_for(job, ledger, client)
     echo(f"kchain push {job_file}: session 1 of {owner}/{job.name}")
-    for line in plan.lines():
+    for line in plan.lines() + ([slots_line(job, owner)] if unattended else []):
         echo(line)
     check_budget(job, plan, force, job_file)
     ensure_state_dataset(client, owner, job.name, echo)
@@ -251,6 +254,14 @@ def push_job(job: Job, ledger: Ledger, client: KaggleClient, skip_smoke: bool = 
     return record
 
 
+def slots_line(job: Job, owner: str) -> str:
+    """How many of the account's GPU slots an unattended chain holds (Kaggle runs two GPU sessions per account)."""
+    if not job.gpu:
+        return "  GPU slots      none (the job runs on the CPU): each session pushes the next itself"
+    return (f"  GPU slots      1 of the account's 2 at any time: each session hands the push of the next to a CPU relay "
+            f"({doctor_kernel(owner, job.name)}, no accelerator), which pushes it once the session has ended")
+
+
 def unrecorded_chain(client: KaggleClient, ledger: Ledger, job: Job) -> list[SessionRecord]:
     """This laptop has no record of the job (another laptop pushed it, or its state folder is new): an
     unattended chain is rebuilt from Kaggle's records (sessions.rebuild), so that the refusal below names
@@ -262,8 +273,8 @@ def unrecorded_chain(client: KaggleClient, ledger: Ledger, job: Job) -> list[Ses
 def reconcile(client: KaggleClient, ledger: Ledger, job: Job) -> list[SessionRecord]:
     """Settle a push that an earlier kchain run sent but never heard back from."""
     for record in ledger.sessions(job.name):
-        if record["status"] != "PUSHING":
-            continue
+        if record["status"] != "PUSHING" or record.get("relay"):
+            continue  # a relay's push is settled from what the relay did, once it ended (sessions.settle_relay)
         version = client.kernel_version(record["kernel"])
         if version and version != record.get("version_before"):
             url = client.kernel_url(record["kernel"])

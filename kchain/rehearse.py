@@ -15,6 +15,7 @@ kills asked for happened and the chain trained every step it asked for.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import secrets
 import shutil
@@ -42,7 +43,7 @@ from kchain.errors import ChainStop, KaggleError, KchainError
 from kchain.inputs import local_inputs, mount_inputs
 from kchain.kaggle_api import KaggleClient
 from kchain.ledger import Ledger, new_run_id, state_dir
-from kchain.names import state_dataset
+from kchain.names import doctor_kernel, state_dataset
 from kchain.plot import newest_trace
 from kchain.push import push_job
 from kchain.render import render_job, write_rendered
@@ -54,6 +55,7 @@ from kchain.traces import compare_traces, read_trace, sandbox_trace
 
 Echo = Callable[[str], None]
 USER = "rehearsal"
+BUSY = "rehearsal-busy-gpu"  # busy_gpu: the other GPU kernel of the account
 SESSIONS = 3  # the default plan: the total in 3 spans, so 4 sessions with the one kill
 SAFETY_LIMIT_S = 3600.0  # sessions planned in steps: a wall-clock limit only a stuck session meets
 BY_TIME_LIMIT_S = 20.0  # sessions planned in seconds (--by-time): their limit unless --session-limit
@@ -243,16 +245,16 @@ def rehearse(job_file: Path, sessions: int | None = SESSIONS, session_limit_s: f
              kills: int = 1, seed: int = 0, params: dict[str, Any] | None = None, faults: Faults | None = None, internet: bool | None = None,
              echo: Echo = print, poll_s: float = 0.5, key: str | None = None,
              switches: Switches | None = None, ranks: int | None = None, unattended: bool = False,
-             no_secret_in: int | None = None, stale: StaleRule | None = None) -> Rehearsal:
+             no_secret_in: int | None = None, stale: StaleRule | None = None, busy_gpu: bool = False) -> Rehearsal:
     """Named stages: the rehearsal's job -> a local Kaggle with the inputs on it -> the reference
     run beside the chain -> the chain with its kills -> the traces compared. sessions: the run's total
     in that many spans, each session stopped at a planned step (None: sessions by time, of session_limit_s
     seconds, BY_TIME_LIMIT_S unless given); session_limit_s: the wall-clock limit (planned in steps, a
-    safety net of SAFETY_LIMIT_S unless given). ranks: per session and
-    in the reference (default: as many as the job gets on Kaggle). unattended: `push --unattended`, then
-    the laptop only watches (each kernel pushes the next; the emulator's kernel_may_push is on), taking
-    over only when a kernel could not push (its counts, Unattended, must all be zero to pass); no_secret_in:
-    that session's kernel finds no Secret (a hand-over).
+    safety net of SAFETY_LIMIT_S unless given). ranks: per session and in the reference (default: as many as
+    the job gets on Kaggle). unattended: `push --unattended`, then the laptop only watches (each kernel pushes
+    the next; the emulator's kernel_may_push is on), taking over only when a kernel could not push (its counts,
+    Unattended, must all be zero to pass); no_secret_in: that session's kernel finds no Secret (a hand-over);
+    busy_gpu: another GPU session of the account runs throughout, so the chain has one GPU slot to hold.
     stale: the rule by which the watch judges a RUNNING session stale and deletes its kernel (once the
     chain's state is safe) to chain on, as `continue --watch --delete-stale` does; None: the job's rule, no delete."""
     base = load_job(job_file)
@@ -275,11 +277,13 @@ def rehearse(job_file: Path, sessions: int | None = SESSIONS, session_limit_s: f
         reference.start()
         rebuilt = None
         if unattended:
-            emu.switches.kernel_may_push = True  # on Kaggle: what the doctor's probe saw (push --unattended)
+            # On Kaggle: what the doctor's probe saw (push --unattended): a kernel may push a kernel, and the
+            # version it pushes keeps its Secrets.
+            emu.switches.kernel_may_push, emu.switches.secrets_reset_on_push = True, False
             # A kill takes the training process alone (the OOM killer): the kernel lives on to publish and push,
             # so the chain stays unattended; a session's own death is the hand-over (no_secret_in's test).
             emu.faults.kill_training_only = True
-            stop, rebuilt = run_unattended(emu, job, ledger, kill, poll_s, echo, no_secret_in)
+            stop, rebuilt = run_unattended(emu, job, ledger, kill, poll_s, echo, no_secret_in, busy_gpu)
         else:
             job, stop = run_chain(emu, job, ledger, kill, session_limit_s if by_time else None, poll_s, echo, stale)
         stop = in_rehearsal_terms(stop, by_time, session_limit_s)
@@ -476,7 +480,8 @@ def run_chain(emu: Emulator, job: Job, ledger: Ledger, kill: Killer, session_lim
 
 
 def run_unattended(emu: Emulator, job: Job, ledger: Ledger, kill: Killer, poll_s: float, echo: Echo,
-                   no_secret_in: int | None = None) -> tuple[ChainStop | None, list[dict[str, Any]] | str | None]:
+                   no_secret_in: int | None = None,
+                   busy_gpu: bool = False) -> tuple[ChainStop | None, list[dict[str, Any]] | str | None]:
     """`push --unattended`, then the laptop waits: only once the chain's newest session has ended without
     a successor (its kernel could not push, or it was the last) does `continue` look (the records rebuilt
     from Kaggle) and act; its pushes after session 1 are counted in `ledger`'s records (pushed_by).
@@ -485,6 +490,9 @@ def run_unattended(emu: Emulator, job: Job, ledger: Ledger, kill: Killer, poll_s
     with _env({**emu.env(USER), "KCHAIN_HOME": str(ledger.root)}):
         client = KaggleClient(backoff_s=0.2, max_backoff_s=2.0)
         emu.attach_secrets(ref)
+        emu.attach_secrets(doctor_kernel(USER, job.name))  # the relay's kernel, as `kchain doctor` asked
+        if busy_gpu:
+            occupy_gpu(client, ledger.root.parent / "busy", echo)
         ledger.save_publish_figures(job.name, measure_publish(emu, emu.faults, echo))
         kill(1)
         push_job(job, ledger, client, skip_smoke=True, force=True, echo=echo, unattended=True)
@@ -511,6 +519,20 @@ def run_unattended(emu: Emulator, job: Job, ledger: Ledger, kill: Killer, poll_s
                 echo(f"  the laptop took over: {decision.message}")
                 emu.attach_secrets(ref)  # the user attached them again
             time.sleep(poll_s)
+
+
+def occupy_gpu(client: KaggleClient, folder: Path, echo: Echo) -> None:
+    """Another GPU session of the account, running until the local Kaggle stops (a notebook in the browser)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    cell: dict[str, Any] = {"cell_type": "code", "execution_count": None, "metadata": {}, "outputs": [],
+                            "source": "import time\ntime.sleep(24 * 3600)"}
+    (folder / "busy.ipynb").write_text(json.dumps({"cells": [cell], "metadata": {}, "nbformat": 4,
+                                                   "nbformat_minor": 5}))
+    (folder / "kernel-metadata.json").write_text(json.dumps({
+        "id": f"{USER}/{BUSY}", "title": BUSY, "code_file": "busy.ipynb", "language": "python",
+        "kernel_type": "notebook", "is_private": True, "enable_gpu": True, "enable_internet": False}))
+    version, _url = client.push(folder)
+    echo(f"  another GPU session holds one of the account's slots: {USER}/{BUSY} version {version}")
 
 
 def rebuilt_from_kaggle(client: KaggleClient, job: str, root: Path) -> list[dict[str, Any]] | str:

@@ -28,7 +28,7 @@ from kchain.common import atomic, layout, nextkernel
 from kchain.common.config import KaggleConfig
 from kchain.credentials import secret_strings
 from kchain.errors import RenderError
-from kchain.names import cache_dataset, state_dataset
+from kchain.names import cache_dataset, doctor_kernel, state_dataset
 from kchain.spec import Job, decode_text, notebook_name, parse_duration, runtime_config
 
 METADATA_FILE = "kernel-metadata.json"
@@ -381,7 +381,9 @@ def _next_template(env: jinja2.Environment, values: dict[str, Any], job: Job, ow
     notebook = _canonical(env.get_template("notebook.ipynb.j2").render(**{**values, **placeholders}))
     chain = {"kernel": f"{owner}/{job.name}", "session_limit_s": parse_duration(job.train.session_limit),
              "weekly_gpu_hours": job.budget.weekly_gpu_hours, "gpu": job.gpu, "job_file": job.path.name,
-             "cache_dataset": cache_dataset(owner, job.name) if owner else None, "image": None}
+             "cache_dataset": cache_dataset(owner, job.name) if owner else None, "image": None,
+             # A GPU chain hands each push to a CPU relay (common/relay.py), so it holds one GPU slot at a time.
+             "relay": doctor_kernel(owner, job.name) if owner and job.gpu else None}
     return json.dumps({"format": nextkernel.FORMAT, "notebook": notebook, "chain": chain,
                        "metadata": _canonical(_metadata(env, job, owner, None))}, sort_keys=True)
 

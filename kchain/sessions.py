@@ -19,6 +19,7 @@ from kchain.common import layout
 from kchain.common.heartbeat import duration
 from kchain.common.kernel_states import LIVE, TERMINAL
 from kchain.common.nextkernel import NEXT_KEY
+from kchain.common.relay import RELAY_FILE
 from kchain.common.sessionrecord import SessionRecord
 from kchain.common.summary import Summary, read_working
 from kchain.errors import ChainStop, KaggleError, KchainError
@@ -106,6 +107,8 @@ def refresh(client: KaggleClient, ledger: Ledger, job: str, live_log: bool = Fal
     if not ledger.sessions(job):
         rebuild(client, ledger, job)
     for record in ledger.sessions(job):
+        if record["status"] == "PUSHING" and record.get("relay"):
+            settle_relay(client, ledger, job, record)
         if record["status"] not in LIVE or record.get("version") is None:
             continue
         status, failure = client.status(record["kernel"], record["version"])
@@ -196,12 +199,41 @@ def adopt_pushed(ledger: Ledger, job: str) -> bool:
     }
     if pushed.get("version"):
         record.update({"status": "QUEUED", "version": pushed["version"], "started": record["requested"]})
+    elif pushed.get("decision") == "relayed":  # a CPU relay pushes it once `last` has ended: settle_relay
+        record.update({"status": "PUSHING", "version": None, "relay": pushed["relay"],
+                       "relay_version": pushed["relay_version"]})
     elif pushed.get("decision") == "outcome unknown":
         record.update({"status": "PUSHING", "version": None})
     else:
         return False
     ledger.save_session(job, record)
     return True
+
+
+def settle_relay(client: KaggleClient, ledger: Ledger, job: str, record: SessionRecord) -> None:
+    """A session an unattended chain's CPU relay pushes (common/relay.py), once the relay has ended: QUEUED as
+    the version it pushed, FAILED_TO_PUSH when it pushed nothing (`continue` pushes it), or, when what it did is
+    unknown (its output lost, the push's answer lost), PUSHING for push.reconcile to settle from the kernel's
+    versions. While the relay runs the record stays PUSHING: nobody else pushes."""
+    relay, number = record["relay"], record.get("relay_version")
+    status, _failure = client.status(relay, number)
+    if status not in TERMINAL:
+        return
+    dest = ledger.root / "relays" / job / str(record["session"])
+    try:
+        client.output(relay, number, dest)
+        said = json.loads((dest / RELAY_FILE).read_text(encoding="utf-8"))
+    except (KchainError, OSError, ValueError):
+        said = {}
+    del record["relay"]
+    record["relay_said"] = str(said.get("why") or f"the relay {relay} version {number} ended {status} and left no "
+                                                  f"{RELAY_FILE}")
+    if said.get("version"):
+        record.update({"status": "QUEUED", "version": int(said["version"]),
+                       "started": record.get("requested", iso(now_utc()))})
+    elif said and not said.get("unknown"):
+        record.update({"status": "FAILED_TO_PUSH", "failure_message": f"the relay did not push it: {record['relay_said']}"})
+    ledger.save_session(job, record)
 
 
 def note_image(client: KaggleClient, record: SessionRecord) -> bool:
@@ -402,6 +434,9 @@ def session_note(s: SessionRecord, stale_now: dict[int, Stale] | None = None) ->
     """A session's last words: stale, outcome unknown, dropped sources, a failure, its heartbeat or its end."""
     if s["session"] in (stale_now or {}):
         return (stale_now or {})[s["session"]].note()
+    if s["status"] == "PUSHING" and s.get("relay"):
+        return (f"handed to the relay {s['relay']} version {s.get('relay_version')} (a CPU session): it pushes this "
+                "session once the one before has ended")
     if s["status"] == "PUSHING":
         return ("outcome unknown: the push was sent and its answer lost; `kchain continue` checks the "
                 "kernel's versions before pushing again")

@@ -137,10 +137,35 @@ def _secrets(labels: list[str]) -> dict:
     return {"visible": visible, "error": error}
 
 
+HOP_OUTPUT = "kchain-hop.json"
+HOP_FORMAT = "kchain-hop/1"
+# The version this probe pushes of its own kernel: does a kernel-pushed version keep its Secrets? (A report
+# says `kaggle kernels push` resets a kernel's Secrets: kaggle-api.md 6.5.) Standard library only; it keeps
+# whether each label was visible, never a value.
+HOP_CELL = """# kchain doctor: a version pushed from inside a kernel: are its Secrets still attached?
+import json
+seen = {}
+try:
+    from kaggle_secrets import UserSecretsClient
+    client = UserSecretsClient()
+except Exception:
+    client = None
+for label in ("KAGGLE_USERNAME", "KAGGLE_KEY"):
+    try:
+        seen[label] = bool(client.get_secret(label)) if client is not None else False
+    except Exception:
+        seen[label] = False
+with open("@OUTPUT@", "w") as f:
+    json.dump({"format": "@FORMAT@", "secrets": {"visible": seen}}, f)
+print("[kchain] hop: Secret labels visible:", seen, flush=True)
+""".replace("@OUTPUT@", HOP_OUTPUT).replace("@FORMAT@", HOP_FORMAT)
+
+
 def _kernel_push(config: dict, secrets: dict) -> dict:
     """Whether a kernel may push a kernel on this account (an unattended chain needs it; Kaggle documents
-    neither way): a quick save (no run) of this probe's own kernel, from inside it, with the Secrets' key.
-    The key lives in this process's environment only and is never printed or kept."""
+    neither way): the next version of this probe's own kernel, pushed from inside it with the Secrets' key,
+    runs HOP_CELL on a CPU session (accelerator none); `kchain doctor` reads its HOP_OUTPUT. The key lives
+    in this process's environment only and is never printed or kept."""
     ref = config["kernel"] if "kernel" in config else None  # a probe rendered by an older kchain has none
     if not config["internet"] or not ref:
         return {"tried": False, "ok": False, "error": "internet is off for this kernel"}
@@ -157,14 +182,13 @@ def _kernel_push(config: dict, secrets: dict) -> dict:
 
         api = KaggleApi()
         api.authenticate()
-        cell = {"cell_type": "code", "execution_count": None, "metadata": {}, "outputs": [],
-                "source": "print('kchain doctor: a kernel pushed by a kernel')"}
+        cell = {"cell_type": "code", "execution_count": None, "metadata": {}, "outputs": [], "source": HOP_CELL}
         (folder / "probe.ipynb").write_text(json.dumps({"cells": [cell], "metadata": {}, "nbformat": 4,
                                                         "nbformat_minor": 5}))
         (folder / "kernel-metadata.json").write_text(json.dumps({
             "id": ref, "title": ref.split("/", 1)[1], "code_file": "probe.ipynb", "language": "python",
             "kernel_type": "notebook", "is_private": True, "enable_gpu": False, "enable_internet": True}))
-        answer = api.kernels_push(str(folder), no_run=True)
+        answer = api.kernels_push(str(folder))
     except Exception as exc:  # noqa: BLE001 - the answer, whatever it is, is what the doctor records
         code = getattr(getattr(exc, "response", None), "status_code", None)  # requests' HTTPError has it
         said = f"HTTP {code}" if code else type(exc).__name__
@@ -172,7 +196,8 @@ def _kernel_push(config: dict, secrets: dict) -> dict:
     finally:
         shutil.rmtree(folder, ignore_errors=True)
     error = str(getattr(answer, "error", "") or "")
-    return {"tried": True, "ok": not error, "error": error[:200] or None}
+    version = int(getattr(answer, "version_number", 0) or 0) or None
+    return {"tried": True, "ok": not error, "error": error[:200] or None, "version": None if error else version}
 
 
 def probe(config: dict) -> dict:

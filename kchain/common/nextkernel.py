@@ -112,7 +112,8 @@ def record(kchain_dir: Path, next_record: dict[str, Any], say: Say) -> None:
 
 
 def kernel_version(api: Any, ref: str) -> int | None:
-    """The kernel's newest version number (GetKernel), or None if it cannot be read."""
+    """The kernel's newest version number (GetKernel): 0 when Kaggle says there is no such kernel (403, 404:
+    kaggle-api.md 8), None when no answer came (the caller asks again: `read_version`)."""
     from kagglesdk.kernels.types.kernels_api_service import ApiGetKernelRequest
 
     owner, slug = ref.split("/", 1)
@@ -121,15 +122,26 @@ def kernel_version(api: Any, ref: str) -> int | None:
             request = ApiGetKernelRequest()
             request.user_name, request.kernel_slug = owner, slug
             return int(kaggle.kernels.kernels_api_client.get_kernel(request).metadata.current_version_number or 0)
-    except Exception:  # noqa: BLE001 - unknown: the caller settles by looking again
-        return None
+    except Exception as exc:  # noqa: BLE001 - unknown: the caller settles by looking again
+        return 0 if sendonce.status_code(exc) in (403, 404) else None
+
+
+def read_version(api: Any, ref: str, attempts: int = 4) -> int | None:
+    """kernel_version, asked again after no answer (a 429, a 500, a reset): a push is settled against this
+    number, so an unknown one must not pass for "no version yet"."""
+    for attempt in range(attempts):
+        version = kernel_version(api, ref)
+        if version is not None or attempt == attempts - 1:
+            return version
+        time.sleep(min(2.0 ** attempt, 8.0))
+    return None
 
 
 def push_once(api: Any, folder: Path, ref: str, timeout_s: int, until: float) -> dict[str, Any]:
     """The next kernel version, sent once: a failed send is settled by the kernel's version number (a
     new one: it landed); sent again only when the version says it did not land and time is left.
     Returns {version | refused | unknown, version_before}."""
-    before = kernel_version(api, ref)
+    before = read_version(api, ref)
     out: dict[str, Any] = {"version_before": before}
 
     def landed() -> int | None:
@@ -164,17 +176,22 @@ def write_kernel(folder: Path, name: str, notebook: str, metadata: str) -> None:
     (folder / "kernel-metadata.json").write_text(metadata, encoding="utf-8")
 
 
-def send_next(api: Any, template: dict[str, Any], src: Path, config: dict[str, Any], plan: dict[str, Any],
-              until: float) -> dict[str, Any]:
-    """Render the next session from the template (plan: session, sources, resume, publish) and push it once."""
-    chain = template["chain"]
+def write_next(folder: Path, template: dict[str, Any], src: Path, config: dict[str, Any], plan: dict[str, Any]) -> None:
+    """The next session's kernel folder from the template (plan: session, sources, resume, publish)."""
     payload = (src / PAYLOAD_FILE).read_text(encoding="ascii")
     notebook = fill_notebook(template["notebook"], plan["session"], plan["sources"],
                              next_config(config, plan["resume"], plan["publish"]), payload)
-    metadata = fill_metadata(template["metadata"], plan["sources"], chain.get("image"))
+    metadata = fill_metadata(template["metadata"], plan["sources"], template["chain"].get("image"))
+    write_kernel(folder, config["job"], notebook, metadata)
+
+
+def send_next(api: Any, template: dict[str, Any], src: Path, config: dict[str, Any], plan: dict[str, Any],
+              until: float) -> dict[str, Any]:
+    """Render the next session from the template and push it once."""
+    chain = template["chain"]
     work = Path(tempfile.mkdtemp(prefix="kchain-next-"))
     try:
-        write_kernel(work, config["job"], notebook, metadata)
+        write_next(work, template, src, config, plan)
         return push_once(api, work, chain["kernel"], int(chain["session_limit_s"]), until)
     finally:
         shutil.rmtree(work, ignore_errors=True)

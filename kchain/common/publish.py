@@ -27,7 +27,7 @@ from typing import Any
 
 PROCESS_START = time.monotonic()  # the client's start-up (the kaggle import) is measured from here
 
-from kchain.common import layout, nextkernel, nextsession, publishplan, sendonce, summary  # noqa: E402
+from kchain.common import layout, nextkernel, nextsession, publishplan, relay, sendonce, summary  # noqa: E402
 from kchain.common.config import RuntimeConfig  # noqa: E402
 from kchain.common.sessionrecord import SessionRecord  # noqa: E402
 
@@ -390,15 +390,25 @@ def push_next(api, unpacked: tuple[dict, Path], raw: dict, config: RuntimeConfig
         "session": n, "sources": sources, "publish": ended.publish_timing or config.kaggle.publish,
         "resume": nextkernel.resume_for(n, int(step or 0), version, verdict.attempt if verdict.again else 1)}
     t0 = time.monotonic()
-    sent = nextkernel.send_next(api, template, src, raw, plan, clock.until(SETTLE_S * 3))
+    if chain.get("relay"):  # a GPU chain: a CPU relay pushes it once this session has ended (common/relay.py)
+        left = time_left(config)
+        sent = relay.send(api, template, src, raw, plan, session_s if left is None else max(left, 0.0),
+                          clock.until(SETTLE_S * 3))
+    else:
+        sent = nextkernel.send_next(api, template, src, raw, plan, clock.until(SETTLE_S * 3))
     out = {"session": n, "state_version": version, "resumes_at": int(step or 0), "attempt": plan["resume"].get(
         "attempt", 1), "push_s": round(time.monotonic() - t0, 3), **sent}
-    if sent.get("version"):
+    if sent.get("relay_version"):
+        out.update(decision="relayed", why=f"handed session {n} to the relay {sent['relay']} version "
+                   f"{sent['relay_version']} (a CPU session), which pushes it once this session has ended (resuming at "
+                   f"step {step or 0} from state version {version}): the chain holds one GPU slot")
+    elif sent.get("version"):
         out.update(decision="pushed", pushed=True,
                    why=f"pushed session {n} (kernel version {sent['version']}), resuming at step {step or 0} from "
                        f"state version {version}")
     elif sent.get("refused"):
-        out.update(decision="left to the laptop", why=f"Kaggle refused the push: {sent['refused']}")
+        what = f"the relay's push ({sent['relay']})" if sent.get("relay") else "the push"
+        out.update(decision="left to the laptop", why=f"Kaggle refused {what}: {sent['refused']}")
     else:
         out.update(decision="outcome unknown", why=f"the push's answer was lost ({sent.get('unknown')}); "
                    "`kchain continue` settles it from the kernel's versions")

@@ -59,6 +59,9 @@ class SessionRecord(TypedDict, total=False):
     unattended: bool  # push --unattended (session 1) and every later one: each session pushes the next itself
     pushed_by: str  # "kernel": adopt_pushed made the record from the previous session's summary (`next`)
     rebuilt: int  # session 1 of a chain rebuilt from Kaggle alone (rebuild): the kernel's newest version then
+    relay: str  # adopt_pushed: the CPU relay kernel that pushes this session (common/relay.py), until settle_relay
+    relay_version: int  # its version that does; settle_relay reads what it did from that session's output
+    relay_said: str  # settle_relay: the relay's own line (what it pushed, or why it did not)
     # Written by push.push_session once Kaggle answered (or by push.reconcile after a lost answer):
     url: str  # the kernel's page
     started: str  # ISO UTC: the push's answer, then the kernel's own clock once it ended (refresh)

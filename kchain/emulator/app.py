@@ -47,6 +47,7 @@ class Emulator:
     session_limit_s = _shared("limits", "session_limit_s")
     gpu_quota_s = _shared("limits", "gpu_quota_s")
     max_gpu_sessions = _shared("limits", "max_gpu_sessions")
+    max_cpu_sessions = _shared("limits", "max_cpu_sessions")
     quota_week_offset_s = _shared("limits", "quota_week_offset_s")
     faults = _shared("rpcs", "faults")
     switches = _shared("rpcs", "switches")
@@ -56,11 +57,12 @@ class Emulator:
                  gpu_quota_s: float = 30 * 3600, max_gpu_sessions: int = 2,
                  secrets: dict[str, dict[str, str]] | None = None, port: int = 0,
                  faults: Faults | None = None, switches: Switches | None = None,
-                 competitions: dict[str, list[str]] | None = None, python: str = sys.executable) -> None:
+                 competitions: dict[str, list[str]] | None = None, python: str = sys.executable,
+                 max_cpu_sessions: int = 2, attached: list[str] | None = None) -> None:
         self.state_dir = Path(state_dir)
         self.users = dict(users or {})
         self.tokens = dict(tokens or {})  # token -> user name
-        self.limits = Limits(session_limit_s, gpu_quota_s, max_gpu_sessions)
+        self.limits = Limits(session_limit_s, gpu_quota_s, max_gpu_sessions, max_cpu_sessions=max_cpu_sessions)
         self.secrets = dict(secrets or {})
         self.competitions = {slug: list(users) for slug, users in (competitions or {}).items()}  # rules accepted by
         self.port = port
@@ -73,6 +75,8 @@ class Emulator:
                          lambda: self.url, self.secrets, self.competitions)
         self._server: EmulatorHTTPServer | None = None
         self._thread: threading.Thread | None = None
+        for ref in attached or ():
+            self.attach_secrets(ref)
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -151,11 +155,14 @@ class Emulator:
             time.sleep(0.05)
 
     def attach_secrets(self, ref: str) -> None:
-        """Stands for "the user attached their Secrets to kernel ref in the web UI" (no API can)."""
+        """Stands for "the user attached their Secrets to kernel ref in the web UI" (no API can), and attaches
+        them again after each push of their own (switches.secrets_reset_on_push; a push from a kernel: nobody)."""
         with self.store.lock:
             if ref not in self.store.secrets_attached:
                 self.store.secrets_attached.append(ref)
-                self.store.save()
+            if ref in self.store.secrets_reset:
+                self.store.secrets_reset.remove(ref)
+            self.store.save()
 
     def cancel(self, ref: str, version: int | None = None) -> None:
         """Stands for "the user stopped the session in the web UI"."""

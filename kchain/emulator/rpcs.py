@@ -236,6 +236,7 @@ class Rpcs:
             if refusal:
                 return {"error": refusal}
             image = self._image(save, body)
+            self._reset_secrets(save.ref, from_kernel)
             now = time.time()
             kernel = self._upsert_kernel(save, body, now)
             number, session_id = self._add_session(save, kernel, body, now)
@@ -300,18 +301,34 @@ class Rpcs:
 
     def _refusal(self, user: str, save: SaveRequest) -> str | None:
         """Kaggle's refusal in SaveKernel's `error` for a GPU run over the concurrency cap or the quota."""
-        if not (save.run and save.gpu):
+        if not save.run or save.tpu:
             return None
-        cap = self.limits.max_gpu_sessions
-        live = [s for s in self.store.sessions.values() if s["owner"] == user and s["gpu"] and s["status"] in LIVE]
+        # CPU sessions have a cap of their own and never count against the GPU cap (switches.Limits).
+        cap = self.limits.max_gpu_sessions if save.gpu else self.limits.max_cpu_sessions
+        live = [s for s in self.store.sessions.values() if s["owner"] == user and s["gpu"] == save.gpu
+                and not s.get("tpu") and s["status"] in LIVE]
         if len(live) >= cap:
-            return f"Maximum batch GPU session count of {cap} reached"
+            return f"Maximum batch {'GPU' if save.gpu else 'CPU'} session count of {cap} reached"
+        if not save.gpu:
+            return None
         used, quota = self._gpu_used_s(user, time.time()), self.limits.gpu_quota_s
         if used >= quota:
             refresh = week_start(time.time(), self.limits.quota_week_offset_s) + 7 * 86400
             return (f"GPU quota exceeded: {used / 3600:.2f} of {quota / 3600:.2f} hours "
                     f"used this week; the quota resets {refresh_words(refresh)}")
         return None
+
+    def _reset_secrets(self, ref: str, from_kernel: bool) -> None:
+        """switches.secrets_reset_on_push: a push resets the kernel's Secret attachments; under the lock. The
+        user re-attaches them after each push of their own (emu.attach_secrets); after a push from inside a
+        kernel nobody does, so that version and those after it see none until the user's next push."""
+        if not self.switches.secrets_reset_on_push:
+            return
+        reset = self.store.secrets_reset
+        if from_kernel and ref not in reset:
+            reset.append(ref)
+        elif not from_kernel and ref in reset:
+            reset.remove(ref)
 
     def _unknown_image(self, body: dict[str, Any]) -> str | None:
         """The refusal of a `dockerImage` that is not one of Kaggle's images ("must be one of the
@@ -889,4 +906,6 @@ class Rpcs:
         user, kernel_ref = found
         if self.switches.secrets_need_attaching and kernel_ref not in self.store.secrets_attached:
             return None
+        if self.switches.secrets_reset_on_push and kernel_ref in self.store.secrets_reset:
+            return None  # a push from inside a kernel reset them, and nobody attached them again
         return self.secrets.get(user, {}).get(label)

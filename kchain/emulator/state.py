@@ -54,7 +54,7 @@ class Store:
         self.path = self.root / "state.json"
         self.lock = threading.RLock()
         self.data: dict[str, Any] = {"next_id": 1, "kernels": {}, "datasets": {}, "models": {}, "sessions": {},
-                                     "blobs": {}, "cancellations": [], "secrets_attached": [],
+                                     "blobs": {}, "cancellations": [], "secrets_attached": [], "secrets_reset": [],
                                      "images": [], "runs_pushed": 0}
         if self.path.exists():
             self.data.update(json.loads(self.path.read_text()))
@@ -116,6 +116,11 @@ class Store:
     @property
     def secrets_attached(self) -> list[str]:
         return self.data["secrets_attached"]
+
+    @property
+    def secrets_reset(self) -> list[str]:
+        """Kernels whose Secret attachments a push from inside a kernel reset (switches.secrets_reset_on_push)."""
+        return self.data.setdefault("secrets_reset", [])
 
     @property
     def images(self) -> list[str]:

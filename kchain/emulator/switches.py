@@ -31,6 +31,11 @@ class Limits:
     gpu_quota_s: float = opt(30 * 3600, 'The weekly GPU quota of each user.', metavar='SECONDS')
     max_gpu_sessions: int = opt(2, 'GPU sessions a user may run at once.', metavar='N')
     quota_week_offset_s: float = opt(0.0, "When the quota week starts, this long after Saturday 00:00 UTC.", metavar="SECONDS")
+    # CPU sessions (no accelerator) a user may run at once. They never count against the GPU cap or quota.
+    # [UNCERTAIN] No source found states Kaggle's CPU cap (shared/reference/kaggle-api.md 6.1 names only
+    # the 12 h limit): 2 is the worse case kchain can still work under (the doctor's probe beside the
+    # version it pushes; an unattended chain's relay beside one CPU notebook of the user's).
+    max_cpu_sessions: int = opt(2, "CPU sessions a user may run at once.", metavar="N")
 
 
 @dataclass
@@ -77,6 +82,12 @@ class Switches:
     # A kernel may push a kernel (SaveKernel sent from inside a running session, with the user's key from
     # Secrets). Kaggle documents neither way: False, the worse case, answers such a SaveKernel 403.
     kernel_may_push: bool = opt(False, "A kernel may push a kernel (SaveKernel from inside a session); off answers it 403.")
+    # A push resets the pushed kernel's Secret attachments (kaggle-notebook-deploy's README: "`kaggle kernels
+    # push` resets Kaggle Secrets bindings; re-attach ... via the web UI after each push"; kaggle-api.md 6.5,
+    # [3RD, unverified]). On: a version pushed from inside a kernel sees no Secret (nobody re-attaches them);
+    # the user re-attaches after each push of their own (`emu.attach_secrets`, `serve --attach-secret`).
+    secrets_reset_on_push: bool = opt(True, "A push resets the kernel's Secrets; a version pushed from inside a kernel "
+                                            "sees none.")
 
     def __post_init__(self) -> None:
         if self.missing_status not in (403, 404) or self.lag_status not in (403, 404):
@@ -93,10 +104,11 @@ class Switches:
     @classmethod
     def lenient(cls, **overrides: Any) -> Switches:
         """The kind emulator: 404s, instant versions, pins honoured, no queue, output kept, secrets
-        attached, a GPU quota in every answer, a crashed runner ends its session, one image for ever."""
+        attached and kept across pushes, a GPU quota in every answer, a crashed runner ends its session, one image for ever."""
         kind = {"missing_status": 404, "version_lag_s": 0.0, "ignore_version_pin": False,
                 "secrets_need_attaching": False, "output_at_limit": KEPT, "queue_s": 0.0, "boot_s": 0.0,
-                "quota_has_gpu": True, "crashed_runner": ERROR, "new_image_every": 0, "mount_lag_s": 0.0, "kernel_may_push": True}
+                "quota_has_gpu": True, "crashed_runner": ERROR, "new_image_every": 0, "mount_lag_s": 0.0, "kernel_may_push": True,
+                "secrets_reset_on_push": False}
         return cls(**{**kind, **overrides})
 
     def describe(self) -> dict[str, Any]:

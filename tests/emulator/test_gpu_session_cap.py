@@ -1,5 +1,5 @@
 # ruff: noqa: F811  (the shared fixtures are imported, then requested by name)
-"""Two GPU batch sessions per account, and a push to a kernel that still runs.
+"""Two GPU batch sessions per account (CPU sessions apart), and a push to a kernel that still runs.
 
 Kaggle refuses a third GPU session with "Maximum batch GPU session count of 2 reached" (measured by
 Unsloth's Kaggle CI, 2026-08) and creates no version; a push to a kernel whose session still runs
@@ -20,6 +20,10 @@ from kchain.ledger import Ledger
 
 NAME = "blobs-classifier"
 SLEEPER = ["import time\nprint('up', flush=True)\ntime.sleep(300)"]
+
+
+def gpu_sessions(emu) -> list[dict]:
+    return [s for s in emu.sessions() if s["gpu"]]
 
 
 def wait_running(emu, ref: str, version: int, timeout_s: float = 60) -> None:
@@ -44,6 +48,14 @@ def test_a_third_gpu_session_is_refused_and_kchain_names_the_two_that_run(emulat
     refused = kaggle_api.kernels_push(str(tmp_path / "third"))
     assert refused.error == "Maximum batch GPU session count of 2 reached" and not refused.version_number
     assert len(emulator.sessions()) == 2
+    # CPU sessions do not count against the GPU cap; they have their own (switches.Limits.max_cpu_sessions).
+    for n in (1, 2, 3):
+        write_kernel(tmp_path / f"cpu{n}", f"{USER}/cpu-{n}", SLEEPER)
+    assert [kaggle_api.kernels_push(str(tmp_path / f"cpu{n}")).error for n in (1, 2)] == ["", ""]
+    assert kaggle_api.kernels_push(str(tmp_path / "cpu3")).error == "Maximum batch CPU session count of 2 reached"
+    for n in (1, 2):
+        emulator.expire(f"{USER}/cpu-{n}", 1)
+        emulator.wait_session(f"{USER}/cpu-{n}", 1, timeout=30)
 
     job = copy_job("classifier", tmp_path, params={"steps": 5, "rows": 4000, "num_workers": 0})
     result = invoke("push", job, "--skip-smoke")
@@ -54,7 +66,7 @@ def test_a_third_gpu_session_is_refused_and_kchain_names_the_two_that_run(emulat
         f"Kaggle's status does not show; wait until one ends, or stop one on its page "
         f"(https://www.kaggle.com/code/{twice}), then run `kchain push {job}` again")
     assert [s["status"] for s in Ledger(Path(os.environ["KCHAIN_HOME"])).sessions(NAME)] == ["FAILED_TO_PUSH"]
-    assert len(emulator.sessions()) == 2
+    assert len(gpu_sessions(emulator)) == 2
 
     # The job's own kernel runs a session kchain did not start: a push would run a second one beside it.
     emulator.expire(twice, 1)
@@ -68,6 +80,6 @@ def test_a_third_gpu_session_is_refused_and_kchain_names_the_two_that_run(emulat
         f"Error: {USER}/{NAME} version 1 is running on Kaggle: a push now would start a second session beside it "
         f"(Kaggle runs and bills both); let it end, or stop it on its page (https://www.kaggle.com/code/{USER}/{NAME}), "
         f"then run `kchain push {job}` again")
-    assert len(emulator.sessions()) == 3
+    assert len(gpu_sessions(emulator)) == 3
     for session in emulator.live_sessions():
         emulator.expire(session["kernel"], session["version"])

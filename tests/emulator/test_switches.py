@@ -321,7 +321,7 @@ def serve_options(*args: str) -> dict:
     """The Emulator(...) options `kchain emulator serve ARGS` would start with (parsed, not run)."""
     params = serve_command.make_context("serve", ["--state", "x", *args]).params
     given = {k: v for k, v in params.items() if v is not None and k not in
-             ("state_dir", "port", "users", "tokens", "secrets", "competitions", "lenient")}
+             ("state_dir", "port", "users", "tokens", "secrets", "attached", "competitions", "lenient")}
     return emulator_options(params["lenient"], **given)
 
 
@@ -339,6 +339,10 @@ def test_every_switch_limit_and_fault_is_a_serve_option():
     started = serve_options("--session-limit", "60", "--kill-random", "1", "2", "--lose-output")
     assert started["session_limit_s"] == 60.0 and started["faults"].kill_random_s == (1.0, 2.0)
     assert started["faults"].lose_output is True and Limits().session_limit_s == 12 * 3600
+    # What `push --unattended` needs outside Python tests: Secrets attached to the job's kernel and its relay.
+    attached = serve_command.make_context("serve", ["--state", "x", "--attach-secret", "alice/job", "--attach-secret",
+                                                    "alice/job-doctor", "--no-secrets-reset-on-push"]).params
+    assert attached["attached"] == ("alice/job", "alice/job-doctor") and attached["secrets_reset_on_push"] is False
 
 
 def test_stream_threads_end_with_the_emulator(emulator, kaggle_api, tmp_path):

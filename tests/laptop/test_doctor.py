@@ -122,22 +122,35 @@ def test_doctor_all_ok_probes_a_cpu_session_and_writes_no_credential(emulator, k
     assert error_line(refused).startswith("Error: --unattended: kchain doctor has not seen a kernel push a kernel on "
                                           "this account (its probe said: "), refused.output
 
-    # A Kaggle that lets a kernel push a kernel: the probe's quick save from inside itself lands, the doctor
-    # says so, and `push --unattended` goes ahead.
+    # A Kaggle that lets a kernel push a kernel: the probe's push of its own kernel from inside itself lands
+    # and runs (a CPU session), the doctor says so, and `push --unattended` goes ahead. That kernel-pushed
+    # version saw no Secrets (the strict switch: a push resets them, and nobody attached them again), so the
+    # doctor and the push both say the chain hands over to the laptop on its first hop.
     emulator.switches.kernel_may_push = True
     again = invoke("doctor", job)
     assert again.exit_code == 0, again.output
     assert lines(again, "unattended") == [
-        f"ok    unattended   a kernel may push a kernel on this account: the probe saved {DOCTOR_REF} from inside "
+        f"ok    unattended   a kernel may push a kernel on this account: the probe pushed {DOCTOR_REF} from inside "
         "itself; `kchain push --unattended` can chain sessions with the laptop shut"]
-    assert doctor_entry()["probe"]["kernel_push"] == {"tried": True, "ok": True, "error": None}
+    assert lines(again, "secrets") == [
+        f"warn  secrets      {DOCTOR_REF} version 5, pushed from inside the probe, saw no Secrets: Kaggle reset them "
+        "at the push (as a report says `kaggle kernels push` does), so an unattended chain hands over to the laptop "
+        "on its first hop (`kchain continue` pushes each session after the first)"]
+    assert doctor_entry()["probe"]["kernel_push"] == {"tried": True, "ok": True, "error": None, "version": 5}
+    assert doctor_entry()["hop"] == {"version": 5, "status": "COMPLETE", "secrets_kept": False}
     versions = emulator.store.kernels[DOCTOR_REF]["versions"]
-    assert [emulator.store.session(v["session"])["run"] for v in versions] == [False, True, False, True, False]
+    assert [emulator.store.session(v["session"])["run"] for v in versions] == [False, True, False, True, True]
     # The key the probe read is nowhere: not in doctor.json, the fetched output, the job, the session.
     assert files_holding(key, tmp_path) == []
     assert files_holding(DATA, Path(os.environ["KCHAIN_HOME"]))  # the search does find what is there
     pushed = invoke("push", job, "--unattended", "--skip-smoke")
     assert pushed.exit_code == 0 and "Error:" not in pushed.output, pushed.output
+    assert pushed.output.splitlines()[0] == (
+        "  hand-over: kchain doctor saw a kernel-pushed kernel lose its Secrets on this account, so no kernel can "
+        "push the next session: session 1 publishes its state, then the laptop takes the chain over (run `kchain "
+        f"continue --watch {job}`)")
+    assert (f"  GPU slots      1 of the account's 2 at any time: each session hands the push of the next to a CPU "
+            f"relay ({DOCTOR_REF}, no accelerator), which pushes it once the session has ended") in pushed.output
     assert [s["version"] for s in emulator.sessions() if s["kernel"] == f"{USER}/{NAME}"] == [1]
 
 
@@ -269,3 +282,22 @@ def test_the_probe_renders_byte_identical_and_never_asks_for_an_accelerator(tmp_
     assert (metadata["enable_internet"], metadata["dataset_sources"], metadata["competition_sources"]) == (
         True, [DATA], ["titanic"])
     assert json.loads(notebook)["metadata"]["kaggle"]["accelerator"] == "none"
+
+
+def test_push_unattended_says_what_the_doctor_saw_of_a_kernel_pushed_kernels_secrets(tmp_path):
+    from kchain.common import atomic
+    from kchain.doctor import doctor_file, unattended_note
+    from kchain.spec import load_job
+
+    job = load_job(job_file(tmp_path))
+    for kept in (True, False, None):
+        atomic.write_json(doctor_file(job), {"format": 1, "jobs": {NAME: {"hop": {"version": 3, "secrets_kept": kept}}}})
+        note = unattended_note(job)
+        if kept:
+            assert note is None
+        elif kept is False:
+            assert note is not None and note.startswith("  hand-over: kchain doctor saw a kernel-pushed kernel lose")
+        else:
+            assert note == ("  note: kchain doctor did not see whether a kernel-pushed kernel keeps its Secrets; if it "
+                            "does not, the laptop takes the chain over after session 1 (`kchain doctor "
+                            f"{job.path}` checks it)")

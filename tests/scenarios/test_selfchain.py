@@ -2,7 +2,8 @@
 
 The laptop side does nothing after session 1 but watch; the records are rebuilt from Kaggle's outputs
 alone (each session's summary says what it decided and which kernel version it pushed). Sessions are
-real notebook processes against the local Kaggle with the unmodified client, its kernel_may_push switch on.
+real notebook processes against the local Kaggle with the unmodified client, its kernel_may_push switch on;
+a GPU job's sessions hand each push to a CPU relay (kchain/common/relay.py), so the chain holds one GPU slot.
 """
 
 import secrets
@@ -20,6 +21,11 @@ def trained_at_once(emulator_sessions: list[dict]) -> int:
     spans = sorted((s["first_cell"], (s.get("summary") or {}).get("ended") or s["ended"])
                    for s in emulator_sessions if s.get("first_cell"))
     return sum(1 for a, b in zip(spans, spans[1:], strict=False) if b[0] < a[1])
+
+
+def ours(result) -> list[dict]:
+    """The emulator's sessions of the chain's own kernel (not its relays, nor another kernel's)."""
+    return [s for s in result.emulator_sessions if s["kernel"] == result.sessions[0]["kernel"]]
 
 
 def test_an_unattended_chain_under_the_fault_set_equals_the_uninterrupted_run(tmp_path, monkeypatch):
@@ -40,21 +46,41 @@ def test_an_unattended_chain_under_the_fault_set_equals_the_uninterrupted_run(tm
     # After session 1 every session was pushed by the kernel before it, none by the laptop.
     assert [s.get("pushed_by") for s in chain[1:]] == ["kernel"] * (len(chain) - 1), chain
     for before, after in zip(chain, chain[1:], strict=False):
+        # A GPU job: each session handed the push to a CPU relay, which pushed the next once it had ended.
         told = before["summary"]["next"]
-        assert told["decision"] == "pushed" and told["version"] == after["version"], told
+        assert told["decision"] == "relayed" and told["relay"] == chain[0]["kernel"] + "-doctor", told
+        assert after["version"] == before["version"] + 1 and "pushed session" in after["relay_said"], after
         assert after["resumes_at"] == before["summary"]["published_step"]
     assert chain[-1]["summary"]["next"]["decision"] == "finished"
-    ended = {s["version"]: s for s in result.emulator_sessions}
+    ended = {s["version"]: s for s in ours(result)}
     killed = [r["session"] for r in chain if "(killed)" in (ended[r["version"]].get("failure_message") or "")]
     assert killed == [2] and chain[1]["summary"]["published_step"] == 40, [ended[r["version"]] for r in chain]
     # An empty ledger (another laptop) rebuilds the same chain from Kaggle's versions and outputs alone.
     keys = ("session", "version", "resumes_at", "state_version", "status")
     assert result.rebuilt == [{k: r.get(k) for k in keys} for r in chain], result.rebuilt
     # Zero double sessions, zero duplicate versions (kernel and state), from the emulator's records.
-    assert trained_at_once(result.emulator_sessions) == 0
-    assert sorted(s["version"] for s in result.emulator_sessions) == [r["version"] for r in chain]
+    assert trained_at_once(ours(result)) == 0
+    assert sorted(s["version"] for s in ours(result)) == [r["version"] for r in chain]
     published = [v["notes"] for v in result.dataset_versions if "step" in (v.get("notes") or "")]
     assert len(published) == len(set(published)), published
+
+
+def test_an_unattended_chain_holds_one_gpu_slot_beside_another_gpu_session(tmp_path, monkeypatch):
+    # Another GPU session of the account runs all along (a notebook open in the browser). Under Kaggle's cap of
+    # two, a session that pushed the next while it still ran would be refused; each hands the push to a CPU
+    # relay that pushes it once the session has ended, so the chain goes on with no laptop.
+    monkeypatch.setenv(layout.FAULT_ENV, f"{STALL},deadline_after_steps=10")
+    from helpers import copy_job
+
+    job = copy_job("tinygpt", tmp_path, params={"steps": 20, "eval_every": 10, "batch": 8, "accumulate": 1})
+    result = rehearse(job, sessions=None, session_limit_s=GENEROUS_S, kills=0, seed=3, echo=lambda _: None,
+                      ranks=1, key=secrets.token_hex(16), unattended=True, busy_gpu=True)
+    assert result.passed, result.verdict
+    assert len(result.sessions) == 2 and result.unattended.laptop_pushes == 0, result.sessions
+    busy = [s for s in result.emulator_sessions if s["gpu"] and s["kernel"] != result.sessions[0]["kernel"]]
+    relays = [s for s in result.emulator_sessions if s["kernel"] == result.sessions[0]["kernel"] + "-doctor"]
+    assert len(busy) == 1 and busy[0]["status"] == "RUNNING", busy  # it held its slot to the end
+    assert len(relays) == 1 and not relays[0]["gpu"] and relays[0]["pushed_from"] == "kernel", relays
 
 
 def test_when_a_kernel_cannot_push_the_laptop_takes_the_chain_over_from_kaggles_records(tmp_path, monkeypatch):
@@ -80,8 +106,8 @@ def test_when_a_kernel_cannot_push_the_laptop_takes_the_chain_over_from_kaggles_
         f"the records of {chain[0]['kernel'].split('/')[1]} were rebuilt from Kaggle up to session 2 (kernel version "
         f"2), but {chain[0]['kernel']} has version {chain[-1]['version']}: a laptop pushed the sessions after it, and "
         "their records are on that laptop; copy its .kchain/ folder (or KCHAIN_HOME) here before `kchain continue`")
-    assert trained_at_once(result.emulator_sessions) == 0
-    assert sorted(s["version"] for s in result.emulator_sessions) == [r["version"] for r in chain]
+    assert trained_at_once(ours(result)) == 0
+    assert sorted(s["version"] for s in ours(result)) == [r["version"] for r in chain]
 
 
 def test_unattended_is_refused_in_one_line_until_the_doctor_saw_a_kernel_push_a_kernel(tmp_path):

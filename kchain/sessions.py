@@ -22,7 +22,7 @@ from kchain.ledger import Ledger, iso, now_utc, parse_iso
 from kchain.runtime import layout
 from kchain.runtime.heartbeat import duration
 from kchain.runtime.nextkernel import NEXT_KEY
-from kchain.runtime.summary import Summary, read_working
+from kchain.runtime.summary import Status, Summary, read_working
 from kchain.spec import Job, parse_duration
 
 Echo = Callable[[str], None]
@@ -591,11 +591,42 @@ def _chain_now(job_file: Path) -> tuple[Job, Ledger, list[SessionRecord], dict[i
     return job, ledger, chain, {s["session"]: judged for s in chain if (judged := stale(s, rule, now)) is not None}
 
 
+def waiting(chain: list[SessionRecord], job_file: Path | str) -> dict[str, str] | None:
+    """What a chain with nothing running waits for (`for`: continue, or nothing once it ended) and why: an
+    unattended kernel's reason is its summary's `next` record (it could not publish, the time left, the cap,
+    no Secret, the budget); None while a session is live or was pushed. Pure: `kchain status` says it."""
+    last = chain[-1] if chain else None
+    if last is None or last["status"] not in TERMINAL:
+        return None
+    ended = summary_of(last)
+    if ended.status in (Status.FINISHED, Status.STOPPED):
+        return {"for": "nothing", "why": f"the chain has ended: session {last['session']} {ended.status} at step "
+                                         f"{ended.step}/{ended.total}"}
+    told = ended.extra.get(NEXT_KEY)
+    if isinstance(told, dict) and told.get("pushed"):
+        return None  # adopt_pushed makes the pushed session's record at the next look
+    if isinstance(told, dict):
+        why = f"session {last['session']}'s kernel did not push the next session: {told.get('why') or told.get('decision')}"
+    else:
+        why = (f"session {last['session']} ended ({ended.status or last['status'].lower()}), and in a chain the "
+               "laptop drives the next session waits for it")
+    return {"for": "continue", "why": why}
+
+
+def waiting_line(wait: dict[str, str] | None, job_file: Path | str) -> list[str]:
+    if wait is None:
+        return []
+    if wait["for"] == "nothing":
+        return [f"nothing is running: {wait['why']}"]
+    return [f"nothing is running; the chain waits for `kchain continue {job_file}`: {wait['why']}"]
+
+
 def status_for(job_file: Path) -> list[str]:
     job, ledger, chain, found = _chain_now(job_file)
     if not chain:
         return [f"{job.name} has no session yet: `kchain push {job_file}` starts one"]
     return [*status_table(chain, ledger.gpu_hours_this_week(), job.budget.weekly_gpu_hours, found),
+            *waiting_line(waiting(chain, job_file), job_file),
             *(judged.message(job_file) for judged in found.values()), *image_drift(chain)]
 
 
@@ -609,6 +640,7 @@ def status_document(job_file: Path) -> dict[str, Any]:
                  "note": session_note(s, found)} for s in chain]
     return {"job": job.name, "sessions": sessions,
             "gpu_hours": {"used": used_h, "weekly": weekly_h, "left": max(0.0, weekly_h - used_h)},
+            "waiting": waiting(chain, job_file),
             "warnings": [*(judged.message(job_file) for judged in found.values()), *image_drift(chain)]}
 
 

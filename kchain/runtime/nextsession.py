@@ -22,6 +22,7 @@ Kaggle call, standard library only (it is embedded into the kernel). The table, 
   code that never passed a smoke run              -> stop unless --skip-smoke
   state_not_mounted (at most REMOUNTS in a row)   -> push the same session again (same state version and step)
   otherwise (deadline, killed, timed out, ...)    -> push the next session from the newest state
+    (killed: the training alone, or one of its ranks, died by a signal from outside)
 
 The kernel adds what only it must check before it pushes (the laptop's `continue` checks the same
 through `kchain/budget.py`): `afford` (the week's GPU quota from Kaggle's quota_view, else the chain's
@@ -235,6 +236,8 @@ def saved_step(record: Record) -> int | None:
 def crash_of(record: Record) -> dict[str, Any] | None:
     """The error of a session that crashed, hung or got no accelerator (not a kill, not a timeout), if any."""
     summary = summary_of(record)
+    if summary.status == Status.KILLED:  # a rank killed from outside: its peers' errors are consequences
+        return None
     if summary.status in NEEDS_A_PERSON:
         return record.get("error") or summary.error or {"type": summary.status, "message": ""}
     if record["status"] == "ERROR" and record.get("error") and record["error"].get("type") not in (

@@ -33,6 +33,9 @@ class Status:
     INTERRUPTED = "interrupted"  # SIGTERM or SIGINT: saved at the stop, like a deadline
     CRASHED = "crashed"  # an exception ended the run; `error` names it and its stage
     HUNG = "hung"  # the watchdog saw no step complete for too long; nothing new is saved
+    # a rank died by a signal from outside (the OOM killer, a segfault): its newest verified checkpoint is
+    # handed on, as after a deadline; `error` names the rank and the signal
+    KILLED = "killed"
     NO_CHECKPOINT = "no_checkpoint"  # main returned without a loop kchain drives: nothing to resume
     NO_ACCELERATOR = "no_accelerator"  # a Kaggle session got fewer GPUs than the job asked for
     # the state version this session was pushed to resume was not mounted within the wait: push again

@@ -27,7 +27,7 @@ def summary(end: str, **extra) -> dict:
     return {"status": end, "step": 40, "total": 100, **extra}
 
 
-FINISHED = session(1, "COMPLETE", summary=summary("finished", step=100, checkpoint="checkpoints/step-00000100",
+FINISHED = session(1, "COMPLETE", summary=summary("finished", step=100, checkpoint="kchain/checkpoints/step-00000100",
                                                   best={"name": "val_loss", "value": 1.25, "step": 80}))
 CRASHED = session(1, "ERROR", "crashed", error=BOOM)
 NO_GPU = session(1, "ERROR", "no-accelerator", error={"type": "NoAccelerator", "message": "asked for GPU T4 x2"})
@@ -155,3 +155,15 @@ def test_the_session_after_an_unmounted_one_is_judged_against_the_one_that_train
     chain = [session(1), unmounted(2), session(3, resumes_at=40, saved_step=60)]
     decision = decide(Situation(chain, "alice/x", "ERROR", fingerprint=lambda: CODE, smoked=lambda fp: True), JOB)
     assert decision.action == "push" and not decision.again and decision.message == "push session 4 from the newest state"
+
+
+def test_the_final_weights_are_where_the_output_has_them():
+    # The summary names the checkpoint relative to the working dir (an older kchain: to the kchain dir); the
+    # path said is the downloaded output's, never with the kchain dir twice, and the kernel's own is relative.
+    from kchain.runtime.nextsession import final_weights
+
+    old = session(1, "COMPLETE", summary=summary("finished", checkpoint="checkpoints/step-00000100"))
+    assert str(final_weights(FINISHED)) == str(final_weights(old)) == "/out/1/kchain/checkpoints/step-00000100"
+    kernel = {**FINISHED, "output": None}
+    assert decide(Situation([kernel], "alice/x", None, lambda: CODE, lambda _: True), JOB).message.endswith(
+        "final weights in kchain/checkpoints/step-00000100 of session 1's output")

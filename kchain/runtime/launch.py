@@ -101,8 +101,9 @@ def released(env, argv: list[str] | None = None) -> bool:
     the frameworks the job's entry module imports (transformers, peft, Lightning: `warm_frameworks`),
     which its import would pay after the kill: seconds, tens of them on a busy machine. torch._dynamo
     is not imported: the optimizers no longer need it (lazydynamo.py). The state is still read only
-    after the gate, by the Run, as in a fresh session. With several ranks the launcher goes on (it
-    reads no state: the ranks' start) and each rank waits here, warmed up, instead.
+    after the gate, by the Run, as in a fresh session, and the session clock starts at the release
+    (KCHAIN_SESSION_START). With several ranks the launcher goes on (it reads no state: the ranks'
+    start) and each rank waits here, warmed up, instead.
     """
     from . import torchrun  # standard library only
 
@@ -124,6 +125,9 @@ def released(env, argv: list[str] | None = None) -> bool:
         except ProcessLookupError:
             return False
         time.sleep(GATE_POLL_S)
+    # The session starts at the release, as a fresh session's would: its wait at the gate is not session
+    # time (the notebook's clock started before the wait, and a short train.session_limit ran out in it).
+    env[layout.SESSION_START_ENV] = repr(time.time())
     return gate.read_text().strip() == "go"
 
 

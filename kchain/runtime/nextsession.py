@@ -145,8 +145,9 @@ def _after_end(chain: list[Record], job_file: str) -> Verdict | None:
     if status == Status.FINISHED:
         best = summary.best or {}
         best_text = f", best {best['name']} {best['value']:.6g} at step {best['step']}" if best.get("name") else ""
+        where = final_weights(last) if last.get("output") else f"{final_weights(last)} of session {last['session']}'s output"
         return Verdict("finished", f"training is complete: {summary.step}/{summary.total} steps"
-                       f"{best_text}; final weights in {final_weights(last)}", last)
+                       f"{best_text}; final weights in {where}", last)
     if status == Status.STOPPED:
         # The code left its loop on purpose (early stopping): another session would be the user's
         # decision, not the chain's.
@@ -252,8 +253,13 @@ def _same_error(a: Mapping[str, Any] | None, b: Mapping[str, Any]) -> bool:
 
 
 def final_weights(record: Record) -> PurePath:
-    """Where a finished session's last checkpoint is, in its downloaded output."""
-    return PurePath(record.get("output") or "") / layout.KCHAIN_DIR / (summary_of(record).checkpoint or "")
+    """Where a finished session's last checkpoint is, in its downloaded output (relative to the session's
+    working dir where it has none: the kernel deciding about itself). The summary names it relative to the
+    working dir (`kchain/checkpoints/...`); a summary of an older kchain relative to the kchain dir."""
+    rel = PurePath(summary_of(record).checkpoint or "")
+    if rel.parts[:1] != (layout.KCHAIN_DIR,):
+        rel = layout.KCHAIN_DIR / rel
+    return PurePath(record.get("output") or "") / rel
 
 
 def afford(session_s: float, used_s: float, allowed_s: float, budget_s: float | None) -> str | None:

@@ -239,8 +239,8 @@ def push_job(job: Job, ledger: Ledger, client: KaggleClient, skip_smoke: bool = 
     if unattended and not job.kaggle.internet:
         raise SpecError(f"{job.path}: kaggle.internet: an unattended chain needs it true (each session pushes the "
                         "next over the internet, with your key attached as Secrets); set kaggle.internet: true")
-    rendered = render_job(job, owner=owner, session_facts={"publish": figures} if figures else None,
-                          unattended=unattended)
+    facts = {**({"publish": figures} if figures else {}), **({"week": ledger.week_tally()} if unattended else {})}
+    rendered = render_job(job, owner=owner, session_facts=facts or None, unattended=unattended)
     smoked = ledger.smoke_passed(rendered.fingerprint)
     if smoked is None and not skip_smoke:
         raise NotSmoked.for_job(job_file)

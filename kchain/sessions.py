@@ -117,6 +117,18 @@ def summary_of(record: SessionRecord) -> Summary:
     return Summary.from_dict(record.get("summary"))
 
 
+def billed_span(summary: Summary) -> tuple[str, str] | None:
+    """The GPU session Kaggle bills, by the kernel's own clock: from the session clock's start to the end of
+    its publish process (the publish and an unattended push run after the training's `ended`), as ISO
+    start and end; None when the summary says neither (the laptop's own times stand)."""
+    start, end = summary.started, summary.ended
+    if not isinstance(start, (int, float)) or not isinstance(end, (int, float)):
+        return None
+    if isinstance(summary.session_ended, (int, float)):
+        end = max(end, summary.session_ended)
+    return iso(datetime.fromtimestamp(start, timezone.utc)), iso(datetime.fromtimestamp(end, timezone.utc))
+
+
 def output_dir(ledger: Ledger, job: str, session: int) -> Path:
     return ledger.root / "sessions" / job / str(session)
 
@@ -209,11 +221,9 @@ def refresh(client: KaggleClient, ledger: Ledger, job: str, live_log: bool = Fal
                 fetch_output(client, ledger, job, record)
             except Exception as exc:  # noqa: BLE001 - a missing output is recorded, not fatal
                 record["output_error"] = f"{type(exc).__name__}: {exc}"
-            summary = summary_of(record)
             # The kernel's own clock measures the session it ran; the queue before it is not GPU time.
-            if isinstance(summary.started, (int, float)) and isinstance(summary.ended, (int, float)):
-                record["started"] = iso(datetime.fromtimestamp(summary.started, timezone.utc))
-                record["ended"] = iso(datetime.fromtimestamp(summary.ended, timezone.utc))
+            if (span := billed_span(summary_of(record))) is not None:
+                record["started"], record["ended"] = span
         ledger.save_session(job, record)
     if adopt_pushed(ledger, job):
         return refresh(client, ledger, job, live_log)  # the session a kernel pushed: asked about now
@@ -251,9 +261,8 @@ def rebuild(client: KaggleClient, ledger: Ledger, job: str) -> bool:
     if NEXT_KEY not in summary.extra:
         return False
     record["fingerprint"] = summary.fingerprint or ""
-    if isinstance(summary.started, (int, float)) and isinstance(summary.ended, (int, float)):
-        record["started"] = iso(datetime.fromtimestamp(summary.started, timezone.utc))
-        record["ended"] = iso(datetime.fromtimestamp(summary.ended, timezone.utc))
+    if (span := billed_span(summary)) is not None:
+        record["started"], record["ended"] = span
     ledger.save_session(job, record)
     return True
 

@@ -609,7 +609,7 @@ def _annotation_at(loc: tuple[Any, ...]) -> Any:
     return annotation
 
 
-def _plain_errors(errors: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def _plain_errors(errors: list[Any]) -> list[dict[str, Any]]:
     """pydantic's errors with a str | int | float field's three member errors (`mount_wait.str ... .int ...
     .float`) as one error of the field, `scalar_union`: the user wrote neither text nor a number."""
     out, seen = [], set()

@@ -358,9 +358,11 @@ def push_next(api, unpacked: tuple[dict, Path], raw: dict, config: RuntimeConfig
     template, src = unpacked
     chain = template["chain"]
     session_s = float(chain["session_limit_s"])
+    # This session as Kaggle bills it, from its start to now (its publish included), on top of the chain's week.
+    now = time.time()
+    chain_s, week = nextsession.week_used(config.kaggle.week, max(0.0, now - (ended.started or now)), now)
     if chain.get("gpu"):
-        spent = (ended.ended or time.time()) - (ended.started or time.time())
-        used, allowed, source = nextkernel.used_s(api, max(0.0, spent))
+        used, allowed, source = nextkernel.used_s(api, chain_s)
         budget = float(chain["weekly_gpu_hours"]) * 3600
         why = nextsession.afford(session_s, used, allowed if allowed is not None else budget, budget)
         if why is not None:
@@ -373,7 +375,7 @@ def push_next(api, unpacked: tuple[dict, Path], raw: dict, config: RuntimeConfig
         version_number(api, cache, clock.until(SETTLE_S))  # ready before it is attached
         sources.append(cache)
     n = int(resume.get("session") or 1) + 1
-    plan = {"session": n, "sources": sources, "publish": ended.publish_timing or config.kaggle.publish,
+    plan = {"session": n, "sources": sources, "publish": ended.publish_timing or config.kaggle.publish, "week": week,
             "resume": nextkernel.resume_for(n, int(step or 0), version, verdict.attempt if verdict.again else 1)}
     t0 = time.monotonic()
     sent = nextkernel.send_next(api, template, src, raw, plan, clock.until(SETTLE_S * 3))
@@ -469,5 +471,19 @@ def publish_cache(api, config: RuntimeConfig, kchain_dir: Path, work: Path, note
     return cache_bytes
 
 
+def mark_end() -> None:
+    """summary.json says when this process ended: the session Kaggle bills runs past the training's end
+    through the publish and the push (`kchain budget` and the kernel's own budget count to here)."""
+    path = layout.kchain_dir(os.environ) / layout.SUMMARY
+    ended = summary.read(path)
+    if ended is not None and os.environ.get(layout.SMOKE_ENV) != "1":
+        ended.session_ended = round(time.time(), 3)
+        summary.write(path, ended)
+
+
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1]))
+    try:
+        code = main(sys.argv[1])
+    finally:
+        mark_end()
+    sys.exit(code)

@@ -167,3 +167,27 @@ def test_the_final_weights_are_where_the_output_has_them():
     kernel = {**FINISHED, "output": None}
     assert decide(Situation([kernel], "alice/x", None, lambda: CODE, lambda _: True), JOB).message.endswith(
         "final weights in kchain/checkpoints/step-00000100 of session 1's output")
+
+
+def test_the_kernels_budget_counts_the_chains_week():
+    # Kaggle's quota answer without GPU figures: the kernel counts the week it was pushed with, this session on top.
+    from kchain.runtime.nextsession import WEEK_S, afford, week_used
+
+    start, hour = 1_800_000_000.0, 3600.0
+    used, week = week_used({"start": start, "used_s": 20 * hour}, 2 * hour, start + 3 * 86400)
+    assert (used, week) == (22 * hour, {"start": start, "used_s": 22 * hour})
+    assert afford(12 * hour, used, 30 * hour, 30 * hour) == (
+        "another session of up to 12.00 GPU-hours does not fit the week: 22.00 of 30.00 used")
+    # A week that rolled over counts this session alone; a chain pushed without a week, this session alone.
+    assert week_used(week, 2 * hour, start + WEEK_S + 60) == (2 * hour, {"start": start + WEEK_S, "used_s": 2 * hour})
+    assert week_used(None, 2 * hour, start) == (2 * hour, None)
+
+
+def test_the_session_billed_runs_to_the_end_of_its_publish():
+    from kchain.runtime.summary import Summary
+    from kchain.sessions import billed_span
+
+    assert billed_span(Summary(started=0.0, ended=600.0, session_ended=690.0)) == (
+        "1970-01-01T00:00:00Z", "1970-01-01T00:11:30Z")
+    assert billed_span(Summary(started=0.0, ended=600.0)) == ("1970-01-01T00:00:00Z", "1970-01-01T00:10:00Z")
+    assert billed_span(Summary()) is None

@@ -76,12 +76,15 @@ def fill_metadata(template: str, sources: list[str], image: str | None) -> str:
     return canonical(metadata)
 
 
-def next_config(config: dict[str, Any], resume: dict[str, Any], publish: dict | None) -> dict[str, Any]:
-    """This session's config (as the notebook embedded it) with the next session's resume and figures."""
-    kaggle = {k: v for k, v in config["kaggle"].items() if k not in ("resume", "publish")}
+def next_config(config: dict[str, Any], resume: dict[str, Any], publish: dict | None,
+                week: dict | None = None) -> dict[str, Any]:
+    """This session's config (as the notebook embedded it) with the next session's resume, figures and week."""
+    kaggle = {k: v for k, v in config["kaggle"].items() if k not in ("resume", "publish", "week")}
     kaggle["resume"] = resume
     if publish:
         kaggle["publish"] = publish
+    if week:
+        kaggle["week"] = week
     return {**config, "kaggle": kaggle}
 
 
@@ -173,7 +176,7 @@ def send_next(api: Any, template: dict[str, Any], src: Path, config: dict[str, A
     chain = template["chain"]
     payload = (src / PAYLOAD_FILE).read_text(encoding="ascii")
     notebook = fill_notebook(template["notebook"], plan["session"], plan["sources"],
-                             next_config(config, plan["resume"], plan["publish"]), payload)
+                             next_config(config, plan["resume"], plan["publish"], plan.get("week")), payload)
     metadata = fill_metadata(template["metadata"], plan["sources"], chain.get("image"))
     work = Path(tempfile.mkdtemp(prefix="kchain-next-"))
     try:
@@ -193,7 +196,7 @@ def used_s(api: Any, chain_gpu_s: float) -> tuple[float, float | None, str]:
     used, total = getattr(gpu, "time_used", None), getattr(gpu, "total_time_allowed", None)
     if used is not None:
         return used.total_seconds(), (total.total_seconds() if total is not None else None), "Kaggle's quota_view"
-    return chain_gpu_s, None, "this chain's own sessions (Kaggle's quota answer has no GPU figures)"
+    return chain_gpu_s, None, "this chain's own sessions this week (Kaggle's quota answer has no GPU figures)"
 
 
 def env_clock() -> float | None:

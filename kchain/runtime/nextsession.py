@@ -26,7 +26,7 @@ Kaggle call, standard library only (it is embedded into the kernel). The table, 
 
 The kernel adds what only it must check before it pushes (the laptop's `continue` checks the same
 through `kchain/budget.py`): `afford` (the week's GPU quota from Kaggle's quota_view, else the chain's
-own hours, against the job's budget).
+own hours this week, `week_used`, against the job's budget).
 """
 
 from __future__ import annotations
@@ -260,6 +260,25 @@ def final_weights(record: Record) -> PurePath:
     if rel.parts[:1] != (layout.KCHAIN_DIR,):
         rel = layout.KCHAIN_DIR / rel
     return PurePath(record.get("output") or "") / rel
+
+
+WEEK_S = 7 * 24 * 3600
+
+
+def week_used(week: Mapping[str, Any] | None, session_s: float, now: float) -> tuple[float, dict[str, float] | None]:
+    """The chain's GPU seconds this quota week with this session's session_s (billed: start to now, its publish
+    included), and the week record the next session carries (config.kaggle.week). `week` is what this
+    session was pushed with: the week's start and the seconds used before it; a week that has rolled
+    over since counts this session alone. Without one (a chain pushed by an older kchain), this session
+    alone, and nothing to carry."""
+    if not week or not isinstance(week.get("start"), (int, float)):
+        return session_s, None
+    start, before = float(week["start"]), float(week.get("used_s") or 0.0)
+    now_start = start + WEEK_S * ((now - start) // WEEK_S)
+    if now_start != start:
+        before = 0.0  # a new quota week: what the old one used is not counted in it
+    used = before + session_s
+    return used, {"start": now_start, "used_s": round(used, 1)}
 
 
 def afford(session_s: float, used_s: float, allowed_s: float, budget_s: float | None) -> str | None:

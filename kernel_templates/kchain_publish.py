@@ -315,9 +315,21 @@ def chain_next(api, template: dict, raw: dict, config: RuntimeConfig, kchain_dir
         lambda: str(config.fingerprint), lambda _fp: True), template["chain"]["job_file"])
     out: dict = {"decision": verdict.action, "pushed": False, "why": verdict.message, "waited_s": waited}
     if verdict.action == "push":
-        out.update(push_next(api, (template, src), raw, config, ended, resume, version, verdict, clock))
+        out.update(push_next(api, (template, src), raw, config, ended, resume, version, verdict, clock, waited))
     out["idle_s"] = round(time.monotonic() - t0, 3)
+    if ended.published == "kernel" and ended.publish_timing and out.get("push_s") is not None:
+        record_measured(kchain_dir, waited, out["push_s"])
     nextkernel.record(kchain_dir, out, say)
+
+
+def record_measured(kchain_dir: Path, waited_s: float, push_s: float) -> None:
+    """The publish figures in summary.json with what came after the upload (the wait for the version to be
+    ready, the push of the next session): the figures a later push plans with are what this session took."""
+    path = kchain_dir / layout.SUMMARY
+    ended = summary.read(path)
+    if ended is not None and ended.publish_timing:
+        ended.publish_timing = publishplan.measured(ended.publish_timing, waited_s, push_s)
+        summary.write(path, ended)
 
 
 def ready_version(api, ref: str, before: int | None, clock: Clock) -> int | None:
@@ -353,7 +365,7 @@ def chain_records(config: RuntimeConfig, ended: summary.Summary, resume: dict, k
 
 
 def push_next(api, unpacked: tuple[dict, Path], raw: dict, config: RuntimeConfig, ended: summary.Summary,
-              resume: dict, version: int | None, verdict, clock: Clock) -> dict:
+              resume: dict, version: int | None, verdict, clock: Clock, waited_s: float = 0.0) -> dict:
     """The budget, then the next session's kernel version (from the template and payload unpacked), once."""
     template, src = unpacked
     chain = template["chain"]
@@ -375,7 +387,11 @@ def push_next(api, unpacked: tuple[dict, Path], raw: dict, config: RuntimeConfig
         version_number(api, cache, clock.until(SETTLE_S))  # ready before it is attached
         sources.append(cache)
     n = int(resume.get("session") or 1) + 1
-    plan = {"session": n, "sources": sources, "publish": ended.publish_timing or config.kaggle.publish, "week": week,
+    # What this session's publish took (its push: the last one measured), else the figures it was given.
+    before = config.kaggle.publish or {}
+    figures = publishplan.measured(ended.publish_timing, waited_s, before.get("push_s")) \
+        if ended.published == "kernel" and ended.publish_timing else config.kaggle.publish
+    plan = {"session": n, "sources": sources, "publish": figures, "week": week,
             "resume": nextkernel.resume_for(n, int(step or 0), version, verdict.attempt if verdict.again else 1)}
     t0 = time.monotonic()
     sent = nextkernel.send_next(api, template, src, raw, plan, clock.until(SETTLE_S * 3))

@@ -10,6 +10,7 @@ import secrets
 from kchain.emulator import Faults, Switches
 from kchain.rehearse import rehearse
 from kchain.runtime import layout
+from kchain.sessions import waiting
 
 STALL = "stall_step=0.05"  # at most 20 steps/s, whatever the machine
 GENEROUS_S = 600
@@ -72,6 +73,9 @@ def test_when_a_kernel_cannot_push_the_laptop_takes_the_chain_over_from_kaggles_
     chain = result.sessions
     told = chain[1]["summary"]["next"]
     assert told["decision"] == "left to the laptop" and "no credential" in told["why"], told
+    # Until the laptop looked, `kchain status` said that nothing ran, and the kernel's reason.
+    assert waiting(chain[:2], "job.yaml") == {"for": "continue", "why": "session 2's kernel did not push the next "
+                                              f"session: {told['why']}"}
     assert chain[1]["pushed_by"] == "kernel" and chain[1]["publish"]["published"] == "relay"
     assert "pushed_by" not in chain[2] and all(s.get("pushed_by") == "kernel" for s in chain[3:])
     # An empty ledger rebuilds sessions 1 and 2 from Kaggle alone, then refuses in one line rather than push

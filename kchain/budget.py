@@ -11,11 +11,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Any
 
-from kchain.errors import BudgetExceeded, KaggleError
+from kchain.errors import BudgetExceeded, CredentialsError, KaggleError
 from kchain.kaggle_api import KaggleClient, Quota
-from kchain.ledger import WEEK, Ledger, iso, now_utc, week_start
-from kchain.spec import Job, parse_duration
+from kchain.ledger import WEEK, Ledger, budget_document, budget_lines, iso, now_utc, state_dir, week_start
+from kchain.spec import Job, load_job, parse_duration
 
 
 @dataclass
@@ -69,7 +70,7 @@ def _kaggle_quota(client: KaggleClient | None) -> Quota | None:
         return None
     try:
         return client.quota_view()
-    except KaggleError:
+    except (KaggleError, CredentialsError):
         return None  # the quota view is a second opinion; the ledger still counts
 
 
@@ -111,3 +112,27 @@ def check_budget(job: Job, plan: Plan, force: bool, job_file: Path) -> None:
             f"are left this week ({plan.weekly_source}); wait for {plan.refresh}, "
             "lower train.session_limit, or pass --force"
         )
+
+
+def _week(job_file: Path) -> tuple[Plan, dict[str, Any], Ledger, Job]:
+    """`kchain budget`: the week as push and doctor plan it (Kaggle's allowance, week and count where it
+    answers; the ledger alone without credentials or an answer), session by session."""
+    job = load_job(job_file)
+    ledger = Ledger(state_dir(job.path))
+    plan = plan_for(job, ledger, KaggleClient(timeout_s=15, attempts=2))
+    kaggle_used_h = plan.used_h if plan.used_h > ledger.gpu_hours_this_week(start=plan.week_start) else None
+    return plan, budget_document(ledger, plan.weekly_h, job.name, start=plan.week_start,
+                                 kaggle_used_h=kaggle_used_h), ledger, job
+
+
+def budget_for(job_file: Path) -> list[str]:
+    plan, week, ledger, job = _week(job_file)
+    lines = budget_lines(ledger, plan.weekly_h, job.name, week=week, refresh=plan.refresh)
+    if plan.kaggle_h is not None and plan.budget_h is not None and plan.kaggle_h < plan.budget_h:
+        lines.insert(1, f"Kaggle allows this account {plan.kaggle_h:g} GPU-hours a week, fewer than "
+                        f"budget.weekly_gpu_hours {plan.budget_h:g}: the smaller counts")
+    return lines
+
+
+def budget_document_for(job_file: Path) -> dict[str, Any]:
+    return _week(job_file)[1]

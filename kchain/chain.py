@@ -328,7 +328,7 @@ def push_next(job: Job, ledger: Ledger, client: KaggleClient, owner: str, chain:
         sources.append(cache_ref)
     unattended = bool(chain[0].get("unattended"))  # the kernels push from here on again, as from session 1
     rendered = render_job(job, owner=owner, extra_sources=sources, session=last["session"] + 1,
-                          session_facts=session_facts(ledger, job, facts, last["session"] + 1, attempt),
+                          session_facts=session_facts(ledger, job, facts, last["session"] + 1, attempt, unattended),
                           unattended=unattended)
     image = chain[0].get("image") if job.kaggle.image == "pin" else None
     record = push_session(
@@ -357,15 +357,18 @@ def pin_image(rendered: Rendered, image: str) -> Rendered:
 
 
 def session_facts(ledger: Ledger, job: Job, facts: PublishFacts | None = None, session: int = 2,
-                  attempt: int = 1) -> dict[str, Any]:
+                  attempt: int = 1, unattended: bool = False) -> dict[str, Any]:
     """What the rendered config tells the next session besides the job: the state it must resume
-    (step and state version, its number in the chain, which try of that state it is) and the measured
-    publish figures its deadline guard plans with. A kernel of an unattended chain writes the same
-    (nextkernel.resume_for) for the session it pushes."""
+    (step and state version, its number in the chain, which try of that state it is), the measured
+    publish figures its deadline guard plans with, and (unattended) the week's GPU time so far, which its
+    kernel counts on. A kernel of an unattended chain writes the same (nextkernel.resume_for,
+    nextsession.week_used) for the session it pushes."""
     out: dict[str, Any] = {}
     figures = ledger.publish_figures(job.name)
     if figures:
         out["publish"] = figures
+    if unattended:
+        out["week"] = ledger.week_tally()
     if facts is not None:
         out["resume"] = resume_for(session, facts.get("resumes_at") or 0, facts.get("version"), attempt)
     return out

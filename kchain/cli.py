@@ -358,7 +358,7 @@ def budget(job: Path, as_json: bool) -> None:
       kchain budget myjob/job.yaml
       kchain budget myjob/job.yaml --json | jq .left
     """
-    from kchain.ledger import budget_document_for, budget_for
+    from kchain.budget import budget_document_for, budget_for
 
     if as_json:
         return click.echo(json.dumps(budget_document_for(job), indent=2))

@@ -167,6 +167,14 @@ class Ledger:
         return data
 
     # -- the GPU-hour week ------------------------------------------------------------------
+    def week_tally(self, moment: datetime | None = None) -> dict[str, float]:
+        """An unattended chain's week as its kernels count it on when Kaggle reports no GPU figures
+        (config.kaggle.week, nextsession.week_used): the quota week's start (epoch seconds, kchain's
+        assumption) and the GPU seconds this ledger holds for it, every job's."""
+        moment = moment or now_utc()
+        start = week_start(moment)
+        return {"start": start.timestamp(), "used_s": round(self.gpu_hours_this_week(moment, start) * 3600, 1)}
+
     def gpu_hours_this_week(self, moment: datetime | None = None, start: datetime | None = None) -> float:
         """GPU-hours of every GPU session (all jobs) that started in the current quota week (from start,
         e.g. the week Kaggle reports; default: week_start's assumption)."""
@@ -256,11 +264,14 @@ def session_hours(session: SessionRecord, moment: datetime | None = None) -> flo
 
 
 def budget_document(ledger: Ledger, weekly_h: float, job: str | None = None,
-                    usable_session_h: float = 11.75) -> dict[str, Any]:
+                    usable_session_h: float = 11.75, start: datetime | None = None,
+                    kaggle_used_h: float | None = None) -> dict[str, Any]:
     """`kchain budget --json`: this quota week's GPU sessions, what is left, and what the job's remaining
-    steps need at its measured pace (the shape README's "Machine-readable output" documents)."""
+    steps need at its measured pace (the shape README's "Machine-readable output" documents). weekly_h is
+    the week's allowance (the smaller of the job's budget and Kaggle's), start the week Kaggle reports, and
+    kaggle_used_h Kaggle's own count, which wins where it is higher (GPU time spent outside kchain)."""
     moment = now_utc()
-    start = week_start(moment)
+    start = start or week_start(moment)
     sessions, left = [], weekly_h
     for name, chain in sorted(ledger.all_sessions().items()):
         for s in chain:
@@ -282,14 +293,17 @@ def budget_document(ledger: Ledger, weekly_h: float, job: str | None = None,
         hours = steps / (last.steps_per_s or 1.0) / 3600
         remaining = {"steps": steps, "steps_per_s": last.steps_per_s, "gpu_hours": hours,
                      "sessions": int(-(-hours // usable_session_h)) if steps else 0}
+    if kaggle_used_h is not None:
+        left = min(left, weekly_h - kaggle_used_h)
     return {"job": job, "week_start": iso(start), "weekly_gpu_hours": weekly_h, "sessions": sessions,
             "left": max(0.0, left), "remaining": remaining}
 
 
-def budget_lines(ledger: Ledger, weekly_h: float, job: str | None = None, usable_session_h: float = 11.75) -> list[str]:
+def budget_lines(ledger: Ledger, weekly_h: float, job: str | None = None, usable_session_h: float = 11.75,
+                 week: dict[str, Any] | None = None, refresh: str = "Saturday 00:00 UTC") -> list[str]:
     """The week like a quota table, and what the job's remaining steps need at its measured pace."""
-    week = budget_document(ledger, weekly_h, job, usable_session_h)
-    lines = [f"GPU quota week from {week['week_start']} (resets Saturday 00:00 UTC)",
+    week = week or budget_document(ledger, weekly_h, job, usable_session_h)
+    lines = [f"GPU quota week from {week['week_start']} (resets {refresh})",
              f"{'session':<34} {'GPU-h':>7} {f'left of {weekly_h:g}':>11}  outcome"]
     for s in week["sessions"]:
         lines.append(f"{s['job'] + ' session ' + str(s['session']):<34} {s['gpu_hours']:7.2f} {s['left_after']:11.2f}  "
@@ -327,18 +341,6 @@ def runs_lines(ledger: Ledger) -> list[str]:
     return lines
 
 
-def budget_for(job_file: Path) -> list[str]:
-    from kchain.spec import load_job
-
-    job = load_job(job_file)
-    return budget_lines(Ledger(state_dir(job.path)), job.budget.weekly_gpu_hours, job.name)
-
-
-def budget_document_for(job_file: Path) -> dict[str, Any]:
-    from kchain.spec import load_job
-
-    job = load_job(job_file)
-    return budget_document(Ledger(state_dir(job.path)), job.budget.weekly_gpu_hours, job.name)
 
 
 def runs_for(job_file: Path) -> list[str]:

@@ -13,6 +13,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from kchain.budget import check_budget, plan_for
+from kchain.common import publishplan
+from kchain.common.config import KaggleConfig
 from kchain.common.kernel_states import LIVE
 from kchain.common.sendonce import NotLanded, send_and_settle
 from kchain.common.sessionrecord import SessionRecord
@@ -197,6 +199,7 @@ def push(job_file: Path, skip_smoke: bool = False, force: bool = False, echo: Ec
          unattended: bool = False) -> SessionRecord:
     job = load_job(job_file)
     if unattended:
+        refuse_short_sessions(job, Ledger(state_dir(job.path)))  # a kernel that cannot publish in time
         refuse_unattended(job)  # the doctor must have seen a kernel push a kernel on this account
         note = unattended_note(job)  # a kernel-pushed kernel without its Secrets: the laptop takes over
         if note:
@@ -204,6 +207,28 @@ def push(job_file: Path, skip_smoke: bool = False, force: bool = False, echo: Ec
     suggest_doctor(job, echo)  # one line when doctor.json is missing or stale; never blocks
     return push_job(job, Ledger(state_dir(job.path)), KaggleClient(), skip_smoke=skip_smoke, force=force, echo=echo,
                     unattended=unattended)
+
+
+def refuse_short_sessions(job: Job, ledger: Ledger) -> None:
+    """push --unattended: a session must keep what its kernel needs after the last save (the hand-over to the
+    publisher, the publish, the wait for the version, the push of the next session) by the rule its deadline
+    guard plans with (publishplan.fits), or no kernel would ever publish and the chain would wait for the
+    laptop after every session. Planned with the figures the last session measured, else the assumed ones."""
+    measured = ledger.publish_figures(job.name)
+    plan = publishplan.figures(KaggleConfig(internet=True, state_dataset="-", unattended=True, publish=measured))
+    assert plan is not None
+    nbytes = int((measured or {}).get("bytes") or 0)  # unknown before a session published: the least it can be
+    need = publishplan.seconds(plan, nbytes) + publishplan.handoff_s(nbytes)
+    limit, margin = parse_duration(job.train.session_limit), parse_duration(job.train.margin)
+    if publishplan.fits(need, limit, margin):
+        return
+    size = publishplan.size_text(nbytes) if nbytes else "the state"
+    raise SpecError(
+        f"{job.path}: train.session_limit: {job.train.session_limit} is too short for an unattended chain: after its "
+        f"last save each kernel needs about {need:.0f}s to publish {size} and push the next session "
+        f"({'measured' if plan['measured'] else 'assumed'} figures), and a session keeps at most half of the "
+        f"{limit - margin:.0f}s left after train.margin for that; raise train.session_limit to at least "
+        f"{2 * need + margin:.0f}s, or push without --unattended (the laptop relays each session)")
 
 
 def push_job(job: Job, ledger: Ledger, client: KaggleClient, skip_smoke: bool = False, force: bool = False,
@@ -231,8 +256,8 @@ def push_job(job: Job, ledger: Ledger, client: KaggleClient, skip_smoke: bool = 
     if unattended and not job.kaggle.internet:
         raise SpecError(f"{job.path}: kaggle.internet: an unattended chain needs it true (each session pushes the "
                         "next over the internet, with your key attached as Secrets); set kaggle.internet: true")
-    rendered = render_job(job, owner=owner, session_facts={"publish": figures} if figures else None,
-                          unattended=unattended)
+    facts = {**({"publish": figures} if figures else {}), **({"week": ledger.week_tally()} if unattended else {})}
+    rendered = render_job(job, owner=owner, session_facts=facts or None, unattended=unattended)
     smoked = ledger.smoke_passed(rendered.fingerprint)
     if smoked is None and not skip_smoke:
         raise NotSmoked.for_job(job_file)

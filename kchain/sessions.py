@@ -21,7 +21,7 @@ from kchain.common.kernel_states import LIVE, TERMINAL
 from kchain.common.nextkernel import NEXT_KEY
 from kchain.common.relay import RELAY_FILE
 from kchain.common.sessionrecord import SessionRecord
-from kchain.common.summary import Summary, read_working
+from kchain.common.summary import Status, Summary, read_working
 from kchain.errors import ChainStop, KaggleError, KchainError
 from kchain.kaggle_api import KaggleClient
 from kchain.ledger import Ledger, iso, now_utc, parse_iso
@@ -34,6 +34,18 @@ HEARTBEAT = "[kchain] step"
 def summary_of(record: SessionRecord) -> Summary:
     """The summary the session left, as its output was fetched (an empty Summary when it left none)."""
     return Summary.from_dict(record.get("summary"))
+
+
+def billed_span(summary: Summary) -> tuple[str, str] | None:
+    """The GPU session Kaggle bills, by the kernel's own clock: from the session clock's start to the end of
+    its publish process (the publish and an unattended push run after the training's `ended`), as ISO
+    start and end; None when the summary says neither (the laptop's own times stand)."""
+    start, end = summary.started, summary.ended
+    if not isinstance(start, (int, float)) or not isinstance(end, (int, float)):
+        return None
+    if isinstance(summary.session_ended, (int, float)):
+        end = max(end, summary.session_ended)
+    return iso(datetime.fromtimestamp(start, timezone.utc)), iso(datetime.fromtimestamp(end, timezone.utc))
 
 
 def output_dir(ledger: Ledger, job: str, session: int) -> Path:
@@ -130,11 +142,9 @@ def refresh(client: KaggleClient, ledger: Ledger, job: str, live_log: bool = Fal
                 fetch_output(client, ledger, job, record)
             except Exception as exc:  # noqa: BLE001 - a missing output is recorded, not fatal
                 record["output_error"] = f"{type(exc).__name__}: {exc}"
-            summary = summary_of(record)
             # The kernel's own clock measures the session it ran; the queue before it is not GPU time.
-            if isinstance(summary.started, (int, float)) and isinstance(summary.ended, (int, float)):
-                record["started"] = iso(datetime.fromtimestamp(summary.started, timezone.utc))
-                record["ended"] = iso(datetime.fromtimestamp(summary.ended, timezone.utc))
+            if (span := billed_span(summary_of(record))) is not None:
+                record["started"], record["ended"] = span
         ledger.save_session(job, record)
     if adopt_pushed(ledger, job):
         return refresh(client, ledger, job, live_log)  # the session a kernel pushed: asked about now
@@ -172,9 +182,8 @@ def rebuild(client: KaggleClient, ledger: Ledger, job: str) -> bool:
     if NEXT_KEY not in summary.extra:
         return False
     record["fingerprint"] = summary.fingerprint or ""
-    if isinstance(summary.started, (int, float)) and isinstance(summary.ended, (int, float)):
-        record["started"] = iso(datetime.fromtimestamp(summary.started, timezone.utc))
-        record["ended"] = iso(datetime.fromtimestamp(summary.ended, timezone.utc))
+    if (span := billed_span(summary)) is not None:
+        record["started"], record["ended"] = span
     ledger.save_session(job, record)
     return True
 
@@ -544,11 +553,42 @@ def _chain_now(job_file: Path) -> tuple[Job, Ledger, list[SessionRecord], dict[i
     return job, ledger, chain, {s["session"]: judged for s in chain if (judged := stale(s, rule, now)) is not None}
 
 
+def waiting(chain: list[SessionRecord], job_file: Path | str) -> dict[str, str] | None:
+    """What a chain with nothing running waits for (`for`: continue, or nothing once it ended) and why: an
+    unattended kernel's reason is its summary's `next` record (it could not publish, the time left, the cap,
+    no Secret, the budget); None while a session is live or was pushed. Pure: `kchain status` says it."""
+    last = chain[-1] if chain else None
+    if last is None or last["status"] not in TERMINAL:
+        return None
+    ended = summary_of(last)
+    if ended.status in (Status.FINISHED, Status.STOPPED):
+        return {"for": "nothing", "why": f"the chain has ended: session {last['session']} {ended.status} at step "
+                                         f"{ended.step}/{ended.total}"}
+    told = ended.extra.get(NEXT_KEY)
+    if isinstance(told, dict) and told.get("pushed"):
+        return None  # adopt_pushed makes the pushed session's record at the next look
+    if isinstance(told, dict):
+        why = f"session {last['session']}'s kernel did not push the next session: {told.get('why') or told.get('decision')}"
+    else:
+        why = (f"session {last['session']} ended ({ended.status or last['status'].lower()}), and in a chain the "
+               "laptop drives the next session waits for it")
+    return {"for": "continue", "why": why}
+
+
+def waiting_line(wait: dict[str, str] | None, job_file: Path | str) -> list[str]:
+    if wait is None:
+        return []
+    if wait["for"] == "nothing":
+        return [f"nothing is running: {wait['why']}"]
+    return [f"nothing is running; the chain waits for `kchain continue {job_file}`: {wait['why']}"]
+
+
 def status_for(job_file: Path) -> list[str]:
     job, ledger, chain, found = _chain_now(job_file)
     if not chain:
         return [f"{job.name} has no session yet: `kchain push {job_file}` starts one"]
     return [*status_table(chain, ledger.gpu_hours_this_week(), job.budget.weekly_gpu_hours, found),
+            *waiting_line(waiting(chain, job_file), job_file),
             *(judged.message(job_file) for judged in found.values()), *image_drift(chain)]
 
 
@@ -562,6 +602,7 @@ def status_document(job_file: Path) -> dict[str, Any]:
                  "note": session_note(s, found)} for s in chain]
     return {"job": job.name, "sessions": sessions,
             "gpu_hours": {"used": used_h, "weekly": weekly_h, "left": max(0.0, weekly_h - used_h)},
+            "waiting": waiting(chain, job_file),
             "warnings": [*(judged.message(job_file) for judged in found.values()), *image_drift(chain)]}
 
 

@@ -15,7 +15,7 @@ import math
 import re
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -53,6 +53,9 @@ MAX_DEPTH = 50  # nesting levels, counted after aliases are expanded
 MAX_EXPANDED = 1_000_000  # values + characters after aliases are expanded (an alias bomb stops here)
 MAX_PATH_CHARS = 1024
 MAX_SHOWN = 60  # characters of a value echoed in an error
+# The longest kaggle.mount_wait: the wait runs on the session's GPU clock before it trains, and the longest
+# mount lag measured was 138 s (docs/emulator.md); an hour is far past any lag and still inside a session.
+MOUNT_WAIT_MAX_S = 3600
 
 
 def shown(value: Any) -> str:
@@ -105,9 +108,12 @@ class KaggleSpec(_Strict):
     @classmethod
     def _mount_wait(cls, value: str | int | float) -> str | int | float:
         try:
-            _positive_duration(value)
+            seconds = _positive_duration(value)
         except (OverflowError, ValueError):
             raise ValueError(f"{shown(value)} is not a positive duration; write e.g. 5m or 90s") from None
+        if seconds > MOUNT_WAIT_MAX_S:
+            raise ValueError(f"{shown(value)} is over 1h: a session would wait that long on its GPU clock for a state "
+                             "that Kaggle mounts within minutes; write e.g. 5m")
         return value
 
     @field_validator("owner")
@@ -586,9 +592,47 @@ def decode_text(data: bytes) -> str:
         raise ValueError(f"is not UTF-8 (byte {data[exc.start]:#04x} at offset {exc.start}; Latin-1?)") from None
 
 
+# A str | int | float field's member names, which pydantic adds to the key of each member's error.
+SCALAR_TAGS = ("str", "int", "float")
+
+
+def _annotation_at(loc: tuple[Any, ...]) -> Any:
+    """The annotation of the field that loc names in a Job (through optional sections), or None."""
+    current: Any = Job
+    annotation = None
+    for part in loc:
+        fields = getattr(current, "model_fields", None)
+        if not fields or not isinstance(part, str) or part not in fields:
+            return None
+        annotation = fields[part].annotation
+        members = get_args(annotation) or (annotation,)
+        current = next((m for m in members if isinstance(m, type) and issubclass(m, BaseModel)), None)
+    return annotation
+
+
+def _plain_errors(errors: list[Any]) -> list[dict[str, Any]]:
+    """pydantic's errors with a str | int | float field's three member errors (`mount_wait.str ... .int ...
+    .float`) as one error of the field, `scalar_union`: the user wrote neither text nor a number."""
+    out, seen = [], set()
+    for error in errors:
+        loc = tuple(error["loc"])
+        if len(loc) > 1 and loc[-1] in SCALAR_TAGS and set(get_args(_annotation_at(loc[:-1]))) >= {str, int, float}:
+            if loc[:-1] in seen:
+                continue
+            seen.add(loc[:-1])
+            error = {**error, "loc": loc[:-1], "type": "scalar_union"}
+        out.append(error)
+    return out
+
+
 def _describe(error: Mapping[str, Any]) -> str:
     loc = tuple(error["loc"])
     key = key_path(loc)
+    if error["type"] == "scalar_union":
+        example = {"checkpoint_every": "10m or 500 steps", "mount_wait": "5m or 90s"}.get(loc[-1], "90s, 10m or 12h")
+        return f"{key}: {shown(error.get('input'))} is not a duration; write e.g. {example}"
+    if error["type"] in ("model_type", "dict_type"):
+        return f"{key}: {shown(error.get('input'))} is not a mapping; write its keys indented under {_key_name(loc[-1])}:"
     if error["type"] == "extra_forbidden":
         allowed = _fields_at(Job, loc[:-1])
         last = str(loc[-1])
@@ -648,7 +692,7 @@ def load_job(path: str | Path) -> Job:
     try:
         job = Job.model_validate({**data, "path": path.resolve()})
     except ValidationError as exc:
-        errors = exc.errors()
+        errors = _plain_errors(exc.errors())
         problems = [_describe(e) for e in errors[:5]]
         more = f"; and {len(errors) - 5} more" if len(errors) > 5 else ""
         raise SpecError(f"{label}: " + "; ".join(problems) + more) from None
@@ -663,6 +707,9 @@ def load_job(path: str | Path) -> Job:
         known |= {ref.split("/")[1] for ref in job.kaggle.models} | set(job.kaggle.models)
         if job.kaggle.competition:
             known.add(job.kaggle.competition)
+        if slug not in known and slug in {"/".join(ref.split("/")[:2]) for ref in job.kaggle.datasets}:
+            raise SpecError(f"{label}: kaggle.local.{key_path((slug,))}: name the local copy by the dataset's slug alone, "
+                            f"{slug.split('/')[1]}: ({slug} is in kaggle.datasets already)")
         if slug not in known:
             raise SpecError(
                 f"{label}: kaggle.local.{key_path((slug,))}: not an attached dataset or model; add it to "

@@ -56,6 +56,9 @@ class KaggleConfig:
     publish: dict | None = None  # measured publish figures (publishplan.py); None: assumed ones
     mount_wait_s: float = 300.0  # how long a session waits for the state it resumes to be mounted (kaggle.mount_wait)
     unattended: bool = False  # each session pushes the next itself (push --unattended): the plan keeps time for it
+    # unattended: {'start', 'used_s'}: the quota week's start (epoch s) and the GPU seconds of it used before this
+    # session (the laptop's ledger at its push, then each kernel's tally): nextsession.week_used
+    week: dict | None = None
 
 
 @dataclass(frozen=True)

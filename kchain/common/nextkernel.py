@@ -76,12 +76,15 @@ def fill_metadata(template: str, sources: list[str], image: str | None) -> str:
     return canonical(metadata)
 
 
-def next_config(config: dict[str, Any], resume: dict[str, Any], publish: dict | None) -> dict[str, Any]:
-    """This session's config (as the notebook embedded it) with the next session's resume and figures."""
-    kaggle = {k: v for k, v in config["kaggle"].items() if k not in ("resume", "publish")}
+def next_config(config: dict[str, Any], resume: dict[str, Any], publish: dict | None,
+                week: dict | None = None) -> dict[str, Any]:
+    """This session's config (as the notebook embedded it) with the next session's resume, figures and week."""
+    kaggle = {k: v for k, v in config["kaggle"].items() if k not in ("resume", "publish", "week")}
     kaggle["resume"] = resume
     if publish:
         kaggle["publish"] = publish
+    if week:
+        kaggle["week"] = week
     return {**config, "kaggle": kaggle}
 
 
@@ -180,7 +183,7 @@ def write_next(folder: Path, template: dict[str, Any], src: Path, config: dict[s
     """The next session's kernel folder from the template (plan: session, sources, resume, publish)."""
     payload = (src / PAYLOAD_FILE).read_text(encoding="ascii")
     notebook = fill_notebook(template["notebook"], plan["session"], plan["sources"],
-                             next_config(config, plan["resume"], plan["publish"]), payload)
+                             next_config(config, plan["resume"], plan["publish"], plan.get("week")), payload)
     metadata = fill_metadata(template["metadata"], plan["sources"], template["chain"].get("image"))
     write_kernel(folder, config["job"], notebook, metadata)
 
@@ -207,7 +210,7 @@ def used_s(api: Any, chain_gpu_s: float) -> tuple[float, float | None, str]:
     used, total = getattr(gpu, "time_used", None), getattr(gpu, "total_time_allowed", None)
     if used is not None:
         return used.total_seconds(), (total.total_seconds() if total is not None else None), "Kaggle's quota_view"
-    return chain_gpu_s, None, "this chain's own sessions (Kaggle's quota answer has no GPU figures)"
+    return chain_gpu_s, None, "this chain's own sessions this week (Kaggle's quota answer has no GPU figures)"
 
 
 def env_clock() -> float | None:

@@ -22,10 +22,11 @@ Kaggle call, standard library only (it is embedded into the kernel). The table, 
   code that never passed a smoke run              -> stop unless --skip-smoke
   state_not_mounted (at most REMOUNTS in a row)   -> push the same session again (same state version and step)
   otherwise (deadline, killed, timed out, ...)    -> push the next session from the newest state
+    (killed: the training alone, or one of its ranks, died by a signal from outside)
 
 The kernel adds what only it must check before it pushes (the laptop's `continue` checks the same
 through `kchain/budget.py`): `afford` (the week's GPU quota from Kaggle's quota_view, else the chain's
-own hours, against the job's budget).
+own hours this week, `week_used`, against the job's budget).
 """
 
 from __future__ import annotations
@@ -143,8 +144,9 @@ def _after_end(chain: list[Record], job_file: str) -> Verdict | None:
     if status == Status.FINISHED:
         best = summary.best or {}
         best_text = f", best {best['name']} {best['value']:.6g} at step {best['step']}" if best.get("name") else ""
+        where = final_weights(last) if last.get("output") else f"{final_weights(last)} of session {last['session']}'s output"
         return Verdict("finished", f"training is complete: {summary.step}/{summary.total} steps"
-                       f"{best_text}; final weights in {final_weights(last)}", last)
+                       f"{best_text}; final weights in {where}", last)
     if status == Status.STOPPED:
         # The code left its loop on purpose (early stopping): another session would be the user's
         # decision, not the chain's.
@@ -235,6 +237,8 @@ def saved_step(record: Record) -> int | None:
 def crash_of(record: Record) -> dict[str, Any] | None:
     """The error of a session that crashed, hung or got no accelerator (not a kill, not a timeout), if any."""
     summary = summary_of(record)
+    if summary.status == Status.KILLED:  # a rank killed from outside: its peers' errors are consequences
+        return None
     if summary.status in NEEDS_A_PERSON:
         return record.get("error") or summary.error or {"type": summary.status, "message": ""}
     if record["status"] == "ERROR" and (error := record.get("error")) and error.get("type") not in (
@@ -249,8 +253,32 @@ def _same_error(a: Mapping[str, Any] | None, b: Mapping[str, Any]) -> bool:
 
 
 def final_weights(record: Record) -> PurePath:
-    """Where a finished session's last checkpoint is, in its downloaded output."""
-    return PurePath(record.get("output") or "") / layout.KCHAIN_DIR / (summary_of(record).checkpoint or "")
+    """Where a finished session's last checkpoint is, in its downloaded output (relative to the session's
+    working dir where it has none: the kernel deciding about itself). The summary names it relative to the
+    working dir (`kchain/checkpoints/...`); a summary of an older kchain relative to the kchain dir."""
+    rel = PurePath(summary_of(record).checkpoint or "")
+    if rel.parts[:1] != (layout.KCHAIN_DIR,):
+        rel = layout.KCHAIN_DIR / rel
+    return PurePath(record.get("output") or "") / rel
+
+
+WEEK_S = 7 * 24 * 3600
+
+
+def week_used(week: Mapping[str, Any] | None, session_s: float, now: float) -> tuple[float, dict[str, float] | None]:
+    """The chain's GPU seconds this quota week with this session's session_s (billed: start to now, its publish
+    included), and the week record the next session carries (config.kaggle.week). `week` is what this
+    session was pushed with: the week's start and the seconds used before it; a week that has rolled
+    over since counts this session alone. Without one (a chain pushed by an older kchain), this session
+    alone, and nothing to carry."""
+    if not week or not isinstance(week.get("start"), (int, float)):
+        return session_s, None
+    start, before = float(week["start"]), float(week.get("used_s") or 0.0)
+    now_start = start + WEEK_S * ((now - start) // WEEK_S)
+    if now_start != start:
+        before = 0.0  # a new quota week: what the old one used is not counted in it
+    used = before + session_s
+    return used, {"start": now_start, "used_s": round(used, 1)}
 
 
 def afford(session_s: float, used_s: float, allowed_s: float, budget_s: float | None) -> str | None:

@@ -324,9 +324,21 @@ def chain_next(api, template: dict, raw: dict, config: RuntimeConfig, kchain_dir
         lambda: str(config.fingerprint), lambda _fp: True), template["chain"]["job_file"])
     out: dict = {"decision": verdict.action, "pushed": False, "why": verdict.message, "waited_s": waited}
     if verdict.action == "push":
-        out.update(push_next(api, (template, src), raw, config, ended, resume, version, verdict, clock))
+        out.update(push_next(api, (template, src), raw, config, ended, resume, version, verdict, clock, waited))
     out["idle_s"] = round(time.monotonic() - t0, 3)
+    if ended.published == "kernel" and ended.publish_timing and out.get("push_s") is not None:
+        record_measured(kchain_dir, waited, out["push_s"])
     nextkernel.record(kchain_dir, out, say)
+
+
+def record_measured(kchain_dir: Path, waited_s: float, push_s: float) -> None:
+    """The publish figures in summary.json with what came after the upload (the wait for the version to be
+    ready, the push of the next session): the figures a later push plans with are what this session took."""
+    path = kchain_dir / layout.SUMMARY
+    ended = summary.read(path)
+    if ended is not None and ended.publish_timing:
+        ended.publish_timing = publishplan.measured(ended.publish_timing, waited_s, push_s)
+        summary.write(path, ended)
 
 
 def ready_version(api, ref: str, before: int | None, clock: Clock) -> int | None:
@@ -366,14 +378,16 @@ def chain_records(config: RuntimeConfig, ended: summary.Summary, resume: dict,
 
 
 def push_next(api, unpacked: tuple[dict, Path], raw: dict, config: RuntimeConfig, ended: summary.Summary,
-              resume: dict, version: int | None, verdict, clock: Clock) -> dict:
+              resume: dict, version: int | None, verdict, clock: Clock, waited_s: float = 0.0) -> dict:
     """The budget, then the next session's kernel version (from the template and payload unpacked), once."""
     template, src = unpacked
     chain = template["chain"]
     session_s = float(chain["session_limit_s"])
+    # This session as Kaggle bills it, from its start to now (its publish included), on top of the chain's week.
+    now = time.time()
+    chain_s, week = nextsession.week_used(config.kaggle.week, max(0.0, now - (ended.started or now)), now)
     if chain.get("gpu"):
-        spent = (ended.ended or time.time()) - (ended.started or time.time())
-        used, allowed, source = nextkernel.used_s(api, max(0.0, spent))
+        used, allowed, source = nextkernel.used_s(api, chain_s)
         budget = float(chain["weekly_gpu_hours"]) * 3600
         why = nextsession.afford(session_s, used, allowed if allowed is not None else budget, budget)
         if why is not None:
@@ -386,9 +400,12 @@ def push_next(api, unpacked: tuple[dict, Path], raw: dict, config: RuntimeConfig
         version_number(api, cache, clock.until(SETTLE_S))  # ready before it is attached
         sources.append(cache)
     n = int(resume.get("session") or 1) + 1
-    plan: dict[str, Any] = {
-        "session": n, "sources": sources, "publish": ended.publish_timing or config.kaggle.publish,
-        "resume": nextkernel.resume_for(n, int(step or 0), version, verdict.attempt if verdict.again else 1)}
+    # What this session's publish took (its push: the last one measured), else the figures it was given.
+    before = config.kaggle.publish or {}
+    figures = publishplan.measured(ended.publish_timing, waited_s, before.get("push_s")) \
+        if ended.published == "kernel" and ended.publish_timing else config.kaggle.publish
+    plan: dict[str, Any] = {"session": n, "sources": sources, "publish": figures, "week": week,
+            "resume": nextkernel.resume_for(n, int(step or 0), version, verdict.attempt if verdict.again else 1)}
     t0 = time.monotonic()
     if chain.get("relay"):  # a GPU chain: a CPU relay pushes it once this session has ended (common/relay.py)
         left = time_left(config)
@@ -494,5 +511,19 @@ def publish_cache(api, config: RuntimeConfig, kchain_dir: Path, work: Path, note
     return cache_bytes
 
 
+def mark_end() -> None:
+    """summary.json says when this process ended: the session Kaggle bills runs past the training's end
+    through the publish and the push (`kchain budget` and the kernel's own budget count to here)."""
+    path = layout.kchain_dir(os.environ) / layout.SUMMARY
+    ended = summary.read(path)
+    if ended is not None and os.environ.get(layout.SMOKE_ENV) != "1":
+        ended.session_ended = round(time.time(), 3)
+        summary.write(path, ended)
+
+
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1]))
+    try:
+        code = main(sys.argv[1])
+    finally:
+        mark_end()
+    sys.exit(code)

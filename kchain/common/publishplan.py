@@ -30,6 +30,12 @@ ASSUMED = {
 # An unattended chain's kernel also pushes the next session (SaveKernel, and settling a lost answer by
 # the kernel's version number) once its state version is ready: kept on top of the publish.
 PUSH_S = 20.0
+# What runs between the stop's save and the publisher's own check of its time left, which skips a publish
+# that no longer fits: the ranks' teardown, the notebook's next line, the publisher's interpreter and
+# imports (about 2-6 s measured on 2 shared cores), plus its sha256 check of the checkpoint's files at
+# VERIFY_BPS (a conservative disk and hash rate). Kept on top of the publish by the deadline.
+HANDOFF_S = 15.0
+VERIFY_BPS = 200e6
 
 
 def figures(kaggle: KaggleConfig) -> dict | None:
@@ -52,6 +58,29 @@ def seconds(plan: dict, nbytes: int) -> float:
     """Seconds the publish of nbytes takes by the plan."""
     rate = max(plan["rate_bps"], 1.0)
     return plan["start_s"] + plan["create_s"] + nbytes / rate + plan["processing_s"] + plan.get("push_s", 0.0)
+
+
+def handoff_s(nbytes: int) -> float:
+    """Seconds from the stop's save to the publisher's own check, for a checkpoint of nbytes."""
+    return HANDOFF_S + nbytes / VERIFY_BPS
+
+
+def fits(need_s: float, limit_s: float, margin_s: float) -> bool:
+    """Whether a session keeps need_s for the publish: at most half of what it has after train.margin, so
+    the other half trains (the deadline guard's rule, and `push --unattended`'s refusal)."""
+    return need_s <= (limit_s - margin_s) / 2
+
+
+def measured(timing: dict, processing_s: float | None = None, push_s: float | None = None) -> dict:
+    """A session's publish as the next one plans with it: its measured start, rate and bytes, with what the
+    kernel measured after them (the wait for its version to be ready, its push of the next session), so
+    `seconds` of them is the publish the session took, not the assumed processing and push on top."""
+    out = dict(timing)
+    if processing_s is not None:
+        out["processing_s"] = round(processing_s, 3)
+    if push_s is not None:
+        out["push_s"] = round(push_s, 3)
+    return out
 
 
 def tree_bytes(path: Path | None) -> int:

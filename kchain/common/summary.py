@@ -33,6 +33,9 @@ class Status:
     INTERRUPTED = "interrupted"  # SIGTERM or SIGINT: saved at the stop, like a deadline
     CRASHED = "crashed"  # an exception ended the run; `error` names it and its stage
     HUNG = "hung"  # the watchdog saw no step complete for too long; nothing new is saved
+    # a rank died by a signal from outside (the OOM killer, a segfault): its newest verified checkpoint is
+    # handed on, as after a deadline; `error` names the rank and the signal
+    KILLED = "killed"
     NO_CHECKPOINT = "no_checkpoint"  # main returned without a loop kchain drives: nothing to resume
     NO_ACCELERATOR = "no_accelerator"  # a Kaggle session got fewer GPUs than the job asked for
     # the state version this session was pushed to resume was not mounted within the wait: push again
@@ -71,6 +74,9 @@ class Summary:
     published_step: int | None = None  # the step of the state it published
     published_bytes: int | None = None  # bytes uploaded (the state and a changed cache)
     publish_timing: dict | None = None  # measured figures the next session's deadline guard plans with
+    # When the publish process ended (its publish and an unattended push included), unix seconds: the GPU time
+    # Kaggle bills runs to here, past `ended` (absent where no publish process ran: a smoke, a failed training).
+    session_ended: float | None = None
     extra: dict[str, Any] = field(default_factory=dict)  # keys this kchain does not know, kept as they are
 
     @classmethod
@@ -85,10 +91,10 @@ class Summary:
         return cls(**values, extra={k: v for k, v in data.items() if k not in known})
 
     def to_dict(self) -> dict[str, Any]:
-        """The JSON of summary.json: every key always, but the publish's only once it published and the
-        torch and CUDA versions only when known."""
+        """The JSON of summary.json: every key always, but the publish's only once it published (its end
+        once it ended) and the torch and CUDA versions only when known."""
         out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "extra"}
-        for key in (*_PUBLISH_KEYS, *_RUNTIME_KEYS):
+        for key in (*_PUBLISH_KEYS, *_RUNTIME_KEYS, "session_ended"):
             if out[key] is None:
                 del out[key]
         return {**out, **self.extra}

@@ -53,11 +53,12 @@ class SessionClock:
             self._sized, self._state_bytes = checkpoint, publishplan.tree_bytes(checkpoint)
 
     def publish_s(self) -> float:
-        """Seconds the in-kernel publish needs, 0 when there is none or it cannot fit the session."""
+        """Seconds the in-kernel publish needs from the stop's save (the hand-over to the publisher included,
+        so its own check of the time left finds what it planned), 0 when there is none or it cannot fit."""
         if self.publish is None:
             return 0.0
-        need = publishplan.seconds(self.publish, self._state_bytes)
-        return need if need <= (self.limit_s - self.margin_s) / 2 else 0.0
+        need = publishplan.seconds(self.publish, self._state_bytes) + publishplan.handoff_s(self._state_bytes)
+        return need if publishplan.fits(need, self.limit_s, self.margin_s) else 0.0
 
     def reserve_s(self) -> float:
         """Kept back after the last step besides the final save: train.margin, or the publish if longer."""
@@ -91,7 +92,7 @@ class SessionClock:
         if not self._state_bytes:
             self._state_bytes = state_bytes()
         size = publishplan.size_text(self._state_bytes)
-        need = publishplan.seconds(self.publish, self._state_bytes)
+        need = publishplan.seconds(self.publish, self._state_bytes) + publishplan.handoff_s(self._state_bytes)
         source = "measured" if self.publish.get("measured") else "assumed"
         if not self.publish_s():
             return (f"plan: the publish of {size} needs about {heartbeat.duration(need)} ({source}), more than half "

@@ -3,7 +3,8 @@
 Builds a Run, imports the entry (`module:function`), calls it, and writes summary.json in every
 outcome but a SIGKILL. Its exit code is the contract a supervisor acts on (`exit_code`; SkyPilot's
 recover_on_exit_codes, Slurm's --requeue, a shell loop, the Kaggle notebook): 0 done, 75 saved and
-not done (run again to go on), 69 no accelerator, 1 anything else.
+not done (run again to go on), 69 no accelerator, 1 anything else; and the launcher of several ranks
+dies by the signal that killed one of them, as that rank alone would have (status `killed`).
 """
 
 from __future__ import annotations
@@ -101,8 +102,9 @@ def released(env, argv: list[str] | None = None) -> bool:
     the frameworks the job's entry module imports (transformers, peft, Lightning: `warm_frameworks`),
     which its import would pay after the kill: seconds, tens of them on a busy machine. torch._dynamo
     is not imported: the optimizers no longer need it (lazydynamo.py). The state is still read only
-    after the gate, by the Run, as in a fresh session. With several ranks the launcher goes on (it
-    reads no state: the ranks' start) and each rank waits here, warmed up, instead.
+    after the gate, by the Run, as in a fresh session, and the session clock starts at the release
+    (KCHAIN_SESSION_START). With several ranks the launcher goes on (it reads no state: the ranks'
+    start) and each rank waits here, warmed up, instead.
     """
     from kchain.runtime import torchrun  # standard library only
 
@@ -124,6 +126,9 @@ def released(env, argv: list[str] | None = None) -> bool:
         except ProcessLookupError:
             return False
         time.sleep(GATE_POLL_S)
+    # The session starts at the release, as a fresh session's would: its wait at the gate is not session
+    # time (the notebook's clock started before the wait, and a short train.session_limit ran out in it).
+    env[layout.SESSION_START_ENV] = repr(time.time())
     return gate.read_text().strip() == "go"
 
 
@@ -368,7 +373,6 @@ def _await_state(config: RuntimeConfig) -> int | None:
 
 def _run_ranks(n: int, why: str, config_path: str, config: RuntimeConfig) -> int:
     """kchain ddp: run N ranks, then make the summary name the first rank's error."""
-    import signal
 
     from kchain.runtime import torchrun
 
@@ -377,22 +381,13 @@ def _run_ranks(n: int, why: str, config_path: str, config: RuntimeConfig) -> int
     (kdir / layout.SUMMARY).unlink(missing_ok=True)
     print(f"[kchain] launching {n} ranks ({why})", flush=True)
     env = {**os.environ, layout.SESSION_START_ENV: os.environ.get(layout.SESSION_START_ENV) or repr(PROCESS_START)}
-    code = torchrun.launch_ranks(n, config_path, env)
+    ended = torchrun.launch_ranks(n, config_path, env)
     if not gate_opened(os.environ):
         return 0  # the smoke sent its held resume away (or is gone): the ranks left untouched, nothing to say
-    if code == -signal.SIGKILL:
-        faults.die()  # the session died (a kill fault): die the same way
+    if ended.killed:
+        return _rank_killed(n, ended.killed[0], config)
     path = kdir / layout.SUMMARY
-    done = summary.read(path)
-    if done is None:
-        # Rank 0 left without a summary (it failed too): say what the newest checkpoint is.
-        ckpts = sorted((kdir / layout.CHECKPOINTS_DIR).glob(f"{layout.CHECKPOINT_PREFIX}*"))
-        done = Summary(status=Status.CRASHED, started=PROCESS_START, ended=time.time(),
-                       error={"type": "RankFailed", "stage": "step",
-                              "message": f"rank 0 ended without a summary (the ranks' launcher returned {code})"},
-                       step=int(ckpts[-1].name.removeprefix(layout.CHECKPOINT_PREFIX)) if ckpts else 0,
-                       checkpoint=str(ckpts[-1].relative_to(kdir.parent)) if ckpts else None,
-                       fingerprint=config.fingerprint, world_size=n)
+    done = summary.read(path) or _without_summary(kdir, n, config, f"the ranks' launcher returned {ended.code}")
     first = torchrun.first_error(kdir)
     if first is not None:
         done.status = Status.CRASHED
@@ -402,6 +397,51 @@ def _run_ranks(n: int, why: str, config_path: str, config: RuntimeConfig) -> int
     summary.write(path, done)
     _say_summary(done)
     return exit_code(done.status)
+
+
+def _without_summary(kdir: Path, n: int, config: RuntimeConfig, why: str) -> Summary:
+    """Rank 0 left without a summary (it failed, or was killed): a crash at the newest checkpoint's step."""
+    ckpts = sorted((kdir / layout.CHECKPOINTS_DIR).glob(f"{layout.CHECKPOINT_PREFIX}*"))
+    return Summary(status=Status.CRASHED, started=PROCESS_START, ended=time.time(),
+                   error={"type": "RankFailed", "stage": "step", "message": f"rank 0 ended without a summary ({why})"},
+                   step=int(ckpts[-1].name.removeprefix(layout.CHECKPOINT_PREFIX)) if ckpts else 0,
+                   checkpoint=str(ckpts[-1].relative_to(kdir.parent)) if ckpts else None,
+                   fingerprint=config.fingerprint, world_size=n)
+
+
+def _rank_killed(n: int, killed: tuple[int, int], config: RuntimeConfig) -> int:
+    """A rank died by a signal from outside (the OOM killer, a segfault) and its peers failed after it: the
+    summary says `killed` (which rank, which signal) at the newest verified checkpoint, not a peer's broken
+    connection, and the launcher then dies by the same signal, so whatever runs it (the notebook, a target's
+    engine) sees what one rank's death gives (the notebook publishes and the chain goes on: docs/design.md)."""
+    import signal
+
+    from kchain.common.statefolder import newest_checkpoint
+    from kchain.runtime import torchrun
+
+    rank, signum = killed
+    kdir = layout.kchain_dir(os.environ)
+    path = kdir / layout.SUMMARY
+    done = summary.read(path) or _without_summary(kdir, n, config, "killed")
+    found = newest_checkpoint(kdir, config.job)
+    done.step = int(found[1].get("step") or 0) if found is not None else done.step
+    done.checkpoint = str(found[0].relative_to(kdir.parent)) if found is not None else None
+    name = torchrun.signal_name(signum)
+    saved = f"its newest verified checkpoint (step {done.step}) is handed on" if found else "no checkpoint was saved"
+    done.status, done.ended, done.world_size = Status.KILLED, time.time(), n
+    done.error = {"type": "RankKilled", "stage": "step", "rank": rank, "signal": name,
+                  "message": f"rank {rank} of {n} was killed by {name} from outside the training "
+                             f"(the OOM killer, a segfault, a kill): {saved}"}
+    peer = torchrun.first_error(kdir)
+    done.note = None if peer is None else (f"then rank {peer['rank']} failed, as a peer of a dead rank does: "
+                                           f"{peer.get('type')}: {peer.get('message')}")
+    print(f"[kchain] {done.error['message']}", flush=True)
+    summary.write(path, done)
+    _say_summary(done)
+    if signum != signal.SIGKILL:  # SIGKILL has no handler to reset
+        signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)  # die as the rank died (the notebook reads -9 as one rank's kill)
+    return 1  # a signal whose default is not to end a process
 
 
 if __name__ == "__main__":

@@ -76,13 +76,15 @@ def check_batch(batch, x_shape=None, x_dtype=None, num_classes=None, label_dtype
     if y is None or (num_classes is None and label_dtype is None):
         return
     y = _as_tensor(y, "batch[1] (labels)")
+    indices = not (y.is_floating_point() or y.is_complex() or y.dtype == torch.bool)
     if label_dtype is not None and y.dtype != label_dtype:
         raise PreflightError(f"labels have dtype {y.dtype}; expected {label_dtype}")
-    if y.is_floating_point() or y.is_complex() or y.dtype == torch.bool:
-        raise PreflightError(
-            f"labels have dtype {y.dtype}; cross-entropy needs an integer class index ({label_dtype or torch.int64})"
-        )
+    if label_dtype is None and not indices:  # the default: class indices, as cross-entropy takes them
+        raise PreflightError(f"labels have dtype {y.dtype}; cross-entropy needs an integer class index (torch.int64)")
     _say(f"check ok: labels dtype {y.dtype}", quiet)
+    if num_classes is not None and not indices:
+        raise PreflightError(f"num_classes checks class indices, and labels of dtype {y.dtype} are not: "
+                             "drop num_classes, or pass integer labels")
     if num_classes is not None and y.numel():
         lo, hi = int(y.min()), int(y.max())
         if lo < 0 or hi >= num_classes:

@@ -17,6 +17,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from kchain.common import atomic, layout
@@ -26,10 +27,31 @@ RANK_ERRORS_DIR = "rank-errors"  # under the kchain dir: one JSON per rank that 
 KAGGLE_SESSION_ENV = "KAGGLE_KERNEL_RUN_TYPE"  # set in every Kaggle notebook session
 # After one rank failed, how long the others get to leave on SIGTERM before SIGKILL (torchrun: 30 s).
 RANK_GRACE_S = 30
+# After a rank failed with a code, how long the launcher waits before it reads which ranks a signal ended:
+# a process's sockets close in its exit a moment before its exit status can be read.
+KILL_SETTLE_S = 0.2
 
 
 class NoAccelerator(Exception):
     """A Kaggle session without the GPUs the job asked for."""
+
+
+@dataclass(frozen=True)
+class RanksEnded:
+    """How the ranks ended: `code` 0 (every rank well) or 1 (as torchrun), and `killed`: (rank, signal
+    number) of each rank a signal from outside ended (the OOM killer, a segfault), seen when the first
+    rank failed, before the launcher signalled any (a peer's error after it is a consequence)."""
+
+    code: int
+    killed: tuple[tuple[int, int], ...] = ()
+
+
+def signal_name(signum: int) -> str:
+    """SIGKILL for 9; `signal 99` for a number this system does not name."""
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
 
 
 def in_ranks(env) -> bool:
@@ -94,8 +116,8 @@ def rank_env(env, rank: int, n: int, rendezvous: str) -> dict:
     return out
 
 
-def launch_ranks(n: int, config_path: str, env) -> int:
-    """Run N ranks as children of this process; 0 when every rank ended well, else 1 (as torchrun).
+def launch_ranks(n: int, config_path: str, env) -> RanksEnded:
+    """Run N ranks as children of this process; code 0 when every rank ended well, else 1 (as torchrun).
 
     What torchrun's agent did for kchain, without importing torch (about 2 s of CPU a session): each
     rank leads a session of its own (so a kill fault takes a rank with its DataLoader workers), a
@@ -112,13 +134,15 @@ def launch_ranks(n: int, config_path: str, env) -> int:
         shutil.rmtree(rendezvous, ignore_errors=True)
 
 
-def watch_ranks(procs: list) -> int:
+def watch_ranks(procs: list) -> RanksEnded:
     """_watch with SIGTERM and SIGINT passed on to every rank while it waits."""
-    return _forwarding(procs, lambda: _watch(procs))
+    forwarded: set[int] = set()
+    return _forwarding(procs, lambda: _watch(procs, forwarded), forwarded)
 
 
-def _forwarding(procs: list, wait: Callable[[], int]) -> int:
+def _forwarding(procs: list, wait: Callable[[], RanksEnded], forwarded: set[int]) -> RanksEnded:
     def forward(signum, frame):
+        forwarded.add(signum)  # a rank this signal ends was not killed from outside
         for p in procs:
             _signal(p, signum)
 
@@ -138,12 +162,22 @@ def _signal(proc: subprocess.Popen, signum: int) -> None:
             pass
 
 
-def _watch(procs: list[subprocess.Popen]) -> int:
-    """Wait for every rank; the first failure (any code but 0 and 'saved, not done') ends the rest."""
+def _watch(procs: list[subprocess.Popen], forwarded: set[int]) -> RanksEnded:
+    """Wait for every rank; the first failure (any code but 0 and 'saved, not done') ends the rest.
+
+    The ranks a signal ended are read at that first failure, before the launcher signals any: a rank
+    SIGKILLed from outside is dead (its code read) before a peer notices the broken connection, since
+    the peer notices it through that death, so the kill is named and not the peer's error."""
     ok = (0, layout.EXIT_SAVED_NOT_DONE)
     while True:
         codes = [p.poll() for p in procs]
         if any(c is not None and c not in ok for c in codes):
+            if not any(c is not None and c < 0 for c in codes):
+                # A peer may see the dead rank's sockets close a moment before its exit status can be read.
+                time.sleep(KILL_SETTLE_S)
+                codes = [p.poll() for p in procs]
+            killed = tuple((rank, -c) for rank, c in enumerate(codes)
+                           if c is not None and c < 0 and -c not in forwarded)
             for p in procs:
                 _signal(p, signal.SIGTERM)
             end = time.monotonic() + RANK_GRACE_S
@@ -152,9 +186,9 @@ def _watch(procs: list[subprocess.Popen]) -> int:
             for p in procs:
                 _signal(p, signal.SIGKILL)
                 p.wait()
-            return 1
+            return RanksEnded(1, killed)
         if all(c is not None for c in codes):
-            return 0
+            return RanksEnded(0)
         time.sleep(0.05)
 
 

@@ -28,7 +28,7 @@ def summary(end: str, **extra) -> dict:
     return {"status": end, "step": 40, "total": 100, **extra}
 
 
-FINISHED = session(1, "COMPLETE", summary=summary("finished", step=100, checkpoint="checkpoints/step-00000100",
+FINISHED = session(1, "COMPLETE", summary=summary("finished", step=100, checkpoint="kchain/checkpoints/step-00000100",
                                                   best={"name": "val_loss", "value": 1.25, "step": 80}))
 CRASHED = session(1, "ERROR", "crashed", error=BOOM)
 NO_GPU = session(1, "ERROR", "no-accelerator", error={"type": "NoAccelerator", "message": "asked for GPU T4 x2"})
@@ -156,3 +156,39 @@ def test_the_session_after_an_unmounted_one_is_judged_against_the_one_that_train
     chain = [session(1), unmounted(2), session(3, resumes_at=40, saved_step=60)]
     decision = decide(Chain(chain, "alice/x", "ERROR", fingerprint=lambda: CODE, smoked=lambda fp: True), JOB)
     assert decision.action == "push" and not decision.again and decision.message == "push session 4 from the newest state"
+
+
+def test_the_final_weights_are_where_the_output_has_them():
+    # The summary names the checkpoint relative to the working dir (an older kchain: to the kchain dir); the
+    # path said is the downloaded output's, never with the kchain dir twice, and the kernel's own is relative.
+    from kchain.common.nextsession import final_weights
+
+    old = session(1, "COMPLETE", summary=summary("finished", checkpoint="checkpoints/step-00000100"))
+    assert str(final_weights(FINISHED)) == str(final_weights(old)) == "/out/1/kchain/checkpoints/step-00000100"
+    kernel = {**FINISHED, "output": None}
+    assert decide(Chain([kernel], "alice/x", None, lambda: CODE, lambda _: True), JOB).message.endswith(
+        "final weights in kchain/checkpoints/step-00000100 of session 1's output")
+
+
+def test_the_kernels_budget_counts_the_chains_week():
+    # Kaggle's quota answer without GPU figures: the kernel counts the week it was pushed with, this session on top.
+    from kchain.common.nextsession import WEEK_S, afford, week_used
+
+    start, hour = 1_800_000_000.0, 3600.0
+    used, week = week_used({"start": start, "used_s": 20 * hour}, 2 * hour, start + 3 * 86400)
+    assert (used, week) == (22 * hour, {"start": start, "used_s": 22 * hour})
+    assert afford(12 * hour, used, 30 * hour, 30 * hour) == (
+        "another session of up to 12.00 GPU-hours does not fit the week: 22.00 of 30.00 used")
+    # A week that rolled over counts this session alone; a chain pushed without a week, this session alone.
+    assert week_used(week, 2 * hour, start + WEEK_S + 60) == (2 * hour, {"start": start + WEEK_S, "used_s": 2 * hour})
+    assert week_used(None, 2 * hour, start) == (2 * hour, None)
+
+
+def test_the_session_billed_runs_to_the_end_of_its_publish():
+    from kchain.common.summary import Summary
+    from kchain.sessions import billed_span
+
+    assert billed_span(Summary(started=0.0, ended=600.0, session_ended=690.0)) == (
+        "1970-01-01T00:00:00Z", "1970-01-01T00:11:30Z")
+    assert billed_span(Summary(started=0.0, ended=600.0)) == ("1970-01-01T00:00:00Z", "1970-01-01T00:10:00Z")
+    assert billed_span(Summary()) is None

@@ -12,8 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from kchain.common import layout, statefolder, trackers
-from kchain.runtime.frameworks import tensorboard
+from kchain.common import eventfiles, layout, statefolder, trackers
 
 REPO = Path(__file__).resolve().parents[2]
 JOBS = REPO / "tests" / "runtime_jobs"
@@ -87,7 +86,7 @@ def test_a_sigkill_between_checkpoints_leaves_one_tensorboard_run_equal_to_an_un
     # What `kchain pull --logs` will lay out from the last state: the same one run.
     state = tmp_path / "state"
     statefolder.build_state_folder(kdir(root), state, "test", job="tb")
-    assert scalars(tensorboard.state_dir(state, tmp_path / "pulled")) == want
+    assert scalars(eventfiles.state_dir(state, tmp_path / "pulled")) == want
 
 
 def test_the_run_id_is_chosen_once_and_read_back_from_the_newest_checkpoint(tmp_path):

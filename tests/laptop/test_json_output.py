@@ -39,7 +39,7 @@ def document(*args: object) -> dict:
 def test_status_json(tmp_path):
     name, _ = a_week_of_sessions()
     status = document("status", JOB)
-    assert list(status) == ["job", "sessions", "gpu_hours", "warnings"]
+    assert list(status) == ["job", "sessions", "gpu_hours", "waiting", "warnings"]
     assert status["job"] == name and status["warnings"] == []
     first, second = status["sessions"]
     assert list(first) == ["session", "version", "status", "started", "ended", "duration_s", "step", "total",
@@ -50,6 +50,24 @@ def test_status_json(tmp_path):
     assert (second["status"], second["note"]) == ("ERROR", "RuntimeError: shape mismatch")
     assert list(status["gpu_hours"]) == ["used", "weekly", "left"]
     assert abs(status["gpu_hours"]["used"] - 1.5) < 0.01 and status["gpu_hours"]["weekly"] == 30
+    assert status["waiting"] == {"for": "continue", "why": "session 2 ended (error), and in a chain the laptop "
+                                                           "drives the next session waits for it"}
+
+
+def test_status_says_an_unattended_chain_waits_for_the_laptop_and_the_kernels_reason(tmp_path):
+    name, ledger = a_week_of_sessions()
+    why = "the kernel could not publish: 21s left before the session limit, and publishing 194 kB needs about 95s"
+    record = ledger.sessions(name)[1]
+    record.update(status="COMPLETE", error=None, summary={"status": "deadline", "step": 120, "total": 300, "next": {
+        "decision": "left to the laptop", "pushed": False, "why": why}})
+    ledger.save_session(name, record)
+    lines = invoke("status", JOB).output.splitlines()
+    assert lines[-1] == (f"nothing is running; the chain waits for `kchain continue {JOB}`: session 2's kernel did "
+                         f"not push the next session: {why}")
+    record["summary"]["status"] = "finished"
+    ledger.save_session(name, record)
+    assert document("status", JOB)["waiting"] == {"for": "nothing",
+                                                  "why": "the chain has ended: session 2 finished at step 120/300"}
 
 
 def test_budget_json(tmp_path):

@@ -34,6 +34,7 @@ def test_budget_counts_this_weeks_gpu_sessions_and_estimates_what_is_left(tmp_pa
                                   "started": iso(start),
                                   "ended": iso(start.replace(hour=2))})
     assert abs(ledger.gpu_hours_this_week(now) - 5.0) < 1e-6
+    assert ledger.week_tally(now) == {"start": start.timestamp(), "used_s": 5 * 3600.0}  # an unattended kernel's
     lines = budget_lines(ledger, 30, "job-a")
     assert "25.00 GPU-hours left this week." in lines
     assert any(line.startswith("job-a session 1") and "3.00" in line and "deadline at step 3000" in line for line in lines)

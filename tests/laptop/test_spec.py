@@ -167,12 +167,29 @@ def test_merge_keys_work_and_dates_stay_text(tmp_path):
     ("{accelerator: tpu}", "kaggle.accelerator: the runtime does not support TPUs yet; use gpu or none"),
     ("{mount_wait: soon}", "kaggle.mount_wait: 'soon' is not a positive duration; write e.g. 5m or 90s"),
     ("{mount_wait: 0}", "kaggle.mount_wait: 0 is not a positive duration; write e.g. 5m or 90s"),
+    ("{mount_wait: 99999999h}", "kaggle.mount_wait: '99999999h' is over 1h: a session would wait that long on its "
+                                "GPU clock for a state that Kaggle mounts within minutes; write e.g. 5m"),
+    ("{mount_wait: [1]}", "kaggle.mount_wait: [1] is not a duration; write e.g. 5m or 90s"),
+    ("{datasets: [alice/notes-data/2], local: {alice/notes-data: ./d}}",
+     "kaggle.local.alice/notes-data: name the local copy by the dataset's slug alone, notes-data: "
+     "(alice/notes-data is in kaggle.datasets already)"),
+    ("[]", "kaggle: [] is not a mapping; write its keys indented under kaggle:"),
 ])
 def test_kaggle_refs_follow_kaggles_rules(tmp_path, kaggle, message):
     path = write(tmp_path, GOOD + f"kaggle: {kaggle}\n")
     with pytest.raises(SpecError) as err:
         load_job(path)
     assert str(err.value) == f"{path}: {message}"
+
+
+def test_no_pydantic_names_or_union_members_reach_an_error(tmp_path):
+    path = write(tmp_path, GOOD + "train: {session_limit: [1], checkpoint_every: {a: 1}}\nskypilot: 5\n")
+    with pytest.raises(SpecError) as err:
+        load_job(path)
+    assert str(err.value) == (
+        f"{path}: train.checkpoint_every: {{'a': 1}} is not a duration; write e.g. 10m or 500 steps; "
+        "train.session_limit: [1] is not a duration; write e.g. 90s, 10m or 12h; "
+        "skypilot: 5 is not a mapping; write its keys indented under skypilot:")
 
 
 def test_a_name_leaves_room_for_the_state_and_cache_datasets(tmp_path):

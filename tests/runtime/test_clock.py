@@ -40,7 +40,8 @@ def test_a_publish_that_needs_more_than_the_margin_moves_the_deadline_earlier_an
     ckpt.mkdir()
     (ckpt / "state.pt").write_bytes(b"x" * 2_000_000)
     clock.sized(ckpt)
-    need = publishplan.seconds(plan, 2_000_000)
+    # The publish, and the hand-over before the publisher's own check (teardown, its start, the sha256 check).
+    need = publishplan.seconds(plan, 2_000_000) + publishplan.handoff_s(2_000_000)
     assert need > 60 and clock.reserve_s() == need and clock.deadline() == 12 * 3600 - need
     assert "for save + publish of" in clock.plan(lambda: 0)
     short = SessionClock(started=0.0, limit_s=2 * need, margin_s=60, publish=plan)  # the publish needs half of it
@@ -55,3 +56,16 @@ def test_should_stop_times_the_steps_between_its_calls():
     time.sleep(0.05)
     clock.poll()
     assert len(clock.step_times) == 1 and clock.step_times[0] >= 0.05
+
+
+def test_the_plan_of_a_measured_publish_is_what_the_session_took():
+    # The kernel's figures: its client's start, the upload's rate over the state's bytes, then the wait for the
+    # version to be ready and its push of the next session. Planned with, they give the publish it took, not
+    # the assumed processing (30 s) and push (20 s) on top of a measured upload.
+    timing = publishplan.measured({"start_s": 2.0, "create_s": 0.0, "rate_bps": 1e6, "bytes": 2_000_000},
+                                  processing_s=1.5, push_s=0.75)
+    plan = publishplan.figures(KaggleConfig(internet=True, state_dataset="me/job-state", unattended=True,
+                                            publish=timing))
+    assert plan["measured"] and publishplan.seconds(plan, 2_000_000) == 2.0 + 2.0 + 1.5 + 0.75
+    assumed = publishplan.figures(KaggleConfig(internet=True, state_dataset="me/job-state", unattended=True))
+    assert publishplan.seconds(assumed, 0) == 30 + 15 + 30 + 20

@@ -20,10 +20,13 @@ import torch
 from emulator_helpers import emulator, kaggle_api  # noqa: F401  (fixtures)
 from helpers import copy_job, invoke
 
-from kchain.common import layout
+from kchain import diagnose
+from kchain.common import layout, nextsession
 from kchain.common.config import RuntimeConfig
+from kchain.common.summary import Summary
 from kchain.runtime import distributed
-from kchain.runtime.checkpoint.state import load_state
+from kchain.runtime.checkpoint import load_state
+from kchain.sessions import session_note
 
 REPO = Path(__file__).resolve().parents[2]
 JOBS = REPO / "tests" / "runtime_jobs"
@@ -138,6 +141,29 @@ def test_error_on_rank_1_ends_rank_0_with_the_error_in_the_summary(tmp_path):
     assert s["error"]["rank"] == 1 and s["error"]["type"] == "ValueError"
     assert s["error"]["message"] == "boom on rank 1 at step 2"
     assert "[kchain] rank 1 crashed in step: ValueError: boom on rank 1 at step 2" in done.stdout
+
+
+def test_rank_0_sigkilled_alone_is_a_kill_on_two_ranks_and_the_chain_goes_on(tmp_path):
+    # The OOM killer's SIGKILL of rank 0 alone, right after its checkpoint at step 4; rank 1 then fails on the
+    # broken connection. The kill is named, not rank 1's error, and the launcher dies as one rank would.
+    died = launch(tmp_path, every=2, KCHAIN_FAULT="kill_training_at_step=4")
+    assert died.returncode == KILLED, out(died)
+    s = summary(tmp_path)
+    assert s["status"] == "killed" and s["world_size"] == 2
+    assert {k: s["error"][k] for k in ("type", "rank", "signal")} == {"type": "RankKilled", "rank": 0,
+                                                                       "signal": "SIGKILL"}
+    assert (s["step"], Path(s["checkpoint"]).name) == (4, layout.checkpoint_name(4))
+    assert "[kchain] rank 0 of 2 was killed by SIGKILL from outside the training" in died.stdout
+    assert "[kchain] rank 1 crashed" not in died.stdout  # rank 1's own traceback is a consequence
+    # The laptop (and the kernel) read it as a kill: the chain pushes on from the newest state.
+    failure = diagnose.from_summary(Summary.from_dict(s))
+    record = {"session": 1, "status": "ERROR", "fingerprint": "f00d", "summary": s, "resumes_at": 0,
+              "error": {"type": failure.type, "message": failure.message, "stage": failure.stage}}
+    assert nextsession.crash_of(record) is None
+    chain = nextsession.Chain([record], "me/ddp", "ERROR", lambda: "f00d", lambda _fp: True)
+    assert nextsession.decide(chain, "job.yaml").action == "push"
+    assert session_note(record).startswith("RankKilled: rank 0 of 2 was killed by SIGKILL")
+    assert "killed from outside" in failure.hint
 
 
 def test_one_rank_and_two_ranks_train_the_same_with_the_same_effective_batch(tmp_path):

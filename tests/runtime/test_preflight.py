@@ -23,6 +23,17 @@ def test_check_catches_float_labels(tmp_path):
     run.close()
 
 
+def test_float_labels_asked_for_are_checked_as_such(capsys):
+    # label_dtype is the documented way to check float labels (a regression, soft targets): no cross-entropy rule.
+    x = torch.randn(8, 20)
+    preflight.check_batch((x, torch.rand(8)), label_dtype=torch.float32)
+    assert capsys.readouterr().out == "[kchain] check ok: labels dtype torch.float32\n"
+    with pytest.raises(PreflightError, match=r"^labels have dtype torch.float64; expected torch.float32$"):
+        preflight.check_batch((x, torch.rand(8, dtype=torch.float64)), label_dtype=torch.float32)
+    with pytest.raises(PreflightError, match="num_classes checks class indices, and labels of dtype torch.float32"):
+        preflight.check_batch((x, torch.rand(8)), label_dtype=torch.float32, num_classes=3)
+
+
 def test_check_catches_out_of_range_labels_and_shapes(tmp_path, capsys):
     run = make_run(tmp_path)
     x = torch.randn(8, 20)

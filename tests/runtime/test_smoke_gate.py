@@ -49,9 +49,9 @@ def snapshot(root: Path) -> dict[str, bytes]:
     return {str(p.relative_to(kdir)): p.read_bytes() for p in sorted(kdir.rglob("*")) if p.is_file()}
 
 
-def held(root: Path, gate: Path, pid: int | None = None) -> tuple[subprocess.Popen, str]:
+def held(root: Path, gate: Path, pid: int | None = None, **env: str) -> tuple[subprocess.Popen, str]:
     """A fresh process at the gate, once it says it is waiting (what it printed so far)."""
-    child = start(root, KCHAIN_GATE=f"{pid or os.getpid()}:{gate}")
+    child = start(root, KCHAIN_GATE=f"{pid or os.getpid()}:{gate}", **env)
     assert child.stdout is not None
     seen = ""
     for line in child.stdout:
@@ -65,7 +65,9 @@ def held(root: Path, gate: Path, pid: int | None = None) -> tuple[subprocess.Pop
 def test_a_held_resume_reads_nothing_until_go_then_resumes_from_the_checkpoint(tmp_path):
     before = killed_at_its_checkpoint(tmp_path)
     gate = tmp_path / "gate"
-    child, _ = held(tmp_path, gate)
+    # The notebook's clock started long before the gate (a 90 s session that began at the epoch): the session
+    # counts from the release, so the resume trains to its end instead of stopping at a deadline at once.
+    child, _ = held(tmp_path, gate, **{layout.SESSION_START_ENV: "1.0", layout.SESSION_LIMIT_ENV: "90"})
     with child:
         assert snapshot(tmp_path) == before  # metrics, checkpoints, no summary: as the kill left them
         gate.write_text("go")

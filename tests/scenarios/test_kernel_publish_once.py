@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+from datetime import datetime, timezone
 from pathlib import Path
 
 from emulator_helpers import USER, emulator  # noqa: F401
@@ -19,7 +20,7 @@ from helpers import copy_job, invoke
 
 from kchain.common import layout
 from kchain.kaggle_api import KaggleClient
-from kchain.ledger import Ledger
+from kchain.ledger import Ledger, iso
 from kchain.names import state_dataset
 
 NAME = "blobs-classifier"
@@ -53,6 +54,11 @@ def test_the_kernel_adds_one_state_version_after_a_reset_and_after_a_lost_answer
     second = invoke("continue", job, "--skip-smoke")
     assert second.exit_code == 0, second.output
     assert f"the kernel published step 3 to {state} itself" in second.output
+    # The GPU time counted is the session Kaggle bills: to the end of the kernel's publish, not the training's.
+    first = Ledger(Path(os.environ["KCHAIN_HOME"])).sessions(NAME)[0]
+    ended = first["summary"]
+    assert ended["session_ended"] >= ended["ended"]
+    assert first["ended"] == iso(datetime.fromtimestamp(ended["session_ended"], timezone.utc))
     assert emulator.wait_session(REF, 2, timeout=300)["status"] == "COMPLETE"
     assert emulator.session(REF, 2)["dataset_sources"][0] == f"{state}/2"  # the kernel's version, pinned
     assert emulator.session(REF, 2)["resumed_from"] == 3

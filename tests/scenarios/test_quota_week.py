@@ -15,7 +15,7 @@ from datetime import datetime, timedelta, timezone
 
 import pytest
 from emulator_helpers import emulator  # noqa: F401
-from helpers import copy_job
+from helpers import copy_job, invoke
 
 from kchain.budget import check_budget, plan_for
 from kchain.emulator.rpcs import week_start as emulator_week_start
@@ -81,3 +81,12 @@ def test_the_week_and_the_allowance_come_from_kaggle_in_any_laptop_time_zone(emu
     assert str(refused.value) == (
         f"{job.path}: this session may use 12.00 GPU-h but only 11.50 are left this week (Kaggle's weekly GPU "
         f"quota for this account, 12 h); wait for {refreshes}, lower train.session_limit, or pass --force")
+
+    # `kchain budget` counts the same week: Kaggle's 12 h, not the job's 30, from Kaggle's week start.
+    shown = invoke("budget", job.path)
+    assert shown.exit_code == 0, shown.output
+    lines = shown.output.splitlines()
+    assert lines[:2] == [f"GPU quota week from {iso(plan.week_start)} (resets {refreshes})",
+                         "Kaggle allows this account 12 GPU-hours a week, fewer than budget.weekly_gpu_hours 30: "
+                         "the smaller counts"]
+    assert "12.00 GPU-hours left this week." in lines

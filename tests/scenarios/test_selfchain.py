@@ -11,6 +11,7 @@ import secrets
 from kchain.common import layout
 from kchain.emulator import Faults, Switches
 from kchain.rehearse import rehearse
+from kchain.sessions import waiting
 
 STALL = "stall_step=0.05"  # at most 20 steps/s, whatever the machine
 GENEROUS_S = 600
@@ -98,6 +99,9 @@ def test_when_a_kernel_cannot_push_the_laptop_takes_the_chain_over_from_kaggles_
     chain = result.sessions
     told = chain[1]["summary"]["next"]
     assert told["decision"] == "left to the laptop" and "no credential" in told["why"], told
+    # Until the laptop looked, `kchain status` said that nothing ran, and the kernel's reason.
+    assert waiting(chain[:2], "job.yaml") == {"for": "continue", "why": "session 2's kernel did not push the next "
+                                              f"session: {told['why']}"}
     assert chain[1]["pushed_by"] == "kernel" and chain[1]["publish"]["published"] == "relay"
     assert "pushed_by" not in chain[2] and all(s.get("pushed_by") == "kernel" for s in chain[3:])
     # An empty ledger rebuilds sessions 1 and 2 from Kaggle alone, then refuses in one line rather than push
@@ -120,3 +124,22 @@ def test_unattended_is_refused_in_one_line_until_the_doctor_saw_a_kernel_push_a_
         "Error: --unattended: kchain doctor has not seen a kernel push a kernel on this account; set "
         "kaggle.internet: true, attach the Secrets KAGGLE_USERNAME and KAGGLE_KEY to tinygpt-notes-doctor, "
         f"and run `kchain doctor {path}`")
+
+
+def test_unattended_refuses_a_session_too_short_for_its_kernel_to_publish_and_push(tmp_path):
+    from helpers import copy_job, error_line, invoke
+
+    # 300 s with a 2-minute margin keeps 90 s for the hand-over; the assumed figures need 110 s (95 s of publish
+    # and push, 15 s from the stop's save to the publisher's own check).
+    path = copy_job("tinygpt", tmp_path, params={"steps": 10}, kaggle={"internet": True},
+                    train={"session_limit": "300s", "margin": "2m"})
+    refused = invoke("push", path, "--unattended", "--skip-smoke")
+    assert refused.exit_code == 10
+    assert error_line(refused) == (
+        f"Error: {path}: train.session_limit: 300s is too short for an unattended chain: after its last save each "
+        "kernel needs about 110s to publish the state and push the next session (assumed figures), and a session "
+        "keeps at most half of the 180s left after train.margin for that; raise train.session_limit to at least "
+        "340s, or push without --unattended (the laptop relays each session)")
+    roomy = copy_job("tinygpt", tmp_path / "roomy", params={"steps": 10}, kaggle={"internet": True},
+                     train={"session_limit": "300s", "margin": "1m"})
+    assert "kchain doctor has not seen a kernel push a kernel" in error_line(invoke("push", roomy, "--unattended"))

@@ -25,7 +25,7 @@ from kchain.common import layout, nextsession
 from kchain.common.config import RuntimeConfig
 from kchain.common.summary import Summary
 from kchain.runtime import distributed
-from kchain.runtime.checkpoint import load_state
+from kchain.runtime.checkpoint.state import load_state
 from kchain.sessions import session_note
 
 REPO = Path(__file__).resolve().parents[2]

@@ -8,7 +8,7 @@ validators check them again before a push (`skypilot.check_task`) and in CI.
 from __future__ import annotations
 
 import re
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -56,8 +56,9 @@ def _setup(value: str) -> str:
 
 
 class SkyPilotSpec(_Section):
-    # SkyPilot's own syntax: A100:1, H100:8, L4 (one); None: a CPU machine.
-    accelerators: str | None = None
+    # SkyPilot's own syntax: A100:1, H100:8, L4 (one); its mapping {T4: 1} and its list of candidates
+    # [A100:1, V100:1] are read as the same (one entry: NAME:COUNT; several: the list); None: a CPU machine.
+    accelerators: str | list[str] | None = None
     use_spot: bool = True
     num_nodes: int = Field(default=1, ge=1, le=64)
     bucket: BucketSpec | None = None
@@ -69,12 +70,20 @@ class SkyPilotSpec(_Section):
     # Recoveries after a failure that is not a preemption or "saved, not done" (a crash): 0, never.
     max_restarts_on_errors: int = Field(default=0, ge=0, le=10)
 
-    @field_validator("accelerators")
+    @field_validator("accelerators", mode="before")
     @classmethod
-    def _accelerators(cls, value: str | None) -> str | None:
-        if value is not None and not ACCELERATOR_RE.fullmatch(value):
-            raise ValueError(f"{value[:70]!r} is not an accelerator; write NAME or NAME:COUNT, e.g. A100:1")
-        return value
+    def _accelerators(cls, value: Any) -> str | list[str] | None:
+        if value is None:
+            return None
+        given = value
+        if isinstance(value, dict):  # SkyPilot's {NAME: COUNT}
+            value = [f"{name}:{count}" if count is not None else str(name) for name, count in value.items()]
+        names = [value] if isinstance(value, str) else value
+        if not isinstance(names, list) or not names or not all(
+                isinstance(n, str) and ACCELERATOR_RE.fullmatch(n) for n in names):
+            raise ValueError(f"{str(given)[:70]!r} is not an accelerator; write NAME or NAME:COUNT, e.g. A100:1 "
+                             "(or SkyPilot's {A100: 1}, or a list of candidates)")
+        return names[0] if len(names) == 1 else names
 
     @field_validator("infra")
     @classmethod

@@ -64,6 +64,12 @@ def _on_kaggle(env) -> bool:
     return bool(env.get(KAGGLE_SESSION_ENV)) and not smoke and env.get(layout.ACCELERATOR_CHECK_ENV) != "off"
 
 
+def _on_a_target(env) -> bool:
+    """A SkyPilot or Slurm job (its state sink set): the engine was asked for GPUs, so none visible is a refusal."""
+    smoke = env.get(layout.SMOKE_ENV) == "1"
+    return bool(env.get(layout.STATE_SINK_ENV)) and not smoke and env.get(layout.ACCELERATOR_CHECK_ENV) != "off"
+
+
 def local_ranks(env) -> int | None:
     """The ranks a local run starts as Kaggle would give them (KCHAIN_RANKS: smoke, rehearse), or None."""
     local = env.get(layout.RANKS_ENV)
@@ -81,6 +87,9 @@ def plan_ranks(config: RuntimeConfig, env, cuda_count: int | None = None) -> tup
 
         cuda_count = torch.cuda.device_count()
     asked, accelerator = config.train.gpus, config.kaggle.accelerator
+    if _on_a_target(env) and accelerator == "gpu" and cuda_count == 0:
+        raise NoAccelerator("the job's target asked for GPUs (skypilot.accelerators or slurm.gpus) and this machine "
+                            "shows none: stopping instead of training on the CPU; check the engine's allocation")
     if on_kaggle and accelerator == "gpu":
         want = 1 if asked == "auto" else int(asked)
         if cuda_count < want:

@@ -39,7 +39,8 @@ def launch(root: Path, bucket: Path | None, fault: str) -> subprocess.CompletedP
     (root / "cfg.json").write_text(json.dumps(config()))
     env = {k: v for k, v in os.environ.items() if not k.startswith(("KCHAIN_", "RANK", "WORLD_SIZE"))}
     env.update(KCHAIN_ROOT=str(root), PYTHONPATH=os.pathsep.join([str(REPO), str(JOBS)]), PYTHONUNBUFFERED="1",
-               KCHAIN_FAULT=fault, **({layout.STATE_SINK_ENV: str(bucket)} if bucket else {}))
+               KCHAIN_FAULT=fault, KCHAIN_ACCELERATOR_CHECK="off",  # a GPU job's target run, on this CPU
+               **({layout.STATE_SINK_ENV: str(bucket)} if bucket else {}))
     return subprocess.run([sys.executable, "-m", "kchain.runtime.launch", str(root / "cfg.json")], env=env,
                           cwd=root, capture_output=True, text=True, timeout=TIMEOUT_S)
 

@@ -217,6 +217,13 @@ def test_plan_ranks():
     assert distributed.plan_ranks(two, {**kaggle, "KCHAIN_ACCELERATOR_CHECK": "off"}, cuda_count=0)[0] == 2
     cpu_job = cfg("auto", "none")
     assert distributed.plan_ranks(cpu_job, kaggle, cuda_count=0)[0] == 1
+    # SkyPilot or Slurm (a state sink): GPUs asked of the engine and none visible is exit 69, not a CPU run.
+    target = {"KCHAIN_STATE_SINK": "/bucket/job"}
+    with pytest.raises(distributed.NoAccelerator, match="target asked for GPUs"):
+        distributed.plan_ranks(auto, target, cuda_count=0)
+    assert distributed.plan_ranks(auto, target, cuda_count=1)[0] == 1
+    assert distributed.plan_ranks(cpu_job, target, cuda_count=0)[0] == 1
+    assert distributed.plan_ranks(auto, {**target, "KCHAIN_ACCELERATOR_CHECK": "off"}, cuda_count=0)[0] == 1
 
 
 def test_the_emulator_runs_a_two_gpu_job_as_two_ranks_and_stops_a_gpuless_session(emulator, kaggle_api, tmp_path):

@@ -71,7 +71,7 @@ def test_sigterm_75_resume_0_guard_1_no_gpu_69(tmp_path):
     first = tmp_path / "first"
     # 75: a real SIGTERM while it trains (each step stalled 0.2 s); the stop's checkpoint reaches the sink first.
     with subprocess.Popen(prepared(first), env=env_for(first, KCHAIN_FAULT="stall_step=0.2",
-                                                       KCHAIN_STATE_SINK=str(bucket)),
+                                                       KCHAIN_STATE_SINK=str(bucket), KCHAIN_ACCELERATOR_CHECK="off"),
                           stdout=subprocess.PIPE, text=True, cwd=first) as child:
         for line in child.stdout:
             if line.startswith("[kchain] step 2/"):
@@ -91,7 +91,7 @@ def test_sigterm_75_resume_0_guard_1_no_gpu_69(tmp_path):
 
     # 0: a fresh machine (an empty working folder) resumes from the sink and finishes.
     second = tmp_path / "second"
-    done = launch(second, KCHAIN_STATE_SINK=str(bucket))
+    done = launch(second, KCHAIN_STATE_SINK=str(bucket), KCHAIN_ACCELERATOR_CHECK="off")
     assert done.returncode == 0, done.stdout + done.stderr
     assert (summary(second)["status"], summary(second)["resumed_from"]) == ("finished", stopped["step"])
     assert sink.read_pointer(bucket)["step"] == 60
@@ -102,7 +102,7 @@ def test_sigterm_75_resume_0_guard_1_no_gpu_69(tmp_path):
     data[len(data) // 2] ^= 0xFF
     state.write_bytes(bytes(data))
     third = tmp_path / "third"
-    guarded = launch(third, KCHAIN_STATE_SINK=str(bucket))
+    guarded = launch(third, KCHAIN_STATE_SINK=str(bucket), KCHAIN_ACCELERATOR_CHECK="off")
     assert guarded.returncode == 1, guarded.stdout + guarded.stderr
     error = summary(third)["error"]
     assert (error["type"], error["stage"]) == ("StateLost", "resume")

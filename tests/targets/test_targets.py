@@ -62,6 +62,12 @@ def test_render_is_pure_keeps_the_guards_and_says_the_contract(tmp_path, monkeyp
 
     task = yaml.safe_load(render_for(job, "skypilot").engine_text)
     assert task["resources"]["job_recovery"]["recover_on_exit_codes"] == [75]
+    assert task["resources"]["accelerators"] == "A100:1"
+    # SkyPilot's other spellings (its docs' {T4: 1}, a list of candidates) are read as SkyPilot reads them.
+    for given, rendered in (({"T4": 1}, "T4:1"), (["A100:1", "V100:1"], ["A100:1", "V100:1"])):
+        other = load_job(code_job(tmp_path / str(len(str(given))), target="skypilot",
+                                  skypilot={**SKYPILOT, "accelerators": given}))
+        assert yaml.safe_load(render_for(other, "skypilot").engine_text)["resources"]["accelerators"] == rendered
     assert task["file_mounts"] == {"/kchain-state": {"name": "my-kchain-state", "store": "s3", "mode": "MOUNT",
                                                      "persistent": True}}
     assert task["envs"] == {"KCHAIN_STATE_SINK": "/kchain-state/target-job"}

@@ -78,19 +78,28 @@ class LightningSetupError(RuntimeError):
     """The Trainer is set up in a way kchain cannot checkpoint; the message says what to write."""
 
 
-def framework():
-    """The Lightning package the code uses: pytorch_lightning, or lightning.pytorch."""
-    for name in ("pytorch_lightning", "lightning.pytorch"):
+def loaded_or_imported(names: tuple[str, ...]) -> Any:
+    """The first of the packages the code already imported (it chose which spelling), else the first that
+    imports, in that order; None when none is installed."""
+    import importlib
+
+    for name in names:
         if name in sys.modules:
             return sys.modules[name]
-    try:
-        import pytorch_lightning as pl
-    except ImportError:
+    for name in names:
         try:
-            import lightning.pytorch as pl
+            return importlib.import_module(name)
         except ImportError:
-            raise LightningSetupError("run.lightning_callback(): Lightning is not installed; on the laptop: "
-                                      "pip install 'kchain[lightning]' (Kaggle's image has it)") from None
+            continue
+    return None
+
+
+def framework():
+    """The Lightning package the code uses: pytorch_lightning, or lightning.pytorch."""
+    pl = loaded_or_imported(("pytorch_lightning", "lightning.pytorch"))
+    if pl is None:
+        raise LightningSetupError("run.lightning_callback(): Lightning is not installed; on the laptop: "
+                                  "pip install 'kchain[lightning]' (Kaggle's image has it)")
     return pl
 
 

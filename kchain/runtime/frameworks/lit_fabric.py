@@ -42,7 +42,6 @@ with the same arguments). What it does differently, all of it in this module:
 from __future__ import annotations
 
 import functools
-import sys
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -50,6 +49,7 @@ from torch.utils.data import DataLoader, SequentialSampler
 
 from kchain.common.say import say
 from kchain.runtime.frameworks.hf_accelerate import OUTSIDE_EPOCHS, smoke_cut
+from kchain.runtime.frameworks.lightning import loaded_or_imported
 from kchain.runtime.loader import Loader
 from kchain.runtime.loop import Loop
 
@@ -64,17 +64,10 @@ class FabricSetupError(RuntimeError):
 
 def framework():
     """The Fabric package the code uses: lightning.fabric, or lightning_fabric (the one it imported first)."""
-    for name in ("lightning.fabric", "lightning_fabric"):
-        if name in sys.modules:
-            return sys.modules[name]
-    try:
-        import lightning.fabric as fabric
-    except ImportError:
-        try:
-            import lightning_fabric as fabric
-        except ImportError:
-            raise FabricSetupError("run.fabric(): Lightning Fabric is not installed; on the laptop: pip install "
-                                   "'kchain[lightning]' (Kaggle's image has it)") from None
+    fabric = loaded_or_imported(("lightning.fabric", "lightning_fabric"))
+    if fabric is None:
+        raise FabricSetupError("run.fabric(): Lightning Fabric is not installed; on the laptop: pip install "
+                               "'kchain[lightning]' (Kaggle's image has it)")
     return fabric
 
 

@@ -105,6 +105,7 @@ class Settings:
     fingerprint: str | None = None
     kchain_version: str | None = None
     sink: str | None = None  # KCHAIN_STATE_SINK: a mounted bucket folder each complete checkpoint is published to
+    requeued: bool = False  # a requeued run (SLURM_RESTART_COUNT > 0) without KCHAIN_START_OVER=1: an empty sink is lost state
     plan: SessionPlan | None = None  # KCHAIN_SESSION_PLAN: a rehearsal's sessions planned in steps
     trackers: tuple[str, ...] = ()  # train.trackers switched on: tensorboard, wandb, mlflow (trackers.py)
     multi_node: bool = False  # the ranks span machines (an outer torchrun with --nnodes > 1): no disk is shared
@@ -153,6 +154,7 @@ class Settings:
             fingerprint=config.fingerprint,
             kchain_version=config.kchain_version,
             sink=env.get(layout.STATE_SINK_ENV) or None,
+            requeued=int(env.get(layout.RESTART_COUNT_ENV) or 0) > 0 and env.get(layout.START_OVER_ENV) != "1",
             plan=sessionplan.parse(env.get(layout.SESSION_PLAN_ENV)),
             trackers=tuple(train.trackers or ()),
             multi_node=int(env.get("LOCAL_WORLD_SIZE") or env.get("WORLD_SIZE") or 1) < int(env.get("WORLD_SIZE") or 1),

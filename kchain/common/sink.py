@@ -41,6 +41,9 @@ from kchain.common.faults import NO_FAULTS, Faults
 from kchain.common.say import say, warn
 
 POINTER = "latest"  # <sink>/latest: the newest checkpoint published whole
+# <sink>/published-00000120: a small mark written with each pointer and kept while its copy may matter: a
+# `latest` deleted with the newest copy still leaves the mark, and the guard still sees that step was published.
+MARK_PREFIX = "published-"
 
 
 class StateLost(Exception):
@@ -53,7 +56,25 @@ def step_of(ckpt: Path) -> int:
 
 
 def read_pointer(folder: Path) -> dict | None:
-    """The sink's `latest` pointer, or None when nothing was ever published; an unreadable one says step 0."""
+    """What the sink says was published last: its `latest` pointer or its newest mark, the higher step (a
+    pointer deleted with the newest copy leaves the mark); None when nothing was ever published."""
+    pointer, mark = _read_latest(folder), newest_mark(folder)
+    if mark is not None and (pointer is None or int(mark["step"]) > int(pointer["step"])):
+        return mark
+    return pointer
+
+
+def newest_mark(folder: Path) -> dict | None:
+    marks = sorted(folder.glob(f"{MARK_PREFIX}*")) if folder.is_dir() else []
+    for mark in reversed(marks):
+        number = mark.name.removeprefix(MARK_PREFIX)
+        if number.isdigit():
+            return {"checkpoint": layout.checkpoint_name(int(number)), "step": int(number), "mark": mark.name}
+    return None
+
+
+def _read_latest(folder: Path) -> dict | None:
+    """The sink's `latest` pointer, or None when there is none; an unreadable one says step 0."""
     path = folder / POINTER
     try:
         pointer = json.loads(path.read_text())
@@ -71,9 +92,18 @@ def candidates(folder: Path) -> list[Path]:
     return [d for d in reversed(complete(folder)) if (d / layout.MANIFEST).is_file()]
 
 
-def behind_pointer(folder: Path, found_step: int | None, damaged: list[str]) -> str | None:
-    """The resume guard: why the run must stop, or None (no pointer, or a checkpoint at or after it)."""
+def behind_pointer(folder: Path, found_step: int | None, damaged: list[str], requeued: bool = False) -> str | None:
+    """The resume guard: why the run must stop, or None (no pointer, or a checkpoint at or after it). A sink
+    whose mount is missing, and an empty sink under a requeued run, are lost state too: never start fresh."""
+    if not folder.parent.is_dir():
+        return (f"the state sink {folder} cannot be there: {folder.parent} does not exist (a bucket that is not "
+                f"mounted, or a wrong name or path); stopping instead of training from nothing: fix the mount or "
+                f"{layout.STATE_SINK_ENV}'s folder")
     pointer = read_pointer(folder)
+    if pointer is None and requeued and found_step is None:
+        return (f"this run was requeued ({layout.RESTART_COUNT_ENV} > 0) and the state sink {folder} holds no "
+                "published checkpoint: its state was lost (an emptied or different bucket). Stopping instead of "
+                f"starting fresh; to start over on purpose, set {layout.START_OVER_ENV}=1")
     if pointer is None or (found_step is not None and found_step >= int(pointer["step"])):
         return None
     what = f"{pointer.get('checkpoint') or 'a checkpoint'} (step {pointer['step']})"
@@ -202,6 +232,7 @@ class Sink:
         self.faults.in_sink("before_pointer", self.kill_all)
         _write_pointer(self.folder, {"checkpoint": ckpt.name, "step": int(manifest["step"]), "job": self.job,
                                      "manifest_sha256": hashlib.sha256(data).hexdigest(), "time": time.time()})
+        (self.folder / f"{MARK_PREFIX}{int(manifest['step']):08d}").write_bytes(b"")  # the pointer's trace
         self.faults.in_sink("before_prune", self.kill_all)
         self._prune(step_of(ckpt))
         self.published.append(ckpt.name)
@@ -218,3 +249,8 @@ class Sink:
                 shutil.rmtree(d, ignore_errors=True)
         for tmp in self.folder.glob(f"{layout.TMP_PREFIX}{POINTER}.*"):  # a pointer write a kill cut short
             tmp.unlink(missing_ok=True)
+        oldest = min((step_of(self.folder / name) for name in kept), default=newest)
+        for mark in self.folder.glob(f"{MARK_PREFIX}*"):  # marks of copies gone, or of an older timeline's
+            number = mark.name.removeprefix(MARK_PREFIX)
+            if number.isdigit() and not oldest <= int(number) <= newest:
+                mark.unlink(missing_ok=True)

@@ -113,7 +113,7 @@ class Run:
         self._rung = ladder.Rung(st.micro_auto, halvings)
         self._ckpt = Checkpointer(
             Where(paths.checkpoints, paths.input_root, paths.scratch, paths.working, st.state_slug,
-                  sink=Path(st.sink) if st.sink else None, sink_only=st.multi_node),
+                  sink=Path(st.sink) if st.sink else None, sink_only=st.multi_node, requeued=st.requeued),
             Policy(st.job, st.every, st.keep, st.stream, self._manifest_fields(), st.checkpoint_frozen,
                    plan=st.plan, keep_best=st.keep_best),
             self._ranks, st.faults, self._rung)

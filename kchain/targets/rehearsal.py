@@ -86,6 +86,7 @@ def engine_env(target: str, job: Job, stage: Stage, number: int, sink: Path, bin
     """The environment a one-node engine run gives the script, on a fresh machine."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("KCHAIN_", "SKYPILOT_", "SLURM_"))}
     env["PATH"] = os.pathsep.join([str(bin_dir), str(Path(sys.executable).parent), env.get("PATH", "")])
+    sink.mkdir(parents=True, exist_ok=True)  # the bucket's mount point, as the engine mounts it
     env[layout.STATE_SINK_ENV] = str(sink / job.name)  # the bucket's mount folder (or the shared state folder)
     env[layout.ACCELERATOR_CHECK_ENV] = "off"  # a GPU job's rehearsal trains on this CPU
     env.setdefault("OMP_NUM_THREADS", str(threads_each(1)))
@@ -94,7 +95,7 @@ def engine_env(target: str, job: Job, stage: Stage, number: int, sink: Path, bin
                    SKYPILOT_NODE_IPS="127.0.0.1", SKYPILOT_NUM_NODES="1", SKYPILOT_NUM_GPUS_PER_NODE="0")
     else:
         env.update(TMPDIR=str(stage.root), SLURM_JOB_ID="4242", SLURM_JOB_NAME=job.name, SLURM_NNODES="1",
-                   SLURM_NODEID="0", SLURM_RESTART_COUNT=str(number), SLURM_JOB_NODELIST="localhost")
+                   SLURM_NODEID="0", SLURM_RESTART_COUNT=str(max(0, number - 1)), SLURM_JOB_NODELIST="localhost")
     return env
 
 

@@ -19,7 +19,9 @@ from pathlib import Path
 from helpers import loss_trace as trace
 
 from kchain.common import layout, sink
+from kchain.common.config import RuntimeConfig
 from kchain.common.faults import SINK_POINTS, Faults
+from kchain.common.settings import Settings
 from kchain.runtime.run import Run
 
 REPO = Path(__file__).resolve().parents[2]
@@ -180,3 +182,27 @@ def test_a_sink_that_falls_behind_publishes_the_newest_and_skips_the_queued_one(
     slow.publish(bad)
     slow.flush()
     assert sink.read_pointer(bucket)["checkpoint"] == names[-1] and not (bucket / bad.name).exists()
+
+
+def test_the_guard_never_starts_fresh_on_a_missing_mount_an_emptied_requeue_or_a_deleted_pointer(tmp_path):
+    bucket = tmp_path / "bucket"
+    # A sink folder whose mount is missing (a bucket not mounted, a wrong path): lost, not a first run.
+    assert "does not exist" in sink.behind_pointer(tmp_path / "unmounted" / "job", None, [])
+    bucket.mkdir()
+    assert sink.behind_pointer(bucket / "job", None, []) is None  # a first run: nothing published yet
+    # A requeued run (SLURM_RESTART_COUNT > 0) on an empty sink: its state was lost; KCHAIN_START_OVER=1 is the way.
+    assert "KCHAIN_START_OVER=1" in sink.behind_pointer(bucket / "job", None, [], requeued=True)
+    settings_of = RuntimeConfig.from_dict(config())
+    assert Settings.parse(settings_of, {"SLURM_RESTART_COUNT": "2"}).requeued
+    assert not Settings.parse(settings_of, {"SLURM_RESTART_COUNT": "2", "KCHAIN_START_OVER": "1"}).requeued
+    assert not Settings.parse(settings_of, {"SLURM_RESTART_COUNT": "0"}).requeued
+    # `latest` deleted with the newest copy: the newest mark still says step 2 was published.
+    publisher = sink.Sink(bucket / "job", keep=2, job="unit")
+    for step in (1, 2):
+        publisher.publish(fake_checkpoint(tmp_path / "local", step))
+        publisher.flush()
+    (bucket / "job" / sink.POINTER).unlink()
+    shutil.rmtree(bucket / "job" / layout.checkpoint_name(2))
+    assert sink.read_pointer(bucket / "job")["step"] == 2
+    assert "no checkpoint at or after it verifies" in sink.behind_pointer(bucket / "job", 1, [])
+    assert sink.behind_pointer(bucket / "job", 2, []) is None

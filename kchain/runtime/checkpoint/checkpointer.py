@@ -116,6 +116,7 @@ class Where:
     state_slug: str | None  # the job's state dataset, as mounted (None in a local run)
     sink: Path | None = None  # KCHAIN_STATE_SINK: a bucket folder each complete checkpoint is published to
     sink_only: bool = False  # several nodes: resume from the sink alone, the one path every node reads
+    requeued: bool = False  # a requeued run: an empty sink means the state was lost, not a first run
 
 
 @dataclass(frozen=True)
@@ -257,7 +258,7 @@ class Checkpointer:
             self._loaded = hit[2] if hit else None
             self._found = ([(hit[0], hit[1])] if hit else [], damaged)
             if w.sink is not None:
-                self._lost = sink.behind_pointer(w.sink, int(hit[1]["step"]) if hit else None, damaged)
+                self._lost = sink.behind_pointer(w.sink, int(hit[1]["step"]) if hit else None, damaged, w.requeued)
         return self._found
 
     def chain_manifest(self) -> dict | None:

@@ -25,6 +25,7 @@ import signal
 import stat
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -153,6 +154,10 @@ def rehearse_target(job_file: Path, target: str, smoke: bool = True, params: dic
     work = ledger.root / "targets-rehearsal" / run_id
     folder, bucket, bin_dir = work / "folder", work / "bucket", work / "bin"
     write_folder(rendered, folder)
+    # The machines' roots (Slurm's TMPDIR, SkyPilot's HOME) on a short path: a DataLoader worker's Unix socket
+    # under TMPDIR may not pass 107 bytes, whatever the job folder's path; linked from the work folder.
+    machines = Path(tempfile.mkdtemp(prefix="kc-"))
+    (work / "machines").symlink_to(machines, target_is_directory=True)
     bin_dir.mkdir(parents=True)
     (bin_dir / "scontrol").write_text(SCONTROL)
     (bin_dir / "scontrol").chmod(stat.S_IRWXU)
@@ -166,7 +171,7 @@ def rehearse_target(job_file: Path, target: str, smoke: bool = True, params: dic
     show = None if quiet else echo
 
     def stage(name: str, number: int, sink: Path, fault: str | None, term_after: int | None = None) -> Stage:
-        st = Stage(name, work / name)
+        st = Stage(name, machines / name)
         env = {**engine_env(target, job, st, number, sink, bin_dir), **extra}
         if fault:
             env[layout.FAULT_ENV] = fault

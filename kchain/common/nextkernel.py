@@ -19,7 +19,6 @@ Standard library only; the kaggle client is the one the publish process authenti
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import tempfile
 import time
@@ -213,7 +212,3 @@ def used_s(api: Any, chain_gpu_s: float) -> tuple[float, float | None, str]:
     return chain_gpu_s, None, "this chain's own sessions this week (Kaggle's quota answer has no GPU figures)"
 
 
-def env_clock() -> float | None:
-    """Seconds the session has left by the notebook's clock (KCHAIN_SESSION_START + limit), or None."""
-    start, limit = os.environ.get(layout.SESSION_START_ENV), os.environ.get(layout.SESSION_LIMIT_ENV)
-    return float(start) + float(limit) - time.time() if start and limit else None

@@ -215,12 +215,6 @@ class Emulator:
         with self.store.lock:
             return [dict(c) for c in self.store.cancellations]
 
-    def all_dataset_versions(self) -> dict[str, list[dict[str, Any]]]:
-        """Every dataset's versions (as dataset_versions), by dataset ref: count what a chain created."""
-        with self.store.lock:
-            refs = list(self.store.datasets)
-        return {ref: self.dataset_versions(ref) for ref in refs}
-
     def live_sessions(self) -> list[dict[str, Any]]:
         return [s for s in self.sessions() if s["status"] in LIVE]
 

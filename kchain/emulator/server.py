@@ -354,10 +354,6 @@ def _complete_lines(path: Path) -> list[str]:
     return out
 
 
-def serve_forever_in(server: EmulatorHTTPServer) -> None:
-    server.serve_forever(poll_interval=0.1)
-
-
 def free_closed_port() -> int:
     """A local port with nothing listening (for sessions whose internet is off)."""
     with socket.socket() as s:

@@ -14,7 +14,6 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from kchain.common.settings import parse_duration
 
-# SkyPilot's store names (sky.data.storage.StoreType), lowercase as a task YAML writes them.
 # Lowercase letters, digits, dots and dashes, 3-63 characters, a letter or digit at each end: what
 # S3, GCS and R2 all accept (SkyPilot's S3Store/GcsStore.validate_name check the rest).
 BUCKET_RE = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")

@@ -16,7 +16,7 @@ from typing import Any
 from kchain.errors import BudgetExceeded, CredentialsError, KaggleError
 from kchain.kaggle_api import KaggleClient, Quota
 from kchain.ledger import WEEK, Ledger, budget_document, budget_lines, iso, now_utc, state_dir, week_start
-from kchain.spec import Job, load_job, parse_duration
+from kchain.spec import Job, load_job
 
 
 @dataclass
@@ -77,7 +77,7 @@ def _kaggle_quota(client: KaggleClient | None) -> Quota | None:
 def plan_for(job: Job, ledger: Ledger, client: KaggleClient | None = None) -> Plan:
     """The session's cost against the week: kchain's ledger over the week Kaggle reports, or Kaggle's
     own count when it is higher; the week's total is the smaller of the job's budget and Kaggle's."""
-    limit_h = parse_duration(job.train.session_limit) / 3600
+    limit_h = job.train.session_limit_s / 3600
     answer = _kaggle_quota(client)
     refresh = datetime.fromtimestamp(answer.refresh, timezone.utc) if answer and answer.refresh else None
     start = week_start(now_utc(), refresh)

@@ -35,7 +35,7 @@ from kchain.models import model_problem
 from kchain.names import doctor_kernel, name_problem
 from kchain.render import Rendered, render_job, write_rendered
 from kchain.sessions import rebuild
-from kchain.spec import Job, load_job, parse_duration
+from kchain.spec import Job, load_job
 
 Echo = Callable[[str], None]
 
@@ -169,7 +169,7 @@ def push_session(
     try:
         write_rendered(rendered, folder)
         # Kaggle ends the session at the job's limit, not at its own default.
-        version, url = _push_once(client, ref, before, folder, int(parse_duration(job.train.session_limit)))
+        version, url = _push_once(client, ref, before, folder, int(job.train.session_limit_s))
     except OutcomeUnknown:
         raise  # the record stays PUSHING: the next push or continue settles it from Kaggle's versions
     except InvalidSources as exc:
@@ -219,7 +219,7 @@ def refuse_short_sessions(job: Job, ledger: Ledger) -> None:
     assert plan is not None
     nbytes = int((measured or {}).get("bytes") or 0)  # unknown before a session published: the least it can be
     need = publishplan.seconds(plan, nbytes) + publishplan.handoff_s(nbytes)
-    limit, margin = parse_duration(job.train.session_limit), parse_duration(job.train.margin)
+    limit, margin = job.train.session_limit_s, job.train.margin_s
     if publishplan.fits(need, limit, margin):
         return
     size = publishplan.size_text(nbytes) if nbytes else "the state"

@@ -379,7 +379,7 @@ def _next_template(env: jinja2.Environment, values: dict[str, Any], job: Job, ow
     placeholders = {"session": nextkernel.SESSION, "state_sources": nextkernel.STATES,
                     "config_json": nextkernel.CONFIG, "payload": nextkernel.PAYLOAD}
     notebook = _canonical(env.get_template("notebook.ipynb.j2").render(**{**values, **placeholders}))
-    chain = {"kernel": f"{owner}/{job.name}", "session_limit_s": parse_duration(job.train.session_limit),
+    chain = {"kernel": f"{owner}/{job.name}", "session_limit_s": job.train.session_limit_s,
              "weekly_gpu_hours": job.budget.weekly_gpu_hours, "gpu": job.gpu, "job_file": job.path.name,
              "cache_dataset": cache_dataset(owner, job.name) if owner else None, "image": None,
              # A GPU chain hands each push to a CPU relay (common/relay.py), so it holds one GPU slot at a time.

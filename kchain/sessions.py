@@ -306,8 +306,8 @@ class StaleRule:
 
     @classmethod
     def for_job(cls, job: Job) -> StaleRule:
-        return cls(heartbeat_s=parse_duration(job.train.heartbeat), margin_s=parse_duration(job.train.margin),
-                   limit_s=parse_duration(job.train.session_limit))
+        return cls(heartbeat_s=parse_duration(job.train.heartbeat), margin_s=job.train.margin_s,
+                   limit_s=job.train.session_limit_s)
 
     def allowed_s(self, record: SessionRecord) -> float:
         """How long this session may show no new heartbeat before it is stale."""

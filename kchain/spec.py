@@ -285,11 +285,20 @@ class TrainSpec(_Strict):
             raise ValueError(f"{shown(value)} is not a duration; write e.g. 90s, 10m or 12h") from None
         return value
 
+    @property
+    def session_limit_s(self) -> float:
+        """train.session_limit in seconds: the one parse of it on the laptop."""
+        return parse_duration(self.session_limit)
+
+    @property
+    def margin_s(self) -> float:
+        return parse_duration(self.margin)
+
     @model_validator(mode="after")
     def _margin_fits(self) -> TrainSpec:
-        if parse_duration(self.margin) >= parse_duration(self.session_limit):
+        if self.margin_s >= self.session_limit_s:
             raise ValueError("margin must be shorter than session_limit")
-        if parse_duration(self.session_limit) > 12 * 3600:
+        if self.session_limit_s > 12 * 3600:
             raise ValueError("session_limit is over Kaggle's 12h cap; write 12h or less")
         return self
 
@@ -840,8 +849,8 @@ def runtime_config(job: Job) -> RuntimeConfig:
         train=TrainConfig(
             checkpoint_every=parse_cadence(job.train.checkpoint_every),
             keep=job.train.keep,
-            session_limit_s=parse_duration(job.train.session_limit),
-            margin_s=parse_duration(job.train.margin),
+            session_limit_s=job.train.session_limit_s,
+            margin_s=job.train.margin_s,
             heartbeat_s=parse_duration(job.train.heartbeat),
             precision=job.train.precision,
             gpus=job.train.gpus,

@@ -83,6 +83,7 @@ def test_session_is_killed_at_its_time_limit(emulator, kaggle_api, tmp_path):
 
 def test_injected_kills_and_lost_output(emulator, kaggle_api, tmp_path):
     cell = "import time, pathlib\npathlib.Path('partial.txt').write_text('x')\nprint('KILL-HERE', flush=True)\ntime.sleep(120)"
+    emulator.max_cpu_sessions = 3  # three CPU sessions at once: the kills are under test, not the cap
     emulator.faults.kill_after_s = 2.0
     emulator.faults.lose_output = True
     write_kernel(tmp_path / "a", "alice/killed-kernel", [cell])

@@ -317,9 +317,15 @@ def test_cancel_and_the_mine_lists(emulator, kaggle_api, tmp_path):
     assert [c["by"] for c in emulator.cancellations()] == ["api", "web UI"]
 
 
+def context(args: list[str]):
+    """`kchain emulator serve ARGS` parsed, not run, with the CLI's help names: click 8.2 keeps the first
+    help option a command makes, so a context without `-h` would take `-h` away for later tests."""
+    return serve_command.make_context("serve", args, help_option_names=["-h", "--help"])
+
+
 def serve_options(*args: str) -> dict:
     """The Emulator(...) options `kchain emulator serve ARGS` would start with (parsed, not run)."""
-    params = serve_command.make_context("serve", ["--state", "x", *args]).params
+    params = context(["--state", "x", *args]).params
     given = {k: v for k, v in params.items() if v is not None and k not in
              ("state_dir", "port", "users", "tokens", "secrets", "attached", "competitions", "lenient")}
     return emulator_options(params["lenient"], **given)
@@ -340,8 +346,8 @@ def test_every_switch_limit_and_fault_is_a_serve_option():
     assert started["session_limit_s"] == 60.0 and started["faults"].kill_random_s == (1.0, 2.0)
     assert started["faults"].lose_output is True and Limits().session_limit_s == 12 * 3600
     # What `push --unattended` needs outside Python tests: Secrets attached to the job's kernel and its relay.
-    attached = serve_command.make_context("serve", ["--state", "x", "--attach-secret", "alice/job", "--attach-secret",
-                                                    "alice/job-doctor", "--no-secrets-reset-on-push"]).params
+    attached = context(["--state", "x", "--attach-secret", "alice/job", "--attach-secret", "alice/job-doctor",
+                        "--no-secrets-reset-on-push"]).params
     assert attached["attached"] == ("alice/job", "alice/job-doctor") and attached["secrets_reset_on_push"] is False
 
 

@@ -28,6 +28,7 @@ def pulled_image(api, ref: str, version: int, folder) -> str:
 
 def test_each_version_runs_on_an_image_pull_names_and_pins_hold_unless_ignored(emulator, kaggle_api, tmp_path):
     ref = f"{USER}/images-kernel"
+    emulator.max_cpu_sessions = 6  # five versions pushed back to back: the images are under test, not the CPU cap
     folder = write_kernel(tmp_path / "k", ref, PRINT, docker_image_pinning_type="latest")
     assert kaggle_api.kernels_push(str(folder)).version_number == 1
     first = pulled_image(kaggle_api, ref, 1, tmp_path / "p1")

@@ -83,3 +83,27 @@ def paths(run):
     from kchain.common import layout
 
     return layout.Paths.of({layout.ROOT_ENV: str(run.working.parent)})
+
+
+def train_template(root: Path, template: str, params: dict, env: dict | None = None) -> tuple:
+    """`kchain init --template TEMPLATE`'s main(run) in this process on 1 rank: (status, step, total, the
+    metrics trace without its times)."""
+    import importlib.util
+    import json
+
+    from kchain.init import TEMPLATES
+    from kchain.runtime.run import SessionStopped
+
+    spec = importlib.util.spec_from_file_location(f"{template}_template", TEMPLATES / template / "train.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    run = make_run(root, params=params, env=env)
+    try:
+        module.main(run)
+    except SessionStopped:
+        pass
+    finally:
+        run.close()
+    rows = [json.loads(line) for line in (root / "working/kchain/metrics.jsonl").read_text().splitlines()]
+    return run.status, run.step, run.total, [{k: v for k, v in row.items() if k != "time"} for row in rows]

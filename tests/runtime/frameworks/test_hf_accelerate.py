@@ -11,17 +11,16 @@ are refused with one line.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 from pathlib import Path
 
 import pytest
-from helpers import invoke, make_run
+from helpers import invoke, make_run, train_template
 
 from kchain.common import layout
 from kchain.common.summary import read_working
-from kchain.init import TEMPLATES, init_job
+from kchain.init import init_job
 
 pytest.importorskip("accelerate")
 
@@ -40,13 +39,6 @@ def fresh_accelerate():
     yield
     AcceleratorState._reset_state(True)
     GradientState._reset_state()
-
-
-def template_main():
-    spec = importlib.util.spec_from_file_location("accelerate_template", TEMPLATES / TEMPLATE / "train.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.main
 
 
 def test_the_template_smokes_to_an_exact_pass_on_two_ranks_with_a_stop_mid_epoch(tmp_path):
@@ -68,18 +60,7 @@ def test_the_template_smokes_to_an_exact_pass_on_two_ranks_with_a_stop_mid_epoch
 
 
 def train(root: Path, env: dict | None = None) -> tuple:
-    """The template's main(run) in this process on 1 rank: (status, step, total, the metrics trace)."""
-    from kchain.runtime.run import SessionStopped
-
-    run = make_run(root, params=PARAMS, env=env)
-    try:
-        template_main()(run)
-    except SessionStopped:
-        pass
-    finally:
-        run.close()
-    rows = [json.loads(line) for line in (root / "working/kchain/metrics.jsonl").read_text().splitlines()]
-    return run.status, run.step, run.total, [{k: v for k, v in row.items() if k != "time"} for row in rows]
+    return train_template(root, TEMPLATE, PARAMS, env)
 
 
 def test_a_deadline_mid_epoch_and_the_next_session_match_the_uninterrupted_run(tmp_path):

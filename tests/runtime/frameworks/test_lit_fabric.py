@@ -12,30 +12,22 @@ the uninterrupted run's trace and state; fabric.save writes its file, fabric.loa
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 from pathlib import Path
 
 import pytest
-from helpers import invoke, make_run
+from helpers import invoke, make_run, train_template
 
 from kchain.common import layout
 from kchain.common.summary import read_working
-from kchain.init import TEMPLATES, init_job
+from kchain.init import init_job
 
 pytest.importorskip("lightning_fabric")
 
 TEMPLATE = "fabric"
 PARAMS = {"epochs": 2, "lr": 2e-3, "seed": 0, "rows": 200, "features": 8, "classes": 3, "hidden": 16,
           "dropout": 0.2, "batch": 16, "accumulate": 3, "num_workers": 0}
-
-
-def template_main():
-    spec = importlib.util.spec_from_file_location("fabric_template", TEMPLATES / TEMPLATE / "train.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.main
 
 
 def test_the_template_smokes_to_an_exact_pass_on_two_ranks_with_a_stop_mid_epoch(tmp_path):
@@ -57,18 +49,7 @@ def test_the_template_smokes_to_an_exact_pass_on_two_ranks_with_a_stop_mid_epoch
 
 
 def train(root: Path, env: dict | None = None) -> tuple:
-    """The template's main(run) in this process on 1 rank: (status, step, total, the trace without times)."""
-    from kchain.runtime.run import SessionStopped
-
-    run = make_run(root, params=PARAMS, env=env)
-    try:
-        template_main()(run)
-    except SessionStopped:
-        pass
-    finally:
-        run.close()
-    rows = [json.loads(line) for line in (root / "working/kchain/metrics.jsonl").read_text().splitlines()]
-    return run.status, run.step, run.total, [{k: v for k, v in row.items() if k != "time"} for row in rows]
+    return train_template(root, TEMPLATE, PARAMS, env)
 
 
 def test_a_deadline_mid_epoch_and_the_next_session_match_the_uninterrupted_run(tmp_path):

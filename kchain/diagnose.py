@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from kchain import extras
 from kchain.common.summary import Summary
 
 _HINTS: list[tuple[re.Pattern[str], str]] = [
@@ -49,11 +50,7 @@ _HINTS: list[tuple[re.Pattern[str], str]] = [
         "a missing key, column or index: check the data's columns and the code that reads them",
     ),
     (
-        re.compile(r"No module named '(transformers|peft|accelerate)[.']"),
-        "a framework this laptop lacks (Kaggle's image has it): pip install 'kchain[hf]' (transformers + peft)",
-    ),
-    (
-        re.compile(r"No module named '(pytorch_lightning|lightning)[.']|Lightning is not installed"),
+        re.compile(r"Lightning is not installed"),
         "a framework this laptop lacks (Kaggle's image has it): pip install 'kchain[lightning]'",
     ),
     (
@@ -82,8 +79,15 @@ class Failure:
         return f"{self.type}: {self.message}{where}"
 
 
+_MISSING = re.compile(r"No module named '(\w+)")
+
+
 def hint_for(error_type: str, message: str) -> str:
     text = f"{error_type}: {message}"
+    missing = _MISSING.search(text)
+    if missing and (found := extras.extra(extras.distribution(missing.group(1)))):
+        return (f"a framework this laptop lacks ({missing.group(1)}; `kchain doctor` compares Kaggle's image with "
+                f"this laptop): {found.install}")
     for pattern, hint in _HINTS:
         if pattern.search(text):
             return hint

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 import kchain
-from kchain import credentials
+from kchain import credentials, extras
 from kchain.common import atomic
 from kchain.common.kernel_states import TERMINAL
 from kchain.common.sendonce import NotLanded, send_and_settle
@@ -44,7 +44,7 @@ from kchain.kaggle_api import MISSING_CREDENTIALS, KaggleClient, lost_answer, ne
 from kchain.ledger import Ledger, iso, now_utc, state_dir
 from kchain.models import model_problem
 from kchain.names import doctor_kernel, state_dataset
-from kchain.render import METADATA_FILE, Rendered, render_job, render_probe
+from kchain.render import METADATA_FILE, Rendered, code_files, render_job, render_probe
 from kchain.spec import Job, load_job
 
 Echo = Callable[[str], None]
@@ -124,6 +124,18 @@ def laptop_versions() -> dict[str, str | None]:
             "kaggle": _installed("kaggle"), "kchain": kchain.__version__}
 
 
+def job_packages(job: Job) -> dict[str, dict[str, str | None]]:
+    """Each package the job's code imports (not torch or numpy, compared on their own): its distribution
+    and version on this laptop (None: not installed here)."""
+    out = {}
+    for module in extras.imported(code_files(job)[0]):
+        if module in ("torch", "numpy"):
+            continue
+        dist = extras.distribution(module)
+        out[module] = {"distribution": dist, "version": extras.version(dist)}
+    return out
+
+
 def _laptop(job: Job, check: _Checklist, report: Report) -> Any:
     owner = job.kaggle.owner or credentials.configured_username()
     rendered = render_job(job, owner=owner)
@@ -136,6 +148,7 @@ def _laptop(job: Job, check: _Checklist, report: Report) -> Any:
         check("warn", "smoke", f"this code never passed a smoke run: run `kchain smoke {job.path}` before pushing")
     laptop = laptop_versions()
     report.facts["laptop"] = laptop
+    report.facts["packages"] = job_packages(job)
     check("ok", "laptop", f"python {laptop['python']}, torch {laptop['torch'] or 'not installed'}, "
                           f"numpy {laptop['numpy'] or 'not installed'}, kaggle client {laptop['kaggle']}")
     found = credentials.find()
@@ -308,12 +321,16 @@ def parse_probe(text: str) -> dict[str, Any]:
             raise ProbeFormatError(f"{PROBE_OUTPUT} has no {key!r}")
         if not isinstance(data[key], kind) or (kind is int and isinstance(data[key], bool)):
             raise ProbeFormatError(f"{PROBE_OUTPUT}: {key!r} is a {type(data[key]).__name__}")
-    extra = sorted(set(data) - set(PROBE_KEYS) - {"kernel_push"})  # an older probe has no kernel_push
+    extra = sorted(set(data) - set(PROBE_KEYS) - {"kernel_push", "packages"})  # an older probe has neither
     if extra:
         raise ProbeFormatError(f"{PROBE_OUTPUT} has unknown keys {extra}")
     for name in ("torch", "numpy"):
         if not isinstance(data[name].get("version"), (str, type(None))):
             raise ProbeFormatError(f"{PROBE_OUTPUT}: {name}.version is not a string")
+    packages = data.get("packages", {})
+    if not isinstance(packages, dict) or not all(
+            isinstance(p, dict) and isinstance(p.get("version"), (str, type(None))) for p in packages.values()):
+        raise ProbeFormatError(f"{PROBE_OUTPUT}: packages is not a map of module to {{version, distribution}}")
     if not isinstance(data["runtime"].get("imports"), bool) or not isinstance(data["secrets"].get("visible"), dict):
         raise ProbeFormatError(f"{PROBE_OUTPUT}: runtime.imports or secrets.visible is missing")
     return data
@@ -331,8 +348,8 @@ def _wait(client: KaggleClient, ref: str, number: int, timeout_s: float) -> tupl
 
 
 def _run_probe(client: KaggleClient, job: Job, ref: str, sources: list[str], state: str | None,
-               out: Path, timeout_s: float, check: _Checklist) -> dict[str, Any] | None:
-    notebook, metadata = render_probe(job, ref, sources, state, SECRET_LABELS)
+               out: Path, timeout_s: float, check: _Checklist, packages: list[str]) -> dict[str, Any] | None:
+    notebook, metadata = render_probe(job, ref, sources, state, SECRET_LABELS, packages)
     folder = Path(tempfile.mkdtemp(prefix="kchain-probe-"))
     try:
         _kernel_folder(folder, notebook, metadata, ref.split("/", 1)[1])
@@ -407,8 +424,32 @@ def compare_image(probe: dict[str, Any], laptop: dict[str, str | None], check: _
         check("ok", "numpy", f"numpy {image_n[0]}.x on both")
 
 
+def compare_packages(image: dict[str, Any], laptop: dict[str, dict[str, str | None]], check: _Checklist) -> None:
+    """Each package the job imports, in the image against this laptop, with what a difference means."""
+    for module, here in sorted(laptop.items()):
+        there = image.get(module) or {}
+        dist, mine, theirs = here["distribution"] or module, here["version"], there.get("version")
+        found = extras.extra(dist)
+        floor = (f"; kchain[{found.name}] asks for {dist}{found.specifier}, which the image's {theirs} does not meet"
+                 if found and theirs and extras.admits(dist, theirs) is False else "")
+        if theirs is None:
+            check("FAIL", "packages", f"the job's code imports {module}, which Kaggle's image does not have: the session "
+                                      f"would stop at that import. Attach a dataset of its wheels and install them with "
+                                      f"--no-index at the top of the code (the internet is off in kchain's kernels)")
+        elif mine is None:
+            check("warn", "packages", f"the image has {dist} {theirs}, this laptop none: the smoke cannot run the code "
+                                      f"that imports {module}; {extras.install_hint(module)}" + floor)
+        elif _major_minor(mine) != _major_minor(theirs):
+            check("warn", "packages", f"the image has {dist} {theirs}, your laptop {mine}: the smoke proved another "
+                                      f"{dist}, whose defaults and behaviour may differ; pip install '{dist}=={theirs}' "
+                                      f"here to smoke what Kaggle runs" + floor)
+        else:
+            check("ok", "packages", f"{dist} {theirs} in the image, {mine} here: the same minor version" + floor)
+
+
 def _image(probe: dict[str, Any], report: Report, check: _Checklist) -> None:
     compare_image(probe, report.facts["laptop"], check)
+    compare_packages(probe.get("packages", {}), report.facts.get("packages", {}), check)
     for source, path in probe["mounts"].items():
         if path:
             check("ok", "mounts", f"{source} is mounted at {path}")
@@ -504,7 +545,8 @@ def _online(job: Job, probe: bool, probe_timeout_s: float, check: _Checklist, re
     result = None
     if probe:
         state = report.facts["state_dataset"]["ref"] if report.facts["state_dataset"]["exists"] else None
-        result = _run_probe(client, job, ref, sources, state, state_dir(job.path), probe_timeout_s, check)
+        result = _run_probe(client, job, ref, sources, state, state_dir(job.path), probe_timeout_s, check,
+                            packages=list(report.facts["packages"]))
         if result is not None:
             report.facts["probe"] = result
             _image(result, report, check)

@@ -15,6 +15,7 @@ import json
 import os
 import stat
 import zipfile
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -232,7 +233,7 @@ def _notebook_modules(job: Job, keep: list[tuple[str, Path, int]], left: list[tu
     return out, made
 
 
-def _code_files(job: Job) -> tuple[dict[str, bytes], list[tuple[str, str]]]:
+def code_files(job: Job) -> tuple[dict[str, bytes], list[tuple[str, str]]]:
     """The user's code for the payload: only files inside the job's folder, no credential by name
     or by content, nothing .kchainignore lists, and at most MAX_CODE_BYTES."""
     keep, left = _code_candidates(job)
@@ -302,7 +303,7 @@ def render_job(job: Job, owner: str | None = None, extra_sources: list[str] | No
     filled too, so the kernel can push the next session as this function would render it."""
     owner = job.kaggle.owner or owner
     config = _session_config(job, owner, session_facts, unattended)
-    code, left_out = _code_files(job)
+    code, left_out = code_files(job)
     files = {**_runtime_files(), **code}
     payload = _zip(files)
     config["fingerprint"] = fingerprint = _fingerprint(config, payload)
@@ -362,7 +363,7 @@ def render_payload(job: Job, accelerator: str) -> Payload:
     is what the runtime checks it was given; config["kaggle"] holds no Kaggle owner or dataset."""
     config = _session_config(job, None, None)
     config["kaggle"] = {**config["kaggle"], "accelerator": accelerator}
-    code, left_out = _code_files(job)
+    code, left_out = code_files(job)
     files = {**_runtime_files(), **code}
     config["fingerprint"] = fingerprint = _fingerprint(config, _zip(files))
     if any(secret in json.dumps(config) for secret in secret_strings()):
@@ -441,17 +442,17 @@ def write_rendered(rendered: Rendered, out_dir: Path) -> list[Path]:
 
 
 def render_probe(job: Job, ref: str, sources: list[str], state: str | None,
-                 secret_labels: tuple[str, ...]) -> tuple[str, dict[str, Any]]:
+                 secret_labels: tuple[str, ...], packages: Sequence[str] = ()) -> tuple[str, dict[str, Any]]:
     """Pure: the doctor's probe notebook (kernel_templates/probe.ipynb.j2, the runtime and
     kchain_probe.py embedded) and its metadata as a dict: kernel ref, accelerator none, the job's
     internet setting, the given dataset and model sources (a model's ref has five parts) and the job's
-    competition."""
+    competition; `packages`: the modules the job's code imports whose versions the probe reports."""
     competitions = [job.kaggle.competition] if job.kaggle.competition else []
     models = [s for s in sources if s.count("/") == 4]
     datasets = [s for s in sources if s not in models]
     config = {"job": job.name, "sources": sources + competitions, "state_dataset": state,
               "secret_labels": list(secret_labels),
-              "internet": job.kaggle.internet, "kernel": ref}
+              "internet": job.kaggle.internet, "kernel": ref, "packages": list(packages)}
     files = {**_runtime_files(), "kchain_probe.py": (templates_dir() / "kchain_probe.py").read_bytes()}
     notebook = _environment().get_template("probe.ipynb.j2").render(
         job=job.name, version=kchain.__version__, internet=job.kaggle.internet,

@@ -61,6 +61,30 @@ def _distribution(name: str) -> str | None:
         return None
 
 
+def _packages(modules: list[str]) -> dict:
+    """Each package the job's code imports: its distribution and version in this image, or None where the
+    image has no such module. Looked up, never imported (a framework's import takes seconds)."""
+    import importlib.util
+    from importlib.metadata import packages_distributions
+
+    switched = json.loads(os.environ.get(layout.TEST_IMAGE_PACKAGES_ENV) or "{}")
+    installed_by = packages_distributions()
+    out = {}
+    for name in modules:
+        if name in switched:
+            out[name] = {"distribution": name if switched[name] else None, "version": switched[name],
+                         "source": layout.TEST_IMAGE_PACKAGES_ENV}
+            continue
+        try:
+            found = importlib.util.find_spec(name) is not None
+        except (ImportError, ValueError):
+            found = False
+        dist = (installed_by.get(name) or [None])[0] if found else None
+        out[name] = {"distribution": dist, "version": (_distribution(dist) if dist else "unknown") if found else None,
+                     "source": "import"}
+    return out
+
+
 def _mount(input_root: Path, ref: str) -> str | None:
     """Where an attached dataset owner/slug[/version], model owner/model/framework/variation/version or
     competition slug is mounted, whatever today's layout is (shared/reference/kaggle-api.md 6.2:
@@ -218,6 +242,7 @@ def probe(config: dict) -> dict:
         "kaggle_env": sorted(name for name in os.environ if name.startswith("KAGGLE_")),
         "secrets": _secrets(list(config["secret_labels"])),
         "internet": config["internet"],
+        "packages": _packages(list(config.get("packages", []))),
     }
     report["kernel_push"] = _kernel_push(config, report["secrets"])
     return report

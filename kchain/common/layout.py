@@ -32,6 +32,8 @@ ACCELERATOR_CHECK_ENV = "KCHAIN_ACCELERATOR_CHECK"  # "off": a CPU stand-in for 
 # The emulator's test switch `runner.image_env`: the probe reports these as the image's versions.
 TEST_IMAGE_TORCH_ENV = "KCHAIN_TEST_IMAGE_TORCH"
 TEST_IMAGE_NUMPY_ENV = "KCHAIN_TEST_IMAGE_NUMPY"
+# JSON {module: version or null}: what the doctor's probe reports for those packages instead of looking (tests).
+TEST_IMAGE_PACKAGES_ENV = "KCHAIN_TEST_IMAGE_PACKAGES"
 # The laptop's, never the kernel's: the state folder (run log, sessions, smoke passes), else .kchain/.
 HOME_ENV = "KCHAIN_HOME"
 

@@ -160,8 +160,17 @@ def test_doctor_warns_for_another_torch_and_numpy_and_says_relay_without_secrets
 
     major = int(torch.__version__.split(".")[0])
     older_numpy = f"{int(numpy.__version__.split('.')[0]) - 1}.26.4"
-    emulator.runner.image_env = {"KCHAIN_TEST_IMAGE_TORCH": f"{major + 1}.0.1", "KCHAIN_TEST_IMAGE_NUMPY": older_numpy}
-    job = job_file(tmp_path)  # no Secrets attached in this emulator
+    emulator.runner.image_env = {"KCHAIN_TEST_IMAGE_TORCH": f"{major + 1}.0.1", "KCHAIN_TEST_IMAGE_NUMPY": older_numpy,
+                                 # the image's transformers is older than kchain[hf]'s floor; it has a package
+                                 # this laptop lacks
+                                 layout.TEST_IMAGE_PACKAGES_ENV: json.dumps({"transformers": "4.57.1",
+                                                                              "kchain_absent_pkg": "1.2.3"})}
+    job = copy_job("tinygpt", tmp_path, kaggle={"internet": True}, code="code", entry="train:main")
+    (job.parent / "code").mkdir()
+    (job.parent / "train.py").rename(job.parent / "code" / "train.py")
+    (job.parent / "code" / "more_imports.py").write_text(  # the job's code imports frameworks beside torch
+        "import os\nimport pytorch_lightning\nfrom transformers import Trainer\nimport kchain_absent_pkg.sub\n"
+        "from . import train\nimport train\n")
 
     result = invoke("doctor", job)
     assert result.exit_code == 0, result.output
@@ -170,6 +179,18 @@ def test_doctor_warns_for_another_torch_and_numpy_and_says_relay_without_secrets
     assert torch_line == (f"warn  torch        the image has torch {major + 1}.0.1, your laptop {torch.__version__}: "
                           "a different major version, so a checkpoint written by one may not load in the other "
                           f"and the smoke run proved another torch; install torch {major + 1}.0 here")
+    from importlib.metadata import version
+
+    from kchain.extras import extra
+    hf_floor = extra("transformers").specifier
+    assert lines(result, "packages") == [
+        "warn  packages     the image has kchain-absent-pkg 1.2.3, this laptop none: the smoke cannot run the code "
+        "that imports kchain_absent_pkg; pip install kchain-absent-pkg",
+        f"ok    packages     pytorch-lightning {version('pytorch-lightning')} in the image, "
+        f"{version('pytorch-lightning')} here: the same minor version",
+        f"warn  packages     the image has transformers 4.57.1, your laptop {version('transformers')}: the smoke proved "
+        "another transformers, whose defaults and behaviour may differ; pip install 'transformers==4.57.1' here to "
+        f"smoke what Kaggle runs; kchain[hf] asks for transformers{hf_floor}, which the image's 4.57.1 does not meet"]
     [numpy_line] = lines(result, "numpy")
     assert numpy_line.startswith(f"warn  numpy        the image has numpy {older_numpy}, your laptop "
                                  f"{numpy.__version__}: the major version differs, so pickled caches")
@@ -250,7 +271,8 @@ def _probe_of(tmp_path: Path, monkeypatch) -> dict:
     probe = importlib.import_module("kchain_probe")
     try:
         return probe.probe({"job": NAME, "sources": [DATA, f"{USER}/absent"], "state_dataset": None,
-                            "secret_labels": ["KAGGLE_KEY"], "internet": False})
+                            "secret_labels": ["KAGGLE_KEY"], "internet": False,
+                            "packages": ["pytorch_lightning", "kchain_absent_pkg"]})
     finally:
         sys.modules.pop("kchain_probe", None)
 
@@ -259,7 +281,15 @@ def test_probe_output_is_parsed_strictly(tmp_path, monkeypatch):
     report = _probe_of(tmp_path, monkeypatch)
     assert report["mounts"] == {DATA: str(tmp_path / "root" / "input" / "notes-extra"), f"{USER}/absent": None}
     assert report["secrets"]["visible"] == {"KAGGLE_KEY": False} and report["runtime"]["imports"] is True
+    from importlib.metadata import version
+
+    assert report["packages"] == {  # looked up, not imported
+        "pytorch_lightning": {"distribution": "pytorch-lightning", "version": version("pytorch-lightning"),
+                              "source": "import"},
+        "kchain_absent_pkg": {"distribution": None, "version": None, "source": "import"}}
     assert parse_probe(json.dumps(report)) == report
+    with pytest.raises(ProbeFormatError, match="packages is not a map"):
+        parse_probe(json.dumps({**report, "packages": {"x": {"version": 3}}}))
     bad = {"format": "kchain-probe/2"}, {"disk_free_working": True}, {"surprise": 1}
     messages = ("has format 'kchain-probe/2', this kchain reads kchain-probe/1", "'disk_free_working' is a bool",
                 "has unknown keys ['surprise']")
@@ -301,3 +331,25 @@ def test_push_unattended_says_what_the_doctor_saw_of_a_kernel_pushed_kernels_sec
             assert note == ("  note: kchain doctor did not see whether a kernel-pushed kernel keeps its Secrets; if it "
                             "does not, the laptop takes the chain over after session 1 (`kchain doctor "
                             f"{job.path}` checks it)")
+
+
+def test_each_package_the_code_imports_is_compared_with_the_image_and_a_missing_one_fails():
+    from kchain.doctor import Report, _Checklist, compare_packages
+    from kchain.extras import distribution, extra, imported, install_hint
+
+    code = {"code/train.py": b"import torch, numpy\nimport json\nfrom peft import LoraConfig\nfrom .util import x\n"
+                             b"import util\nimport lightning.pytorch as pl\n",
+            "code/util/__init__.py": b"import sklearn\n", "code/notes.txt": b"import nothing\n",
+            "code/broken.py": b"def (:\n"}
+    assert imported(code) == ["lightning", "numpy", "peft", "sklearn", "torch"]  # not its own, stdlib's or text's
+    assert (distribution("pytorch_lightning"), distribution("Some_Thing")) == ("pytorch-lightning", "some-thing")
+    assert (extra("pytorch-lightning").name, extra("PEFT").name, extra("accelerate").name) == ("lightning", "hf",
+                                                                                                "accelerate")
+    assert install_hint("transformers") == "pip install 'kchain[hf]'" and extra("torch") is None
+    report = Report(NAME, Path("job.yaml"))
+    compare_packages({"peft": {"version": None}}, {"peft": {"distribution": "peft", "version": "0.21.0"}},
+                     _Checklist(report, lambda _: None))
+    [check] = report.checks
+    assert (check.level, check.name) == ("FAIL", "packages")
+    assert check.text.startswith("the job's code imports peft, which Kaggle's image does not have: the session "
+                                 "would stop at that import")

@@ -19,7 +19,7 @@ from typing import Any
 import click
 
 import kchain
-from kchain.errors import KchainError, exit_code_lines
+from kchain.errors import KchainError, MachineError, exit_code_lines
 
 
 class Seconds(click.FloatRange):
@@ -66,10 +66,18 @@ class KchainGroup(click.Group):
         try:
             return super().invoke(ctx)
         except KchainError as exc:
-            error = click.ClickException(str(exc))
-            # click types exit_code as a ClassVar; click exits with the instance's (Command.main)
-            error.exit_code = exc.exit_code  # type: ignore[misc]
-            raise error from None
+            raise _click_error(exc) from None
+        except OSError as exc:  # the machine's refusal (permissions, a full or read-only disk): one line
+            if exc.errno is None or isinstance(exc, (ConnectionError, TimeoutError)):
+                raise
+            raise _click_error(MachineError.of(exc)) from None
+
+
+def _click_error(exc: KchainError) -> click.ClickException:
+    error = click.ClickException(str(exc))
+    # click types exit_code as a ClassVar; click exits with the instance's (Command.main)
+    error.exit_code = exc.exit_code  # type: ignore[misc]
+    return error
 
 
 @click.group(cls=KchainGroup, context_settings={"help_option_names": ["-h", "--help"]},

@@ -84,6 +84,34 @@ class StateError(KchainError):
     exit_code = 1
 
 
+class MachineError(KchainError):
+    """This machine refused a file operation: no permission, a read-only or full disk, a missing folder."""
+
+    exit_code = 11
+
+    # errno -> what the user does about it
+    FIXES = {
+        "EACCES": "you may not write there: choose a folder you own, or fix its permissions",
+        "EPERM": "you may not write there: choose a folder you own, or fix its permissions",
+        "EROFS": "a read-only file system: choose a writable folder (e.g. KCHAIN_HOME for kchain's own files)",
+        "ENOSPC": "the disk is full: free some space (old smoke and rehearse folders under KCHAIN_HOME are safe to "
+                  "delete) and run the command again",
+        "EDQUOT": "your disk quota is used up: free some space and run the command again",
+        "ENOENT": "a folder on the way does not exist: check the path",
+        "ENOTDIR": "a part of the path is a file, not a folder: check the path",
+    }
+
+    @classmethod
+    def of(cls, exc: OSError) -> MachineError:
+        """The OSError in one line: what failed, on which path, and the fix."""
+        import errno
+
+        name = errno.errorcode.get(exc.errno or 0, "")
+        where = f": {exc.filename}" if exc.filename else ""
+        fix = cls.FIXES.get(name, "check the path and the disk, then run the command again")
+        return cls(f"{exc.strerror or type(exc).__name__}{where} ({fix})")
+
+
 def exit_code_lines() -> list[str]:
     """`kchain --help`'s list of exit codes: 0, 1 and click's 2, then each code a class here has, with the
     first line of the class's doc."""

@@ -128,6 +128,30 @@ def _status_code(exc: BaseException) -> int | None:
     return response.status_code if response is not None else None
 
 
+def unreachable(exc: BaseException) -> str | None:
+    """Why Kaggle could not be reached at all, in one line, or None: a host name that does not resolve (no
+    network, DNS) or a refused connection (nothing listens: the local Kaggle not started). Neither is worth
+    retrying: the same call fails the same way a second later."""
+    host = where = ""
+    seen = 0
+    cur: BaseException | None = exc
+    while cur is not None and seen < 8:
+        text = f"{cur!s} {cur!r}"
+        found = re.search(r"host=\\?'([^'\\]+)\\?'(?:, port=(\d+))?", text)
+        if found and not host:
+            host, port = found.group(1), found.group(2)
+            where = f"{host}:{port}" if port else host
+        if "NameResolutionError" in text or "Name or service not known" in text or "Failed to resolve" in text:
+            return (f"cannot reach Kaggle: the name {host or 'of its API'} does not resolve (no network, or a DNS "
+                    "problem); check the connection and try again")
+        if isinstance(cur, ConnectionRefusedError) or "Connection refused" in text:
+            return (f"cannot reach Kaggle: {where or 'its API'} refused the connection (nothing listens there; for the "
+                    "local Kaggle, start `kchain emulator serve` and set what it prints)")
+        cur = cur.__cause__ or cur.__context__ or next((a for a in getattr(cur, "args", ()) if isinstance(a, BaseException)), None)
+        seen += 1
+    return None
+
+
 def _retry_after_s(response: requests.Response) -> float | None:
     value = response.headers.get("Retry-After")
     if not value:
@@ -220,6 +244,8 @@ class KaggleClient:
         http, code = _http_error(exc), _status_code(exc)
         if code == 401:
             return CredentialsError(REJECTED_CREDENTIALS)
+        if http is None and (why := unreachable(exc)):
+            return KaggleError(f"Kaggle {what} failed: {why}")
         if http is not None:
             return KaggleError(f"Kaggle {what} failed: HTTP {code}: {http}")
         return KaggleError(f"Kaggle {what} failed: {type(exc).__name__}: {exc}")
@@ -251,6 +277,8 @@ class KaggleClient:
                     if sent_creating:
                         raise OutcomeUnknown(f"Kaggle {what}: HTTP {code} after the request was sent; check the "
                                              "current version before trying again") from exc
+                elif http is None and unreachable(exc):
+                    raise self._translate(exc, what) from exc  # the same a second later: said at once
                 elif http is None and isinstance(exc, requests.RequestException):
                     if sent_creating and not safe_connect:
                         raise OutcomeUnknown(f"Kaggle {what}: {type(exc).__name__} after the request was sent; "

@@ -21,7 +21,7 @@ from pathlib import Path
 import nbformat
 import pytest
 from emulator_helpers import emulator  # noqa: F401
-from helpers import error_line, invoke
+from helpers import copy_job, error_line, invoke
 
 from kchain.ledger import Ledger
 
@@ -312,3 +312,22 @@ def test_links_inside_the_code_folder_are_listed_not_followed(tmp_path):
     assert result.exit_code == 0, result.output
     assert "left out code/loop (a broken link)" in result.output
     assert "left out code/alias/ (a linked folder (not followed))" in result.output
+
+
+def test_a_path_the_machine_refuses_is_one_line_with_its_own_exit_code(tmp_path):
+    import errno
+
+    from kchain.errors import MachineError
+
+    job = copy_job("tinygpt", tmp_path)
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    result = invoke("render", job, "--out", blocker / "out")
+    assert result.exit_code == MachineError.exit_code == 11, result.output
+    [line] = [x for x in result.output.splitlines() if x.startswith("Error:")]
+    assert line == (f"Error: Not a directory: {blocker / 'out'} (a part of the path is a file, not a folder: check "
+                    "the path)")
+    assert "Traceback" not in result.output
+    full = MachineError.of(OSError(errno.ENOSPC, "No space left on device", "/k/state.pt"))
+    assert str(full).startswith("No space left on device: /k/state.pt (the disk is full: free some space")
+    assert "read-only file system" in str(MachineError.of(OSError(errno.EROFS, "Read-only file system", "/k")))

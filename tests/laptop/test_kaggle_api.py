@@ -92,3 +92,22 @@ def test_a_hung_server_times_out(tmp_path, monkeypatch):
         write_kernel(tmp_path / "k", "alice/hung-push", ["print(1)"])
         with pytest.raises(OutcomeUnknown):
             client.push(tmp_path / "k")
+
+
+def test_no_network_and_nothing_listening_are_one_line_at_once(monkeypatch):
+    # A name that cannot resolve (RFC 2606's .invalid) and a port nothing listens on: each is one line naming
+    # the cause, said at the first try (a retry would fail the same way).
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]
+    monkeypatch.setenv("NO_PROXY", "")
+    monkeypatch.setenv("KAGGLE_USERNAME", USER)
+    monkeypatch.setenv("KAGGLE_KEY", fake_key())
+    for proxy, said in ((f"http://127.0.0.1:{port}", f"127.0.0.1:{port} refused the connection"),
+                        ("http://kaggle-api.invalid:8080", "the name kaggle-api.invalid does not resolve")):
+        monkeypatch.setenv("HTTP_PROXY", proxy)
+        slept: list[float] = []
+        with pytest.raises(KaggleError) as raised:
+            KaggleClient(sleep=slept.append).status("alice/any-kernel")
+        assert f"cannot reach Kaggle: {said}" in str(raised.value) and "\n" not in str(raised.value)
+        assert slept == []

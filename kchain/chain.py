@@ -93,6 +93,10 @@ def relay_state(client: KaggleClient, job: Job, owner: str, record: SessionRecor
         marker = build_state_folder(kchain_dir, work / "state", published="relay", job=job.name)
         if marker is None:
             return None
+        if marker["step"] <= (resumed := record.get("resumes_at") or 0):  # e.g. only the kept best it brought along
+            echo(f"  session {record['session']}'s output holds no checkpoint past step {resumed}, where it resumed: "
+                 "nothing to publish")
+            return None
         state_ref = state_dataset(owner, job.name)
         uploaded = sum(p.stat().st_size for p in (work / "state").iterdir() if p.is_file())
         notes = f"kchain session {record['session']} step {marker['step']}"

@@ -423,6 +423,8 @@ class SessionRunner:
                 deadline, reason = time.time(), f"Session was killed (fault injection on output {marker!r})"
             if crash and crash in text:
                 deadline, reason = time.time(), RUNNER_CRASHED
+            if resumed is not None:  # a state mounted late (mount_lag_s) is the one the session resumes from
+                resumed = max(resumed, attached_state_step(root / layout.INPUT_DIR))
             saved = new_checkpoint(root, resumed) if resumed is not None else None
             if saved is not None and session.get("kill_training_only"):
                 kill_training(proc.pid)  # the notebook lives on: it reports the death, publishes, pushes

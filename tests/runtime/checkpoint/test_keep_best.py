@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import json
 import shutil
+from types import SimpleNamespace
 
 import pytest
 import torch
 
+from kchain.chain import relay_state
 from kchain.common import keepbest, layout, statefolder
 from kchain.common.checkpoint_files import BEST_KEY, complete, find_latest, verify
 from kchain.common.faults import Faults
@@ -72,6 +74,12 @@ def test_the_best_checkpoint_survives_pruning_and_travels_in_the_state_beside_th
     shutil.copytree(tmp_path / "input", root2 / "input")
     ckpt2, progress2, trace2, model2, paths2 = parts(root2)
     assert ckpt2.restore(progress2, trace2, {}) is not None and torch.equal(model2.weight, weights[8])
+    # Killed now, its output holds the best alone (step 4, before the resume): the laptop's relay publishes
+    # nothing, never the older step as the newest state.
+    said: list[str] = []
+    record = {"session": 2, "resumes_at": 8, "output": str(paths2.kchain.parent)}
+    assert relay_state(None, SimpleNamespace(name="kbest"), "me", record, said.append, said.append) is None
+    assert said == ["  session 2's output holds no checkpoint past step 8, where it resumed: nothing to publish"]
     train(ckpt2, progress2, trace2, model2, {10: 0.45})
     trace2.close()
     assert steps_in(paths2.checkpoints) == [4, 10]

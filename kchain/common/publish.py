@@ -274,8 +274,10 @@ def main(config_path: str) -> int:
     assert plan is not None  # figures are None only without internet or a state dataset, returned for above
     found = newest_checkpoint(kchain_dir, config.job)
     resumed = int((config.kaggle.resume or {}).get("step") or 0)
+    if found is not None and int(found[1].get("step") or 0) <= resumed:
+        found = None  # the kept best it brought along (or the step it resumed): never published as the newest
     if found is None and not alone:
-        return none("no verified checkpoint in this session's output")
+        return none(f"no verified checkpoint past step {resumed} in this session's output")
     nbytes = publishplan.tree_bytes(found[0]) if found is not None else 0
     need, left = publishplan.seconds(plan, nbytes), time_left(config)
     if left is not None and left < need:
@@ -293,7 +295,7 @@ def main(config_path: str) -> int:
     clock = Clock(config, plan)
     try:
         before = version_number(api, config.kaggle.state_dataset, clock.until(SETTLE_S)) if alone else None
-        if found is not None and (int(found[1].get("step") or 0) > resumed or not alone):
+        if found is not None:
             publish(api, config, kchain_dir, work, clock)
     except Exception as exc:  # noqa: BLE001 - the laptop relay is the fallback; say why
         return none(f"failed: {type(exc).__name__}: {str(exc)[:200]}", alone)

@@ -23,7 +23,9 @@ import json
 import random
 import re
 import shutil
+import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -190,13 +192,66 @@ def _kernel_id(folder: Path) -> str:
         return str(folder)
 
 
+def _upload_id(folder: Path) -> str:
+    """What an upload folder is for, as its metadata names it (a dataset's id), else the folder."""
+    try:
+        return str(json.loads((folder / "dataset-metadata.json").read_text())["id"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return str(folder)
+
+
+PROGRESS_S = 5.0  # how often a long transfer says how far it is
+
+
+def _tree_bytes(path: Path) -> int:
+    if path.is_file():
+        return path.stat().st_size
+    total = 0
+    for p in path.rglob("*") if path.is_dir() else ():
+        try:
+            total += p.stat().st_size if p.is_file() else 0
+        except OSError:  # a file the client renamed or removed under us
+            pass
+    return total
+
+
+@contextlib.contextmanager
+def transfer_progress(enabled: bool, verb: str, what: str, folder: Path, total: int | None = None,
+                      every_s: float = PROGRESS_S, write: Callable[[str], Any] | None = None) -> Iterator[None]:
+    """While the body runs, one line every `every_s` seconds saying how far a transfer is (`verb` `what`:
+    the bytes now in `folder`, of `total` when known, or only the time for an upload the client does not
+    report on); nothing for a transfer quicker than that. Lines, not a bar: they never break another line."""
+    if not enabled:
+        yield
+        return
+    out = write or (lambda line: print(line, file=sys.stderr, flush=True))
+    done, t0 = threading.Event(), time.monotonic()
+
+    def watch() -> None:
+        while not done.wait(every_s):
+            took = time.monotonic() - t0
+            if total is not None:
+                out(f"  {verb} {what}: {total / 1e6:.1f} MB, {took:.0f} s so far")
+            else:
+                out(f"  {verb} {what}: {_tree_bytes(folder) / 1e6:.1f} MB so far ({took:.0f} s)")
+
+    thread = threading.Thread(target=watch, name="kchain-transfer", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
+
+
 class KaggleClient:
     """The Kaggle API as kchain uses it. Construct it, then call methods; each may raise KaggleError."""
 
     def __init__(self, timeout_s: float = 60.0, attempts: int = 6, backoff_s: float = 1.0,
                  max_backoff_s: float = 60.0, sleep: Callable[[float], None] = time.sleep,
                  progress: bool = False) -> None:
-        # progress: let the client draw its transfer bars (tqdm, on stderr) for uploads and downloads.
+        # progress: kchain's own line every PROGRESS_S while an upload or download lasts (the client's bars
+        # are always off: they broke kchain's lines).
         self.progress = progress
         self.timeout_s = timeout_s
         self.attempts = attempts
@@ -290,6 +345,11 @@ class KaggleClient:
                     raise self._translate(exc, what) from exc
                 self.sleep(self._delay(attempt, exc))
         raise AssertionError("unreachable")
+
+    def _uploading(self, folder: str | Path) -> contextlib.AbstractContextManager[None]:
+        """kchain's progress lines for an upload of folder's files (the client reports none while quiet)."""
+        size = _tree_bytes(Path(folder)) if self.progress else 0
+        return transfer_progress(self.progress, "uploading", _upload_id(Path(folder)), Path(folder), total=size)
 
     @staticmethod
     def _ref(ref: str, version: int | None) -> str:
@@ -455,8 +515,9 @@ class KaggleClient:
         """Download a session's output files into dest; return (files, log text)."""
         dest = Path(dest)
         dest.mkdir(parents=True, exist_ok=True)
-        files, _ = self._call("output", lambda: self.api.kernels_output(
-            self._ref(ref, version), str(dest), force=True, quiet=not self.progress))
+        with transfer_progress(self.progress, "downloading", f"the output of {self._ref(ref, version)}", dest):
+            files, _ = self._call("output", lambda: self.api.kernels_output(
+                self._ref(ref, version), str(dest), force=True, quiet=True))
         log_path = dest / f"{ref.split('/')[-1]}.log"
         log = log_path.read_text(encoding="utf-8") if log_path.exists() else ""
         return [Path(f) for f in files if Path(f) != log_path], log
@@ -507,33 +568,35 @@ class KaggleClient:
 
     def create_dataset(self, folder: str | Path, public: bool = False, dir_mode: str = "zip") -> str:
         """Create the dataset described by folder/dataset-metadata.json; return its ref."""
-        with contextlib.redirect_stdout(io.StringIO()):
+        with contextlib.redirect_stdout(io.StringIO()), self._uploading(folder):
             resp = self._call("create dataset", lambda: self.api.dataset_create_new(
-                str(folder), public=public, quiet=not self.progress, dir_mode=dir_mode), creating=True)
+                str(folder), public=public, quiet=True, dir_mode=dir_mode), creating=True)
         return self._created(f"create the dataset in {folder}", resp)
 
     def version_dataset(self, folder: str | Path, notes: str, dir_mode: str = "zip",
                         delete_old_versions: bool = False) -> None:
         """Upload folder as a new version of its dataset (poll dataset_status until "ready" after)."""
-        with contextlib.redirect_stdout(io.StringIO()):
+        with contextlib.redirect_stdout(io.StringIO()), self._uploading(folder):
             resp = self._call("version dataset", lambda: self.api.dataset_create_version(
-                str(folder), notes, quiet=not self.progress, dir_mode=dir_mode, delete_old_versions=delete_old_versions),
+                str(folder), notes, quiet=True, dir_mode=dir_mode, delete_old_versions=delete_old_versions),
                 creating=True)
         self._created(f"version the dataset in {folder}", resp)
 
     def download_dataset(self, ref: str, version: int | None, dest: str | Path, unzip: bool = True) -> Path:
         dest = Path(dest)
-        with contextlib.redirect_stdout(io.StringIO()):
+        with contextlib.redirect_stdout(io.StringIO()), transfer_progress(
+                self.progress, "downloading", self._ref(ref, version), dest):
             self._call("download dataset", lambda: self.api.dataset_download_files(
-                self._ref(ref, version), str(dest), force=True, quiet=not self.progress, unzip=unzip))
+                self._ref(ref, version), str(dest), force=True, quiet=True, unzip=unzip))
         return dest
 
     def download_dataset_file(self, ref: str, version: int | None, name: str, dest: str | Path) -> Path:
         """One file of a dataset version into dest (a large file the server sent zipped is unzipped)."""
         dest = Path(dest)
-        with contextlib.redirect_stdout(io.StringIO()):
+        with contextlib.redirect_stdout(io.StringIO()), transfer_progress(
+                self.progress, "downloading", f"{name} of {self._ref(ref, version)}", dest):
             self._call("download dataset file", lambda: self.api.dataset_download_file(
-                self._ref(ref, version), name, str(dest), force=True, quiet=not self.progress, unzip=True))
+                self._ref(ref, version), name, str(dest), force=True, quiet=True, unzip=True))
         return dest / name
 
     # -- models -------------------------------------------------------------------------------
@@ -561,16 +624,16 @@ class KaggleClient:
 
     def create_model_instance(self, folder: str | Path) -> None:
         """The variation folder/model-instance-metadata.json describes, with folder's files as version 1."""
-        with contextlib.redirect_stdout(io.StringIO()):
+        with contextlib.redirect_stdout(io.StringIO()), self._uploading(folder):
             resp = self._call("create model instance", lambda: self.api.model_instance_create(
-                str(folder), quiet=not self.progress, dir_mode="zip"), creating=True)
+                str(folder), quiet=True, dir_mode="zip"), creating=True)
         self._model_created(f"create the model variation in {folder}", resp)
 
     def create_model_instance_version(self, instance: str, folder: str | Path, notes: str) -> None:
         """folder's files as a new version of `owner/model/framework/variation`."""
-        with contextlib.redirect_stdout(io.StringIO()):
+        with contextlib.redirect_stdout(io.StringIO()), self._uploading(folder):
             resp = self._call("create model version", lambda: self.api.model_instance_version_create(
-                instance, str(folder), notes, quiet=not self.progress, dir_mode="zip"), creating=True)
+                instance, str(folder), notes, quiet=True, dir_mode="zip"), creating=True)
         self._model_created(f"version {instance}", resp)
 
     def model_versions(self, instance: str, page_size: int = 50) -> list[int]:

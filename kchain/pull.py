@@ -205,7 +205,7 @@ def pull_logs(job_file: Path, out: Path | None = None, force: bool = False, echo
 
 def pull_for(job_file: Path, want: Want, out: Path | None, force: bool, echo: Echo) -> list[str]:
     """`kchain pull`'s lines: what was fetched, where it went, and any note."""
-    client = KaggleClient(progress=True)  # a checkpoint can be gigabytes: the client's transfer bars
+    client = KaggleClient(progress=True)  # a checkpoint can be gigabytes: kchain says how far the download is
     return pull(job_file, want, out, force, echo, client).lines()
 
 

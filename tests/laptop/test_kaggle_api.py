@@ -111,3 +111,22 @@ def test_no_network_and_nothing_listening_are_one_line_at_once(monkeypatch):
             KaggleClient(sleep=slept.append).status("alice/any-kernel")
         assert f"cannot reach Kaggle: {said}" in str(raised.value) and "\n" not in str(raised.value)
         assert slept == []
+
+
+def test_a_long_transfer_says_how_far_it_is_in_lines_of_its_own(tmp_path):
+    import time
+
+    from kchain.kaggle_api import transfer_progress
+
+    lines: list[str] = []
+    dest = tmp_path / "out"
+    dest.mkdir()
+    with transfer_progress(True, "downloading", "alice/data/3", dest, every_s=0.05, write=lines.append):
+        (dest / "part").write_bytes(b"x" * 2_000_000)
+        while not any("2.0 MB" in line for line in lines):
+            time.sleep(0.01)
+    assert lines[-1].startswith("  downloading alice/data/3: 2.0 MB so far (")
+    quiet: list[str] = []
+    with transfer_progress(False, "uploading", "x", dest, every_s=0.01, write=quiet.append):
+        time.sleep(0.05)
+    assert quiet == []

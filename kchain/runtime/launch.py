@@ -232,7 +232,7 @@ def main(argv: list[str]) -> int:
         _train(config, current)
     except KeyboardInterrupt:
         if current.run is not None:
-            current.run._progress.status = Status.INTERRUPTED
+            current.run.launcher.mark(Status.INTERRUPTED)
         print("[kchain] interrupted", flush=True)
     except BaseException as e:
         error = _crashed(current.run, e)
@@ -249,9 +249,9 @@ def _train(config: RuntimeConfig, current: SimpleNamespace) -> None:
 
     seed_globals()  # before the code is imported: a seed of its own, set at import or later, wins
     current.run = Run(config, os.environ, started=PROCESS_START)
-    summary.reserve(current.run._paths.summary)
+    summary.reserve(current.run.launcher.summary_path)
     module_name, _, func_name = config.entry.partition(":")
-    current.run._progress.phase = "build"
+    current.run.launcher.enter("build")
     entry = getattr(importlib.import_module(module_name), func_name or "main")
     while True:  # train.micro_batch: auto retries main with a halved micro-batch (runtime/ladder.py)
         rung = None
@@ -260,20 +260,20 @@ def _train(config: RuntimeConfig, current: SimpleNamespace) -> None:
         except SessionStopped:
             break  # a deadline or signal stop, saved: the session's part of the run ends here
         except ladder.OutOfMemory:
-            rung = current.run._next_rung()
+            rung = current.run.launcher.next_rung()
             if rung is None:
                 raise
         if rung is None:
             break
         print(f"[kchain] {rung}", flush=True)
-        halvings = current.run._rung.halvings + 1
+        halvings = current.run.launcher.halvings + 1
         current.run.close()
         current.run = None
         ladder.free()
         current.run = Run(config, os.environ, started=PROCESS_START, halvings=halvings)
-        current.run._progress.phase = "build"
+        current.run.launcher.enter("build")
     if current.run.status == Status.RUNNING:
-        current.run._end_without_loop()
+        current.run.launcher.end_without_loop()
 
 
 def _crashed(run, e: BaseException) -> dict:
@@ -281,10 +281,10 @@ def _crashed(run, e: BaseException) -> dict:
     from kchain.runtime import torchrun
 
     traceback.print_exc()
-    stage = run._progress.phase if run is not None else "build"
+    stage = run.launcher.phase if run is not None else "build"
     error = {"type": type(e).__name__, "message": _first_line(e), "stage": stage}
     if run is not None:
-        run._progress.status = Status.CRASHED
+        run.launcher.mark(Status.CRASHED)
     print(f"[kchain] crashed in {stage}: {type(e).__name__}: {_first_line(e)}", flush=True)
     if torchrun.in_ranks(os.environ) and os.environ.get("WORLD_SIZE") != "1":
         # kchain ddp: the others may wait in a collective this rank never joins: leave now, and
@@ -292,7 +292,7 @@ def _crashed(run, e: BaseException) -> dict:
         rank = int(os.environ["RANK"])
         if run is not None:
             try:
-                run._ckpt.close()  # never leave rank 0's checkpoint write half done (and the sink flushed)
+                run.launcher.close_checkpoints()  # never leave rank 0's checkpoint write half done (and the sink flushed)
             except BaseException:
                 pass
         torchrun.record_error(layout.kchain_dir(os.environ), rank, error)
@@ -310,7 +310,7 @@ def _close(run, error: dict | None) -> dict | None:
         traceback.print_exc()
         if error is None:
             error = {"type": type(e).__name__, "message": _first_line(e), "stage": "checkpoint"}
-            run._progress.status = Status.CRASHED
+            run.launcher.mark(Status.CRASHED)
     return error
 
 
@@ -321,8 +321,8 @@ def _report(config: RuntimeConfig, run, error: dict | None) -> int:
     if run is not None and not run.is_main:
         return 1 if run.status == Status.CRASHED else 0  # kchain ddp: rank 0 writes the summary
     if run is not None:
-        done = run._summary(error=error)
-        path = run._paths.summary
+        done = run.launcher.summary(error)
+        path = run.launcher.summary_path
     else:  # the Run was never built
         done = Summary(status=Status.CRASHED, error=error, started=PROCESS_START, ended=time.time(),
                        fingerprint=config.fingerprint)

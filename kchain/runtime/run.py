@@ -773,16 +773,50 @@ class Run:
 
     # --- the launcher's (not the user's) --------------------------------------------------------
 
-    def _next_rung(self) -> str | None:
+    @functools.cached_property
+    def launcher(self) -> Launched:
+        """What the launcher (launch.py), never the user, does with this Run."""
+        return Launched(self._progress, self._ckpt, self._rung, self._paths.summary, self.world_size,
+                        functools.partial(summary_of, self._progress, self._trace, self._ckpt, self._settings,
+                                          self.world_size))
+
+
+class Launched:
+    """The launcher's side of a Run: the stage a crash is named by and the status, the ladder's next rung
+    after an out-of-memory error, the end of a main(run) that ran no loop, and the summary and its path."""
+
+    def __init__(self, progress: Progress, ckpt: Checkpointer, rung: ladder.Rung, summary_path: Path,
+                 world_size: int, summarize: Callable[..., summary.Summary]) -> None:
+        self._progress, self._ckpt, self._rung, self._world_size = progress, ckpt, rung, world_size
+        self.summary_path, self._summarize = summary_path, summarize
+
+    @property
+    def phase(self) -> str:
+        """The stage the run is in (build, preflight, step, ...): what a crash is reported as."""
+        return self._progress.phase
+
+    def enter(self, phase: str) -> None:
+        self._progress.phase = phase
+
+    def mark(self, status: str) -> None:
+        """The run's status, as the launcher knows it (interrupted, crashed)."""
+        self._progress.status = status
+
+    @property
+    def halvings(self) -> int:
+        """How many times the ladder halved the micro-batch so far."""
+        return self._rung.halvings
+
+    def next_rung(self) -> str | None:
         """After an out-of-memory error: the ladder's next rung, or None (see ladder.next_rung).
 
         With a rung, this run is retired: a loop generator closed later (by the garbage collector)
         must not count or save the failed attempt's step."""
-        rung = self._rung.next(self._progress.loop_steps > 0, self.world_size)
+        rung = self._rung.next(self._progress.loop_steps > 0, self._world_size)
         self._progress.retired = rung is not None
         return rung
 
-    def _end_without_loop(self) -> None:
+    def end_without_loop(self) -> None:
         """main(run) returned while the status is still `running`: say whether anything was saved."""
         p = self._progress
         if p.saved_step is not None or self._ckpt.writer.last_path is not None:
@@ -792,8 +826,12 @@ class Run:
         p.status, p.note = summary.Status.NO_CHECKPOINT, NO_LOOP_NOTE
         warn(NO_LOOP_NOTE)
 
-    def _summary(self, error: dict | None = None) -> summary.Summary:
-        return summary_of(self._progress, self._trace, self._ckpt, self._settings, self.world_size, error)
+    def close_checkpoints(self) -> None:
+        """The writer joined and the sink flushed: never a checkpoint write left half done."""
+        self._ckpt.close()
+
+    def summary(self, error: dict | None = None) -> summary.Summary:
+        return self._summarize(error)
 
 
 def summary_of(progress: Progress, trace: Trace, ckpt: Checkpointer, st: Settings, world_size: int,

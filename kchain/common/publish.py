@@ -105,17 +105,22 @@ def transient(exc: BaseException) -> bool:
     return code == 429 or (code or 0) >= 500 or (code is None and isinstance(exc, OSError))
 
 
-def read(what: str, call, attempts: int = 6):
-    """A call that changes nothing, asked again after a transient failure; any other answer is raised."""
-    for attempt in range(attempts):
+def read(what: str, call, attempts: int = 6, until: float | None = None):
+    """A call that changes nothing, asked again after a transient failure: `attempts` times, and while the
+    session's time allows when `until` (a monotonic deadline) is given, since giving up leaves the chain to the
+    laptop. Any other answer is raised."""
+    attempt = 0
+    while True:
         try:
             return call()
         except Exception as exc:  # noqa: BLE001 - sorted by transient()
-            if not transient(exc) or attempt == attempts - 1:
+            wait = sendonce.retry_delay_s(min(attempt, attempts - 1), exc)
+            more = attempt < attempts - 1 or (until is not None and time.monotonic() + wait < until)
+            if not transient(exc) or not more:
                 raise
-            wait = sendonce.retry_delay_s(attempt, exc)
             say(f"{what} failed ({brief(exc)}); retrying in {wait:.0f}s")
             time.sleep(wait)
+            attempt += 1
 
 
 def exists(api, ref: str) -> bool:
@@ -154,7 +159,7 @@ def version_number(api, ref: str, until: float) -> int | None:
             status = f"not visible ({brief(exc)})"
         if status == "ready":
             try:
-                answer = read(f"reading {ref}'s version", lambda: api.dataset_status(ref, format="json"))
+                answer = read(f"reading {ref}'s version", lambda: api.dataset_status(ref, format="json"), until=until)
             except TypeError:  # a client older than dataset_status(format=...)
                 return None
             return int(json.loads(answer)["current_version_number"])

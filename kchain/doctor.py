@@ -435,7 +435,7 @@ def compare_packages(image: dict[str, Any], laptop: dict[str, dict[str, str | No
         if theirs is None:
             check("FAIL", "packages", f"the job's code imports {module}, which Kaggle's image does not have: the session "
                                       f"would stop at that import. Attach a dataset of its wheels and install them with "
-                                      f"--no-index at the top of the code (the internet is off in kchain's kernels)")
+                                      f"--no-index at the top of the code (or pip install it there, with kaggle.internet on)")
         elif mine is None:
             check("warn", "packages", f"the image has {dist} {theirs}, this laptop none: the smoke cannot run the code "
                                       f"that imports {module}; {extras.install_hint(module)}" + floor)

@@ -184,18 +184,11 @@ def _utc_epoch(moment: datetime | None) -> float | None:
     return (moment if moment.tzinfo is not None else moment.replace(tzinfo=timezone.utc)).timestamp()
 
 
-def _kernel_id(folder: Path) -> str:
-    """The kernel a push folder holds, for messages (the folder itself is usually a deleted temp dir)."""
+def _folder_id(folder: Path, metadata: str) -> str:
+    """What a push or upload folder is for, as its metadata file names it (`id`), else the folder itself
+    (usually a deleted temp dir) for messages."""
     try:
-        return str(json.loads((folder / "kernel-metadata.json").read_text())["id"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return str(folder)
-
-
-def _upload_id(folder: Path) -> str:
-    """What an upload folder is for, as its metadata names it (a dataset's id), else the folder."""
-    try:
-        return str(json.loads((folder / "dataset-metadata.json").read_text())["id"])
+        return str(json.loads((folder / metadata).read_text())["id"])
     except (OSError, ValueError, KeyError, TypeError):
         return str(folder)
 
@@ -349,7 +342,7 @@ class KaggleClient:
     def _uploading(self, folder: str | Path) -> contextlib.AbstractContextManager[None]:
         """kchain's progress lines for an upload of folder's files (the client reports none while quiet)."""
         size = _tree_bytes(Path(folder)) if self.progress else 0
-        return transfer_progress(self.progress, "uploading", _upload_id(Path(folder)), Path(folder), total=size)
+        return transfer_progress(self.progress, "uploading", _folder_id(Path(folder), "dataset-metadata.json"), Path(folder), total=size)
 
     @staticmethod
     def _ref(ref: str, version: int | None) -> str:
@@ -453,7 +446,7 @@ class KaggleClient:
         with contextlib.redirect_stdout(io.StringIO()):
             resp = self._call("push", lambda: api.kernels_push(str(folder), timeout=timeout, acc=accelerator),
                               creating=True)
-        kernel = _kernel_id(Path(folder))
+        kernel = _folder_id(Path(folder), "kernel-metadata.json")
         if resp.error:
             cap = SESSION_CAP.search(str(resp.error))
             if cap:

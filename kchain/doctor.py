@@ -35,13 +35,21 @@ from pathlib import Path
 from typing import Any
 
 import kchain
-from kchain import credentials, extras
+from kchain import credentials, extras, kagglepip
 from kchain.common import atomic
 from kchain.common.kernel_states import TERMINAL
 from kchain.common.sendonce import NotLanded, send_and_settle
-from kchain.errors import ChainStop, CredentialsError, DoctorFailed, KaggleError, ProbeFormatError
+from kchain.errors import (
+    ChainStop,
+    CredentialsError,
+    DoctorFailed,
+    KaggleError,
+    KchainError,
+    ProbeFormatError,
+    SpecError,
+)
 from kchain.kaggle_api import MISSING_CREDENTIALS, KaggleClient, lost_answer, new_kernel_version
-from kchain.ledger import Ledger, iso, now_utc, state_dir
+from kchain.ledger import DOCTOR_FILE, Ledger, iso, now_utc, state_dir
 from kchain.models import model_problem
 from kchain.names import doctor_kernel, state_dataset
 from kchain.render import METADATA_FILE, Rendered, code_files, render_job, render_probe
@@ -49,7 +57,6 @@ from kchain.spec import Job, load_job
 
 Echo = Callable[[str], None]
 
-DOCTOR_FILE = "doctor.json"
 FORMAT = 1
 PROBE_FORMAT = "kchain-probe/1"
 PROBE_OUTPUT = "kchain-probe.json"
@@ -61,6 +68,8 @@ PROBE_KEYS: dict[str, type | tuple[type, ...]] = {
     "mounts": dict, "state_dataset": (str, type(None)), "runtime": dict, "disk_free_working": int, "ram": dict,
     "kaggle_env": list, "secrets": dict, "internet": bool,
 }
+# What a probe may add: an older one has none of them; pip only for a job with kaggle.pip.
+PROBE_OPTIONAL = ("kernel_push", "packages", "platform", "pip")
 
 
 @dataclass
@@ -321,7 +330,7 @@ def parse_probe(text: str) -> dict[str, Any]:
             raise ProbeFormatError(f"{PROBE_OUTPUT} has no {key!r}")
         if not isinstance(data[key], kind) or (kind is int and isinstance(data[key], bool)):
             raise ProbeFormatError(f"{PROBE_OUTPUT}: {key!r} is a {type(data[key]).__name__}")
-    extra = sorted(set(data) - set(PROBE_KEYS) - {"kernel_push", "packages"})  # an older probe has neither
+    extra = sorted(set(data) - set(PROBE_KEYS) - set(PROBE_OPTIONAL))
     if extra:
         raise ProbeFormatError(f"{PROBE_OUTPUT} has unknown keys {extra}")
     for name in ("torch", "numpy"):
@@ -424,18 +433,25 @@ def compare_image(probe: dict[str, Any], laptop: dict[str, str | None], check: _
         check("ok", "numpy", f"numpy {image_n[0]}.x on both")
 
 
-def compare_packages(image: dict[str, Any], laptop: dict[str, dict[str, str | None]], check: _Checklist) -> None:
-    """Each package the job imports, in the image against this laptop, with what a difference means."""
+def compare_packages(image: dict[str, Any], laptop: dict[str, dict[str, str | None]], check: _Checklist,
+                     pins: tuple[str, ...] = ()) -> None:
+    """Each package the job imports, in the image against this laptop, with what a difference means; one that
+    kaggle.pip pins is the same wheel on both (the smoke and the session install it alike)."""
+    pinned = extras.pinned(pins)
     for module, here in sorted(laptop.items()):
         there = image.get(module) or {}
         dist, mine, theirs = here["distribution"] or module, here["version"], there.get("version")
+        pin = pinned.get(extras.distribution(dist))
+        if pin:
+            check("ok", "packages", f"{pin} from kaggle.pip, in the image and in the smoke alike")
+            continue
         found = extras.extra(dist)
         floor = (f"; kchain[{found.name}] asks for {dist}{found.specifier}, which the image's {theirs} does not meet"
                  if found and theirs and extras.admits(dist, theirs) is False else "")
         if theirs is None:
             check("FAIL", "packages", f"the job's code imports {module}, which Kaggle's image does not have: the session "
-                                      f"would stop at that import. Attach a dataset of its wheels and install them with "
-                                      f"--no-index at the top of the code (or pip install it there, with kaggle.internet on)")
+                                      f"would stop at that import. Pin it in the job (kaggle.pip: ['{dist}=={mine or 'VERSION'}']): "
+                                      f"kchain builds a dataset of its wheels that each session installs with no index")
         elif mine is None:
             check("warn", "packages", f"the image has {dist} {theirs}, this laptop none: the smoke cannot run the code "
                                       f"that imports {module}; {extras.install_hint(module)}" + floor)
@@ -447,9 +463,15 @@ def compare_packages(image: dict[str, Any], laptop: dict[str, dict[str, str | No
             check("ok", "packages", f"{dist} {theirs} in the image, {mine} here: the same minor version" + floor)
 
 
-def _image(probe: dict[str, Any], report: Report, check: _Checklist) -> None:
+def _image(probe: dict[str, Any], report: Report, check: _Checklist, pins: list[str]) -> None:
     compare_image(probe, report.facts["laptop"], check)
-    compare_packages(probe.get("packages", {}), report.facts.get("packages", {}), check)
+    compare_packages(probe.get("packages", {}), report.facts.get("packages", {}), check, tuple(pins))
+    pip = probe.get("pip")
+    if pip and pip.get("ok"):
+        check("ok", "kaggle.pip", f"{', '.join(pip['pins'])} installed in the image's Python from the job's wheels "
+                                  "dataset, with no index, as each session installs them")
+    elif pip:
+        check("FAIL", "kaggle.pip", f"the image could not install the job's wheels: {pip.get('error')}")
     for source, path in probe["mounts"].items():
         if path:
             check("ok", "mounts", f"{source} is mounted at {path}")
@@ -532,6 +554,20 @@ def _record(job: Job, report: Report, offline: bool, probed: bool) -> Path:
     return path
 
 
+def _wheels(client: KaggleClient, job: Job, owner: str, check: _Checklist) -> list[str]:
+    """kaggle.pip: the wheels dataset made current (built once, uploaded when the pins or the image's Python
+    changed), so the probe installs from it as a session would; [] when it cannot be."""
+    try:
+        return [kagglepip.ensure(client, job, owner, check.echo)]
+    except SpecError as exc:
+        check("FAIL", "kaggle.pip", str(exc).removeprefix(f"{job.path}: kaggle.pip: "))
+    except KaggleError:
+        raise
+    except KchainError as exc:
+        check("FAIL", "kaggle.pip", str(exc).removeprefix("kaggle.pip: "))
+    return []
+
+
 def _online(job: Job, probe: bool, probe_timeout_s: float, check: _Checklist, report: Report) -> bool:
     """Account, sources, the quick save, the probe and the publishing path; True if the probe ran."""
     client = KaggleClient()
@@ -540,6 +576,8 @@ def _online(job: Job, probe: bool, probe_timeout_s: float, check: _Checklist, re
         return False
     owner = job.kaggle.owner or user
     sources = _sources(client, job, owner, check, report)
+    if job.kaggle.pip:
+        sources += _wheels(client, job, owner, check)
     ref = f"{owner}/{doctor_slug(job)}"
     _quick_save(client, job, render_job(job, owner=owner), ref, check, report)
     result = None
@@ -549,7 +587,7 @@ def _online(job: Job, probe: bool, probe_timeout_s: float, check: _Checklist, re
                             packages=list(report.facts["packages"]))
         if result is not None:
             report.facts["probe"] = result
-            _image(result, report, check)
+            _image(result, report, check, job.kaggle.pip)
             check("ok", "image", f"the probe ran on its own kernel, {ref}, whose image need not be the one the job's "
                                  "kernel gets (Kaggle updates its images about every two weeks): `kchain status` "
                                  "names each session's image and warns when one differs from session 1's")
@@ -611,7 +649,7 @@ def _hop(client: KaggleClient, job: Job, ref: str, answer: dict[str, Any], timeo
 def unattended_note(job: Job) -> str | None:
     """For `kchain push --unattended`: one line when the doctor saw a kernel-pushed kernel lose its Secrets (the
     chain hands over to the laptop on its first hop), or could not tell; None when it saw them kept."""
-    entry = (_read_json(doctor_file(job), {}) or {}).get("jobs", {}).get(job.name) or {}
+    entry = Ledger(state_dir(job.path)).doctor_entry(job.name)
     kept = (entry.get("hop") or {}).get("secrets_kept")
     if kept:
         return None
@@ -625,7 +663,7 @@ def unattended_note(job: Job) -> str | None:
 
 def refuse_unattended(job: Job) -> None:
     """`kchain push --unattended` only once the doctor's probe saw a kernel push a kernel on this account."""
-    entry = (_read_json(doctor_file(job), {}) or {}).get("jobs", {}).get(job.name) or {}
+    entry = Ledger(state_dir(job.path)).doctor_entry(job.name)
     answer = (entry.get("probe") or {}).get("kernel_push") or {}
     if not answer.get("ok"):
         seen = f" (its probe said: {answer['error']})" if answer.get("error") else ""
@@ -658,7 +696,7 @@ def run_doctor(job_file: Path, offline: bool = False, probe: bool = True, echo: 
 def push_hint(job: Job, fingerprint: str) -> str | None:
     """One line for `kchain push` when doctor.json is missing or older than this code or these
     credentials, or when the doctor's last check of exactly this found a problem; else None."""
-    entry = (_read_json(doctor_file(job), {}) or {}).get("jobs", {}).get(job.name)
+    entry = Ledger(state_dir(job.path)).doctor_entry(job.name)
     advice = f"run `kchain doctor {job.path}` (free: no GPU session) to check the account and the image first"
     if not entry:
         return f"  hint: kchain doctor never checked {job.name} on Kaggle; {advice}"

@@ -77,6 +77,11 @@ def distribution(module: str) -> str:
     return normalise(found[0]) if found else normalise(module)
 
 
+def pinned(pins: tuple[str, ...] | list[str]) -> dict[str, str]:
+    """kaggle.pip's pins (name==version, checked by the spec) by their distribution's normalised name."""
+    return {normalise(re.split(r"[=<>!~;@\[ ]", pin, maxsplit=1)[0]): pin for pin in pins}
+
+
 def version(dist: str) -> str | None:
     """The installed version of a distribution on this laptop, or None."""
     try:

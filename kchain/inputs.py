@@ -11,8 +11,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
+from kchain import kagglepip
 from kchain.common import layout
 from kchain.errors import SpecError
+from kchain.names import pip_dataset
 from kchain.spec import Job
 
 Echo = Callable[[str], None]
@@ -59,6 +61,9 @@ def local_inputs(job: Job, cache: Path, download: bool = False, echo: Echo = pri
             KaggleClient(progress=True).download_dataset(f"{owner}/{slug}", int(version) if version else None,
                                                          cached, unzip=True)
         found[(kind, owner, slug)] = cached
+    if job.kaggle.pip:  # the wheels dataset kchain attaches (render.job_sources): built here, never downloaded
+        owner, slug = pip_dataset(job.kaggle.owner or "local", job.name).split("/")
+        found[("datasets", owner, slug)] = kagglepip.local_folder(job, echo)
     return found
 
 

@@ -23,6 +23,7 @@ from kchain.common.summary import Summary
 from kchain.errors import StateError
 
 RUNS_FILE = "runs.csv"
+DOCTOR_FILE = "doctor.json"  # what `kchain doctor` learned, by job (doctor.py writes it)
 PUBLISH_FILE = "publish.json"
 SMOKE_FILE = "smoke-passes.json"
 SESSIONS_FILE = "sessions.json"
@@ -73,6 +74,16 @@ def week_start(moment: datetime, refresh: datetime | None = None) -> datetime:
 @dataclass
 class Ledger:
     root: Path
+
+    # -- what the doctor learned -------------------------------------------------------------
+    def doctor_entry(self, job: str) -> dict[str, Any]:
+        """The doctor's record of this job ({} when it never ran, or the file is not the doctor's)."""
+        try:
+            data = json.loads((self.root / DOCTOR_FILE).read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return {}
+        entry = data.get("jobs", {}).get(job) if isinstance(data, dict) and isinstance(data.get("jobs"), dict) else None
+        return entry if isinstance(entry, dict) else {}
 
     # -- the run log ------------------------------------------------------------------------
     @property

@@ -1,14 +1,14 @@
 """Names kchain derives from a job's name, and whether Kaggle can hold them.
 
 A chain uses three Kaggle names: the kernel `<owner>/<name>` and the datasets `<owner>/<name>-state`
-and `<owner>/<name>-cache` (and the doctor's CPU kernel `<owner>/<name>-doctor`, an unattended chain's relay). Kaggle's dataset slugs are 6 to 50 characters, so a name longer than
+and `<owner>/<name>-cache` (and `<owner>/<name>-pip` for `kaggle.pip`, shorter than both, and the doctor's CPU kernel `<owner>/<name>-doctor`, an unattended chain's relay). Kaggle's dataset slugs are 6 to 50 characters, so a name longer than
 50 - len("-state") = 44 characters cannot carry its state. spec.py may call `name_problem` to
 refuse such a name when the job is loaded; push and continue call it before creating anything.
 """
 
 from __future__ import annotations
 
-from kchain.common.layout import CACHE_SUFFIX, STATE_SUFFIX
+from kchain.common.layout import CACHE_SUFFIX, PIP_SUFFIX, STATE_SUFFIX
 
 DATASET_SLUG_MIN, DATASET_SLUG_MAX = 6, 50  # Kaggle's dataset slug limits
 SUFFIXES = (STATE_SUFFIX, CACHE_SUFFIX)
@@ -23,6 +23,11 @@ def state_dataset(owner: str, name: str) -> str:
 def cache_dataset(owner: str, name: str) -> str:
     """`<owner>/<name>-cache`: the data staged by run.stage, versioned when it changes."""
     return f"{owner}/{name}{CACHE_SUFFIX}"
+
+
+def pip_dataset(owner: str, name: str) -> str:
+    """`<owner>/<name>-pip`: the wheels of `kaggle.pip`, a version each time the pins or the kernel's Python change."""
+    return f"{owner}/{name}{PIP_SUFFIX}"
 
 
 def doctor_kernel(owner: str, name: str) -> str:

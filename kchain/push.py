@@ -12,6 +12,7 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
+from kchain import kagglepip
 from kchain.budget import check_budget, plan_for
 from kchain.common import publishplan
 from kchain.common.config import KaggleConfig
@@ -162,6 +163,8 @@ def push_session(
         **(extra or {}),
     }
     metadata = json.loads(rendered.metadata)
+    if job.kaggle.pip:  # the newest version of <owner>/<name>-pip holds these pins' wheels before the push
+        kagglepip.ensure(client, job, ref.split("/")[0], echo)
     verify_sources(client, metadata.get("dataset_sources") or [], job)
     verify_models(client, metadata.get("model_sources") or [], job)
     ledger.save_session(job.name, record)

@@ -29,7 +29,7 @@ from kchain.common import atomic, layout, nextkernel
 from kchain.common.config import KaggleConfig
 from kchain.credentials import secret_strings
 from kchain.errors import RenderError
-from kchain.names import cache_dataset, doctor_kernel, state_dataset
+from kchain.names import cache_dataset, doctor_kernel, pip_dataset, state_dataset
 from kchain.spec import Job, decode_text, notebook_name, parse_duration, runtime_config
 
 METADATA_FILE = "kernel-metadata.json"
@@ -323,6 +323,7 @@ def render_job(job: Job, owner: str | None = None, extra_sources: list[str] | No
         gpu=job.kaggle.accelerator == "gpu",
         session_start_env=layout.SESSION_START_ENV,
         unattended=unattended,
+        pip=bool(job.kaggle.pip),
     )
     if unattended:
         template = _next_template(env, values, job, owner)
@@ -424,11 +425,17 @@ def _metadata(env, job: Job, owner: str | None, extra_sources: list[str] | None)
         tpu=job.kaggle.accelerator == "tpu",
         internet=job.kaggle.internet,
         machine_shape=MACHINE_SHAPES[job.kaggle.accelerator],
-        dataset_sources=list(job.kaggle.datasets) + list(extra_sources or []),
+        dataset_sources=list(job.kaggle.datasets) + job_sources(job, owner) + list(extra_sources or []),
         competition_sources=[job.kaggle.competition] if job.kaggle.competition else [],
         model_sources=list(job.kaggle.models),
         pinning="original" if job.kaggle.image == "pin" else "latest",
     )
+
+
+def job_sources(job: Job, owner: str | None) -> list[str]:
+    """The datasets kchain attaches for the job itself beside its own: the wheels of kaggle.pip (the newest
+    version, which push makes the one for these pins: kagglepip.ensure)."""
+    return [pip_dataset(owner, job.name)] if job.kaggle.pip and owner else []
 
 
 def write_rendered(rendered: Rendered, out_dir: Path) -> list[Path]:
@@ -452,7 +459,7 @@ def render_probe(job: Job, ref: str, sources: list[str], state: str | None,
     datasets = [s for s in sources if s not in models]
     config = {"job": job.name, "sources": sources + competitions, "state_dataset": state,
               "secret_labels": list(secret_labels),
-              "internet": job.kaggle.internet, "kernel": ref, "packages": list(packages)}
+              "internet": job.kaggle.internet, "kernel": ref, "packages": list(packages), "pip": list(job.kaggle.pip)}
     files = {**_runtime_files(), "kchain_probe.py": (templates_dir() / "kchain_probe.py").read_bytes()}
     notebook = _environment().get_template("probe.ipynb.j2").render(
         job=job.name, version=kchain.__version__, internet=job.kaggle.internet,

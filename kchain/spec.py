@@ -103,6 +103,36 @@ class KaggleSpec(_Strict):
     # How long a session waits for the state it resumes to be mounted: Kaggle has answered a version
     # "ready" minutes before a session saw it (once 138 s). Then it stops, and continue pushes it again.
     mount_wait: str | int | float = "5m"
+    # Packages Kaggle's image lacks, each pinned (name==version): the laptop downloads their wheels for the
+    # kernel's Python once, as the dataset <owner>/<name>-pip the kernel installs from with no index (kagglepip.py).
+    pip: list[str] = Field(default_factory=list)
+
+    @field_validator("pip")
+    @classmethod
+    def _pip(cls, value: list[str]) -> list[str]:
+        from packaging.requirements import InvalidRequirement, Requirement
+        from packaging.utils import canonicalize_name
+
+        seen: dict[str, str] = {}
+        for pin in value:
+            example = "write name==version, e.g. peft==0.17.1"
+            try:
+                req = Requirement(pin)
+            except InvalidRequirement:
+                raise ValueError(f"{shown(pin)} is not a pinned package; {example}") from None
+            specs = list(req.specifier)
+            if req.url or req.marker or req.extras:
+                what = "a URL" if req.url else "a marker" if req.marker else "extras"
+                raise ValueError(f"{shown(pin)}: {what} cannot be installed with no index; {example}, and list each "
+                                 "package the image lacks the same way")
+            if len(specs) != 1 or specs[0].operator not in ("==", "===") or "*" in specs[0].version:
+                raise ValueError(f"{shown(pin)} is not pinned to one version: the kernel installs exactly what the "
+                                 f"laptop built; {example}")
+            name = canonicalize_name(req.name)
+            if name in seen:
+                raise ValueError(f"{shown(pin)}: {req.name} is already pinned as {shown(seen[name])}; keep one")
+            seen[name] = pin
+        return value
 
     @field_validator("mount_wait")
     @classmethod
@@ -861,4 +891,5 @@ def runtime_config(job: Job) -> RuntimeConfig:
             trackers=job.train.trackers.on(),
         ),
         smoke=SmokeConfig(fraction=job.smoke.fraction, steps=job.smoke.steps, params=job.smoke.params or {}),
+        pip=tuple(job.kaggle.pip),
     )

@@ -25,7 +25,7 @@ import tempfile
 from pathlib import Path
 
 # The runtime is embedded next to this file; these two parts of it are standard library only.
-from kchain.common import atomic, layout
+from kchain.common import atomic, layout, wheelinstall
 
 FORMAT = "kchain-probe/1"
 OUTPUT = "kchain-probe.json"
@@ -224,9 +224,26 @@ def _kernel_push(config: dict, secrets: dict) -> dict:
     return {"tried": True, "ok": not error, "error": error[:200] or None, "version": None if error else version}
 
 
+def _pip(config: dict, input_root: Path) -> dict | None:
+    """kaggle.pip proved: the job's wheels installed from its attached dataset with no index, as a session
+    installs them, into a folder put on this process's path (so the packages' versions are looked up there)."""
+    pins = list(config.get("pip") or [])
+    if not pins:
+        return None
+    mount = wheelinstall.find_mount(input_root, config["job"])
+    if mount is None:
+        return {"pins": pins, "ok": False, "error": f"the dataset {wheelinstall.slug(config['job'])} is not mounted"}
+    target = Path(tempfile.mkdtemp(prefix="kchain-site-"))
+    error = wheelinstall.install(pins, mount, target)
+    if error is None:
+        sys.path.insert(0, str(target))
+    return {"pins": pins, "ok": error is None, "error": error}
+
+
 def probe(config: dict) -> dict:
     input_root, working = layout.input_root(os.environ), layout.working_root(os.environ)
     sources = list(config["sources"])
+    pip = _pip(config, input_root)  # first: the packages below are looked up with its wheels installed
     report = {
         "format": FORMAT,
         "job": config["job"],
@@ -243,6 +260,8 @@ def probe(config: dict) -> dict:
         "secrets": _secrets(list(config["secret_labels"])),
         "internet": config["internet"],
         "packages": _packages(list(config.get("packages", []))),
+        "platform": {"glibc": platform.libc_ver()[1] or None, "machine": platform.machine()},
+        **({"pip": pip} if pip is not None else {}),
     }
     report["kernel_push"] = _kernel_push(config, report["secrets"])
     return report

@@ -71,6 +71,7 @@ class RuntimeConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     smoke: SmokeConfig = field(default_factory=SmokeConfig)
     kaggle: KaggleConfig = field(default_factory=KaggleConfig)
+    pip: tuple[str, ...] = ()  # kaggle.pip: name==version pins installed from the job's wheels dataset (wheelinstall.py)
     fingerprint: str | None = None  # what the code does (render._fingerprint); None in a test's config
     kchain_version: str | None = None
 
@@ -84,6 +85,7 @@ class RuntimeConfig:
                 values[key] = kind(**_known(kind, values[key] or {}, f"config.{key}"))
         if values.get("params") is None:
             values.pop("params", None)
+        values["pip"] = tuple(values.get("pip") or ())
         return cls(**values)
 
     def to_dict(self) -> dict[str, Any]:
@@ -93,6 +95,8 @@ class RuntimeConfig:
                                          if (k not in ("hang_timeout_s", "keep_best") or v is not None) and (k != "trackers" or v)},
                                "smoke": {k: v for k, v in asdict(self.smoke).items() if k != "params" or v}}
         out["kaggle"] = {k: v for k, v in asdict(self.kaggle).items() if k not in ("resume", "publish") or v is not None}
+        if self.pip:  # absent when empty: a job without kaggle.pip keeps its fingerprint
+            out["pip"] = list(self.pip)
         for key in ("fingerprint", "kchain_version"):
             if getattr(self, key) is not None:
                 out[key] = getattr(self, key)

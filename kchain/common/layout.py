@@ -50,8 +50,10 @@ NOTIFY_JOB_ENV = "KCHAIN_JOB"  # the job's name
 NOTIFY_MESSAGE_ENV = "KCHAIN_MESSAGE"  # the line kchain printed for the event
 NOTIFY_SESSION_ENV = "KCHAIN_SESSION"  # the session it concerns, or empty
 
-# The job's datasets on Kaggle: <owner>/<job>-state holds its checkpoints, <owner>/<job>-cache its staging cache.
-STATE_SUFFIX, CACHE_SUFFIX = "-state", "-cache"
+# The job's datasets on Kaggle: <owner>/<job>-state holds its checkpoints, <owner>/<job>-cache its staging cache,
+# <owner>/<job>-pip the wheels of `kaggle.pip` (common/wheelinstall.py), with WHEELS_MANIFEST beside them.
+STATE_SUFFIX, CACHE_SUFFIX, PIP_SUFFIX = "-state", "-cache", "-pip"
+WHEELS_MANIFEST = "kchain-wheels.json"
 
 DEFAULT_ROOT = "/kaggle"
 INPUT_DIR = "input"  # attached datasets, read-only on Kaggle

@@ -22,14 +22,17 @@ def smoke_row(home: Path) -> list[str]:
 
 
 def test_smoke_target_slurm_passes_the_exit_code_contract_and_opens_the_push_gate(tmp_path, monkeypatch):
-    path = copy_job("tinygpt", tmp_path, target="slurm", slurm=SLURM)
+    # The classifier's loader has two worker processes, whose batches come back over a Unix socket made under
+    # TMPDIR (Slurm's machine root), and the job's state folder is deep: the socket's path must still fit.
+    home = tmp_path / ("deep-folder-" * 5) / ("deeper-still-" * 5) / "kchain-home"
+    monkeypatch.setenv("KCHAIN_HOME", str(home))
+    path = copy_job("classifier", tmp_path, target="slurm", slurm=SLURM, params={"rows": 4000, "num_workers": 2})
     result = invoke("smoke", path, "--target", "slurm", "--quiet")
     assert result.exit_code == 0, result.output
     for line in ("  machine-1  exit 75  interrupted at step ", "  machine-2  exit 137  killed, no summary",
                  "  machine-3  exit 0  finished at step 6", "PASS: resumed run equals the uninterrupted run bit for bit"):
         assert line in result.output
     assert "<- resumed here" in result.output
-    home = tmp_path / "kchain-home"
     row = smoke_row(home)
     assert row[2] == "smoke-slurm" and row[-1] == "smoke-slurm pass"
     work = home / "targets-rehearsal" / row[0]
@@ -38,7 +41,7 @@ def test_smoke_target_slurm_passes_the_exit_code_contract_and_opens_the_push_gat
     monkeypatch.setenv("PATH", f"{stand_ins(tmp_path / 'bin', '77')}:/usr/bin:/bin")
     pushed = invoke("push", path)
     assert pushed.exit_code == 0, pushed.output
-    record = json.loads((home / "targets.json").read_text())["tinygpt-notes"]
+    record = json.loads((home / "targets.json").read_text())["blobs-classifier"]
     assert record["smoke"] == row[0] and Ledger(home).smoke_passed(record["fingerprint"]) is not None
 
 

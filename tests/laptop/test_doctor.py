@@ -153,6 +153,21 @@ def test_doctor_all_ok_probes_a_cpu_session_and_writes_no_credential(emulator, k
             f"relay ({DOCTOR_REF}, no accelerator), which pushes it once the session has ended") in pushed.output
     assert [s["version"] for s in emulator.sessions() if s["kernel"] == f"{USER}/{NAME}"] == [1]
 
+    # A Kaggle whose kernel push keeps the kernel's Secrets: the kernel-pushed version sees them, the doctor says
+    # the chain's relays and sessions can push, and push --unattended has no hand-over to announce.
+    emulator.switches.secrets_reset_on_push = False
+    kept = invoke("doctor", job)
+    assert kept.exit_code == 0, kept.output
+    [line] = lines(kept, "secrets")
+    assert line.startswith(f"ok    secrets      {DOCTOR_REF} version ") and line.endswith(
+        ", pushed from inside the probe, still saw Secrets KAGGLE_USERNAME and KAGGLE_KEY: a kernel-pushed kernel "
+        "keeps them, so an unattended chain's relays and sessions can push"), line
+    assert doctor_entry()["hop"]["secrets_kept"] is True
+    from kchain.doctor import unattended_note
+    from kchain.spec import load_job
+
+    assert unattended_note(load_job(job)) is None
+
 
 def test_doctor_warns_for_another_torch_and_numpy_and_says_relay_without_secrets(emulator, tmp_path):
     import numpy

@@ -68,6 +68,19 @@ def make_run(root: Path, params: dict | None = None, env: dict | None = None, **
     return Run(config, {layout.ROOT_ENV: str(root), **(env or {})})
 
 
+def saved_names(root: Path) -> set[str]:
+    """The tracked names the newest checkpoint under root (KCHAIN_ROOT) holds, read from its digests.json:
+    what a resume would load, seen from outside the Run."""
+    import json
+
+    from kchain.common import layout
+
+    folders = sorted((root / layout.WORKING_DIR / layout.KCHAIN_DIR / layout.CHECKPOINTS_DIR).glob(
+        f"{layout.CHECKPOINT_PREFIX}*"))
+    digests = json.loads((folders[-1] / layout.DIGESTS).read_text())
+    return {key.split(".")[1] for key in digests if key.startswith("tracked.")}
+
+
 def loss_trace(root: Path) -> list[tuple[int, float]]:
     """(step, loss) for every training step in the metrics trace of the run under root (KCHAIN_ROOT)."""
     import json

@@ -324,8 +324,7 @@ def _report(config: RuntimeConfig, run, error: dict | None) -> int:
         done = run.launcher.summary(error)
         path = run.launcher.summary_path
     else:  # the Run was never built
-        done = Summary(status=Status.CRASHED, error=error, started=PROCESS_START, ended=time.time(),
-                       fingerprint=config.fingerprint)
+        done = _launcher_summary(config, Status.CRASHED, error)
         path = layout.kchain_dir(os.environ) / layout.SUMMARY
     summary.write(path, done)
     if torchrun.in_ranks(os.environ):
@@ -344,9 +343,8 @@ def _say_summary(done: Summary) -> None:
 def _no_accelerator(config: RuntimeConfig, message: str) -> int:
     """The granted-accelerator check failed: one line, status no_accelerator, within seconds."""
     print(f"[kchain] no-accelerator: {message}", flush=True)
-    summary.write(layout.kchain_dir(os.environ) / layout.SUMMARY, Summary(
-        status=Status.NO_ACCELERATOR, error={"type": "NoAccelerator", "message": message, "stage": "start"},
-        started=PROCESS_START, ended=time.time(), step=0, fingerprint=config.fingerprint))
+    summary.write(layout.kchain_dir(os.environ) / layout.SUMMARY, _launcher_summary(
+        config, Status.NO_ACCELERATOR, {"type": "NoAccelerator", "message": message, "stage": "start"}, step=0))
     return layout.EXIT_NO_ACCELERATOR
 
 
@@ -364,9 +362,9 @@ def _await_state(config: RuntimeConfig) -> int | None:
     except resumecheck.StateNotMounted as e:
         assert resume is not None  # await_state raises it only for an expected state
         print(f"[kchain] state-not-mounted: {e}", flush=True)
-        summary.write(layout.kchain_dir(os.environ) / layout.SUMMARY, Summary(
-            status=Status.STATE_NOT_MOUNTED, error={"type": "StateNotMounted", "message": str(e), "stage": "start"},
-            started=PROCESS_START, ended=time.time(), step=int(resume["step"]), fingerprint=config.fingerprint))
+        summary.write(layout.kchain_dir(os.environ) / layout.SUMMARY, _launcher_summary(
+            config, Status.STATE_NOT_MOUNTED, {"type": "StateNotMounted", "message": str(e), "stage": "start"},
+            step=int(resume["step"])))
         return exit_code(Status.STATE_NOT_MOUNTED)
     return None
 
@@ -402,11 +400,18 @@ def _run_ranks(n: int, why: str, config_path: str, config: RuntimeConfig) -> int
 def _without_summary(kdir: Path, n: int, config: RuntimeConfig, why: str) -> Summary:
     """Rank 0 left without a summary (it failed, or was killed): a crash at the newest checkpoint's step."""
     ckpts = sorted((kdir / layout.CHECKPOINTS_DIR).glob(f"{layout.CHECKPOINT_PREFIX}*"))
-    return Summary(status=Status.CRASHED, started=PROCESS_START, ended=time.time(),
-                   error={"type": "RankFailed", "stage": "step", "message": f"rank 0 ended without a summary ({why})"},
-                   step=int(ckpts[-1].name.removeprefix(layout.CHECKPOINT_PREFIX)) if ckpts else 0,
-                   checkpoint=str(ckpts[-1].relative_to(kdir.parent)) if ckpts else None,
-                   fingerprint=config.fingerprint, world_size=n)
+    return _launcher_summary(config, Status.CRASHED,
+                             {"type": "RankFailed", "stage": "step", "message": f"rank 0 ended without a summary ({why})"},
+                             step=int(ckpts[-1].name.removeprefix(layout.CHECKPOINT_PREFIX)) if ckpts else 0,
+                             checkpoint=str(ckpts[-1].relative_to(kdir.parent)) if ckpts else None, world_size=n)
+
+
+def _launcher_summary(config: RuntimeConfig, status: str, error: dict | None, step: int | None = None,
+                      checkpoint: str | None = None, world_size: int | None = None) -> Summary:
+    """The summary the launcher writes itself, where no Run wrote one (a Run's is run.launcher.summary): it
+    never started training, or rank 0 left without one. The session clock's start is this process's."""
+    return Summary(status=status, error=error, started=PROCESS_START, ended=time.time(), step=step,
+                   checkpoint=checkpoint, fingerprint=config.fingerprint, world_size=world_size)
 
 
 def _rank_killed(n: int, killed: tuple[int, int], config: RuntimeConfig) -> int:

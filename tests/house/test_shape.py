@@ -67,3 +67,15 @@ def test_the_laptop_parses_python_through_the_one_thread_safe_parse():
             if isinstance(node, ast.Call) and ast.unparse(node.func) in {"ast.parse", "compile"}:
                 direct.append(f"{path.relative_to(ROOT)}:{node.lineno}")
     assert direct == []
+
+
+def test_no_test_reaches_into_the_runs_private_parts():
+    """Tests use the Run as the user and the launcher do (its public members, run.launcher), or test a part
+    directly; a test that reads run._something breaks with every reshape and proves nothing the user sees."""
+    import re
+
+    here = Path(__file__).resolve()
+    private = re.compile(r"\brun\._[a-z]")
+    found = [f"{path.relative_to(ROOT)}:{n}" for path in sorted((ROOT / "tests").rglob("*.py")) if path != here
+             for n, line in enumerate(path.read_text().splitlines(), 1) if private.search(line)]
+    assert found == []

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import make_run
+from helpers import make_run, saved_names
 from torch import nn
 
 from kchain.runtime import precision
@@ -51,7 +51,7 @@ def test_bf16_on_a_gpu_without_it_is_refused_with_the_reason():
     assert choose_dtype(cuda, "auto", capability=(7, 5))[0] == torch.float16
 
 
-def test_fp16_autocast_without_run_optimize_warns_once_with_the_fix(tmp_path, capsys):
+def test_fp16_autocast_without_run_optimize_warns_once_with_the_fix(tmp_path, capsys, monkeypatch):
     amp = Amp(torch.device("cpu"), torch.float16)  # what a T4 gets; the warning does not depend on the device
     for _ in range(3):
         with amp.autocast():
@@ -60,11 +60,14 @@ def test_fp16_autocast_without_run_optimize_warns_once_with_the_fix(tmp_path, ca
     assert out.count("WARNING: run.autocast() in fp16 without run.optimize") == 1
     assert "trainer = run.optimize(opt)" in out
     assert Amp(torch.device("cpu"), torch.float32).scaler() is None
+    # The Run a T4 gets (fp16, chosen for its compute capability 7.5), built on this CPU.
+    monkeypatch.setattr(precision, "choose_dtype", lambda device, requested: (torch.float16, "a T4's fp16"))
     run = make_run(tmp_path)
-    run._amp.dtype = torch.float16
+    assert run.dtype == torch.float16
     run.optimize(torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1))  # makes the GradScaler
-    assert "scaler" in run._ckpt.tracked and run._amp.scaled
     with run.autocast():
         pass
     assert "WARNING" not in capsys.readouterr().out
+    run.save(0)
     run.close()
+    assert "scaler" in saved_names(tmp_path)  # tracked beside the optimizer

@@ -19,7 +19,7 @@ def test_check_catches_float_labels(tmp_path):
     assert str(e.value) == (
         "labels have dtype torch.float32; cross-entropy needs an integer class index (torch.int64)"
     )
-    assert run._progress.phase == "preflight"  # a crash here is reported as a preflight failure
+    assert run.launcher.phase == "preflight"  # a crash here is reported as a preflight failure
     run.close()
 
 

@@ -41,11 +41,21 @@ def test_a_long_evaluation_in_run_every_stays_in_the_deadline_plan(tmp_path, mon
     from types import SimpleNamespace
 
     from kchain.runtime import loop
+    from kchain.runtime import run as run_module
+    from kchain.runtime.clock import SessionClock
 
     # The loop's step timer reads a clock this test moves: a step takes 0.01 s and the evaluation
     # 0.3 s more, however busy the machine is.
     now = [0.0]
     monkeypatch.setattr(loop, "time", SimpleNamespace(perf_counter=lambda: now[0], time=time.time))
+    made: list[SessionClock] = []  # the session clock the Run builds and hands to its loop
+
+    class Seen(SessionClock):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+    monkeypatch.setattr(run_module, "SessionClock", Seen)
     run = make_run(tmp_path, checkpoint_every={"steps": 1000})
     for step in run.steps(16):
         now[0] += 0.01
@@ -54,6 +64,6 @@ def test_a_long_evaluation_in_run_every_stays_in_the_deadline_plan(tmp_path, mon
     run.close()
     # The loop tells the session clock which steps evaluated; tests/runtime/test_clock.py shows the
     # clock then plans the next evaluation's step with it, long after it left the window.
-    clock = run._clock
+    [clock] = made
     assert clock.every_n == 5 and clock.eval_s == pytest.approx(0.31)
     assert clock.step_times == pytest.approx([0.01] * 5)  # steps 12-16: step 15 did not evaluate

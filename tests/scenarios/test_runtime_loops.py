@@ -17,6 +17,8 @@ import pytest
 import torch
 from torch import nn
 
+from helpers import saved_names
+
 from kchain.common import layout
 from kchain.runtime.run import Run
 
@@ -134,13 +136,14 @@ def test_a_duplicate_name_is_an_error_and_two_optimizers_get_their_own(tmp_path)
     run.optimize(torch.optim.SGD(a.parameters(), lr=0.1))
     run.optimize(torch.optim.SGD(b.parameters(), lr=0.1))
     run.optimize(torch.optim.SGD(b.parameters(), lr=0.1), name="disc")
-    assert [n for n in run._ckpt.tracked] == ["optimizer", "optimizer2", "disc"]
     with pytest.raises(ValueError, match="the name 'disc' already tracks a SGD; give each object its own name"):
         run.optimize(torch.optim.SGD(a.parameters(), lr=0.1), name="disc")
     run.track(model=a)
     with pytest.raises(ValueError, match="'model' already tracks a Linear"):
         run.track(model=b)
+    run.save(0)
     run.close()
+    assert saved_names(tmp_path) == {"optimizer", "optimizer2", "disc", "model"}
 
 
 @pytest.mark.parametrize("saved_wrapped", [True, False])

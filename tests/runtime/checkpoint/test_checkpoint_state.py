@@ -163,7 +163,7 @@ def test_when_every_checkpoint_is_damaged_the_run_stops_naming_them(tmp_path):
     run.track(model=nn.Linear(4, 4))
     with pytest.raises(CheckpointsDamaged, match=rf"every checkpoint found is damaged: {state}/state.pt: 1 bytes"):
         run.restore()
-    assert run._progress.phase == "resume"
+    assert run.launcher.phase == "resume"
     # A first session with nothing attached starts fresh.
     assert train(tmp_path / "s3", 2).resumed_from is None
 

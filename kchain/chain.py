@@ -65,7 +65,7 @@ Echo = Callable[[str], None]
 
 
 @contextlib.contextmanager
-def chain_lock(ledger: Ledger, job: str) -> Iterator[None]:
+def _chain_lock(ledger: Ledger, job: str) -> Iterator[None]:
     ledger.root.mkdir(parents=True, exist_ok=True)
     with open(ledger.root / f"{job}.lock", "w") as handle:
         try:
@@ -241,7 +241,7 @@ def decide_and_continue(job: Job, ledger: Ledger, client: KaggleClient, retry: b
     """One step of the chain: look at it, decide (kchain/common/nextsession.py), act."""
     refuse_unpushable(job)
     owner = job.kaggle.owner or client.username
-    with chain_lock(ledger, job.name):
+    with _chain_lock(ledger, job.name):
         reconcile(client, ledger, job)
         now = look(client, ledger, job, owner)
         decision = decide(now, job.path, retry=retry, skip_smoke=skip_smoke)
@@ -336,7 +336,7 @@ def push_next(job: Job, ledger: Ledger, client: KaggleClient, owner: str, chain:
                           unattended=unattended)
     image = chain[0].get("image") if job.kaggle.image == "pin" else None
     record = push_session(
-        client, job, pin_image(rendered, image) if image else rendered, ledger, last["session"] + 1, echo,
+        client, job, _pin_image(rendered, image) if image else rendered, ledger, last["session"] + 1, echo,
         extra={"state_version": facts["version"], "resumes_at": facts["resumes_at"],
                **({"unattended": True} if unattended else {}),
                "cache_attached": facts.get("cache") or last.get("cache_attached"),
@@ -351,7 +351,7 @@ def push_next(job: Job, ledger: Ledger, client: KaggleClient, owner: str, chain:
                     f"resuming at step {facts['resumes_at']} from state version {facts['version']}", record)
 
 
-def pin_image(rendered: Rendered, image: str) -> Rendered:
+def _pin_image(rendered: Rendered, image: str) -> Rendered:
     """The kernel pinned to the image its chain started on: `docker_image` (session 1's, as `kernels pull
     -m` named it) beside the `docker_image_pinning_type: original` every push sends, so a kernel deleted
     and made again (`kchain stop --delete`), whose "original" would be the newest image, keeps it too."""
@@ -378,7 +378,7 @@ def session_facts(ledger: Ledger, job: Job, facts: PublishFacts | None = None, s
     return out
 
 
-def iso_now() -> str:
+def _iso_now() -> str:
     return iso(now_utc())
 
 
@@ -460,7 +460,7 @@ def watch(job: Job, ledger: Ledger, client: KaggleClient, retry: bool = False, f
         else:
             echo(f"[{time.strftime('%H:%M:%S')}] {decision.message}")
             delay = min(delay * 1.5, max_poll_s)
-            if decision.action == "running" and decision.record is not None and stale_session(
+            if decision.action == "running" and decision.record is not None and _stale_session(
                     job, ledger, client, decision.record, stale or StaleRule.for_job(job), delete_stale, echo):
                 continue  # its kernel was deleted: the next look pushes the next session
         time.sleep(delay)
@@ -475,11 +475,11 @@ def _last_session(ledger: Ledger, job: Job, back: int = 1) -> int | None:
     return chain[-back]["session"] if len(chain) >= back else None
 
 
-def delete_to_stop(ledger: Ledger, client: KaggleClient, job: Job, chain: list[SessionRecord],
+def _delete_to_stop(ledger: Ledger, client: KaggleClient, job: Job, chain: list[SessionRecord],
                    record: SessionRecord, confirm: Callable[[str], bool], echo: Echo) -> SessionRecord | None:
     """`kchain stop --delete`: what deleting the kernel keeps and loses, refused if the chain needs what
     it loses, then asked; the deleted session's record, or None when the answer was no."""
-    plan = delete_plan(client, job, chain, record)
+    plan = _delete_plan(client, job, chain, record)
     judged = sess.stale(record, StaleRule.for_job(job), time.time())
     echo(f"session {record['session']} is {record['status'].lower()}"
          + (f" ({judged.note().lower()})" if judged else "")
@@ -490,10 +490,10 @@ def delete_to_stop(ledger: Ledger, client: KaggleClient, job: Job, chain: list[S
     if not confirm(f"Delete {plan.kernel} and every version's output on Kaggle?"):
         echo(f"{plan.kernel} not deleted; session {record['session']} is still {record['status'].lower()}")
         return None
-    return delete_kernel_of(ledger, client, job, record, plan, echo)
+    return _delete_kernel_of(ledger, client, job, record, plan, echo)
 
 
-def stale_session(job: Job, ledger: Ledger, client: KaggleClient, record: SessionRecord, rule: StaleRule,
+def _stale_session(job: Job, ledger: Ledger, client: KaggleClient, record: SessionRecord, rule: StaleRule,
                   delete: bool, echo: Echo) -> bool:
     """watch's look at a running session: a stale one ends the watch (ChainStop naming `kchain stop
     --delete`), or, with delete, has its kernel deleted once the chain's state is safe; True then."""
@@ -503,11 +503,11 @@ def stale_session(job: Job, ledger: Ledger, client: KaggleClient, record: Sessio
     if not delete:
         raise ChainStop(judged.message(job.path))
     echo(f"[{time.strftime('%H:%M:%S')}] {judged.message(job.path)}: deleting it")
-    with chain_lock(ledger, job.name):
+    with _chain_lock(ledger, job.name):
         chain = [s for s in ledger.sessions(job.name) if s["status"] != "FAILED_TO_PUSH"]
-        plan = delete_plan(client, job, chain, record)
+        plan = _delete_plan(client, job, chain, record)
         plan.refuse_if_unsafe()
-        delete_kernel_of(ledger, client, job, record, plan, echo)
+        _delete_kernel_of(ledger, client, job, record, plan, echo)
     return True
 
 
@@ -528,7 +528,7 @@ class DeletePlan:
                             f"{'; '.join(self.blockers)}; deleting it on its page loses the same")
 
 
-def delete_plan(client: KaggleClient, job: Job, chain: list[SessionRecord], record: SessionRecord) -> DeletePlan:
+def _delete_plan(client: KaggleClient, job: Job, chain: list[SessionRecord], record: SessionRecord) -> DeletePlan:
     """Check that everything the chain needs outlives the kernel (the state the session resumed from is
     a version of the state dataset, every ended session's output is on this laptop, the newest checkpoint
     is in a state version) and say what goes with it."""
@@ -563,12 +563,12 @@ def delete_plan(client: KaggleClient, job: Job, chain: list[SessionRecord], reco
     return DeletePlan(ref, job.path, kept, lost, blockers, resumes)
 
 
-def delete_kernel_of(ledger: Ledger, client: KaggleClient, job: Job, record: SessionRecord, plan: DeletePlan,
+def _delete_kernel_of(ledger: Ledger, client: KaggleClient, job: Job, record: SessionRecord, plan: DeletePlan,
                      echo: Echo) -> SessionRecord:
     """Delete the kernel (Kaggle's only stop for a session that stays RUNNING, and its bill) and record it:
     the live session ended, stopped by the user; every session of that kernel lost its copy on Kaggle."""
     client.delete_kernel(plan.kernel)  # False: it was gone already (a lost answer retried), as good
-    when = iso_now()
+    when = _iso_now()
     for s in ledger.sessions(job.name):
         if s.get("kernel") == plan.kernel and s.get("version") is not None and not s.get("kernel_deleted"):
             s["kernel_deleted"] = when
@@ -593,7 +593,7 @@ def stop_chain(job_file: Path, wait_s: float = 3600.0, poll_s: float = 10.0, ech
     after its runner died), once the chain's state is safe and `confirm` agrees; None if it did not."""
     job = load_job(job_file)
     ledger, client = Ledger(state_dir(job.path)), KaggleClient()
-    with chain_lock(ledger, job.name):
+    with _chain_lock(ledger, job.name):
         reconcile(client, ledger, job)
         chain = [s for s in sess.refresh(client, ledger, job.name, live_log=delete) if s["status"] != "FAILED_TO_PUSH"]
         live = [s for s in chain if s["status"] in LIVE and s.get("version")]
@@ -601,8 +601,8 @@ def stop_chain(job_file: Path, wait_s: float = 3600.0, poll_s: float = 10.0, ech
             raise ChainStop(f"no session of {job.name} is queued or running; nothing to stop")
         record = live[-1]
         if delete:
-            return delete_to_stop(ledger, client, job, chain, record, confirm or (lambda _question: False), echo)
-        record["stop_requested"] = iso_now()
+            return _delete_to_stop(ledger, client, job, chain, record, confirm or (lambda _question: False), echo)
+        record["stop_requested"] = _iso_now()
         ledger.save_session(job.name, record)
         url = record.get("url") or client.kernel_url(record["kernel"])
         echo(f"session {record['session']} is {record['status'].lower()}: Kaggle's API cannot stop a session (it does "

@@ -52,7 +52,7 @@ def _params(ctx: click.Context, param: click.Parameter, values: tuple[str, ...])
         raise click.UsageError(str(exc), ctx) from None
 
 
-def job_target(job: Path) -> str:
+def _job_target(job: Path) -> str:
     """The job file's target (kaggle, skypilot or slurm): push, status, logs and stop act on its engine."""
     from kchain.spec import load_job
 
@@ -232,7 +232,7 @@ def push(job: Path, skip_smoke: bool, force: bool, unattended: bool) -> None:
     """
     from kchain.push import push as run_push
 
-    if job_target(job) != "kaggle":
+    if _job_target(job) != "kaggle":
         from kchain.targets.commands import push_target
 
         if force or unattended:
@@ -255,7 +255,7 @@ def status(job: Path, as_json: bool) -> None:
     """
     from kchain.sessions import status_document, status_for
 
-    if job_target(job) != "kaggle":
+    if _job_target(job) != "kaggle":
         from kchain.targets.commands import status_target
 
         if as_json:
@@ -281,7 +281,7 @@ def logs(job: Path, number: int | None, follow: bool, poll: float) -> None:
     """
     from kchain.sessions import logs_for
 
-    if job_target(job) != "kaggle":
+    if _job_target(job) != "kaggle":
         from kchain.targets.commands import logs_target
 
         return logs_target(job, follow=follow, echo=click.echo)
@@ -345,7 +345,7 @@ def stop(job: Path, wait_s: float, poll_s: float, delete: bool, yes: bool) -> No
     """
     from kchain.chain import stop_chain
 
-    if job_target(job) != "kaggle":
+    if _job_target(job) != "kaggle":
         from kchain.targets.commands import stop_target
 
         return stop_target(job, echo=click.echo)

@@ -18,7 +18,7 @@ Stages, each a list of checklist lines (`ok` / `warn` / `FAIL`, the fix in the t
 
 Everything learned goes to `doctor.json` next to the run log, atomically; no credential ever goes
 there (the key is never read here: the client reads it). `kchain push` reads the file back and
-suggests `kchain doctor` when it is missing or stale (`push_hint`).
+suggests `kchain doctor` when it is missing or stale (`_push_hint`).
 """
 
 from __future__ import annotations
@@ -126,14 +126,14 @@ def _installed(name: str) -> str | None:
         return None
 
 
-def laptop_versions() -> dict[str, str | None]:
+def _laptop_versions() -> dict[str, str | None]:
     import platform
 
     return {"python": platform.python_version(), "torch": _installed("torch"), "numpy": _installed("numpy"),
             "kaggle": _installed("kaggle"), "kchain": kchain.__version__}
 
 
-def job_packages(job: Job) -> dict[str, dict[str, str | None]]:
+def _job_packages(job: Job) -> dict[str, dict[str, str | None]]:
     """Each package the job's code imports (not torch or numpy, compared on their own): its distribution
     and version on this laptop (None: not installed here)."""
     out = {}
@@ -155,9 +155,9 @@ def _laptop(job: Job, check: _Checklist, report: Report) -> Any:
         check("ok", "smoke", f"this code passed smoke run {smoked['run_id']}")
     else:
         check("warn", "smoke", f"this code never passed a smoke run: run `kchain smoke {job.path}` before pushing")
-    laptop = laptop_versions()
+    laptop = _laptop_versions()
     report.facts["laptop"] = laptop
-    report.facts["packages"] = job_packages(job)
+    report.facts["packages"] = _job_packages(job)
     check("ok", "laptop", f"python {laptop['python']}, torch {laptop['torch'] or 'not installed'}, "
                           f"numpy {laptop['numpy'] or 'not installed'}, kaggle client {laptop['kaggle']}")
     found = credentials.find()
@@ -250,7 +250,7 @@ def _sources(client: KaggleClient, job: Job, owner: str, check: _Checklist, repo
     return good
 
 
-def doctor_slug(job: Job) -> str:
+def _doctor_slug(job: Job) -> str:
     """The doctor's own kernel, never the job's: `<name>-doctor` within Kaggle's 50 characters."""
     return doctor_kernel("", job.name).split("/", 1)[1]
 
@@ -402,7 +402,7 @@ def _major_minor(text: str | None) -> tuple[int, ...] | None:
         return None
 
 
-def compare_image(probe: dict[str, Any], laptop: dict[str, str | None], check: _Checklist) -> None:
+def _compare_image(probe: dict[str, Any], laptop: dict[str, str | None], check: _Checklist) -> None:
     """The image against this laptop, each difference with what it means."""
     torch, numpy = probe["torch"], probe["numpy"]
     switched = [f"{name} from {probe[name]['source']}" for name in ("torch", "numpy")
@@ -464,7 +464,7 @@ def compare_packages(image: dict[str, Any], laptop: dict[str, dict[str, str | No
 
 
 def _image(probe: dict[str, Any], report: Report, check: _Checklist, pins: list[str]) -> None:
-    compare_image(probe, report.facts["laptop"], check)
+    _compare_image(probe, report.facts["laptop"], check)
     compare_packages(probe.get("packages", {}), report.facts.get("packages", {}), check, tuple(pins))
     pip = probe.get("pip")
     if pip and pip.get("ok"):
@@ -578,7 +578,7 @@ def _online(job: Job, probe: bool, probe_timeout_s: float, check: _Checklist, re
     sources = _sources(client, job, owner, check, report)
     if job.kaggle.pip:
         sources += _wheels(client, job, owner, check)
-    ref = f"{owner}/{doctor_slug(job)}"
+    ref = f"{owner}/{_doctor_slug(job)}"
     _quick_save(client, job, render_job(job, owner=owner), ref, check, report)
     result = None
     if probe:
@@ -693,7 +693,7 @@ def run_doctor(job_file: Path, offline: bool = False, probe: bool = True, echo: 
     return report
 
 
-def push_hint(job: Job, fingerprint: str) -> str | None:
+def _push_hint(job: Job, fingerprint: str) -> str | None:
     """One line for `kchain push` when doctor.json is missing or older than this code or these
     credentials, or when the doctor's last check of exactly this found a problem; else None."""
     entry = Ledger(state_dir(job.path)).doctor_entry(job.name)
@@ -717,6 +717,6 @@ def push_hint(job: Job, fingerprint: str) -> str | None:
 def suggest_doctor(job: Job, echo: Echo) -> None:
     """`kchain push` calls this: it prints the hint and never blocks (the fingerprint does not
     depend on the owner, so no Kaggle call is needed)."""
-    line = push_hint(job, render_job(job).fingerprint)
+    line = _push_hint(job, render_job(job).fingerprint)
     if line:
         echo(line)

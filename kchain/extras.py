@@ -61,7 +61,7 @@ def imported(files: dict[str, bytes]) -> list[str]:
     return sorted(m for m in found if m not in own and m not in OWN and m not in sys.stdlib_module_names)
 
 
-def normalise(name: str) -> str:
+def _normalise(name: str) -> str:
     """A distribution's name as PEP 503 compares them."""
     return re.sub(r"[-_.]+", "-", name).lower()
 
@@ -74,12 +74,12 @@ def _installed_by() -> Mapping[str, list[str]]:
 def distribution(module: str) -> str:
     """The distribution that installs `module` on this laptop, else the module's name normalised."""
     found = _installed_by().get(module)
-    return normalise(found[0]) if found else normalise(module)
+    return _normalise(found[0]) if found else _normalise(module)
 
 
 def pinned(pins: tuple[str, ...] | list[str]) -> dict[str, str]:
     """kaggle.pip's pins (name==version, checked by the spec) by their distribution's normalised name."""
-    return {normalise(re.split(r"[=<>!~;@\[ ]", pin, maxsplit=1)[0]): pin for pin in pins}
+    return {_normalise(re.split(r"[=<>!~;@\[ ]", pin, maxsplit=1)[0]): pin for pin in pins}
 
 
 def version(dist: str) -> str | None:
@@ -107,13 +107,13 @@ def _extras() -> dict[str, Extra]:
             continue
         named = re.search(r"""extra\s*==\s*["']([^"']+)["']""", str(req.marker or ""))
         if named and named.group(1) != "dev":
-            out.setdefault(normalise(req.name), Extra(named.group(1), str(req.specifier)))
+            out.setdefault(_normalise(req.name), Extra(named.group(1), str(req.specifier)))
     return out
 
 
 def extra(dist: str) -> Extra | None:
     """The kchain extra that installs this distribution, or None."""
-    return _extras().get(normalise(dist))
+    return _extras().get(_normalise(dist))
 
 
 def admits(dist: str, version_text: str) -> bool | None:

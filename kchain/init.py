@@ -29,7 +29,7 @@ def templates() -> list[str]:
                   if p.is_dir() and not p.name.startswith((".", "_")) and (p / "job.yaml").is_file())
 
 
-def template_files(template: str) -> list[str]:
+def _template_files(template: str) -> list[str]:
     """A template's files, as paths relative to its folder (sorted); an unknown name is one SpecError line."""
     names = templates()
     if template not in names:
@@ -39,7 +39,7 @@ def template_files(template: str) -> list[str]:
     return sorted(f for f in files if not _NOT_TEMPLATE.search(f))
 
 
-def slug_for(folder: Path) -> str:
+def _slug_for(folder: Path) -> str:
     """A job name spec accepts, from the folder name: NAME_MIN-NAME_MAX lowercase letters, digits, single dashes."""
     from kchain.spec import NAME_MAX, NAME_MIN
 
@@ -48,14 +48,14 @@ def slug_for(folder: Path) -> str:
 
 
 def init_job(folder: Path, template: str = DEFAULT) -> list[Path]:
-    """Copy the template's files into folder, @NAME@ replaced by slug_for(folder); refuse if any exists.
+    """Copy the template's files into folder, @NAME@ replaced by _slug_for(folder); refuse if any exists.
     Returns the paths written."""
-    files = template_files(template)
+    files = _template_files(template)
     targets = [folder / rel for rel in files]
     taken = [str(p) for p in targets if p.exists()]
     if taken:
         raise SpecError(f"{', '.join(taken)} already exists; kchain init never overwrites: choose an empty folder")
-    name = slug_for(folder).encode()
+    name = _slug_for(folder).encode()
     for rel, target in zip(files, targets, strict=True):
         target.parent.mkdir(parents=True, exist_ok=True)
         target.write_bytes((TEMPLATES / template / rel).read_bytes().replace(TOKEN, name))

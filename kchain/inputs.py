@@ -20,7 +20,7 @@ from kchain.spec import Job
 Echo = Callable[[str], None]
 
 
-def input_refs(job: Job) -> list[tuple[str, str, str, str | None]]:
+def _input_refs(job: Job) -> list[tuple[str, str, str, str | None]]:
     """(kind, owner, slug, version) of every attached input."""
     refs: list[tuple[str, str, str, str | None]] = []
     for ref in job.kaggle.datasets:
@@ -38,8 +38,8 @@ def local_inputs(job: Job, cache: Path, download: bool = False, echo: Echo = pri
     found: dict[tuple[str, str, str], Path] = {}
     for ref in job.kaggle.models:
         mount = layout.model_mount(ref)
-        found[(mount.parts[0], mount.parts[1], "/".join(mount.parts[2:]))] = local_model(job, ref, cache, echo)
-    for kind, owner, slug, version in input_refs(job):
+        found[(mount.parts[0], mount.parts[1], "/".join(mount.parts[2:]))] = _local_model(job, ref, cache, echo)
+    for kind, owner, slug, version in _input_refs(job):
         local = job.kaggle.local.get(slug)
         if local is not None:
             source = (job.root / local).resolve()
@@ -67,7 +67,7 @@ def local_inputs(job: Job, cache: Path, download: bool = False, echo: Echo = pri
     return found
 
 
-def local_model(job: Job, ref: str, cache: Path, echo: Echo = print) -> Path:
+def _local_model(job: Job, ref: str, cache: Path, echo: Echo = print) -> Path:
     """The folder that stands in for model version ref on this machine, said in one line: kaggle.local
     under the full ref or the model's slug, else a copy put under .kchain/inputs/models/<ref>."""
     model = ref.split("/")[1]

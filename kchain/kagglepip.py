@@ -6,7 +6,7 @@ state folder by a fingerprint of the pins and the kernel's Python and platform (
 `continue` make the newest version of `<owner>/<name>-pip` hold exactly those wheels, uploading a version
 only when the fingerprint changed (`ensure`); render attaches that dataset, and the notebook installs
 from it with no index before training (kchain/common/wheelinstall.py). A smoke and a rehearsal mount the
-same wheels plus this laptop's own (`mount_folder`), so the code that imports them runs here too.
+same wheels plus this laptop's own (`_mount_folder`), so the code that imports them runs here too.
 
 The kernel's Python and platform come from the doctor's probe when it has run (the image's own), else
 from what Kaggle's image is known to run (KERNEL_PYTHON, KERNEL_PLATFORM: an assumption, said so).
@@ -132,7 +132,7 @@ def build(job: Job, target: Target, cache: Path, echo: Echo) -> Path:
     return done
 
 
-def mount_folder(built: Path) -> Path:
+def _mount_folder(built: Path) -> Path:
     """One flat folder of both sets (the kernel's and this laptop's: the same file where the two agree), as the
     smoke and the rehearsal mount the dataset, so pip on this machine finds a wheel it can install."""
     mount = built / MOUNT_DIR
@@ -147,16 +147,16 @@ def mount_folder(built: Path) -> Path:
     return mount
 
 
-def job_ledger(job: Job) -> Ledger:
+def _job_ledger(job: Job) -> Ledger:
     """The job's own state folder (not a rehearsal's): its doctor's record and its wheels cache."""
     return Ledger(state_dir(job.path))
 
 
 def local_folder(job: Job, echo: Echo) -> Path:
     """The folder a smoke or a rehearsal mounts as the job's wheels dataset."""
-    ledger = job_ledger(job)
+    ledger = _job_ledger(job)
     target = kernel_target(ledger.doctor_entry(job.name).get("probe"))
-    return mount_folder(build(job, target, ledger.root / CACHE_DIR, echo))
+    return _mount_folder(build(job, target, ledger.root / CACHE_DIR, echo))
 
 
 def ensure(client: Any, job: Job, owner: str, echo: Echo) -> str:
@@ -167,7 +167,7 @@ def ensure(client: Any, job: Job, owner: str, echo: Echo) -> str:
     from kchain.names import pip_dataset
 
     ref = pip_dataset(owner, job.name)
-    ledger = job_ledger(job)
+    ledger = _job_ledger(job)
     target = kernel_target(ledger.doctor_entry(job.name).get("probe"))
     cache = ledger.root / CACHE_DIR
     wanted = fingerprint(list(job.kaggle.pip), target)

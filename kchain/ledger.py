@@ -326,7 +326,7 @@ def budget_lines(ledger: Ledger, weekly_h: float, job: str | None = None, usable
     return lines
 
 
-def best_run(rows: list[dict[str, str]]) -> dict[str, str] | None:
+def _best_run(rows: list[dict[str, str]]) -> dict[str, str] | None:
     scored = [r for r in rows if r.get("val")]
     try:
         return min(scored, key=lambda r: float(r["val"])) if scored else None
@@ -341,7 +341,7 @@ def runs_lines(ledger: Ledger) -> list[str]:
     for r in rows:
         lines.append(f"{r['run_id']:<28} {r['date']:<20} {r['channel']:<8} {r['job']:<18} {r['config']:<12} "
                      f"{r['steps']:>6} {r['val']:>9}  {r['checkpoint']:<30} {r['note']}")
-    best = best_run(rows)
+    best = _best_run(rows)
     if best:
         # Not the row's checkpoint column: that is the run's last checkpoint, not the best step's, and a
         # later session may have pruned it. The kept best (train.keep_best) travels in the state.
@@ -362,7 +362,7 @@ def runs_document(job_file: Path) -> dict[str, Any]:
     """`kchain runs --json`: the run log's rows, steps and val as numbers (null when empty), and the best
     row's run_id (the shape README's "Machine-readable output" documents)."""
     rows = Ledger(state_dir(job_file)).runs()
-    best = best_run(rows)
+    best = _best_run(rows)
 
     def number(text: str, kind: type) -> Any:
         try:

@@ -37,7 +37,7 @@ class ExecResult:
     summary: Summary | None = None
 
 
-def prepare_root(root: Path) -> tuple[Path, Path]:
+def _prepare_root(root: Path) -> tuple[Path, Path]:
     """Create ROOT/input and ROOT/working (the /kaggle layout) and return them."""
     inputs, working = root / layout.INPUT_DIR, root / layout.WORKING_DIR
     inputs.mkdir(parents=True, exist_ok=True)
@@ -131,7 +131,7 @@ def execute_notebook(
     from traitlets.config import Config
 
     root = Path(root).resolve()
-    _, working = prepare_root(root)
+    _, working = _prepare_root(root)
     kernel_env = {**os.environ, **(env or {}), layout.ROOT_ENV: str(root)}
     kernel_env.setdefault("PYTHONUNBUFFERED", "1")
     sockets = Path(tempfile.mkdtemp(prefix="kchain-k-"))

@@ -108,13 +108,13 @@ def begin(job_file: Path, out: Path | None, label: str, force: bool, client: Kag
     newest version, and the scratch folder the pull is written in."""
     job = load_job(job_file)
     out = Path(out) if out is not None else job.path.parent / f"{job.name}-{label}"
-    check_out(out, force)
+    _check_out(out, force)
     client = client or KaggleClient()
-    ref, version = newest_state(job_file, job, client, echo)
-    return job, out, client, ref, version, scratch_beside(out)
+    ref, version = _newest_state(job_file, job, client, echo)
+    return job, out, client, ref, version, _scratch_beside(out)
 
 
-def newest_state(job_file: Path, job: Job, client: KaggleClient, echo: Echo) -> tuple[str, int]:
+def _newest_state(job_file: Path, job: Job, client: KaggleClient, echo: Echo) -> tuple[str, int]:
     """The job's state dataset and its newest version, ready (one line when no session published yet)."""
     ref = state_dataset(job.kaggle.owner or client.username, job.name)
     if not client.dataset_exists(ref):
@@ -123,13 +123,13 @@ def newest_state(job_file: Path, job: Job, client: KaggleClient, echo: Echo) -> 
     return ref, current_version(client, ref, echo)
 
 
-def scratch_beside(out: Path) -> Path:
+def _scratch_beside(out: Path) -> Path:
     """A `.tmp-` folder beside `out` (the same disk): the pull is written there, then renamed into place."""
     out.parent.mkdir(parents=True, exist_ok=True)
     return Path(tempfile.mkdtemp(prefix=f"{layout.TMP_PREFIX}pull-{out.name}-", dir=out.parent))
 
 
-def check_out(out: Path, force: bool) -> None:
+def _check_out(out: Path, force: bool) -> None:
     """Never over a folder that holds something, unless --force (checked before any download)."""
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not force:
         raise KchainError(f"{out} exists and is not empty: pass --force to replace it, or -o another folder")

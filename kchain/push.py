@@ -70,7 +70,7 @@ def _push_once(client: KaggleClient, ref: str, before: int | None, folder: Path,
     return answer if answer is not None else (landed, client.kernel_url(ref))
 
 
-def refuse_a_second_session(client: KaggleClient, ref: str, before: int | None, again: str) -> None:
+def _refuse_a_second_session(client: KaggleClient, ref: str, before: int | None, again: str) -> None:
     """A push to a kernel whose session still runs starts a second session beside it (Kaggle runs
     and bills both): refused while the kernel's newest session is queued or running, whoever
     started it."""
@@ -83,7 +83,7 @@ def refuse_a_second_session(client: KaggleClient, ref: str, before: int | None, 
                         f"({client.kernel_url(ref)}), then run `{again}` again")
 
 
-def explain_cap(client: KaggleClient, exc: SessionCapReached, again: str) -> SessionCapReached:
+def _explain_cap(client: KaggleClient, exc: SessionCapReached, again: str) -> SessionCapReached:
     """Kaggle's "Maximum batch GPU session count of N reached" with the sessions that hold the slots
     (this chain's or not: the account's running GPU kernels) and what to do, in one line."""
     try:
@@ -105,7 +105,7 @@ def explain_cap(client: KaggleClient, exc: SessionCapReached, again: str) -> Ses
                              f"`{again}` again", exc.cap)
 
 
-def verify_sources(client: KaggleClient, sources: list[str], job: Job) -> None:
+def _verify_sources(client: KaggleClient, sources: list[str], job: Job) -> None:
     """Before SaveKernel: every dataset source exists, is visible, is ready, and a pinned version
     exists; Kaggle would otherwise drop it and still start the session without it."""
     for source in sources:
@@ -128,7 +128,7 @@ def verify_sources(client: KaggleClient, sources: list[str], job: Job) -> None:
                                 f"{newest}); pin an existing version")
 
 
-def verify_models(client: KaggleClient, sources: list[str], job: Job) -> None:
+def _verify_models(client: KaggleClient, sources: list[str], job: Job) -> None:
     """Before SaveKernel: every pinned model version exists and is visible (else Kaggle drops it and
     starts the session without it)."""
     for source in sources:
@@ -150,7 +150,7 @@ def push_session(
     ref = kernel_ref(client, job)
     again = f"kchain push {job.path}" if session == 1 else f"kchain continue {job.path}"
     before = client.kernel_version(ref)
-    refuse_a_second_session(client, ref, before, again)
+    _refuse_a_second_session(client, ref, before, again)
     record: SessionRecord = {
         "session": session,
         "status": "PUSHING",
@@ -165,8 +165,8 @@ def push_session(
     metadata = json.loads(rendered.metadata)
     if job.kaggle.pip:  # the newest version of <owner>/<name>-pip holds these pins' wheels before the push
         kagglepip.ensure(client, job, ref.split("/")[0], echo)
-    verify_sources(client, metadata.get("dataset_sources") or [], job)
-    verify_models(client, metadata.get("model_sources") or [], job)
+    _verify_sources(client, metadata.get("dataset_sources") or [], job)
+    _verify_models(client, metadata.get("model_sources") or [], job)
     ledger.save_session(job.name, record)
     folder = Path(tempfile.mkdtemp(prefix="kchain-push-"))
     try:
@@ -187,7 +187,7 @@ def push_session(
         ) from exc
     except SessionCapReached as exc:
         ledger.save_session(job.name, {**record, "status": "FAILED_TO_PUSH"})  # Kaggle created no version
-        raise explain_cap(client, exc, again) from exc
+        raise _explain_cap(client, exc, again) from exc
     except KaggleError:
         ledger.save_session(job.name, {**record, "status": "FAILED_TO_PUSH"})
         raise
@@ -202,7 +202,7 @@ def push(job_file: Path, skip_smoke: bool = False, force: bool = False, echo: Ec
          unattended: bool = False) -> SessionRecord:
     job = load_job(job_file)
     if unattended:
-        refuse_short_sessions(job, Ledger(state_dir(job.path)))  # a kernel that cannot publish in time
+        _refuse_short_sessions(job, Ledger(state_dir(job.path)))  # a kernel that cannot publish in time
         refuse_unattended(job)  # the doctor must have seen a kernel push a kernel on this account
         note = unattended_note(job)  # a kernel-pushed kernel without its Secrets: the laptop takes over
         if note:
@@ -212,7 +212,7 @@ def push(job_file: Path, skip_smoke: bool = False, force: bool = False, echo: Ec
                     unattended=unattended)
 
 
-def refuse_short_sessions(job: Job, ledger: Ledger) -> None:
+def _refuse_short_sessions(job: Job, ledger: Ledger) -> None:
     """push --unattended: a session must keep what its kernel needs after the last save (the hand-over to the
     publisher, the publish, the wait for the version, the push of the next session) by the rule its deadline
     guard plans with (publishplan.fits), or no kernel would ever publish and the chain would wait for the
@@ -243,7 +243,7 @@ def push_job(job: Job, ledger: Ledger, client: KaggleClient, skip_smoke: bool = 
     owner = job.kaggle.owner or client.username
     chain = reconcile(client, ledger, job)
     if not chain:
-        chain = unrecorded_chain(client, ledger, job)
+        chain = _unrecorded_chain(client, ledger, job)
     live = [s for s in chain if s["status"] in LIVE]
     if live:
         raise ChainStop(
@@ -266,7 +266,7 @@ def push_job(job: Job, ledger: Ledger, client: KaggleClient, skip_smoke: bool = 
         raise NotSmoked.for_job(job_file)
     plan = plan_for(job, ledger, client)
     echo(f"kchain push {job_file}: session 1 of {owner}/{job.name}")
-    for line in plan.lines() + ([slots_line(job, owner)] if unattended else []):
+    for line in plan.lines() + ([_slots_line(job, owner)] if unattended else []):
         echo(line)
     check_budget(job, plan, force, job_file)
     ensure_state_dataset(client, owner, job.name, echo)
@@ -282,7 +282,7 @@ def push_job(job: Job, ledger: Ledger, client: KaggleClient, skip_smoke: bool = 
     return record
 
 
-def slots_line(job: Job, owner: str) -> str:
+def _slots_line(job: Job, owner: str) -> str:
     """How many of the account's GPU slots an unattended chain holds (Kaggle runs two GPU sessions per account)."""
     if not job.gpu:
         return "  GPU slots      none (the job runs on the CPU): each session pushes the next itself"
@@ -290,10 +290,10 @@ def slots_line(job: Job, owner: str) -> str:
             f"({doctor_kernel(owner, job.name)}, no accelerator), which pushes it once the session has ended")
 
 
-def unrecorded_chain(client: KaggleClient, ledger: Ledger, job: Job) -> list[SessionRecord]:
+def _unrecorded_chain(client: KaggleClient, ledger: Ledger, job: Job) -> list[SessionRecord]:
     """This laptop has no record of the job (another laptop pushed it, or its state folder is new): an
     unattended chain is rebuilt from Kaggle's records (sessions.rebuild), so that the refusal below names
-    it; a session live on the kernel is refused at the push itself (refuse_a_second_session)."""
+    it; a session live on the kernel is refused at the push itself (_refuse_a_second_session)."""
     rebuild(client, ledger, job.name)
     return [s for s in ledger.sessions(job.name) if s["status"] != "FAILED_TO_PUSH"]
 

@@ -91,9 +91,9 @@ class Unattended:
     @classmethod
     def counted(cls, sessions: list[dict[str, Any]], versions: list[dict[str, Any]]) -> Unattended:
         """From the emulator's session records (one kernel's) and the state dataset's versions. A kernel
-        pushes the next session before its own ends, by design: only training at once counts (training_span)."""
+        pushes the next session before its own ends, by design: only training at once counts (_training_span)."""
         ours = sorted(sessions, key=lambda s: s["version"])
-        spans = sorted(training_span(s) for s in ours if s.get("first_cell"))
+        spans = sorted(_training_span(s) for s in ours if s.get("first_cell"))
         notes = [v["notes"] for v in versions if "step" in (v.get("notes") or "")]
         return cls(laptop_pushes=sum(1 for s in ours[1:] if s.get("pushed_from") != "kernel"),
                    overlapping=sum(1 for a, b in zip(spans, spans[1:], strict=False) if b[0] < a[1]),
@@ -113,7 +113,7 @@ class Unattended:
         return [text.format(n=n) for n, text in said if n > 0]
 
 
-def training_span(session: dict[str, Any]) -> tuple[float, float]:
+def _training_span(session: dict[str, Any]) -> tuple[float, float]:
     """When an emulator session trained: from its first cell to its summary's end (the training's), else to
     the kill of its training process (kill_training_only), else to the session's end (or now)."""
     ended = (session.get("summary") or {}).get("ended")
@@ -136,7 +136,7 @@ def _env(values: dict[str, str]) -> Iterator[None]:
                 os.environ[key] = value
 
 
-def short_session_job(job: Job, session_limit_s: float, params: dict[str, Any], by_time: bool = True) -> Job:
+def _short_session_job(job: Job, session_limit_s: float, params: dict[str, Any], by_time: bool = True) -> Job:
     """The job with the rehearsal's session limit (by time: the margin and cadence scaled to it; planned in
     steps: the limit is a safety net, and the plan replaces the cadence in the kernel)."""
     margin = max(3.0, round(session_limit_s * 0.25, 1))  # start-up and shutdown under load need room
@@ -148,7 +148,7 @@ def short_session_job(job: Job, session_limit_s: float, params: dict[str, Any], 
     return job.model_copy(update={"train": train, "kaggle": kaggle, "params": {**job.params, **params}})
 
 
-def wait_first(client: KaggleClient, ledger: Ledger, job: Job, poll_s: float) -> sess.SessionRecord:
+def _wait_first(client: KaggleClient, ledger: Ledger, job: Job, poll_s: float) -> sess.SessionRecord:
     """Session 1's record once it ended (a flaky local Kaggle is asked again)."""
     while True:
         try:
@@ -163,7 +163,7 @@ def wait_first(client: KaggleClient, ledger: Ledger, job: Job, poll_s: float) ->
 SESSIONS_AFTER_THE_FIRST = 3  # a rehearsal is a handful of sessions, not dozens
 
 
-def sized_limit(first: sess.SessionRecord, limit_s: float, echo: Echo) -> float | None:
+def _sized_limit(first: sess.SessionRecord, limit_s: float, echo: Echo) -> float | None:
     """A longer session limit when session 1's measured speed says the given one would need many
     sessions: the remaining steps in about SESSIONS_AFTER_THE_FIRST sessions. None: keep the limit."""
     summary = sess.summary_of(first)
@@ -176,7 +176,7 @@ def sized_limit(first: sess.SessionRecord, limit_s: float, echo: Echo) -> float 
         return None
     overhead = max(0.0, (ended - started) - step / rate)  # start-up and the final save
     per_session = -(-remaining // SESSIONS_AFTER_THE_FIRST)
-    # The margin is a quarter of the limit (short_session_job); 20% more for a slower moment.
+    # The margin is a quarter of the limit (_short_session_job); 20% more for a slower moment.
     longer = round(1.2 * (overhead + per_session / rate) / 0.75, 1)
     if longer <= limit_s:
         return None
@@ -185,7 +185,7 @@ def sized_limit(first: sess.SessionRecord, limit_s: float, echo: Echo) -> float 
     return longer
 
 
-def resized(job: Job, limit_s: float) -> Job:
+def _resized(job: Job, limit_s: float) -> Job:
     margin = max(3.0, round(limit_s * 0.25, 1))
     train = job.train.model_copy(update={
         "session_limit": f"{limit_s}s", "margin": f"{margin}s",
@@ -194,7 +194,7 @@ def resized(job: Job, limit_s: float) -> Job:
     return job.model_copy(update={"train": train})
 
 
-def run_reference(job: Job, root: Path, sources: dict[tuple[str, str, str], Path], extra_env: dict[str, str],
+def _run_reference(job: Job, root: Path, sources: dict[tuple[str, str, str], Path], extra_env: dict[str, str],
                   started: Callable[[subprocess.Popen[bytes]], None] = lambda _proc: None,
                   ) -> tuple[list[dict[str, Any]], Summary | None]:
     """The same notebook, one uninterrupted session with no time limit, in a process group of its
@@ -260,19 +260,19 @@ def rehearse(job_file: Path, sessions: int | None = SESSIONS, session_limit_s: f
     base = load_job(job_file)
     by_time = sessions is None
     session_limit_s = session_limit_s or (BY_TIME_LIMIT_S if by_time else SAFETY_LIMIT_S)
-    job = rehearsal_job(base, job_file, session_limit_s, params or {}, True if unattended else internet, by_time)
+    job = _rehearsal_job(base, job_file, session_limit_s, params or {}, True if unattended else internet, by_time)
     n = local_ranks(job, ranks)
     work = state_dir(base.path) / "rehearse" / new_run_id("rehearse")
     ledger = Ledger(work / "ledger")
     faults = faults or Faults(seed=seed)
     sources = local_inputs(job, state_dir(base.path) / "inputs", echo=echo)
-    emu = start_local_kaggle(job, work, sources, session_limit_s, faults, switches, key, echo)
-    reference = ReferenceRun(job, work / "reference", sources, session_env(emu, n, sessions))
+    emu = _start_local_kaggle(job, work, sources, session_limit_s, faults, switches, key, echo)
+    reference = ReferenceRun(job, work / "reference", sources, _session_env(emu, n, sessions))
     kill = Killer(emu, f"{USER}/{job.name}", kills)
     planned = (f"sessions of {session_limit_s:g}s" if by_time else
                f"sessions planned in steps (the total in {sessions} spans, kills after a planned checkpoint; "
                f"a {session_limit_s:g}s limit only as a safety net)")
-    echo(f"kchain rehearse {job_file}: {planned} against a local Kaggle at {emu.url}; {ranks_said(job, n, ranks)}")
+    echo(f"kchain rehearse {job_file}: {planned} against a local Kaggle at {emu.url}; {_ranks_said(job, n, ranks)}")
     try:
         reference.start()
         rebuilt = None
@@ -283,27 +283,27 @@ def rehearse(job_file: Path, sessions: int | None = SESSIONS, session_limit_s: f
             # A kill takes the training process alone (the OOM killer): the kernel lives on to publish and push,
             # so the chain stays unattended; a session's own death is the hand-over (no_secret_in's test).
             emu.faults.kill_training_only = True
-            stop, rebuilt = run_unattended(emu, job, ledger, kill, poll_s, echo, no_secret_in, busy_gpu)
+            stop, rebuilt = _run_unattended(emu, job, ledger, kill, poll_s, echo, no_secret_in, busy_gpu)
         else:
-            job, stop = run_chain(emu, job, ledger, kill, session_limit_s if by_time else None, poll_s, echo, stale)
-        stop = in_rehearsal_terms(stop, by_time, session_limit_s)
+            job, stop = _run_chain(emu, job, ledger, kill, session_limit_s if by_time else None, poll_s, echo, stale)
+        stop = _in_rehearsal_terms(stop, by_time, session_limit_s)
         trace, summary = ([], None) if stop is not None else reference.result()
     finally:
         reference.stop()
         emu.stop()
     chain = ledger.sessions(job.name)
-    state = compare_state(work / "reference", chain) if stop is None else None
+    state = _compare_state(work / "reference", chain) if stop is None else None
     identical, passed, verdict, chained = judge(trace, summary, chain, sorted(kill.killed), kills, stop, echo, state)
     ours = [s for s in emu.sessions() if s["kernel"] == f"{USER}/{job.name}"]
     versions = emu.dataset_versions(state_dataset(USER, job.name))
     counts = None
     if unattended:  # the verdict's rules, then the unattended chain's own
-        counts, passed, verdict = judge_unattended(ours, versions, no_secret_in, passed, verdict, echo)
+        counts, passed, verdict = _judge_unattended(ours, versions, no_secret_in, passed, verdict, echo)
     return Rehearsal(identical, verdict, chain, trace, chained, emu.sessions(), versions, work, sorted(kill.killed),
                      passed, n, rebuilt, counts)
 
 
-def session_env(emu: Emulator, n: int, sessions: int | None) -> dict[str, str]:
+def _session_env(emu: Emulator, n: int, sessions: int | None) -> dict[str, str]:
     """Each session runs the ranks Kaggle gives it, as gloo ranks here; a session and the reference train
     at once, so each gets its share of the cores (as the smoke's runs do). The sessions, not the reference,
     also get the plan in steps. Returns the reference's environment."""
@@ -314,7 +314,7 @@ def session_env(emu: Emulator, n: int, sessions: int | None) -> dict[str, str]:
     return ranked
 
 
-def judge_unattended(ours: list[dict[str, Any]], versions: list[dict[str, Any]], no_secret_in: int | None,
+def _judge_unattended(ours: list[dict[str, Any]], versions: list[dict[str, Any]], no_secret_in: int | None,
                      passed: bool, verdict: str, echo: Echo) -> tuple[Unattended, bool, str]:
     """An unattended chain's own counts (laptop pushes, overlaps, duplicate versions) after the usual rules."""
     counts = Unattended.counted(ours, versions)
@@ -331,7 +331,7 @@ def judge_unattended(ours: list[dict[str, Any]], versions: list[dict[str, Any]],
 NO_PROGRESS = ", and the next would lose its work the same way"
 
 
-def in_rehearsal_terms(stop: ChainStop | None, by_time: bool, limit_s: float) -> ChainStop | None:
+def _in_rehearsal_terms(stop: ChainStop | None, by_time: bool, limit_s: float) -> ChainStop | None:
     """A chain that stopped without progress, its fix said with rehearse's own flags (`continue` names the
     job's train.session_limit and itself, which a rehearsal does not use)."""
     if stop is None or NO_PROGRESS not in str(stop):
@@ -346,7 +346,7 @@ def in_rehearsal_terms(stop: ChainStop | None, by_time: bool, limit_s: float) ->
     return ChainStop(f"{head}{NO_PROGRESS}: {fix}")
 
 
-def ranks_said(job: Job, n: int, asked: int | None) -> str:
+def _ranks_said(job: Job, n: int, asked: int | None) -> str:
     """Which ranks the rehearsal runs, beside what Kaggle gives the job."""
     kaggle = kaggle_ranks(job)
     each = f"{n} rank{'s' if n > 1 else ''} per session and in the uninterrupted run"
@@ -355,19 +355,19 @@ def ranks_said(job: Job, n: int, asked: int | None) -> str:
     return f"{each} (--ranks {asked}; on Kaggle the job gets {kaggle})"
 
 
-def rehearsal_job(base: Job, job_file: Path, session_limit_s: float, params: dict[str, Any],
+def _rehearsal_job(base: Job, job_file: Path, session_limit_s: float, params: dict[str, Any],
                   internet: bool | None, by_time: bool = True) -> Job:
     """The job with the rehearsal's sessions, params and internet setting; a competition is refused."""
     if base.kaggle.competition:
         raise KchainError(f"{job_file}: kaggle.competition: competitions are not emulated; to rehearse, "
                           "attach a small copy of the data as a dataset")
-    job = short_session_job(base, session_limit_s, params, by_time)
+    job = _short_session_job(base, session_limit_s, params, by_time)
     if internet is not None:
         job = job.model_copy(update={"kaggle": job.kaggle.model_copy(update={"internet": internet})})
     return job
 
 
-def start_local_kaggle(job: Job, work: Path, sources: dict[tuple[str, str, str], Path], session_limit_s: float,
+def _start_local_kaggle(job: Job, work: Path, sources: dict[tuple[str, str, str], Path], session_limit_s: float,
                        faults: Faults, switches: Switches | None, key: str | None, echo: Echo) -> Emulator:
     """A private emulator holding the rehearsal's user (key: a throwaway key of the throwaway Kaggle),
     the owner of each attached dataset, and the datasets themselves."""
@@ -400,7 +400,7 @@ class ReferenceRun:
 
     def _run(self, job: Job, root: Path, sources: dict[tuple[str, str, str], Path], env: dict[str, str]) -> None:
         try:
-            self.trace, self.summary = run_reference(job, root, sources, env, self._started)
+            self.trace, self.summary = _run_reference(job, root, sources, env, self._started)
         except BaseException as exc:  # noqa: BLE001 - reported after the chain
             self.error = exc
 
@@ -448,7 +448,7 @@ class Killer:
         self.emu.faults.kill_after_checkpoint = bool(ours) and not pending and len(self.killed) < self.kills
 
 
-def run_chain(emu: Emulator, job: Job, ledger: Ledger, kill: Killer, session_limit_s: float | None, poll_s: float,
+def _run_chain(emu: Emulator, job: Job, ledger: Ledger, kill: Killer, session_limit_s: float | None, poll_s: float,
               echo: Echo, stale: StaleRule | None = None) -> tuple[Job, ChainStop | None]:
     """Push session 1, then `continue --watch` until done; returns the job as the chain ran it and the
     stop that ended the chain before it finished, if any (a crash, sessions without progress).
@@ -459,15 +459,15 @@ def run_chain(emu: Emulator, job: Job, ledger: Ledger, kill: Killer, session_lim
         if job.kaggle.internet:
             # The user attached their Kaggle key to the kernel in the web UI once (no API can).
             emu.attach_secrets(f"{USER}/{job.name}")
-            ledger.save_publish_figures(job.name, measure_publish(emu, emu.faults, echo))
+            ledger.save_publish_figures(job.name, _measure_publish(emu, emu.faults, echo))
         kill(1)
         push_job(job, ledger, client, skip_smoke=True, force=True, echo=echo)
         longer = None
         if session_limit_s is not None:
-            first = wait_first(client, ledger, job, poll_s)
-            longer = sized_limit(first, session_limit_s, echo)
+            first = _wait_first(client, ledger, job, poll_s)
+            longer = _sized_limit(first, session_limit_s, echo)
         if longer is not None:
-            job = resized(job, longer)
+            job = _resized(job, longer)
             emu.session_limit_s = longer * 1.05
         stop = None
         try:
@@ -479,13 +479,13 @@ def run_chain(emu: Emulator, job: Job, ledger: Ledger, kill: Killer, session_lim
     return job, stop
 
 
-def run_unattended(emu: Emulator, job: Job, ledger: Ledger, kill: Killer, poll_s: float, echo: Echo,
+def _run_unattended(emu: Emulator, job: Job, ledger: Ledger, kill: Killer, poll_s: float, echo: Echo,
                    no_secret_in: int | None = None,
                    busy_gpu: bool = False) -> tuple[ChainStop | None, list[dict[str, Any]] | str | None]:
     """`push --unattended`, then the laptop waits: only once the chain's newest session has ended without
     a successor (its kernel could not push, or it was the last) does `continue` look (the records rebuilt
     from Kaggle) and act; its pushes after session 1 are counted in `ledger`'s records (pushed_by).
-    Returns the stop, if any, and, once finished, the chain rebuilt from Kaggle alone (rebuilt_from_kaggle)."""
+    Returns the stop, if any, and, once finished, the chain rebuilt from Kaggle alone (_rebuilt_from_kaggle)."""
     ref = f"{USER}/{job.name}"
     with _env({**emu.env(USER), "KCHAIN_HOME": str(ledger.root)}):
         client = KaggleClient(backoff_s=0.2, max_backoff_s=2.0)
@@ -493,7 +493,7 @@ def run_unattended(emu: Emulator, job: Job, ledger: Ledger, kill: Killer, poll_s
         emu.attach_secrets(doctor_kernel(USER, job.name))  # the relay's kernel, as `kchain doctor` asked
         if busy_gpu:
             occupy_gpu(client, ledger.root.parent / "busy", echo)
-        ledger.save_publish_figures(job.name, measure_publish(emu, emu.faults, echo))
+        ledger.save_publish_figures(job.name, _measure_publish(emu, emu.faults, echo))
         kill(1)
         push_job(job, ledger, client, skip_smoke=True, force=True, echo=echo, unattended=True)
         while True:
@@ -514,7 +514,7 @@ def run_unattended(emu: Emulator, job: Job, ledger: Ledger, kill: Killer, poll_s
                 time.sleep(poll_s)
                 continue
             if decision.action == "finished":
-                return None, rebuilt_from_kaggle(client, job.name, ledger.root.parent / "rebuilt")
+                return None, _rebuilt_from_kaggle(client, job.name, ledger.root.parent / "rebuilt")
             if decision.action == "pushed":
                 echo(f"  the laptop took over: {decision.message}")
                 emu.attach_secrets(ref)  # the user attached them again
@@ -535,7 +535,7 @@ def occupy_gpu(client: KaggleClient, folder: Path, echo: Echo) -> None:
     echo(f"  another GPU session holds one of the account's slots: {USER}/{BUSY} version {version}")
 
 
-def rebuilt_from_kaggle(client: KaggleClient, job: str, root: Path) -> list[dict[str, Any]] | str:
+def _rebuilt_from_kaggle(client: KaggleClient, job: str, root: Path) -> list[dict[str, Any]] | str:
     """What `kchain status` on a laptop with an empty ledger sees (sessions.rebuild): the chain's records
     from Kaggle's versions and outputs alone, or the one line that refused to rebuild it."""
     try:
@@ -546,7 +546,7 @@ def rebuilt_from_kaggle(client: KaggleClient, job: str, root: Path) -> list[dict
             for record in chain]
 
 
-def compare_state(reference_root: Path, chain: list[sess.SessionRecord]) -> statecheck.Comparison:
+def _compare_state(reference_root: Path, chain: list[sess.SessionRecord]) -> statecheck.Comparison:
     """The uninterrupted run's checkpoints against those the chain's sessions left, at every step both
     saved (statecheck.py)."""
     return statecheck.compare(
@@ -626,7 +626,7 @@ def shortcomings(identical: bool, first: tuple[int, str] | None, summary: Summar
 MORE_SESSIONS = "plan more sessions (--sessions N; with --by-time, a lower --session-limit) or raise the steps (--set steps=N)"
 
 
-def measure_publish(emu: Emulator, faults: Faults, echo: Echo) -> dict[str, float]:
+def _measure_publish(emu: Emulator, faults: Faults, echo: Echo) -> dict[str, float]:
     """The in-kernel publish's figures on this machine, for the sessions' deadline guard: a fresh
     process that imports torch and the kaggle client and authenticates (what kchain.common.publish does
     before its upload), timed once; the local Kaggle's upload is taken as fast, and its processing

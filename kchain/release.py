@@ -49,7 +49,7 @@ class Target:
         return f"{self.owner}/{self.model}/{self.framework}/{self.variation}"
 
 
-def parse_target(text: str) -> Target:
+def _parse_target(text: str) -> Target:
     """--model OWNER/MODEL/FRAMEWORK/VARIATION, checked as the client and Kaggle would, in one line."""
     parts = text.split("/")
     example = "e.g. --model alice/tiny-gpt/pytorch/default"
@@ -93,7 +93,7 @@ def release(job_file: Path, want: Want, model: str | None, dataset: str | None, 
     """Pull, then publish as a model version (or a dataset version); the lines to print."""
     if (model is None) == (dataset is None):
         raise KchainError("kchain release: give one of --model OWNER/MODEL/FRAMEWORK/VARIATION or --dataset OWNER/SLUG")
-    target = parse_target(model) if model is not None else None
+    target = _parse_target(model) if model is not None else None
     client = client or KaggleClient(progress=True)
     work = Path(tempfile.mkdtemp(prefix="kchain-release-"))
     try:
@@ -101,12 +101,12 @@ def release(job_file: Path, want: Want, model: str | None, dataset: str | None, 
         pulled = pull(job_file, want, folder, force=True, echo=echo, client=client)
         metrics = json.loads((folder / METRICS_FILE).read_text())
         if target is not None:
-            number = publish_model(client, target, folder, card(metrics, target.model), public, license_name, echo)
+            number = _publish_model(client, target, folder, card(metrics, target.model), public, license_name, echo)
             ref = f"{target.instance}/{number}"
             return [f"released step {pulled.step} as {ref} ({'public' if public else 'private'})",
                     f"attach it: kaggle.models: [{ref}]   (kernel-metadata.json: \"model_sources\": [\"{ref}\"])"]
         assert dataset is not None
-        number = publish_dataset(client, dataset, folder, card(metrics, dataset), echo)
+        number = _publish_dataset(client, dataset, folder, card(metrics, dataset), echo)
         return [f"released step {pulled.step} as dataset {dataset} version {number}",
                 f"attach it: kaggle.datasets: [{dataset}/{number}]   (kernel-metadata.json: \"dataset_sources\": "
                 f"[\"{dataset}\"])"]
@@ -138,12 +138,12 @@ def _versions(client: KaggleClient, instance: str) -> list[int] | None:
         raise
 
 
-def publish_model(client: KaggleClient, target: Target, folder: Path, description: str, public: bool,
+def _publish_model(client: KaggleClient, target: Target, folder: Path, description: str, public: bool,
                   license_name: str, echo: Echo) -> int:
     """The folder as the variation's next version (the model and the variation made first when missing)."""
     model_ref = f"{target.owner}/{target.model}"
     if not client.model_exists(model_ref):
-        meta = work_meta(folder.parent / "model", "model-metadata.json", {
+        meta = _work_meta(folder.parent / "model", "model-metadata.json", {
             "ownerSlug": target.owner, "slug": target.model, "title": target.model.replace("-", " ").title(),
             "subtitle": "", "isPrivate": not public, "description": description, "publishTime": "",
             "provenanceSources": ""})
@@ -173,7 +173,7 @@ def publish_model(client: KaggleClient, target: Target, folder: Path, descriptio
     return number
 
 
-def work_meta(folder: Path, name: str, meta: dict) -> Path:
+def _work_meta(folder: Path, name: str, meta: dict) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     (folder / name).write_text(json.dumps(meta, indent=1) + "\n")
     return folder
@@ -185,7 +185,7 @@ def usage(target: Target) -> str:
             f"model.load_state_dict(load_file('{mount}/model.safetensors'))\n```\n")
 
 
-def publish_dataset(client: KaggleClient, ref: str, folder: Path, description: str, echo: Echo) -> int:
+def _publish_dataset(client: KaggleClient, ref: str, folder: Path, description: str, echo: Echo) -> int:
     """The folder as a new version of the dataset `ref` (made first, private, when missing)."""
     parts = ref.split("/")
     if len(parts) != 2 or not OWNER_RE.fullmatch(parts[0]) or not SLUG_RE.fullmatch(parts[1]) \

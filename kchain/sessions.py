@@ -52,7 +52,7 @@ def output_dir(ledger: Ledger, job: str, session: int) -> Path:
     return ledger.root / "sessions" / job / str(session)
 
 
-def parse_log(text: str) -> list[dict[str, Any]]:
+def _parse_log(text: str) -> list[dict[str, Any]]:
     """Kaggle's log: a JSON array of {stream_name, time, data}; plain text is taken as stdout."""
     if not text:
         return []
@@ -65,11 +65,11 @@ def parse_log(text: str) -> list[dict[str, Any]]:
     return [{"stream_name": "stdout", "time": 0.0, "data": text}]
 
 
-def log_text(entries: list[dict[str, Any]]) -> str:
+def _log_text(entries: list[dict[str, Any]]) -> str:
     return "".join(str(e.get("data", "")) for e in entries)
 
 
-def last_heartbeat(text: str) -> str | None:
+def _last_heartbeat(text: str) -> str | None:
     lines = [line.strip() for line in text.splitlines() if line.strip().startswith(HEARTBEAT)]
     return lines[-1] if lines else None
 
@@ -91,16 +91,16 @@ def fetch_output(client: KaggleClient, ledger: Ledger, job: str, record: Session
     dest = output_dir(ledger, job, record["session"])
     dest.mkdir(parents=True, exist_ok=True)
     files, text = client.output(record["kernel"], record["version"], dest)
-    entries = parse_log(text)
+    entries = _parse_log(text)
     (dest / "log.json").write_text(json.dumps(entries))
     summary = read_working(dest, search=True)  # an output may come with an extra folder level
-    body = log_text(entries)
+    body = _log_text(entries)
     failure = diagnose.from_summary(summary) or (diagnose.from_log(body) if record["status"] == "ERROR" else None)
     record.update({
         "output": str(dest),
         "output_files": len(files),
         "summary": None if summary is None else summary.to_dict(),
-        "heartbeat": last_heartbeat(body),
+        "heartbeat": _last_heartbeat(body),
         "saved_step": saved_step(dest),
         "error": None if failure is None else {"type": failure.type, "message": failure.message, "stage": failure.stage},
     })
@@ -124,10 +124,10 @@ def refresh(client: KaggleClient, ledger: Ledger, job: str, live_log: bool = Fal
         if record["status"] not in LIVE or record.get("version") is None:
             continue
         status, failure = client.status(record["kernel"], record["version"])
-        changed = status != "QUEUED" and note_image(client, record)
+        changed = status != "QUEUED" and _note_image(client, record)
         if status == "RUNNING":
             # Whatever log Kaggle has so far: its last heartbeat says how far the session got.
-            changed = read_heartbeat(client, record, live_log) or changed
+            changed = _read_heartbeat(client, record, live_log) or changed
         if status == record["status"]:
             if changed:
                 ledger.save_session(job, record)
@@ -245,7 +245,7 @@ def settle_relay(client: KaggleClient, ledger: Ledger, job: str, record: Session
     ledger.save_session(job, record)
 
 
-def note_image(client: KaggleClient, record: SessionRecord) -> bool:
+def _note_image(client: KaggleClient, record: SessionRecord) -> bool:
     """Record the image the session runs on, once (`kernels pull -m`'s docker_image); True if recorded."""
     if "image" in record:
         return False
@@ -256,19 +256,19 @@ def note_image(client: KaggleClient, record: SessionRecord) -> bool:
     return True
 
 
-def read_heartbeat(client: KaggleClient, record: SessionRecord, live: bool) -> bool:
+def _read_heartbeat(client: KaggleClient, record: SessionRecord, live: bool) -> bool:
     """Fold the newest heartbeat of a running session's log into its record; True if it changed. Kaggle's
     kept log first; with `live`, the live stream when that log holds no heartbeat."""
-    entries = parse_log(client.log(record["kernel"], record["version"]))
-    if live and last_heartbeat(log_text(entries)) is None:
+    entries = _parse_log(client.log(record["kernel"], record["version"]))
+    if live and _last_heartbeat(_log_text(entries)) is None:
         events = client.log_so_far(record["kernel"], record["version"])
         if events is not None:
             entries = events
             record["log_seen"] = iso(now_utc())
-    return note_heartbeat(record, entries)
+    return _note_heartbeat(record, entries)
 
 
-def note_heartbeat(record: SessionRecord, entries: list[dict[str, Any]]) -> bool:
+def _note_heartbeat(record: SessionRecord, entries: list[dict[str, Any]]) -> bool:
     """The newest heartbeat line of a log (its entries' `time`: seconds by the session's clock), when this
     laptop first saw it, and the longest gap between two heartbeats; True if the record changed."""
     beats = [(float(e.get("time") or 0.0), line.strip()) for e in entries
@@ -382,7 +382,7 @@ def check_stale(client: KaggleClient, ledger: Ledger, job: str, record: SessionR
         return None
     since = _epoch(record.get("heartbeat_seen") if record.get("heartbeat") else record.get("running_seen"))
     if since is not None and now - since > rule.allowed_s(record) / 2:
-        read_heartbeat(client, record, live=True)
+        _read_heartbeat(client, record, live=True)
         ledger.save_session(job, record)
     return stale(record, rule, time.time())
 
@@ -476,13 +476,13 @@ def status_table(chain: list[SessionRecord], used_h: float, weekly_h: float,
     return rows
 
 
-def show_log(client: KaggleClient, record: SessionRecord, echo: Echo, follow: bool = False,
+def _show_log(client: KaggleClient, record: SessionRecord, echo: Echo, follow: bool = False,
              poll_s: float = 5.0, timeout_s: float | None = None) -> diagnose.Failure | None:
     """Print the session's log; with follow, stream it live where Kaggle serves the stream, else say
     that Kaggle gives the log only at the end and poll until the session ends."""
     shown = 0
     started = time.time()
-    if follow and stream_log(client, record, echo, timeout_s):
+    if follow and _stream_log(client, record, echo, timeout_s):
         follow = False  # the stream ran to the end of the log; what follows reads the final status
         shown = -1
     elif follow:
@@ -490,7 +490,7 @@ def show_log(client: KaggleClient, record: SessionRecord, echo: Echo, follow: bo
              "the session ends, so it is shown then (status every poll)")
     while True:
         status, failure_message = client.status(record["kernel"], record["version"])
-        text = log_text(parse_log(client.log(record["kernel"], record["version"])))
+        text = _log_text(_parse_log(client.log(record["kernel"], record["version"])))
         if len(text) > shown >= 0:
             echo(text[shown:].rstrip("\n"))
             shown = len(text)
@@ -513,7 +513,7 @@ def show_log(client: KaggleClient, record: SessionRecord, echo: Echo, follow: bo
     return failure
 
 
-def stream_log(client: KaggleClient, record: SessionRecord, echo: Echo, timeout_s: float | None,
+def _stream_log(client: KaggleClient, record: SessionRecord, echo: Echo, timeout_s: float | None,
                reconnects: int = 5) -> bool:
     """Echo the live log stream to its end; False if Kaggle does not serve it. A dropped connection
     is reopened (the stream starts over, so lines already shown are skipped)."""
@@ -575,7 +575,7 @@ def waiting(chain: list[SessionRecord], job_file: Path | str) -> dict[str, str] 
     return {"for": "continue", "why": why}
 
 
-def waiting_line(wait: dict[str, str] | None, job_file: Path | str) -> list[str]:
+def _waiting_line(wait: dict[str, str] | None, job_file: Path | str) -> list[str]:
     if wait is None:
         return []
     if wait["for"] == "nothing":
@@ -588,7 +588,7 @@ def status_for(job_file: Path) -> list[str]:
     if not chain:
         return [f"{job.name} has no session yet: `kchain push {job_file}` starts one"]
     return [*status_table(chain, ledger.gpu_hours_this_week(), job.budget.weekly_gpu_hours, found),
-            *waiting_line(waiting(chain, job_file), job_file),
+            *_waiting_line(waiting(chain, job_file), job_file),
             *(judged.message(job_file) for judged in found.values()), *image_drift(chain)]
 
 
@@ -623,10 +623,10 @@ def logs_for(job_file: Path, number: int | None, follow: bool, poll_s: float, ec
         # Its kernel was deleted (`kchain stop --delete`): Kaggle's copy went with it; a newer kernel of the
         # same name numbers its versions from 1 again.
         kept = output_dir(ledger, job.name, record["session"]) / "log.json"
-        text = log_text(parse_log(kept.read_text())) if kept.is_file() else ""
+        text = _log_text(_parse_log(kept.read_text())) if kept.is_file() else ""
         echo(text.rstrip("\n") if text else f"[kchain] session {record['session']}'s log went with its kernel "
              f"(deleted {record['kernel_deleted']}) before it was downloaded")
         return
     client = KaggleClient()
-    show_log(client, record, echo, follow=follow, poll_s=poll_s)
+    _show_log(client, record, echo, follow=follow, poll_s=poll_s)
     refresh(client, ledger, job.name)

@@ -195,7 +195,7 @@ def smoke(job_path: Path, echo: Echo = print, quiet_training: bool = False, down
     try:
         reference, killed, held = train(prep, echo, show)
         try:
-            failure = stopped_right(prep, killed.until_killed())
+            failure = _stopped_right(prep, killed.until_killed())
             resumed = resume(prep, killed, held, echo) if failure is None else None
         finally:
             held.cancel()  # nothing to resume (or an error here): the held notebook leaves untouched
@@ -302,7 +302,7 @@ def threads_each(n_ranks: int) -> int:
     return max(1, cores // (2 * n_ranks))
 
 
-def stopped_right(prep: Prepared, killed: Child) -> diagnose.Failure | None:
+def _stopped_right(prep: Prepared, killed: Child) -> diagnose.Failure | None:
     """The killed run's own failure, or why it cannot be resumed (no checkpoint, or it was never killed)."""
     failure = _child_failure(killed)
     if failure is not None:
@@ -333,7 +333,7 @@ def resume(prep: Prepared, killed: Child, held: Child, echo: Echo) -> Child:
     reaches it, so state a job keeps only in its own files fails here, not on Kaggle."""
     echo(f"  kill       {time.time() - prep.t_start:5.2f}s  SIGKILL after the stop's checkpoint at step {prep.steps}; "
          f"the training took {killed.wall_s:.1f}s")
-    attach_state(killed.root, held.root, prep.rendered.config)
+    _attach_state(killed.root, held.root, prep.rendered.config)
     echo("  resume     fresh process, empty working dir, the checkpoint attached as the state dataset "
          "(started beside the runs, released at the kill)")
     resumed = held.release().wait()
@@ -341,7 +341,7 @@ def resume(prep: Prepared, killed: Child, held: Child, echo: Echo) -> Child:
     return resumed
 
 
-def attach_state(killed_root: Path, resume_root: Path, config: dict[str, Any]) -> None:
+def _attach_state(killed_root: Path, resume_root: Path, config: dict[str, Any]) -> None:
     """Mount what a chain carries to the next session in the resume's sandbox: the newest complete
     checkpoint as the state dataset version (statefolder's flat layout) and the staged-data cache
     as the cache dataset. Not verified here: the resuming runtime verifies what it loads."""
@@ -384,7 +384,7 @@ def judge(prep: Prepared, reference: Child, killed: Child, resumed: Child | None
             report.reference, report.resumed, prep.steps, 2 * prep.steps, not_exact,
         )
         traces.print_traces(echo, rows, prep.steps)
-        report.failure, report.verdict = judge_state(prep, reference, killed, resumed, report, echo)
+        report.failure, report.verdict = _judge_state(prep, reference, killed, resumed, report, echo)
     report.passed = report.failure is None
     summary = (resumed.summary if resumed else None) or killed.summary or Summary()
     report.checkpoint = summary.checkpoint
@@ -394,7 +394,7 @@ def judge(prep: Prepared, reference: Child, killed: Child, resumed: Child | None
     return report
 
 
-def judge_state(prep: Prepared, reference: Child, killed: Child, resumed: Child | None, report: SmokeReport,
+def _judge_state(prep: Prepared, reference: Child, killed: Child, resumed: Child | None, report: SmokeReport,
                 echo: Echo) -> tuple[diagnose.Failure | None, str]:
     """The checkpoints compared value by value (statecheck.py) at every step the reference and the
     killed or resumed run both saved: a trace that agrees with a state that does not is a failure."""

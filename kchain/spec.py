@@ -70,7 +70,7 @@ def _key_name(part: Any) -> str:
     return shown(part) if not isinstance(part, int) else str(part)
 
 
-def key_path(loc: tuple[Any, ...] | list[Any]) -> str:
+def _key_path(loc: tuple[Any, ...] | list[Any]) -> str:
     return ".".join(_key_name(p) for p in loc) or "(top level)"
 
 
@@ -573,7 +573,7 @@ def _json_problem(value: Any, loc: tuple[Any, ...]) -> tuple[tuple[Any, ...], st
     return None
 
 
-def parse_yaml(text: str) -> Any:
+def _parse_yaml(text: str) -> Any:
     """YAML text -> plain data with the job file's limits. Raises yaml.YAMLError or _LimitError."""
     loader = _JobLoader(text)
     try:
@@ -598,7 +598,7 @@ def _yaml_error(label: str, exc: yaml.YAMLError) -> SpecError:
     return SpecError(f"{label}: {where}{problem[:200]}{fix}")
 
 
-def read_text_file(path: Path, label: str, max_bytes: int = MAX_JOB_BYTES) -> str:
+def _read_text_file(path: Path, label: str, max_bytes: int = MAX_JOB_BYTES) -> str:
     """A UTF-8 text file (a BOM is allowed) with a size cap; anything else is one SpecError line."""
     try:
         if not path.is_file():
@@ -666,7 +666,7 @@ def _plain_errors(errors: list[Any]) -> list[dict[str, Any]]:
 
 def _describe(error: Mapping[str, Any]) -> str:
     loc = tuple(error["loc"])
-    key = key_path(loc)
+    key = _key_path(loc)
     if error["type"] == "scalar_union":
         example = {"checkpoint_every": "10m or 500 steps", "mount_wait": "5m or 90s"}.get(loc[-1], "90s, 10m or 12h")
         return f"{key}: {shown(error.get('input'))} is not a duration; write e.g. {example}"
@@ -708,11 +708,11 @@ def load_job(path: str | Path) -> Job:
         if path.is_dir() and (path / "job.yaml").exists():
             path = path / "job.yaml"
     except OSError:
-        pass  # read_text_file names the problem
+        pass  # _read_text_file names the problem
     label = str(path) if str(path).isprintable() else repr(str(path))  # the error stays one line
-    text = read_text_file(path, label)
+    text = _read_text_file(path, label)
     try:
-        data = parse_yaml(text)
+        data = _parse_yaml(text)
     except yaml.YAMLError as exc:
         raise _yaml_error(label, exc) from None
     except _LimitError as exc:
@@ -727,7 +727,7 @@ def load_job(path: str | Path) -> Job:
         raise SpecError(f"{label}: path: unknown key; remove it")
     problem = _json_problem(data, ())
     if problem is not None:
-        raise SpecError(f"{label}: {key_path(problem[0])}: {problem[1]}")
+        raise SpecError(f"{label}: {_key_path(problem[0])}: {problem[1]}")
     try:
         job = Job.model_validate({**data, "path": path.resolve()})
     except ValidationError as exc:
@@ -747,11 +747,11 @@ def load_job(path: str | Path) -> Job:
         if job.kaggle.competition:
             known.add(job.kaggle.competition)
         if slug not in known and slug in {"/".join(ref.split("/")[:2]) for ref in job.kaggle.datasets}:
-            raise SpecError(f"{label}: kaggle.local.{key_path((slug,))}: name the local copy by the dataset's slug alone, "
+            raise SpecError(f"{label}: kaggle.local.{_key_path((slug,))}: name the local copy by the dataset's slug alone, "
                             f"{slug.split('/')[1]}: ({slug} is in kaggle.datasets already)")
         if slug not in known:
             raise SpecError(
-                f"{label}: kaggle.local.{key_path((slug,))}: not an attached dataset or model; add it to "
+                f"{label}: kaggle.local.{_key_path((slug,))}: not an attached dataset or model; add it to "
                 "kaggle.datasets or kaggle.models, or remove it"
             )
     return job
@@ -858,7 +858,7 @@ def parse_overrides(values: tuple[str, ...] | list[str], label: str = "--set") -
         if not sep or not key.strip() or not key.isprintable() or len(key) > MAX_SHOWN:
             raise SpecError(f"{label} {shown(value)}: write it as name=value, e.g. {label} steps=300")
         try:
-            parsed = parse_yaml(raw)
+            parsed = _parse_yaml(raw)
         except (yaml.YAMLError, _LimitError, ValueError, OverflowError):
             raise SpecError(f"{label} {shown(value)}: the value is not one YAML value; quote it, e.g. "
                             f"{label} '{key}=\"...\"'") from None

@@ -55,7 +55,7 @@ class Synced:
     held: int  # values the target held already (not sent again)
 
 
-def steps_of(rows: Iterable[dict[str, Any]]) -> dict[int, dict[str, float]]:
+def _steps_of(rows: Iterable[dict[str, Any]]) -> dict[int, dict[str, float]]:
     """{step: {metric: value}}: every number of a trace, one value per metric and step, steps in order."""
     out: dict[int, dict[str, float]] = {}
     for row in rows:
@@ -66,7 +66,7 @@ def steps_of(rows: Iterable[dict[str, Any]]) -> dict[int, dict[str, float]]:
     return dict(sorted(out.items()))
 
 
-def times_of(rows: Iterable[dict[str, Any]]) -> dict[int, float]:
+def _times_of(rows: Iterable[dict[str, Any]]) -> dict[int, float]:
     """{step: when it was logged (epoch seconds)}, the first row of each step."""
     out: dict[int, float] = {}
     for row in rows:
@@ -75,7 +75,7 @@ def times_of(rows: Iterable[dict[str, Any]]) -> dict[int, float]:
     return out
 
 
-def chain_run_id(output: Path, job: str) -> str:
+def _chain_run_id(output: Path, job: str) -> str:
     """The chain's run id, from the newest checkpoint in a session's output; for a chain older than
     run ids, one made from the job's name (the same every time)."""
     checkpoints = output / layout.KCHAIN_DIR / layout.CHECKPOINTS_DIR
@@ -101,13 +101,13 @@ def sync_for(job_file: Path, to: str, folder: Path | None) -> Synced:
     if trace is None:
         raise SyncError(f"{job.name} has no session with a metrics trace yet; `kchain status` shows the chain")
     output = trace.parent.parent  # <output>/kchain/metrics.jsonl
-    return sync_trace(read_trace(trace), chain_run_id(output, job.name), job.name, to,
+    return _sync_trace(read_trace(trace), _chain_run_id(output, job.name), job.name, to,
                       folder or ledger.root / "trackers" / job.name)
 
 
-def sync_trace(rows: list[dict[str, Any]], run_id: str, name: str, to: str, folder: Path) -> Synced:
+def _sync_trace(rows: list[dict[str, Any]], run_id: str, name: str, to: str, folder: Path) -> Synced:
     """The rows of a trace to one target's run `run_id` (named `name`), each (step, metric) once."""
-    steps, times = steps_of(rows), times_of(rows)
+    steps, times = _steps_of(rows), _times_of(rows)
     if to == "tensorboard":
         return _tensorboard(steps, run_id, folder)
     if to == "mlflow":
@@ -184,7 +184,7 @@ def _wandb(steps: dict[int, dict[str, float]], run_id: str, name: str, folder: P
     """The W&B run of id run.id, offline: a new offline run folder resumes it (resume="allow") with
     the steps after the last one any earlier offline folder of it holds."""
     wandb = _need("wandb", "wandb")
-    last = max((wandb_steps(f) for f in sorted((folder / "wandb").glob(f"offline-run-*-{run_id}/run-{run_id}.wandb"))),
+    last = max((_wandb_steps(f) for f in sorted((folder / "wandb").glob(f"offline-run-*-{run_id}/run-{run_id}.wandb"))),
                default=-1)
     fresh = {s: values for s, values in steps.items() if s > last}
     held = sum(len(v) for s, v in steps.items() if s <= last)
@@ -201,7 +201,7 @@ def _wandb(steps: dict[int, dict[str, float]], run_id: str, name: str, folder: P
     return Synced("wandb", run_id, str(folder / "wandb"), sum(len(v) for v in fresh.values()), held)
 
 
-def wandb_steps(path: Path) -> int:
+def _wandb_steps(path: Path) -> int:
     """The last step an offline W&B run's record file holds (-1 for none), read with W&B's own
     record type (wandb.proto): W&B 0.31 ships no reader of these files in Python."""
     from wandb.proto import wandb_internal_pb2

@@ -389,7 +389,7 @@ def other_job(path: Path, manifest: dict, job: str | None) -> bool:
     return False
 
 
-def find_checkpoints(checkpoints: Path, input_root: Path, scratch: Path, job: str | None,
+def _find_checkpoints(checkpoints: Path, input_root: Path, scratch: Path, job: str | None,
                      state_slug: str | None = None) -> tuple[list[tuple[Path, dict]], list[str]]:
     """(every checkpoint that verifies, newest first; one line per damaged one)."""
     good: list[tuple[Path, dict]] = []
@@ -449,5 +449,5 @@ def bring_best(resumed: Path, manifest: dict, checkpoints: Path) -> str | None:
 def find_latest(checkpoints: Path, input_root: Path, scratch: Path, job: str | None,
                 state_slug: str | None = None) -> tuple[Path, dict] | None:
     """The newest checkpoint that verifies; each one skipped is named in a warning."""
-    good, _ = find_checkpoints(checkpoints, input_root, scratch, job, state_slug)
+    good, _ = _find_checkpoints(checkpoints, input_root, scratch, job, state_slug)
     return good[0] if good else None

@@ -75,7 +75,7 @@ def fill_metadata(template: str, sources: list[str], image: str | None) -> str:
     return canonical(metadata)
 
 
-def next_config(config: dict[str, Any], resume: dict[str, Any], publish: dict | None,
+def _next_config(config: dict[str, Any], resume: dict[str, Any], publish: dict | None,
                 week: dict | None = None) -> dict[str, Any]:
     """This session's config (as the notebook embedded it) with the next session's resume, figures and week."""
     kaggle = {k: v for k, v in config["kaggle"].items() if k not in ("resume", "publish", "week")}
@@ -182,7 +182,7 @@ def write_next(folder: Path, template: dict[str, Any], src: Path, config: dict[s
     """The next session's kernel folder from the template (plan: session, sources, resume, publish)."""
     payload = (src / PAYLOAD_FILE).read_text(encoding="ascii")
     notebook = fill_notebook(template["notebook"], plan["session"], plan["sources"],
-                             next_config(config, plan["resume"], plan["publish"], plan.get("week")), payload)
+                             _next_config(config, plan["resume"], plan["publish"], plan.get("week")), payload)
     metadata = fill_metadata(template["metadata"], plan["sources"], template["chain"].get("image"))
     write_kernel(folder, config["job"], notebook, metadata)
 

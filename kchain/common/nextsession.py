@@ -103,7 +103,7 @@ def decide(now: Chain, job_file: str, retry: bool = False, skip_smoke: bool = Fa
     if not now.smoked(fingerprint) and not skip_smoke:
         return _stop(f"this code has never passed a smoke run: run `kchain smoke {job_file}` first "
                      "(or --skip-smoke, recorded in the run log)", NOT_SMOKED)
-    unmounted = not_mounted_in_a_row(chain)
+    unmounted = _not_mounted_in_a_row(chain)
     if unmounted:
         state = f"state version {last.get('state_version')} (step {last.get('resumes_at') or 0})"
         return Verdict("push", f"push session {last['session'] + 1}: session {last['session']} again from {state}, "
@@ -126,7 +126,7 @@ def _while_live(now: Chain, last: Record) -> Verdict | None:
     return None
 
 
-def not_mounted_in_a_row(chain: list[Record]) -> int:
+def _not_mounted_in_a_row(chain: list[Record]) -> int:
     """How many sessions at the chain's end ended state_not_mounted, one after the other."""
     count = 0
     for record in reversed(chain):
@@ -162,7 +162,7 @@ def _after_end(chain: list[Record], job_file: str) -> Verdict | None:
             f"step {summary.step}): loading and start-up take the whole session; stage the data "
             "with run.stage so later sessions load a cache, or raise train.session_limit"
         )
-    unmounted = not_mounted_in_a_row(chain)
+    unmounted = _not_mounted_in_a_row(chain)
     if unmounted > REMOUNTS:
         first = chain[-unmounted]["session"]
         return _stop(

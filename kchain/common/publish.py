@@ -54,7 +54,7 @@ def none(why: str, unattended: bool = False) -> int:
     return 0
 
 
-def time_left(config: RuntimeConfig) -> float | None:
+def _time_left(config: RuntimeConfig) -> float | None:
     """Seconds until the session's hard limit, by the notebook's clock; None if unknown."""
     start = os.environ.get(layout.SESSION_START_ENV)
     limit = os.environ.get(layout.SESSION_LIMIT_ENV) or config.train.session_limit_s
@@ -76,7 +76,7 @@ def credential() -> dict[str, str] | None:
         return None
 
 
-def brief(exc: BaseException) -> str:
+def _brief(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {str(exc)[:120]}"
 
 
@@ -88,13 +88,13 @@ class Clock:
         self.config, self.plan = config, plan
 
     def room_to_send(self, nbytes: int) -> bool:
-        left = time_left(self.config)
+        left = _time_left(self.config)
         again = publishplan.seconds(self.plan, nbytes) - self.plan["start_s"]  # the client is up already
         return left is None or left - RESERVE_S >= again
 
     def until(self, within_s: float) -> float:
         """The monotonic time a wait of at most within_s must end by."""
-        left = time_left(self.config)
+        left = _time_left(self.config)
         room = within_s if left is None else min(within_s, left - RESERVE_S)
         return time.monotonic() + max(0.0, room)
 
@@ -118,7 +118,7 @@ def read(what: str, call, attempts: int = 6, until: float | None = None):
             more = attempt < attempts - 1 or (until is not None and time.monotonic() + wait < until)
             if not transient(exc) or not more:
                 raise
-            say(f"{what} failed ({brief(exc)}); retrying in {wait:.0f}s")
+            say(f"{what} failed ({_brief(exc)}); retrying in {wait:.0f}s")
             time.sleep(wait)
             attempt += 1
 
@@ -156,7 +156,7 @@ def version_number(api, ref: str, until: float) -> int | None:
         try:
             status = str(api.dataset_status(ref))
         except Exception as exc:  # noqa: BLE001 - hidden (403/404) or a transient failure: look again
-            status = f"not visible ({brief(exc)})"
+            status = f"not visible ({_brief(exc)})"
         if status == "ready":
             try:
                 answer = read(f"reading {ref}'s version", lambda: api.dataset_status(ref, format="json"), until=until)
@@ -183,7 +183,7 @@ def refused(result, ref: str) -> bool:
     raise RuntimeError(f"{ref}: {error or status}")
 
 
-def version_once(api, folder: Path, ref: str, notes: str, dir_mode: str, clock: Clock,
+def _version_once(api, folder: Path, ref: str, notes: str, dir_mode: str, clock: Clock,
                  on_send: Callable[[int | None], None] | None = None) -> None:
     """folder as one new version of ref. A send that fails is settled by ref's current version: a new
     one means it landed; else it is sent again, while the session has time for another upload.
@@ -203,12 +203,12 @@ def version_once(api, folder: Path, ref: str, notes: str, dir_mode: str, clock: 
             lost=lambda exc: before is not None, attempts=ATTEMPTS, settle_s=0.0,
             may_resend=lambda: clock.room_to_send(publishplan.tree_bytes(folder)))
     except sendonce.NotLanded as exc:
-        raise RuntimeError(f"the upload to {ref} failed ({brief(exc.last)}), it has no new version after "
+        raise RuntimeError(f"the upload to {ref} failed ({_brief(exc.last)}), it has no new version after "
                            f"{exc.attempts} sends, and no attempts or no time are left") from exc
     except Exception as exc:
         if before is not None:
             raise  # the dataset's state said no (failed, deleted) or the time for the publish ran out
-        raise RuntimeError(f"the upload to {ref} failed ({brief(exc)}) and this kaggle client cannot "
+        raise RuntimeError(f"the upload to {ref} failed ({_brief(exc)}) and this kaggle client cannot "
                            "read the dataset's version to tell whether it landed") from exc
     if now:
         say(f"the answer was lost, but {ref} has version {now}: using it")
@@ -216,7 +216,7 @@ def version_once(api, folder: Path, ref: str, notes: str, dir_mode: str, clock: 
         raise RuntimeError(f"{ref}: Kaggle refused the new version: {getattr(result, 'error', '')}")
 
 
-def create_once(api, folder: Path, ref: str, dir_mode: str, clock: Clock) -> bool:
+def _create_once(api, folder: Path, ref: str, dir_mode: str, clock: Clock) -> bool:
     """folder as the first version of the new dataset ref; False if ref existed already. A send that
     fails is settled by looking ref up (a new dataset hides a while); else it is sent again, while the
     session has time for another upload."""
@@ -231,7 +231,7 @@ def create_once(api, folder: Path, ref: str, dir_mode: str, clock: Clock) -> boo
             send, lambda: appears(api, ref, clock.until(APPEAR_S)), lost=lambda exc: True, attempts=ATTEMPTS,
             settle_s=0.0, may_resend=lambda: clock.room_to_send(publishplan.tree_bytes(folder)))
     except sendonce.NotLanded as exc:
-        raise RuntimeError(f"creating {ref} failed ({brief(exc.last)}), it does not exist after {exc.attempts} "
+        raise RuntimeError(f"creating {ref} failed ({_brief(exc.last)}), it does not exist after {exc.attempts} "
                            "sends, and no attempts or no time are left") from exc
     if seen:
         say(f"the answer was lost, but {ref} exists: using it")
@@ -240,17 +240,17 @@ def create_once(api, folder: Path, ref: str, dir_mode: str, clock: Clock) -> boo
     return len(sends) > 1 if refused(result, ref) else True
 
 
-def publish_folder(api, folder: Path, ref: str, title: str, notes: str, dir_mode: str, clock: Clock,
+def _publish_folder(api, folder: Path, ref: str, title: str, notes: str, dir_mode: str, clock: Clock,
                    on_send: Callable[[int | None], None] | None = None) -> None:
     from kchain.common.statefolder import write_dataset_metadata
 
     write_dataset_metadata(folder, ref, title)
-    if not exists(api, ref) and create_once(api, folder, ref, dir_mode, clock):
+    if not exists(api, ref) and _create_once(api, folder, ref, dir_mode, clock):
         return
-    version_once(api, folder, ref, notes, dir_mode, clock, on_send)
+    _version_once(api, folder, ref, notes, dir_mode, clock, on_send)
 
 
-def attached_cache(input_root: Path, marker_name: str) -> list[str] | None:
+def _attached_cache(input_root: Path, marker_name: str) -> list[str] | None:
     for marker in input_root.rglob(marker_name) if input_root.is_dir() else []:
         try:
             return json.loads(marker.read_text())["entries"]
@@ -284,7 +284,7 @@ def main(config_path: str) -> int:
     if found is None and not alone:
         return none(f"no verified checkpoint past step {resumed} in this session's output")
     nbytes = publishplan.tree_bytes(found[0]) if found is not None else 0
-    need, left = publishplan.seconds(plan, nbytes), time_left(config)
+    need, left = publishplan.seconds(plan, nbytes), _time_left(config)
     if left is not None and left < need:
         return none(f"{left:.0f}s left before the session limit, and publishing "
                     f"{publishplan.size_text(nbytes)} needs about {need:.0f}s", alone)
@@ -307,11 +307,11 @@ def main(config_path: str) -> int:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     if template is not None:
-        chain_next(api, template, raw, config, kchain_dir, Path(config_path).parent, clock, before)
+        _chain_next(api, template, raw, config, kchain_dir, Path(config_path).parent, clock, before)
     return 0
 
 
-def chain_next(api, template: dict, raw: dict, config: RuntimeConfig, kchain_dir: Path, src: Path, clock: Clock,
+def _chain_next(api, template: dict, raw: dict, config: RuntimeConfig, kchain_dir: Path, src: Path, clock: Clock,
                before: int | None) -> None:
     """An unattended chain's next session from this kernel: wait until the state version is ready, decide
     with the table `kchain continue` uses, and push it once; the decision goes into summary.json."""
@@ -320,25 +320,25 @@ def chain_next(api, template: dict, raw: dict, config: RuntimeConfig, kchain_dir
     resume = config.kaggle.resume or {}
     try:
         assert config.kaggle.state_dataset, "main returns before this without a state dataset"
-        version = ready_version(api, config.kaggle.state_dataset, before, clock)
+        version = _ready_version(api, config.kaggle.state_dataset, before, clock)
     except Exception as exc:  # noqa: BLE001 - the laptop takes over
         nextkernel.record(kchain_dir, {"decision": "left to the laptop", "pushed": False,
-                                       "why": f"the state version did not become ready: {brief(exc)}"}, say)
+                                       "why": f"the state version did not become ready: {_brief(exc)}"}, say)
         return
     waited = round(time.monotonic() - t0, 3)
     verdict = nextsession.decide(nextsession.Chain(
-        chain_records(config, ended, resume, kchain_dir), template["chain"]["kernel"], None,
+        _chain_records(config, ended, resume, kchain_dir), template["chain"]["kernel"], None,
         lambda: str(config.fingerprint), lambda _fp: True), template["chain"]["job_file"])
     out: dict = {"decision": verdict.action, "pushed": False, "why": verdict.message, "waited_s": waited}
     if verdict.action == "push":
         out.update(push_next(api, (template, src), raw, config, ended, resume, version, verdict, clock, waited))
     out["idle_s"] = round(time.monotonic() - t0, 3)
     if ended.published == "kernel" and ended.publish_timing and out.get("push_s") is not None:
-        record_measured(kchain_dir, waited, out["push_s"])
+        _record_measured(kchain_dir, waited, out["push_s"])
     nextkernel.record(kchain_dir, out, say)
 
 
-def record_measured(kchain_dir: Path, waited_s: float, push_s: float) -> None:
+def _record_measured(kchain_dir: Path, waited_s: float, push_s: float) -> None:
     """The publish figures in summary.json with what came after the upload (the wait for the version to be
     ready, the push of the next session): the figures a later push plans with are what this session took."""
     path = kchain_dir / layout.SUMMARY
@@ -348,7 +348,7 @@ def record_measured(kchain_dir: Path, waited_s: float, push_s: float) -> None:
         summary.write(path, ended)
 
 
-def ready_version(api, ref: str, before: int | None, clock: Clock) -> int | None:
+def _ready_version(api, ref: str, before: int | None, clock: Clock) -> int | None:
     """The state dataset's version once a version newer than `before` is ready (the one just published),
     or the current one when this session published nothing; bounded by the session's time."""
     published = (summary.read(layout.kchain_dir(os.environ) / layout.SUMMARY) or summary.Summary()).published
@@ -362,7 +362,7 @@ def ready_version(api, ref: str, before: int | None, clock: Clock) -> int | None
         time.sleep(1.0)
 
 
-def chain_records(config: RuntimeConfig, ended: summary.Summary, resume: dict,
+def _chain_records(config: RuntimeConfig, ended: summary.Summary, resume: dict,
                   kchain_dir: Path) -> list[SessionRecord]:
     """The chain's records as this kernel knows them: sessions before it that did not see their state
     mounted (resume.attempt), then this session, ending now."""
@@ -415,7 +415,7 @@ def push_next(api, unpacked: tuple[dict, Path], raw: dict, config: RuntimeConfig
             "resume": nextkernel.resume_for(n, int(step or 0), version, verdict.attempt if verdict.again else 1)}
     t0 = time.monotonic()
     if chain.get("relay"):  # a GPU chain: a CPU relay pushes it once this session has ended (common/relay.py)
-        left = time_left(config)
+        left = _time_left(config)
         sent = relay.send(api, template, src, raw, plan, session_s if left is None else max(left, 0.0),
                           clock.until(SETTLE_S * 3))
     else:
@@ -461,8 +461,8 @@ def publish(api, config: RuntimeConfig, kchain_dir: Path, work: Path, clock: Clo
         return none("no verified checkpoint in this session's output")
     notes = f"kchain session {marker['session']} step {marker['step']}"
     t1 = time.monotonic()
-    publish_folder(api, work / "state", kaggle.state_dataset, f"{config.job} state"[:50], notes, "skip", clock,
-                   lambda before: record_sent(kchain_dir, marker["step"], before))
+    _publish_folder(api, work / "state", kaggle.state_dataset, f"{config.job} state"[:50], notes, "skip", clock,
+                   lambda before: _record_sent(kchain_dir, marker["step"], before))
     uploaded = sum(p.stat().st_size for p in (work / "state").iterdir() if p.is_file())
     # Measured here, planned with by the next session (continue passes them on in its config).
     took = max(time.monotonic() - t1, 1e-3)
@@ -473,7 +473,7 @@ def publish(api, config: RuntimeConfig, kchain_dir: Path, work: Path, clock: Clo
     # Recorded before the cache is tried: the state version exists now, and a summary without it would
     # have the laptop relay the same state as a second version.
     record(kchain_dir, marker["step"], uploaded, timing)
-    cache_bytes = publish_cache(api, config, kchain_dir, work, notes, clock)
+    cache_bytes = _publish_cache(api, config, kchain_dir, work, notes, clock)
     if cache_bytes:
         record(kchain_dir, marker["step"], uploaded + cache_bytes, timing)
     say(f"state at step {marker['step']} is now a new version of {kaggle.state_dataset} "
@@ -481,7 +481,7 @@ def publish(api, config: RuntimeConfig, kchain_dir: Path, work: Path, clock: Clo
     return 0
 
 
-def record_sent(kchain_dir: Path, step: int, before: int | None) -> None:
+def _record_sent(kchain_dir: Path, step: int, before: int | None) -> None:
     """summary.json says the state at step is being sent as the version after `before`, before it is: if
     this session ends before the send is settled, `continue` reads the dataset's versions instead of
     relaying the same state as a second version (chain.relay_state)."""
@@ -500,25 +500,25 @@ def record(kchain_dir: Path, step: int, nbytes: int, timing: dict) -> None:
     summary.write(summary_path, ended)
 
 
-def publish_cache(api, config: RuntimeConfig, kchain_dir: Path, work: Path, notes: str, clock: Clock) -> int:
+def _publish_cache(api, config: RuntimeConfig, kchain_dir: Path, work: Path, notes: str, clock: Clock) -> int:
     """The staged cache as a version of the job's cache dataset when it changed; its bytes (0: none).
     A failure is said and left: the state stands, and the next session stages its data again."""
     from kchain.common.statefolder import CACHE_MARKER, build_cache_folder, cache_entries
 
     entries = cache_entries(kchain_dir)
     ref = config.kaggle.cache_dataset
-    if not entries or entries == attached_cache(layout.input_root(os.environ), CACHE_MARKER) or not ref:
+    if not entries or entries == _attached_cache(layout.input_root(os.environ), CACHE_MARKER) or not ref:
         return 0
     cache_bytes = build_cache_folder(kchain_dir, work / "cache")
     try:
-        publish_folder(api, work / "cache", ref, f"{config.job} cache"[:50], notes, "zip", clock)
+        _publish_folder(api, work / "cache", ref, f"{config.job} cache"[:50], notes, "zip", clock)
     except Exception as exc:  # noqa: BLE001 - the cache only saves the next session its staging
-        say(f"the staged-data cache was not published ({brief(exc)}); the next session stages its data again")
+        say(f"the staged-data cache was not published ({_brief(exc)}); the next session stages its data again")
         return 0
     return cache_bytes
 
 
-def mark_end() -> None:
+def _mark_end() -> None:
     """summary.json says when this process ended: the session Kaggle bills runs past the training's end
     through the publish and the push (`kchain budget` and the kernel's own budget count to here)."""
     path = layout.kchain_dir(os.environ) / layout.SUMMARY
@@ -532,5 +532,5 @@ if __name__ == "__main__":
     try:
         code = main(sys.argv[1])
     finally:
-        mark_end()
+        _mark_end()
     sys.exit(code)

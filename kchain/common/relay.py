@@ -174,7 +174,7 @@ def status(api: Any, ref: str) -> str:
     return str(getattr(answer, "name", answer))
 
 
-def wait_ended(api: Any, ref: str, until: float) -> str:
+def _wait_ended(api: Any, ref: str, until: float) -> str:
     """Session ref's status once it has ended, or the last one read when the wait ran out."""
     while True:
         now = status(api, ref)
@@ -193,7 +193,7 @@ def relay(config: dict[str, Any], src: Path) -> dict[str, Any]:
     os.environ.pop("KAGGLE_API_V1_TOKEN", None)  # the session token Kaggle mounts would win over the key (1.3)
     os.environ.update(cred)
     api = client()
-    ended = wait_ended(api, f"{kernel}/{after}", time.monotonic() + float(config["wait_s"]))
+    ended = _wait_ended(api, f"{kernel}/{after}", time.monotonic() + float(config["wait_s"]))
     if ended not in TERMINAL:
         return {"pushed": False, "why": f"{kernel} version {after} was still {ended} after {config['wait_s']:g}s"}
     now = nextkernel.read_version(api, kernel)

@@ -67,7 +67,7 @@ def _env_cadence(text: str) -> dict[str, float]:
 HANG_FLOOR_S = 30 * 60  # the hung-step watchdog's default floor: no step in 30 minutes
 
 
-def hang_floor_s(hang_timeout_s: float | None, env: Mapping[str, str]) -> float:
+def _hang_floor_s(hang_timeout_s: float | None, env: Mapping[str, str]) -> float:
     """The watchdog's floor: the environment's override, else train.hang_timeout_s, else 30 minutes."""
     if env.get(layout.HANG_ENV):
         return float(env[layout.HANG_ENV])
@@ -97,7 +97,7 @@ class Settings:
     micro_auto: bool = False  # train.micro_batch: auto, the out-of-memory ladder
     checkpoint_frozen: bool = False  # train.checkpoint_frozen: the frozen base is saved too
     keep_best: keepbest.Choice | None = keepbest.Choice()  # train.keep_best: the metric and mode; None: off
-    hang_s: float = 1800.0  # the hung-step watchdog's floor (hang_floor_s)
+    hang_s: float = 1800.0  # the hung-step watchdog's floor (_hang_floor_s)
     cache_dataset: str = ""  # the job's staging cache dataset, as the kernel mounts it
     state_slug: str | None = None  # the slug of the job's state dataset (None in a local run)
     publish: dict | None = None  # the in-kernel publish's figures (publishplan), None when the laptop relays
@@ -146,7 +146,7 @@ class Settings:
             micro_auto=train.micro_batch == "auto",
             checkpoint_frozen=bool(train.checkpoint_frozen),
             keep_best=keepbest.parse(train.keep_best),
-            hang_s=hang_floor_s(train.hang_timeout_s, env),
+            hang_s=_hang_floor_s(train.hang_timeout_s, env),
             cache_dataset=config.kaggle.cache_dataset or f"{config.job}{layout.CACHE_SUFFIX}",
             state_slug=config.state_slug,
             publish=None if smoke else publishplan.figures(config.kaggle),

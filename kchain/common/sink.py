@@ -58,13 +58,13 @@ def step_of(ckpt: Path) -> int:
 def read_pointer(folder: Path) -> dict | None:
     """What the sink says was published last: its `latest` pointer or its newest mark, the higher step (a
     pointer deleted with the newest copy leaves the mark); None when nothing was ever published."""
-    pointer, mark = _read_latest(folder), newest_mark(folder)
+    pointer, mark = _read_latest(folder), _newest_mark(folder)
     if mark is not None and (pointer is None or int(mark["step"]) > int(pointer["step"])):
         return mark
     return pointer
 
 
-def newest_mark(folder: Path) -> dict | None:
+def _newest_mark(folder: Path) -> dict | None:
     marks = sorted(folder.glob(f"{MARK_PREFIX}*")) if folder.is_dir() else []
     for mark in reversed(marks):
         number = mark.name.removeprefix(MARK_PREFIX)

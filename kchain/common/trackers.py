@@ -64,11 +64,11 @@ class RunIds:
 
     def manifest(self) -> dict:
         """What every checkpoint records: the run id, and the MLflow run active now (or known before)."""
-        self.mlflow = active_mlflow_run() or self.mlflow
+        self.mlflow = _active_mlflow_run() or self.mlflow
         return {RUN_ID_KEY: self.run_id, **({MLFLOW_KEY: self.mlflow} if self.mlflow else {})}
 
 
-def active_mlflow_run() -> str | None:
+def _active_mlflow_run() -> str | None:
     """The id of the MLflow run the user's code has active, if it imported mlflow (never imported here)."""
     mlflow = sys.modules.get("mlflow")
     active = getattr(mlflow, "active_run", None) if mlflow is not None else None

@@ -44,7 +44,7 @@ def find_mount(input_root: Path, job: str) -> Path | None:
     return None
 
 
-def await_mount(input_root: Path, job: str, wait_s: float, sleep=time.sleep) -> Path | None:  # noqa: ANN001
+def _await_mount(input_root: Path, job: str, wait_s: float, sleep=time.sleep) -> Path | None:  # noqa: ANN001
     """The mount, waited for up to wait_s (Kaggle mounts a fresh version late, as it does the state)."""
     deadline = time.monotonic() + wait_s
     while True:
@@ -60,7 +60,7 @@ def here() -> str:
            f"{platform.system()} {platform.machine()}"
 
 
-def install_command(pins: list[str], folder: Path, target: Path, python: str = sys.executable) -> list[str]:
+def _install_command(pins: list[str], folder: Path, target: Path, python: str = sys.executable) -> list[str]:
     return [python, "-m", "pip", "install", "--no-index", "--find-links", str(folder), "--no-deps",
             "--only-binary=:all:", "--target", str(target), "--disable-pip-version-check", "--no-input",
             "--no-warn-script-location", "--quiet", *pins]
@@ -70,7 +70,7 @@ def install(pins: list[str], folder: Path, target: Path) -> str | None:
     """Install the pins from folder alone into target; None when done, else the one line that says why not.
     pip's own settings (PIP_* variables: an index, extra find-links) are left out: the wheels are all it gets."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_")}
-    proc = subprocess.run(install_command(pins, folder, target), capture_output=True, text=True, env=env)
+    proc = subprocess.run(_install_command(pins, folder, target), capture_output=True, text=True, env=env)
     if proc.returncode == 0:
         return None
     said = proc.stderr + proc.stdout
@@ -91,7 +91,7 @@ def main(argv: list[str]) -> int:
     target = Path(argv[1])
     job = config.job
     wait_s = config.kaggle.mount_wait_s
-    folder = await_mount(layout.input_root(os.environ), job, wait_s)
+    folder = _await_mount(layout.input_root(os.environ), job, wait_s)
     if folder is None:
         emit(f"[kchain] kaggle.pip: the dataset {slug(job)} is not attached to this session (waited {wait_s:.0f}s); "
              "push the job with kchain, which builds and attaches it")

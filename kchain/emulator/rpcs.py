@@ -37,7 +37,7 @@ INSTANCE_SLUG_RE = re.compile(r"[a-z0-9]+(?:[._-][a-z0-9]+)*")  # variations suc
 IMAGE_REPOSITORY = "gcr.io/kaggle-images/python"
 
 
-def image_name(release: int) -> str:
+def _image_name(release: int) -> str:
     """The digest of the emulator's release N of Kaggle's image (the same N, the same name)."""
     return f"{IMAGE_REPOSITORY}@sha256:{hashlib.sha256(f'kaggle image release {release}'.encode()).hexdigest()}"
 
@@ -67,7 +67,7 @@ def week_start(now: float, offset_s: float = 0.0) -> float:
     return (day - timedelta(days=(day.weekday() - 5) % 7)).timestamp() + offset_s
 
 
-def refresh_words(refresh: float) -> str:
+def _refresh_words(refresh: float) -> str:
     """A refresh time as the quota refusal says it ("Saturday 00:00 UTC")."""
     return datetime.fromtimestamp(refresh, timezone.utc).strftime("%A %H:%M UTC")
 
@@ -76,7 +76,7 @@ def _duration(seconds: float) -> str:
     return f"{seconds:.3f}s"
 
 
-def version_label(body: dict[str, Any]) -> int | None:
+def _version_label(body: dict[str, Any]) -> int | None:
     label = body.get("versionLabel")
     if not label:
         return None
@@ -88,7 +88,7 @@ def version_label(body: dict[str, Any]) -> int | None:
 F = TypeVar("F", bound=Callable[..., Any])
 
 
-def locked(method: F) -> F:
+def _locked(method: F) -> F:
     """Run the whole RPC under the store's lock (for the ones that only read and write the store)."""
     @functools.wraps(method)
     def run(self: Rpcs, *args: Any, **kwargs: Any) -> Any:
@@ -315,7 +315,7 @@ class Rpcs:
         if used >= quota:
             refresh = week_start(time.time(), self.limits.quota_week_offset_s) + 7 * 86400
             return (f"GPU quota exceeded: {used / 3600:.2f} of {quota / 3600:.2f} hours "
-                    f"used this week; the quota resets {refresh_words(refresh)}")
+                    f"used this week; the quota resets {_refresh_words(refresh)}")
         return None
 
     def _reset_secrets(self, ref: str, from_kernel: bool) -> None:
@@ -345,7 +345,7 @@ class Rpcs:
         `ignore_image_pin`: pins have no effect."""
         images, every = self.store.images, self.switches.new_image_every
         if not images or (save.run and every and self.store.data["runs_pushed"] % every == 0):
-            images.append(image_name(len(images) + 1))
+            images.append(_image_name(len(images) + 1))
         self.store.data["runs_pushed"] += int(save.run)
         newest, versions = images[-1], save.kernel["versions"] if save.kernel else []
         if self.switches.ignore_image_pin:
@@ -415,10 +415,10 @@ class Rpcs:
         kernel["versions"].append({"number": number, "session": session_id, "created": now})
         return number, session_id
 
-    @locked
+    @_locked
     def GetKernelSessionStatus(self, user: str, body: dict[str, Any]) -> dict[str, Any]:
         kernel = self._kernel(user, body)
-        version = self._kernel_version(kernel, version_label(body))
+        version = self._kernel_version(kernel, _version_label(body))
         session = self.store.session(version["session"])
         answer = {"status": session["status"]}
         if session["failure_message"]:
@@ -428,7 +428,7 @@ class Rpcs:
     def ListKernelSessionOutput(self, user: str, body: dict[str, Any]) -> dict[str, Any]:
         with self.store.lock:
             kernel = self._kernel(user, body)
-            session = dict(self.store.session(self._kernel_version(kernel, version_label(body))["session"]))
+            session = dict(self.store.session(self._kernel_version(kernel, _version_label(body))["session"]))
         sdir = self.store.session_dir(session["id"])
         output = sdir / "output"
         live = session["status"] in LIVE  # Kaggle persists output and log when the session ends
@@ -449,13 +449,13 @@ class Rpcs:
     def GetKernel(self, user: str, body: dict[str, Any]) -> dict[str, Any]:
         with self.store.lock:
             kernel = self._kernel(user, body)
-            session_id = self._kernel_version(kernel, version_label(body))["session"]
+            session_id = self._kernel_version(kernel, _version_label(body))["session"]
             metadata = self._kernel_metadata(kernel, session_id)
         source = (self.store.session_dir(session_id) / "source").read_text(encoding="utf-8")
         return {"metadata": metadata, "blob": {"source": source, "language": metadata["language"],
                                                "kernelType": metadata["kernelType"], "slug": metadata["slug"]}}
 
-    @locked
+    @_locked
     def GetAcceleratorQuotaStatistics(self, user: str, body: dict[str, Any]) -> dict[str, Any]:
         now = time.time()
         answer = {
@@ -467,7 +467,7 @@ class Rpcs:
                                   "totalTimeAllowed": _duration(self.limits.gpu_quota_s)}
         return answer
 
-    @locked
+    @_locked
     def CancelKernelSession(self, user: str, body: dict[str, Any]) -> dict[str, Any]:
         """Cancel by the internal session id (Kaggle exposes it to no client; tests read emu.sessions())."""
         session = self.store.sessions.get(str(body.get("kernelSessionId") or ""))
@@ -478,7 +478,7 @@ class Rpcs:
         self.runner.cancel(session["id"], by="api")
         return {}
 
-    @locked
+    @_locked
     def DeleteKernel(self, user: str, body: dict[str, Any]) -> dict[str, Any]:
         """`kaggle kernels delete owner/slug`: the kernel and every version's output go; a live session
         is ended (its GPU time stops counting), as Unsloth's CI measured; its Secrets attachment goes too."""
@@ -518,7 +518,7 @@ class Rpcs:
             metadata["dockerImage"] = image or kernel["docker_image"]
         return metadata
 
-    @locked
+    @_locked
     def ListKernels(self, user: str, body: dict[str, Any]) -> dict[str, Any]:
         """`kaggle kernels list [--mine] [--user U] [-s TERM]`: the caller's own (group PROFILE) or public ones."""
         mine = "PROFILE" in str(body.get("group") or "").upper()
@@ -540,7 +540,7 @@ class Rpcs:
 
     # -- models -------------------------------------------------------------------------------
 
-    @locked
+    @_locked
     def ListModelInstanceVersions(self, user: str, body: dict[str, Any]) -> dict[str, Any]:
         """`kaggle models variations versions list owner/model/framework/variation`, newest first."""
         parts = [str(body.get(k) or "") for k in ("ownerSlug", "modelSlug", "framework", "instanceSlug")]
@@ -586,7 +586,7 @@ class Rpcs:
         self._maybe_lose_answer()
         return {"id": card["id"], "ref": f"{owner}/{slug}", "url": f"{self.url()}/models/{owner}/{slug}"}
 
-    @locked
+    @_locked
     def GetModel(self, user: str, body: dict[str, Any]) -> dict[str, Any]:
         card = self._card(user, body.get("ownerSlug") or "", body.get("modelSlug") or "")
         ref = f"{card['owner']}/{card['slug']}"
@@ -634,7 +634,7 @@ class Rpcs:
         self._maybe_lose_answer()
         return {"id": self.store.next_id(), "ref": key, "url": f"{self.url()}/models/{key}/1"}
 
-    @locked
+    @_locked
     def GetModelInstance(self, user: str, body: dict[str, Any]) -> dict[str, Any]:
         parts = [str(body.get(k) or "") for k in ("ownerSlug", "modelSlug", "framework", "instanceSlug")]
         model = self._model(user, model_key(*parts))
@@ -677,7 +677,7 @@ class Rpcs:
 
     # -- datasets -----------------------------------------------------------------------------
 
-    @locked
+    @_locked
     def GetDatasetStatus(self, user: str, body: dict[str, Any]) -> dict[str, Any]:
         dataset = self._dataset(user, body.get("ownerSlug"), body.get("datasetSlug"))
         if not self.store.version_visible(dataset["versions"][-1]):
@@ -685,7 +685,7 @@ class Rpcs:
         latest = dataset["versions"][-1]
         return {"status": "READY" if self.store.version_ready(latest) else "BLOBS_RECEIVED"}
 
-    @locked
+    @_locked
     def GetDataset(self, user: str, body: dict[str, Any]) -> dict[str, Any]:
         return self._dataset_info(self._dataset(user, body.get("ownerSlug"), body.get("datasetSlug")))
 
@@ -698,7 +698,7 @@ class Rpcs:
                 "totalBytes": sum(f["size"] for f in latest["files"]), "lastUpdated": iso(latest["created"]),
                 "downloadCount": 0, "voteCount": 0, "usabilityRating": 0.0}
 
-    @locked
+    @_locked
     def ListDatasets(self, user: str, body: dict[str, Any]) -> dict[str, Any]:
         """`kaggle datasets list [--mine] [--user U] [-s TERM]`: group MY (the caller's), USER or PUBLIC."""
         group = str(body.get("group") or "").upper()
@@ -820,7 +820,7 @@ class Rpcs:
                 raise self._missing(f"dataset id {body.get('id')}")
         return self._create_version(user, dataset, body)
 
-    @locked
+    @_locked
     def DownloadDataset(self, user: str, body: dict[str, Any]) -> dict[str, Any]:
         dataset = self._dataset(user, body.get("ownerSlug"), body.get("datasetSlug"))
         version = self._ready_version(dataset, body.get("datasetVersionNumber"))
@@ -832,7 +832,7 @@ class Rpcs:
             raise Redirect(f"{base}/file/{name}")
         raise Redirect(f"{base}/{dataset['slug']}.zip")
 
-    @locked
+    @_locked
     def ListDatasetFiles(self, user: str, body: dict[str, Any]) -> dict[str, Any]:
         dataset = self._dataset(user, body.get("ownerSlug"), body.get("datasetSlug"))
         version = self._ready_version(dataset, body.get("datasetVersionNumber"))
@@ -868,7 +868,7 @@ class Rpcs:
             tmp.replace(path)
         return path, created
 
-    @locked
+    @_locked
     def dataset_file(self, sig: str, name: str) -> tuple[Path, float] | None:
         for dataset in self.store.datasets.values():
             for version in dataset["versions"]:
@@ -876,7 +876,7 @@ class Rpcs:
                     return self.store.version_files_dir(dataset["ref"], version["number"]) / name, version["created"]
         return None
 
-    @locked
+    @_locked
     def output_file(self, sig: str, name: str) -> tuple[Path, float] | None:
         for session in self.store.sessions.values():
             if session["output_sig"] == sig:
@@ -886,18 +886,18 @@ class Rpcs:
                     return path, session.get("ended") or time.time()
         return None
 
-    @locked
+    @_locked
     def live_log(self, user: str, owner: str, slug: str, label: str) -> tuple[str, bool]:
         """(session id, whether it is live) of the kernel version a log-stream GET names."""
         kernel = self._kernel(user, {"userName": owner, "kernelSlug": slug})
-        session_id = self._kernel_version(kernel, version_label({"versionLabel": label}))["session"]
+        session_id = self._kernel_version(kernel, _version_label({"versionLabel": label}))["session"]
         return session_id, self.store.session(session_id)["status"] in LIVE
 
-    @locked
+    @_locked
     def session_live(self, session_id: str) -> bool:
         return self.store.session(session_id)["status"] in LIVE
 
-    @locked
+    @_locked
     def user_secret(self, token: str, label: str) -> str | None:
         """A Secret for a session's token: only once the user attached Secrets to that kernel."""
         found = self.runner.secret_tokens.get(token)

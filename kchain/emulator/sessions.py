@@ -100,7 +100,7 @@ def kill_tree(pid: int) -> None:
     psutil.wait_procs(procs, timeout=5)
 
 
-def kill_training(pid: int) -> None:
+def _kill_training(pid: int) -> None:
     """SIGKILL the training process trees (`python -m kchain.runtime.launch`, with their ranks and workers)
     under a session's process `pid`, and nothing else of the session: the OOM killer's kill."""
     try:
@@ -156,7 +156,7 @@ def remove_tree(top: Path) -> None:
     shutil.rmtree(top, ignore_errors=True)
 
 
-def kaggle_log(log_jsonl: Path) -> str:
+def _kaggle_log(log_jsonl: Path) -> str:
     """The executor's JSON lines as Kaggle's log: one JSON array of {stream_name, time, data}."""
     entries = []
     if log_jsonl.exists():
@@ -170,7 +170,7 @@ def kaggle_log(log_jsonl: Path) -> str:
     return json.dumps(entries)
 
 
-def as_notebook(text: str, kernel_type: str) -> str:
+def _as_notebook(text: str, kernel_type: str) -> str:
     """A script kernel becomes a one-cell notebook so the one executor can run it."""
     if kernel_type == "notebook":
         return text
@@ -388,7 +388,7 @@ class SessionRunner:
     def _launch(self, session_id: str, session: dict[str, Any], sdir: Path, root: Path) -> subprocess.Popen[bytes]:
         """Start the notebook's process tree in its own process group (its first cell runs now)."""
         notebook = sdir / "kernel.ipynb"
-        notebook.write_text(as_notebook((sdir / "source").read_text(encoding="utf-8"), session["kernel_type"]))
+        notebook.write_text(_as_notebook((sdir / "source").read_text(encoding="utf-8"), session["kernel_type"]))
         env = self._env(session, self.store.kernels.get(session["kernel"], {}), sdir, root)  # {}: just deleted
         with open(sdir / "stdout.txt", "wb") as out, open(sdir / "stderr.txt", "wb") as err:
             proc = subprocess.Popen(
@@ -412,7 +412,7 @@ class SessionRunner:
         marker, crash = session.get("kill_on_output"), session.get("crash_runner_on_output")
         log_jsonl = self.store.session_dir(session_id) / "log.jsonl"
         root = self.store.session_dir(session_id) / "root"
-        resumed = attached_state_step(root / layout.INPUT_DIR) if session.get("kill_after_checkpoint") else None
+        resumed = _attached_state_step(root / layout.INPUT_DIR) if session.get("kill_after_checkpoint") else None
         while proc.poll() is None:
             if self._stopping.is_set():  # stop() may have looked at the live sessions before this one started
                 kill_tree(proc.pid)
@@ -424,10 +424,10 @@ class SessionRunner:
             if crash and crash in text:
                 deadline, reason = time.time(), RUNNER_CRASHED
             if resumed is not None:  # a state mounted late (mount_lag_s) is the one the session resumes from
-                resumed = max(resumed, attached_state_step(root / layout.INPUT_DIR))
-            saved = new_checkpoint(root, resumed) if resumed is not None else None
+                resumed = max(resumed, _attached_state_step(root / layout.INPUT_DIR))
+            saved = _new_checkpoint(root, resumed) if resumed is not None else None
             if saved is not None and session.get("kill_training_only"):
-                kill_training(proc.pid)  # the notebook lives on: it reports the death, publishes, pushes
+                _kill_training(proc.pid)  # the notebook lives on: it reports the death, publishes, pushes
                 self._update(session_id, training_killed=saved, training_killed_at=time.time())
                 resumed = None
             elif saved is not None:
@@ -457,7 +457,7 @@ class SessionRunner:
             output.mkdir(exist_ok=True)
         else:
             os.replace(root / layout.WORKING_DIR, output)
-        (sdir / "log.json").write_text(kaggle_log(sdir / "log.jsonl"), encoding="utf-8")
+        (sdir / "log.json").write_text(_kaggle_log(sdir / "log.jsonl"), encoding="utf-8")
         remove_tree(root)
 
     def _end_early(self, session_id: str, sdir: Path, root: Path) -> None:
@@ -479,13 +479,13 @@ class SessionRunner:
             self.store.save()
 
 
-def attached_state_step(input_root: Path) -> int:
+def _attached_state_step(input_root: Path) -> int:
     """The step of the kchain state attached to a session (0 when none): its marker's step, read as the
     session's launcher reads it (resumecheck.attached_step)."""
     return resumecheck.attached_step(input_root) or 0
 
 
-def new_checkpoint(root: Path, resumed: int) -> int | None:
+def _new_checkpoint(root: Path, resumed: int) -> int | None:
     """The step of a complete checkpoint the session saved past `resumed` (its name says the step;
     its manifest is written last), or None."""
     folder = root / layout.WORKING_DIR / layout.KCHAIN_DIR / layout.CHECKPOINTS_DIR

@@ -21,7 +21,7 @@ MANIFEST_KEY = "micro_batch_halvings"
 OutOfMemory = torch.OutOfMemoryError
 
 
-def factor(halvings: int) -> int:
+def _factor(halvings: int) -> int:
     return 2**halvings
 
 
@@ -46,11 +46,11 @@ class Rung:
         if not self.enabled or not size:
             return size
         self.asked.append(size)
-        return size // factor(self.halvings)
+        return size // _factor(self.halvings)
 
     def accumulate(self, n: int) -> int:
         """The accumulation that keeps the effective batch: n times the halving factor."""
-        return n * factor(self.halvings) if self.enabled else n
+        return n * _factor(self.halvings) if self.enabled else n
 
     def next(self, stepped: bool, ranks: int) -> str | None:
         """After an out-of-memory error: the line announcing the next rung, or None (see next_rung)."""
@@ -62,10 +62,10 @@ def next_rung(asked: list[int], halvings: int, enabled: bool, stepped: bool, ran
     out-of-memory error stands): off, a step already ran, several ranks, or a batch that no longer halves."""
     if not enabled or stepped or ranks > 1 or not asked:
         return None
-    new = factor(halvings + 1)
+    new = _factor(halvings + 1)
     if any(b % new for b in asked):
         return None
-    now = ", ".join(str(b // factor(halvings)) for b in asked)
+    now = ", ".join(str(b // _factor(halvings)) for b in asked)
     return (f"out of memory at micro-batch {now}: halving it to {', '.join(str(b // new) for b in asked)} "
             f"and accumulating x{new}; the effective batch stays {', '.join(str(b) for b in asked)}")
 

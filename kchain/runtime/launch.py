@@ -38,7 +38,7 @@ from kchain.runtime import lazydynamo  # noqa: E402
 # The statuses after which another session resumes where this one saved: "saved, not done".
 RESUMABLE = (Status.DEADLINE, Status.INTERRUPTED, Status.STATE_NOT_MOUNTED)
 DONE = (Status.FINISHED, Status.STOPPED, Status.NO_CHECKPOINT)  # nothing for a supervisor to run again
-EXIT_CODE_FLAG = "--exit-code"  # after an outer torchrun: the code from this node's summary (after_outer_launcher)
+EXIT_CODE_FLAG = "--exit-code"  # after an outer torchrun: the code from this node's summary (_after_outer_launcher)
 GATE_POLL_S = 0.01  # how often a gated start looks for its release (a stat call; no measurable CPU)
 GATE_NOTE = "smoke: started beside the run to resume, held until its kill before reading the working dir"
 
@@ -81,7 +81,7 @@ def exit_code(status: str | None) -> int:
     return 1
 
 
-def after_outer_launcher(launcher_code: int) -> int:
+def _after_outer_launcher(launcher_code: int) -> int:
     """`python -m kchain.runtime.launch --exit-code $?` after an outer torchrun (several nodes): this
     node's exit code for a supervisor. torchrun itself returns only 0 or 1; on the node of rank 0 the
     summary this run wrote says the status (75 after a SIGTERM stop), elsewhere torchrun's code stands."""
@@ -191,7 +191,7 @@ def _set_env(node) -> None:
             os.environ.setdefault(key, value)
 
 
-def gate_opened(env) -> bool:
+def _gate_opened(env) -> bool:
     """Whether the smoke's gate (if any) said `go`: a launcher of held ranks reports nothing otherwise."""
     spec = env.get(layout.GATE_ENV)
     if not spec:
@@ -203,7 +203,7 @@ def gate_opened(env) -> bool:
 def main(argv: list[str]) -> int:
     """Plan the ranks, run the entry (retrying down the out-of-memory ladder), write the summary."""
     if len(argv) == 3 and argv[1] == EXIT_CODE_FLAG:
-        return after_outer_launcher(int(argv[2]))
+        return _after_outer_launcher(int(argv[2]))
     if len(argv) != 2:
         print(f"usage: python -m kchain.runtime.launch CONFIG_JSON | {EXIT_CODE_FLAG} LAUNCHER_CODE", file=sys.stderr)
         return 2
@@ -214,7 +214,7 @@ def main(argv: list[str]) -> int:
 
     if torchrun.in_ranks(os.environ) and os.environ.get("RANK") == "0":
         # An outer torchrun's rank 0 (or kchain's): a summary left from an earlier run on this disk is
-        # never read as this one's (after_outer_launcher); this run writes its own at the end.
+        # never read as this one's (_after_outer_launcher); this run writes its own at the end.
         (layout.kchain_dir(os.environ) / layout.SUMMARY).unlink(missing_ok=True)
     if not torchrun.in_ranks(os.environ):  # kchain ddp: how many ranks, and is the GPU there?
         try:
@@ -380,7 +380,7 @@ def _run_ranks(n: int, why: str, config_path: str, config: RuntimeConfig) -> int
     print(f"[kchain] launching {n} ranks ({why})", flush=True)
     env = {**os.environ, layout.SESSION_START_ENV: os.environ.get(layout.SESSION_START_ENV) or repr(PROCESS_START)}
     ended = torchrun.launch_ranks(n, config_path, env)
-    if not gate_opened(os.environ):
+    if not _gate_opened(os.environ):
         return 0  # the smoke sent its held resume away (or is gone): the ranks left untouched, nothing to say
     if ended.killed:
         return _rank_killed(n, ended.killed[0], config)

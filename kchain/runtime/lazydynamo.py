@@ -31,12 +31,12 @@ USE_GRAD_NAMES = {"torch._dynamo", "torch", "cast", "Optimizer", "is_grad_enable
                   "defaults", "_dynamo", "graph_break"}
 
 
-def tracing_possible() -> bool:
+def _tracing_possible() -> bool:
     """True once torch._dynamo is imported (only then can a frame be traced, or a mark matter)."""
     return DYNAMO in sys.modules
 
 
-def lazy_disable_dynamo(original: Callable[..., Any]) -> Callable[..., Any]:
+def _lazy_disable_dynamo(original: Callable[..., Any]) -> Callable[..., Any]:
     """torch._compile._disable_dynamo whose mark imports nothing until torch._dynamo is loaded."""
 
     def _disable_dynamo(fn: Callable[..., Any] | None = None, recursive: bool = True) -> Any:
@@ -46,14 +46,14 @@ def lazy_disable_dynamo(original: Callable[..., Any]) -> Callable[..., Any]:
 
         @functools.wraps(fn)
         def inner(*args: Any, **kwargs: Any) -> Any:
-            return marked(*args, **kwargs) if tracing_possible() else fn(*args, **kwargs)
+            return marked(*args, **kwargs) if _tracing_possible() else fn(*args, **kwargs)
 
         return inner
 
     return _disable_dynamo
 
 
-def lazy_use_grad(original: Callable[..., Any]) -> Callable[..., Any]:
+def _lazy_use_grad(original: Callable[..., Any]) -> Callable[..., Any]:
     """torch.optim.optimizer._use_grad_for_differentiable whose graph breaks wait for torch._dynamo."""
     import torch
 
@@ -61,7 +61,7 @@ def lazy_use_grad(original: Callable[..., Any]) -> Callable[..., Any]:
         marked = original(func)
 
         def _use_grad(*args: Any, **kwargs: Any) -> Any:
-            if tracing_possible():
+            if _tracing_possible():
                 return marked(*args, **kwargs)
             prev = torch.is_grad_enabled()
             try:
@@ -77,7 +77,7 @@ def lazy_use_grad(original: Callable[..., Any]) -> Callable[..., Any]:
     return _use_grad_for_differentiable if set(probe.__code__.co_names) <= USE_GRAD_NAMES else original
 
 
-PATCHES = {COMPILE: ("_disable_dynamo", lazy_disable_dynamo), OPTIMIZER: ("_use_grad_for_differentiable", lazy_use_grad)}
+PATCHES = {COMPILE: ("_disable_dynamo", _lazy_disable_dynamo), OPTIMIZER: ("_use_grad_for_differentiable", _lazy_use_grad)}
 
 
 class _Patched(importlib.abc.Loader):

@@ -27,7 +27,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, Subset, defau
 from kchain.runtime import distributed
 
 
-def mix_seed(*parts: int) -> int:
+def _mix_seed(*parts: int) -> int:
     """A 63-bit seed from integers; unlike hash() it is the same in every process."""
     return int(np.random.SeedSequence([int(p) for p in parts]).generate_state(2, np.uint64)[0] >> np.uint64(1))
 
@@ -62,7 +62,7 @@ class _Batches(Dataset):
         if self.in_main_process:
             # Fetching in the training process: leave the user's RNG streams (dropout) untouched.
             saved = random.getstate(), np.random.get_state(), torch.get_rng_state()
-        s = mix_seed(self.seed, epoch, batch_index)
+        s = _mix_seed(self.seed, epoch, batch_index)
         random.seed(s)
         np.random.seed(s % 2**32)
         torch.default_generator.manual_seed(s)  # CPU only: torch.manual_seed would reseed CUDA too
@@ -145,7 +145,7 @@ def _draw(source, seed: int, epoch: int) -> list:
     if hasattr(source, "set_epoch"):  # DistributedSampler and friends
         source.set_epoch(epoch)
     holder = getattr(source, "sampler", source)  # a BatchSampler draws from its sampler
-    s = mix_seed(seed, epoch)
+    s = _mix_seed(seed, epoch)
     own = getattr(holder, "generator", None)
     with _seeded_global_rngs(s):
         if own is not None:
@@ -261,7 +261,7 @@ class Loader:
         n = len(self.dataset)
         if not self.shuffle:
             return torch.arange(n)
-        return torch.randperm(n, generator=torch.Generator().manual_seed(mix_seed(self.seed, epoch)))
+        return torch.randperm(n, generator=torch.Generator().manual_seed(_mix_seed(self.seed, epoch)))
 
     def batches(self, epoch: int) -> list[list[int]]:
         """The index lists of every batch of `epoch` (drawn once per epoch)."""
@@ -284,7 +284,7 @@ class Loader:
     def _fetch(self):
         """The next batch of this epoch; StopIteration at its end."""
         if self._it is None:
-            self._gen.manual_seed(mix_seed(self.seed, self.epoch))  # worker seeds depend on the epoch only
+            self._gen.manual_seed(_mix_seed(self.seed, self.epoch))  # worker seeds depend on the epoch only
             self._it = iter(self.dataloader)
             if self.iterable:
                 for _ in range(self._skip):  # replay the stream up to where the checkpoint was

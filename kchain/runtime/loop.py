@@ -452,7 +452,7 @@ class Loop:
             plain = plain_loaders()
         not_exact = self.progress.not_exact
         if plain and not any(line.startswith(PLAIN_LOADER_NOTE) for line in not_exact):
-            named = ", ".join(loader_name(o) for o in plain[:3])
+            named = ", ".join(_loader_name(o) for o in plain[:3])
             not_exact.append(f"{PLAIN_LOADER_NOTE}: {named} (pass it to run.loader(...) to keep its place; "
                                   "one used only for evaluation does not change the resume)")
         del plain
@@ -465,7 +465,7 @@ def _sequential_shards(sampler) -> bool:
     return isinstance(sampler, DistributedSampler) and not sampler.shuffle
 
 
-def loader_name(loader) -> str:
+def _loader_name(loader) -> str:
     """A DataLoader as the user knows it: the variable that holds it in the code's frames, and what it reads."""
     import os
     import sys

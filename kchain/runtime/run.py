@@ -131,7 +131,7 @@ class Run:
         # The trackers' own resume variables, before the user's code imports them (train.trackers).
         os.environ.update(trackers.environ(st.trackers, self._ids, paths.tensorboard))
         # The watchdog's verdict writes the summary from the parts (a part never holds the Run).
-        summarize = functools.partial(build_summary, self._progress, self._trace, self._ckpt, st, self._ranks.world_size)
+        summarize = functools.partial(_build_summary, self._progress, self._trace, self._ckpt, st, self._ranks.world_size)
         self._loop = Loop(self._progress, self._clock, self._ckpt, self._trace, self._ranks, st.faults,
                           dict(self._params), heartbeat_s=st.heartbeat_s, hang_s=None if st.smoke else st.hang_s,
                           on_hang=functools.partial(_hung, self._progress, summarize, paths.summary),
@@ -777,7 +777,7 @@ class Run:
     def launcher(self) -> Launched:
         """What the launcher (launch.py), never the user, does with this Run."""
         return Launched(self._progress, self._ckpt, self._rung, self._paths.summary, self.world_size,
-                        functools.partial(build_summary, self._progress, self._trace, self._ckpt, self._settings,
+                        functools.partial(_build_summary, self._progress, self._trace, self._ckpt, self._settings,
                                           self.world_size))
 
 
@@ -834,7 +834,7 @@ class Launched:
         return self._summarize(error)
 
 
-def build_summary(progress: Progress, trace: Trace, ckpt: Checkpointer, st: Settings, world_size: int,
+def _build_summary(progress: Progress, trace: Trace, ckpt: Checkpointer, st: Settings, world_size: int,
                error: dict | None = None) -> summary.Summary:
     """The session's summary.json, from the parts that hold it."""
     p = progress

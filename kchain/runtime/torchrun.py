@@ -108,7 +108,7 @@ def plan_ranks(config: RuntimeConfig, env, cuda_count: int | None = None) -> tup
     return n, f"train.gpus: {n} on {cuda_count} CUDA device(s): {n} CPU ranks with gloo"
 
 
-def rank_env(env, rank: int, n: int, rendezvous: str) -> dict:
+def _rank_env(env, rank: int, n: int, rendezvous: str) -> dict:
     """What torchrun gives rank RANK of N on one machine, with kchain's rendezvous folder instead of a port.
 
     RANK/WORLD_SIZE (torch), LOCAL_RANK (one GPU each), GROUP_RANK/LOCAL_WORLD_SIZE/ROLE_* (Lightning
@@ -136,14 +136,14 @@ def launch_ranks(n: int, config_path: str, env) -> RanksEnded:
     rendezvous = tempfile.mkdtemp(prefix="kchain-ranks-")
     try:
         cmd = [sys.executable, "-u", "-m", "kchain.runtime.launch", config_path]
-        procs = [subprocess.Popen(cmd, env=rank_env(env, r, n, rendezvous), start_new_session=True)
+        procs = [subprocess.Popen(cmd, env=_rank_env(env, r, n, rendezvous), start_new_session=True)
                  for r in range(n)]
-        return watch_ranks(procs)
+        return _watch_ranks(procs)
     finally:
         shutil.rmtree(rendezvous, ignore_errors=True)
 
 
-def watch_ranks(procs: list) -> RanksEnded:
+def _watch_ranks(procs: list) -> RanksEnded:
     """_watch with SIGTERM and SIGINT passed on to every rank while it waits."""
     forwarded: set[int] = set()
     return _forwarding(procs, lambda: _watch(procs, forwarded), forwarded)

@@ -20,7 +20,7 @@ SLOWEST_FACTOR = 10
 EXIT_HUNG = 3
 
 
-def stacks() -> str:
+def _stacks() -> str:
     """Every thread's stack, as the log shows it."""
     names = {t.ident: t.name for t in threading.enumerate()}
     out = []
@@ -73,7 +73,7 @@ def end_hung(say: Callable[[str], None], write_summary: Callable[[], None], wait
     """What the watchdog does: stacks to the log, the summary, and the process ends now."""
     say(f"hung: no step completed for {waited:.0f}s (limit {limit:.0f}s: the larger of the floor and "
         f"{SLOWEST_FACTOR}x the slowest step); every thread's stack follows; nothing new is saved")
-    print(stacks(), flush=True)
+    print(_stacks(), flush=True)
     try:
         write_summary()
     finally:

@@ -40,12 +40,12 @@ def render_for(job: Job, target: str) -> TargetRendered:
     return {"skypilot": skypilot.render, "slurm": slurm.render}[target](job)
 
 
-def work_folder(ledger: Ledger, job: Job, target: str) -> Path:
+def _work_folder(ledger: Ledger, job: Job, target: str) -> Path:
     """Where push writes the folder the engine reads (SkyPilot uploads it; sbatch runs in it)."""
     return ledger.root / "targets" / f"{job.name}-{target}"
 
 
-def run_engine(argv: list[str], cwd: Path | None = None, capture: bool = False,
+def _run_engine(argv: list[str], cwd: Path | None = None, capture: bool = False,
                echo: Echo | None = None) -> str:
     """Run an engine command; its output is printed as it comes (or returned, with capture)."""
     if shutil.which(argv[0]) is None:
@@ -88,17 +88,17 @@ def push_target(job_file: Path, skip_smoke: bool = False, echo: Echo = print) ->
     smoked = ledger.smoke_passed(rendered.fingerprint)
     if smoked is None and not skip_smoke:
         raise NotSmoked.for_job(job.path)
-    folder = work_folder(ledger, job, job.target)
+    folder = _work_folder(ledger, job, job.target)
     write_folder(rendered, folder)
     echo(f"kchain push {job.path}: {job.target}, work folder {folder}")
     if job.target == "skypilot":
         assert job.skypilot.bucket is not None
         version = skypilot.check_task(folder, job.skypilot.bucket.store, job.skypilot.bucket.name)
         echo(f"  checked by SkyPilot {version}: the task and the bucket name")
-        run_engine(skypilot.launch_command(job.name), cwd=folder, echo=echo)
+        _run_engine(skypilot.launch_command(job.name), cwd=folder, echo=echo)
         engine_id = job.name
     else:
-        engine_id = run_engine(slurm.submit_command(), cwd=folder, capture=True).strip().split(";")[0]
+        engine_id = _run_engine(slurm.submit_command(), cwd=folder, capture=True).strip().split(";")[0]
         echo(f"  submitted Slurm job {engine_id}; its log: {folder / slurm.log_file(engine_id)}")
     record = {"target": job.target, "id": engine_id, "folder": str(folder), "fingerprint": rendered.fingerprint,
               "pushed": iso(now_utc()), "smoke": smoked["run_id"] if smoked else "skipped"}
@@ -115,16 +115,16 @@ def status_target(job_file: Path, echo: Echo = print) -> None:
     echo(f"{job.name}: {record['target']} job {record['id']}, pushed {record['pushed']} (fingerprint "
          f"{record['fingerprint'][:12]})")
     if record["target"] == "skypilot":
-        run_engine(skypilot.queue_command(), echo=echo)
+        _run_engine(skypilot.queue_command(), echo=echo)
     else:
-        run_engine(slurm.accounting_command(record["id"]), echo=echo)
+        _run_engine(slurm.accounting_command(record["id"]), echo=echo)
 
 
 def logs_target(job_file: Path, follow: bool = False, echo: Echo = print) -> None:
     job = load_job(job_file)
     record = pushed(Ledger(state_dir(job.path)), job)
     if record["target"] == "skypilot":
-        run_engine(skypilot.logs_command(record["id"], follow), echo=echo)
+        _run_engine(skypilot.logs_command(record["id"], follow), echo=echo)
         return
     log = Path(record["folder"]) / slurm.log_file(record["id"])
     if not log.is_file():
@@ -138,9 +138,9 @@ def stop_target(job_file: Path, echo: Echo = print) -> None:
     ledger = Ledger(state_dir(job.path))
     record = pushed(ledger, job)
     if record["target"] == "skypilot":
-        run_engine(skypilot.cancel_command(record["id"]), echo=echo)
+        _run_engine(skypilot.cancel_command(record["id"]), echo=echo)
     else:
-        run_engine(slurm.cancel_command(record["id"]), echo=echo)
+        _run_engine(slurm.cancel_command(record["id"]), echo=echo)
     ledger.append_run(run_id=new_run_id(record["target"]), channel=record["target"], job=job.name,
                       config=record["fingerprint"][:12], note=f"stopped: {record['target']} job {record['id']}")
     echo(f"stopped {record['target']} job {record['id']}; its saved state stays in the bucket or state folder")

@@ -83,7 +83,7 @@ class TargetRehearsal:
     problems: list[str] = field(default_factory=list)
 
 
-def engine_env(target: str, job: Job, stage: Stage, number: int, sink: Path, bin_dir: Path) -> dict[str, str]:
+def _engine_env(target: str, job: Job, stage: Stage, number: int, sink: Path, bin_dir: Path) -> dict[str, str]:
     """The environment a one-node engine run gives the script, on a fresh machine."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("KCHAIN_", "SKYPILOT_", "SLURM_"))}
     env["PATH"] = os.pathsep.join([str(bin_dir), str(Path(sys.executable).parent), env.get("PATH", "")])
@@ -100,7 +100,7 @@ def engine_env(target: str, job: Job, stage: Stage, number: int, sink: Path, bin
     return env
 
 
-def script_command(target: str, folder: Path) -> list[str]:
+def _script_command(target: str, folder: Path) -> list[str]:
     """The rendered script as the engine runs it: the task's run (bash, in the workdir) or the sbatch file."""
     if target == "skypilot":
         task = yaml.safe_load((folder / skypilot.TASK_FILE).read_text())
@@ -118,7 +118,7 @@ def _term_when_saved(stage: Stage, proc: subprocess.Popen, step: int) -> None:
         time.sleep(POLL_S)
 
 
-def run_stage(stage: Stage, command: list[str], folder: Path, env: dict[str, str], show: Echo | None,
+def _run_stage(stage: Stage, command: list[str], folder: Path, env: dict[str, str], show: Echo | None,
               term_after: int | None = None) -> Stage:
     """Run the script on a fresh machine; with term_after, SIGTERM it once that step is saved."""
     stage.root.mkdir(parents=True)
@@ -167,15 +167,15 @@ def rehearse_target(job_file: Path, target: str, smoke: bool = True, params: dic
          f"machine to step {3 * k}")
     extra = {layout.TOTAL_STEPS_ENV: str(3 * k), layout.CHECKPOINT_EVERY_ENV: f"{k} steps",
              **({layout.SMOKE_ENV: "1"} if smoke else {})}
-    command = script_command(target, folder)
+    command = _script_command(target, folder)
     show = None if quiet else echo
 
     def stage(name: str, number: int, sink: Path, fault: str | None, term_after: int | None = None) -> Stage:
         st = Stage(name, machines / name)
-        env = {**engine_env(target, job, st, number, sink, bin_dir), **extra}
+        env = {**_engine_env(target, job, st, number, sink, bin_dir), **extra}
         if fault:
             env[layout.FAULT_ENV] = fault
-        return run_stage(st, command, folder, env, show, term_after)
+        return _run_stage(st, command, folder, env, show, term_after)
 
     reference: list[Stage] = []
     ref = threading.Thread(target=lambda: reference.append(stage("reference", 0, work / "bucket-ref", None)))

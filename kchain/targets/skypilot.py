@@ -55,7 +55,7 @@ _Dumper.add_representer(str, lambda d, s: d.represent_scalar("tag:yaml.org,2002:
                                                              style="|" if "\n" in s else None))
 
 
-def sink_path(job: Job) -> str:
+def _sink_path(job: Job) -> str:
     return f"{STATE_MOUNT}/{job.name}"
 
 
@@ -91,7 +91,7 @@ def task(job: Job) -> dict[str, Any]:
         "workdir": ".",
         "num_nodes": spec.num_nodes,
         "resources": resources,
-        "envs": {layout.STATE_SINK_ENV: sink_path(job)},
+        "envs": {layout.STATE_SINK_ENV: _sink_path(job)},
         "file_mounts": {STATE_MOUNT: {"name": spec.bucket.name, "store": spec.bucket.store,
                                       "mode": spec.bucket.mode, "persistent": True}},
         "setup": spec.setup.rstrip("\n") + "\n" if "\n" in spec.setup.strip() else spec.setup.strip(),

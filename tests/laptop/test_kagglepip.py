@@ -14,7 +14,6 @@ import base64
 import hashlib
 import importlib.util
 import json
-import os
 import zipfile
 from pathlib import Path
 

@@ -15,9 +15,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch import nn
-
 from helpers import saved_names
+from torch import nn
 
 from kchain.common import layout
 from kchain.runtime.run import Run

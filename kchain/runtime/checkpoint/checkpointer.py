@@ -80,7 +80,7 @@ def state_of(obj):
     return obj.state_dict()
 
 
-def load_into(obj, state, frozen_keys: Set[str] = frozenset()) -> None:
+def _load_into(obj, state, frozen_keys: Set[str] = frozenset()) -> None:
     """Load a tracked object's saved state; a module's `frozen_keys` were left out of it (frozen.py)."""
     obj = distributed.unwrap(obj)
     if isinstance(obj, torch.Generator):
@@ -93,7 +93,7 @@ def load_into(obj, state, frozen_keys: Set[str] = frozenset()) -> None:
         obj.load_state_dict(state)
 
 
-def match_module_prefix(saved: dict, live: dict) -> dict:
+def _match_module_prefix(saved: dict, live: dict) -> dict:
     """Add or strip the `module.` prefix nn.DataParallel / DDP put on every key, to match `live`."""
     p = "module."
     saved_wrapped = bool(saved) and all(k.startswith(p) for k in saved)
@@ -355,11 +355,11 @@ class Checkpointer:
         for name, obj in self.tracked.items():
             live = distributed.unwrap(obj)  # DDP: checkpoints hold the inner module's keys
             if isinstance(live, torch.nn.Module) and isinstance(saved.get(name), dict):
-                saved[name] = match_module_prefix(saved[name], live.state_dict())
+                saved[name] = _match_module_prefix(saved[name], live.state_dict())
         check_compatible(path, manifest, saved, self.states(), params)
         for name, obj in self.tracked.items():
             if name in saved:
-                load_into(obj, saved[name], set(left_out.get(name, ())))
+                _load_into(obj, saved[name], set(left_out.get(name, ())))
             else:
                 warn(f"{name!r} is tracked now but not in the checkpoint: it starts fresh, the run is not exact")
         for name in saved:

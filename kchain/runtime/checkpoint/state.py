@@ -142,10 +142,10 @@ def write_checkpoint(state: dict, job: CheckpointJob, faults: Faults = NO_FAULTS
         if not isinstance(cause, OSError):
             raise
         shutil.rmtree(tmp, ignore_errors=True)  # the space it took is needed more than ever
-        raise CheckpointWriteFailed(write_failure(cause, job.checkpoints, state_bytes(state))) from e
+        raise CheckpointWriteFailed(_write_failure(cause, job.checkpoints, state_bytes(state))) from e
 
 
-def write_failure(e: OSError, where: Path, need: int) -> str:
+def _write_failure(e: OSError, where: Path, need: int) -> str:
     """'checkpoint write failed: no space left on /kaggle/working (needs 12.1 GB, 3.2 GB free)'."""
     why = {errno.ENOSPC: "no space left", errno.EDQUOT: "disk quota exceeded",
            errno.EFBIG: "file too large (a file-size limit)"}.get(e.errno or 0, e.strerror or str(e))
@@ -390,21 +390,21 @@ def _claimed_step(path: Path) -> int:
 # --- resuming into live objects ---------------------------------------------------------------
 
 
-def tensor_shapes(obj, prefix: str = "") -> dict[str, tuple]:
+def _tensor_shapes(obj, prefix: str = "") -> dict[str, tuple]:
     """{dotted.key: shape} of every tensor in a nested state dict."""
     out: dict[str, tuple] = {}
     if isinstance(obj, torch.Tensor):
         out[prefix] = tuple(obj.shape)
     elif isinstance(obj, dict):
         for k, v in obj.items():
-            out.update(tensor_shapes(v, f"{prefix}.{k}" if prefix else str(k)))
+            out.update(_tensor_shapes(v, f"{prefix}.{k}" if prefix else str(k)))
     elif isinstance(obj, (list, tuple)):
         for i, v in enumerate(obj):
-            out.update(tensor_shapes(v, f"{prefix}.{i}" if prefix else str(i)))
+            out.update(_tensor_shapes(v, f"{prefix}.{i}" if prefix else str(i)))
     return out
 
 
-def param_changes(old: dict, new: dict) -> list[str]:
+def _param_changes(old: dict, new: dict) -> list[str]:
     """['d_model: 64 -> 128', ...] for every param that differs."""
     keys = sorted(set(old) | set(new), key=str)
     missing = "(unset)"
@@ -417,12 +417,12 @@ def param_changes(old: dict, new: dict) -> list[str]:
 
 def check_compatible(ckpt: Path, manifest: dict, saved: dict, current: dict, params: dict) -> None:
     """Refuse a checkpoint whose tensors no longer fit; warn if only params changed."""
-    changes = param_changes(manifest.get("params") or {}, params)
+    changes = _param_changes(manifest.get("params") or {}, params)
     shape_diffs = []
     for name, state in saved.items():
         if name not in current:
             continue
-        old, new = tensor_shapes(state), tensor_shapes(current[name])
+        old, new = _tensor_shapes(state), _tensor_shapes(current[name])
         for key in sorted(set(old) & set(new)):
             if old[key] != new[key]:
                 shape_diffs.append(f"{name}.{key}: {list(old[key])} -> {list(new[key])}")

@@ -149,7 +149,7 @@ class SeededCollator:
         self.epoch: int | None = None  # the Trainer's epoch, set at on_epoch_begin (None: not known)
 
     def __call__(self, features):
-        digest = batch_digest(features, f"kchain-collate:{self.seed}:{self.epoch}")
+        digest = _batch_digest(features, f"kchain-collate:{self.seed}:{self.epoch}")
         py, npy = random.getstate(), np.random.get_state()
         with torch.random.fork_rng(devices=[]):  # the CPU generator; torch.manual_seed would reseed CUDA too
             torch.random.default_generator.manual_seed(int.from_bytes(digest[:8], "little"))
@@ -167,7 +167,7 @@ class SeededCollator:
         return getattr(self.collator, name)
 
 
-def batch_digest(features, salt: str) -> bytes:
+def _batch_digest(features, salt: str) -> bytes:
     """16 bytes from the salt and a batch's content, the same in every process and session: tensors' and
     arrays' dtype, shape and bytes, lists of token ids, mappings' keys and values, strings, numbers."""
     h = hashlib.blake2b(salt.encode(), digest_size=16)
@@ -295,7 +295,7 @@ class TrainerBridge:
         self.trainer = self.window.trainer = trainer
         if not any(cb is self._callback for cb in trainer.callback_handler.callbacks):
             trainer.add_callback(self.callback())  # Trainer(..., callbacks=[run.hf_callback()]) left out
-        own_saves(trainer.args)
+        _own_saves(trainer.args)
         best_model(trainer.args, lp.ckpt.best)
         if self.smoke:
             self._smoke_data(trainer)
@@ -474,7 +474,7 @@ class TrainerBridge:
         lp.end_loop()
 
 
-def own_saves(args) -> None:
+def _own_saves(args) -> None:
     """kchain decides when the Trainer saves: its own save_strategy is turned off, said in one line."""
     from transformers.trainer_utils import SaveStrategy
 

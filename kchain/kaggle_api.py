@@ -40,6 +40,7 @@ from requests.adapters import HTTPAdapter
 from kchain import credentials
 from kchain.common.kernel_states import LIVE
 from kchain.common.sendonce import CREATING_SDK_CALLS, sent_once  # noqa: F401 - CREATING_SDK_CALLS: re-exported
+from kchain.common.statefolder import DATASET_METADATA
 from kchain.errors import CredentialsError, KaggleError, KchainError
 
 T = TypeVar("T")
@@ -342,7 +343,7 @@ class KaggleClient:
     def _uploading(self, folder: str | Path) -> contextlib.AbstractContextManager[None]:
         """kchain's progress lines for an upload of folder's files (the client reports none while quiet)."""
         size = _tree_bytes(Path(folder)) if self.progress else 0
-        return transfer_progress(self.progress, "uploading", _folder_id(Path(folder), "dataset-metadata.json"), Path(folder), total=size)
+        return transfer_progress(self.progress, "uploading", _folder_id(Path(folder), DATASET_METADATA), Path(folder), total=size)
 
     @staticmethod
     def _ref(ref: str, version: int | None) -> str:

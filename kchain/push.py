@@ -33,7 +33,7 @@ from kchain.kaggle_api import (
 )
 from kchain.ledger import Ledger, iso, new_run_id, now_utc, state_dir
 from kchain.models import model_problem
-from kchain.names import doctor_kernel, name_problem
+from kchain.names import doctor_kernel, name_problem, pip_dataset
 from kchain.render import Rendered, render_job, write_rendered
 from kchain.sessions import rebuild
 from kchain.spec import Job, load_job
@@ -111,7 +111,8 @@ def _verify_sources(client: KaggleClient, sources: list[str], job: Job) -> None:
     for source in sources:
         parts = source.split("/")
         ref, pin = "/".join(parts[:2]), int(parts[2]) if len(parts) == 3 and parts[2].isdigit() else None
-        where = "kaggle.datasets" if source in job.kaggle.datasets else "the chain's state"
+        where = ("kaggle.datasets" if source in job.kaggle.datasets else "kaggle.pip's wheels"
+                 if ref == pip_dataset(parts[0], job.name) else "the chain's state")
         try:
             status = client.dataset_status(ref)
         except KaggleError as exc:

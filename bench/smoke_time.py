@@ -16,7 +16,7 @@ runtime's training child does (one collection, then the rest frozen: runtime/lau
 cost the smoke avoids is left in the floor. So the floor holds 3 notebook executors, 3 kernel starts
 and 3 torch imports, 2 of each on the critical path. The smoke itself starts the resume's notebook
 beside the other two and holds it at a gate until the kill, so that notebook's start overlaps the
-training: the training and the checks are what the smoke adds to the floor (torch._dynamo's import too, at 2 ranks: DDP imports it).
+training: the training and the checks are what the smoke adds to the floor.
 
 Stages of a smoke: render; executor start (process + kernel up, until the runtime's first line);
 preflight (start-up, staging and checks, until the first training step); steps (until the SIGKILL

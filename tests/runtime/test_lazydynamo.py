@@ -68,3 +68,46 @@ def test_install_is_a_no_op_once_torch_is_imported():
     from kchain.runtime import lazydynamo
 
     assert lazydynamo.install() is False
+
+
+# A model two ranks share, built and trained by kchain's launcher's child (gloo, a group of one here).
+DDP_CHILD = '''
+import hashlib, json, os, sys
+from kchain.runtime import lazydynamo
+if sys.argv[1] == "lazy":
+    assert lazydynamo.install()
+import torch, torch.distributed as dist
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[2])
+dist.init_process_group("gloo", rank=0, world_size=1)
+torch.manual_seed(0)
+model = torch.nn.parallel.DistributedDataParallel(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(),
+                                                                      torch.nn.Linear(16, 1)))
+built_without = "torch._dynamo" not in sys.modules
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for _ in range(3):
+    model(torch.randn(4, 8)).pow(2).mean().backward()
+    opt.step()
+    opt.zero_grad()
+print(json.dumps({"built_without_dynamo": built_without, "python_reducer": model._use_python_reducer,
+                  "stand_in_left": "_dynamo" in vars(torch) and "torch._dynamo" not in sys.modules,
+                  "weights": hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest()}))
+dist.destroy_process_group()
+'''
+
+
+def test_a_ddp_is_built_without_importing_dynamo_and_trains_the_same():
+    import socket
+
+    def run(mode: str) -> dict:
+        with socket.socket() as s:  # a free port for the group's store
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        out = subprocess.run([sys.executable, "-c", DDP_CHILD, mode, str(port)], cwd=REPO, capture_output=True,
+                             text=True, check=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+        return json.loads(out.stdout.splitlines()[-1])
+
+    lazy, plain = run("lazy"), run("plain")
+    assert lazy["built_without_dynamo"] is True and plain["built_without_dynamo"] is False  # DDP imports it
+    assert lazy["python_reducer"] is plain["python_reducer"] is False  # the mode torch's default config gives
+    assert lazy["stand_in_left"] is False  # torch._dynamo is torch's own again after the construction
+    assert lazy["weights"] == plain["weights"]

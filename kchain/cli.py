@@ -10,6 +10,7 @@ import dataclasses
 import json
 import math
 import os
+import signal
 import sys
 import typing
 from collections.abc import Callable
@@ -704,12 +705,22 @@ def serve(state_dir: Path, port: int, users: list[tuple[str, str]], tokens: list
                  attached=list(attached), **emulator_options(lenient, **given))
 
 
+def _terminated(signum: int, _frame: object) -> None:
+    """SIGTERM or SIGHUP (a `kill`, a closed terminal): end as Ctrl-C does, through every `finally`, so what
+    kchain started in process groups of their own (sessions, the reference run, the emulator) is stopped with
+    it. A second signal ends kchain at once."""
+    signal.signal(signum, signal.SIG_DFL)
+    raise SystemExit(128 + signum)
+
+
 def main() -> None:
     if os.name == "nt":
         # kchain kills sessions with SIGKILL and locks its state files: POSIX only.
         click.echo("Error: kchain runs on Linux and macOS only (it needs POSIX signals and file locks); on Windows, use WSL",
                    err=True)
         sys.exit(1)
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, _terminated)
     cli(prog_name="kchain")
 
 

@@ -243,3 +243,43 @@ def test_an_unattended_rehearsal_from_the_cli_counts_what_the_laptop_did(tmp_pat
     assert ("unattended, from the local Kaggle's records: 0 laptop pushes after session 1, 0 overlapping sessions, "
             "0 duplicate state versions") in result.output
     assert "verdict: identical: " in result.output and "1 killed" in result.output
+
+
+def test_a_rehearsal_ended_by_sigterm_leaves_no_process_behind(tmp_path, monkeypatch):
+    # `kill <pid>` of a rehearsal (or its closed terminal) ends it as Ctrl-C does: the reference run and the
+    # session it started in process groups of their own die with it, instead of training on for minutes.
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+
+    monkeypatch.setenv(layout.FAULT_ENV, STALL)  # slow steps: both still train when the signal comes
+    path = chain_job(tmp_path, "steps", steps=100_000)
+    proc = subprocess.Popen([sys.executable, "-m", "kchain.cli", "rehearse", str(path), "--ranks", "1"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    rehearsal = psutil.Process(proc.pid)
+
+    def training() -> list[psutil.Process]:
+        found = []
+        for child in rehearsal.children(recursive=True):
+            try:
+                if "kchain.runtime.launch" in " ".join(child.cmdline()):
+                    found.append(child)
+            except psutil.Error:
+                pass
+        return found
+
+    waited = 0
+    while len(training()) < 2 and proc.poll() is None and waited < 3000:  # an event, not a time: both training
+        time.sleep(0.1)
+        waited += 1
+    assert proc.poll() is None and len(training()) >= 2, "the reference and session 1 never both trained"
+    started = rehearsal.children(recursive=True)
+    proc.send_signal(signal.SIGTERM)
+    code = proc.wait(timeout=300)
+    _gone, alive = psutil.wait_procs(started, timeout=60)
+    alive = [p for p in alive if p.status() != psutil.STATUS_ZOMBIE]
+    assert not alive, [p.cmdline() for p in alive]
+    assert code == 128 + signal.SIGTERM  # the shell's convention for a process ended by a signal

@@ -74,9 +74,8 @@ def measure(rank: int, world: int, port: int, steps: int, hidden: int, root: str
     agree_s = (time.perf_counter() - t0) / steps
     saves = []
     for i in range(5):
-        run.step = i + 1
         t0 = time.perf_counter()
-        run.save()
+        run.save(i + 1)
         saves.append(time.perf_counter() - t0)
         run._ckpt.writer.wait()
     run._ranks.barrier()

@@ -120,6 +120,14 @@ class Child:
                     self._echo(f"    {line.rstrip()}")
         return self
 
+    def stop(self) -> None:
+        """Kill the notebook's process tree if it still runs (the smoke is ending early: a signal, an error)."""
+        from kchain.emulator.sessions import kill_tree
+
+        if self._proc is not None and self._proc.poll() is None:
+            kill_tree(self._proc.pid)
+            self._proc.wait()
+
     def cancel(self) -> None:
         """A child still held at its gate leaves without reading anything; wait for it to end."""
         if self._proc is not None and self.gate is not None and not self.gate.exists():
@@ -172,6 +180,7 @@ class Prepared:
     t_start: float
     ranks: int = 1
     tmp_dirs: list[Path] = field(default_factory=list)  # each session's own temp dir, removed at the end
+    children: list[Child] = field(default_factory=list)  # every notebook started, stopped at the end
 
     def session_tmp(self) -> dict[str, str]:
         """A temp dir of its own, as every Kaggle session starts with an empty /tmp (short: DataLoader
@@ -201,6 +210,8 @@ def smoke(job_path: Path, echo: Echo = print, quiet_training: bool = False, down
             held.cancel()  # nothing to resume (or an error here): the held notebook leaves untouched
         report = judge(prep, reference.wait(), killed.wait(), resumed, failure, echo)
     finally:
+        for child in prep.children:  # nothing outlives the smoke (a SIGTERM, an error): each has its own tmp
+            child.stop()
         for tmp in prep.tmp_dirs:
             shutil.rmtree(tmp, ignore_errors=True)
     return record(prep, report, killed, resumed, echo)
@@ -258,12 +269,15 @@ def train(prep: Prepared, echo: Echo, show: Echo | None) -> tuple[Child, Child, 
     steps = prep.steps
     echo(f"  train      {steps} steps, a deadline stop, its checkpoint, SIGKILL; reference run of {2 * steps} "
          f"steps beside it; {ranks_label(prep.ranks)}, {prep.env['OMP_NUM_THREADS']} CPU thread(s) each")
-    reference = Child("reference", prep.work / "reference").start(prep.notebook, prep.env, None)
+    reference = Child("reference", prep.work / "reference")
+    killed = Child("run", prep.work / "run")
+    held = Child("resume", prep.work / "resume", gate=prep.work / "resume.gate")
+    prep.children += [reference, killed, held]
+    reference.start(prep.notebook, prep.env, None)
     kill_env = {**prep.env, layout.FAULT_ENV: f"deadline_at_step={steps},kill_after_checkpoint=1",
                 layout.CHECKPOINT_EVERY_ENV: NO_CADENCE}
-    killed = Child("run", prep.work / "run").start(prep.notebook, {**kill_env, **prep.session_tmp()}, show)
-    held = Child("resume", prep.work / "resume", gate=prep.work / "resume.gate").start(
-        prep.notebook, {**prep.env, **prep.session_tmp()}, show)
+    killed.start(prep.notebook, {**kill_env, **prep.session_tmp()}, show)
+    held.start(prep.notebook, {**prep.env, **prep.session_tmp()}, show)
     return reference, killed, held
 
 

@@ -10,6 +10,10 @@ copy of the job's folder (templates as `kchain init --template T` writes them), 
 Rehearsals plan their sessions in steps, so the load changes how long one takes, not its chain or its
 verdict. Prints, per job: the exit code, the wall time, the 1-minute load average when it started, and
 rehearse's verdict line; each rehearsal's whole output is kept in the scratch folder it names.
+
+The inference template predicts with a model `kchain pull` brought home (its first step, `kaggle.local`);
+with no chain to pull from here, it gets what pull writes: the notebook template's network with seeded
+weights as pulled/model.safetensors, as tests/scenarios/test_inference_template.py does.
 """
 from __future__ import annotations
 
@@ -37,6 +41,21 @@ def _jobs(scratch: Path) -> dict[str, Path]:
     return found
 
 
+def _pulled(folder: Path) -> None:
+    """The folder `kchain pull --best -o pulled` writes, for the inference template's kaggle.local."""
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+    from torch import nn
+
+    (folder / "pulled").mkdir()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Dropout(0.1), nn.Linear(64, 4))
+    save_file(model.state_dict(), str(folder / "pulled" / "model.safetensors"))
+    (folder / "pulled" / "metrics.json").write_text(json.dumps({"step": 4}))
+
+
 def _verdict(text: str) -> str:
     lines = [line.strip() for line in text.splitlines()]
     said = [line for line in lines if line.startswith("verdict:")] or [line for line in lines if line.startswith("Error")]
@@ -60,6 +79,8 @@ def main() -> int:
         for name, folder in chosen.items():
             target = scratch / "runs" / name.replace(" ", "-")
             shutil.copytree(folder, target, ignore=shutil.ignore_patterns(".kchain", "__pycache__"))
+            if name == "template inference":
+                _pulled(target)
             load = os.getloadavg()[0]
             start = time.monotonic()
             out = subprocess.run([sys.executable, "-m", "kchain.cli", "rehearse", "job.yaml"], cwd=target, env=env,

@@ -210,7 +210,7 @@ def smoke(job_path: Path, echo: Echo = print, quiet_training: bool = False, down
             held.cancel()  # nothing to resume (or an error here): the held notebook leaves untouched
         report = judge(prep, reference.wait(), killed.wait(), resumed, failure, echo)
     finally:
-        for child in prep.children:  # nothing outlives the smoke (a SIGTERM, an error): each has its own tmp
+        for child in prep.children:  # nothing outlives the smoke (ended by a signal or an error), then the tmp dirs go
             child.stop()
         for tmp in prep.tmp_dirs:
             shutil.rmtree(tmp, ignore_errors=True)

@@ -21,16 +21,19 @@ import hashlib
 import json
 import os
 import struct
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from kchain.common import layout, trackers
+from kchain.common.atomic import fsync_path
 from kchain.errors import KchainError
 from kchain.traces import read_trace
 
 TARGETS = ("tensorboard", "mlflow", "wandb")
+TB_EVENTS = ".tfevents."  # what TensorBoard looks for in an event file's name
 RUN_TAG = "kchain.run_id"  # the MLflow tag that names the chain's run
 # The .wandb file W&B writes (an offline run's record log): LevelDB's log format, 32 KiB blocks of
 # chunks with a 7-byte header (crc32, length, type), after a 7-byte file header (":W&B", 0xBEE1, 0).
@@ -146,11 +149,32 @@ def _tensorboard(steps: dict[int, dict[str, float]], run_id: str, folder: Path) 
         last = {tag: max(e.step for e in acc.Scalars(tag)) for tag in acc.Tags()["scalars"]}
     fresh, held = _new(steps, last)
     if fresh:
+        before = set(folder.glob(f"*{TB_EVENTS}*"))
         w = SummaryWriter(str(folder))
         for step, key, value in fresh:
             w.add_scalar(key, value, step)
         w.close()
+        for written in sorted(set(folder.glob(f"*{TB_EVENTS}*")) - before):
+            target = folder / _next_events_name(before)
+            _replace_durably(written, target)
+            before.add(target)
     return Synced("tensorboard", run_id, str(folder), len(fresh), held)
+
+
+def _next_events_name(present: set[Path]) -> str:
+    """An event file's name that sorts after every one present. TensorBoard reads a folder's event files
+    in name order, and the writer's own names (`...tfevents.<second>.<host>.<pid>.<count>`) do not
+    sort in writing order when two syncs fall in one second (count 9 before 10, or two pids)."""
+    def serial(path: Path) -> int:
+        field = path.name.partition(TB_EVENTS)[2].split(".")[0]
+        return int(field) if field.isdigit() else 0
+    return f"events.out{TB_EVENTS}{max([int(time.time()), *(serial(p) + 1 for p in present)]):010d}.kchain-sync"
+
+
+def _replace_durably(source: Path, target: Path) -> None:
+    fsync_path(source)
+    os.replace(source, target)
+    fsync_path(target.parent)
 
 
 def _mlflow(steps: dict[int, dict[str, float]], times: dict[int, float], run_id: str, name: str,

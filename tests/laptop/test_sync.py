@@ -5,6 +5,7 @@ second (resumed at step 6) holds the whole history in its trace, the first's kil
 from __future__ import annotations
 
 import json
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -74,6 +75,24 @@ def test_sync_makes_one_run_with_each_step_once_and_sends_nothing_twice(chain, t
     again = sync.sync_for(job_file, target, out)
     assert (again.sent, again.held) == (0, 12 + 2)
     assert read_back(target, out) == expect(12)
+
+
+def test_a_later_named_event_file_already_there_still_reads_back_in_step_order(chain, tmp_path):
+    """TensorBoard reads a folder's event files in name order; the writer names them by second, host,
+    pid and a per-process count, so a sync in the same second (count 9, then 10), from another pid, or
+    after a clock step back would sort before what it follows. Here the first sync's file is named a
+    minute ahead, as a second sync in that position would find it."""
+    pytest.importorskip("tensorboard")
+    job_file, ledger = chain
+    out = tmp_path / "run"
+    add_session(ledger, 1, session_output(tmp_path / "s1", range(1, 9), saved=6))
+    sync.sync_for(job_file, "tensorboard", out)
+    [first] = out.glob("*tfevents*")
+    first.rename(out / f"events.out.tfevents.{int(time.time()) + 60:010d}.elsewhere.99999.0")
+    add_session(ledger, 2, session_output(tmp_path / "s2", range(1, 13), saved=12))
+    assert sync.sync_for(job_file, "tensorboard", out).sent == 4 + 1
+    assert read_back("tensorboard", out) == expect(12)
+    assert sync.sync_for(job_file, "tensorboard", out).sent == 0
 
 
 def read_back(target: str, out: Path) -> dict[str, list[int]]:

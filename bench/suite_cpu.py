@@ -1,6 +1,6 @@
 """CPU seconds of each test file, its child processes included: where the suite's time goes.
 
-    python bench/suite_cpu.py                           # every tests/test_*.py, one pytest process each
+    python bench/suite_cpu.py                           # every test file under tests/, one pytest process each
     python bench/suite_cpu.py tests/scenarios/test_smoke.py ...   # only these files
 
 Each file runs in its own `python -m pytest -q -n 0` process; its user+sys CPU is read from the
@@ -32,17 +32,17 @@ def file_cpu(path: Path) -> tuple[float, float, float, int]:
 
 
 def main(argv: list[str]) -> int:
-    files = [Path(a) for a in argv] or sorted((REPO / "tests").glob("test_*.py"))
+    files = [Path(a) for a in argv] or sorted((REPO / "tests").rglob("test_*.py"))
     rows = []
     for path in files:
         user, system, wall, code = file_cpu(path)
-        rows.append((user + system, user, system, wall, code, path.name))
-        print(f"{path.name:34s} cpu {user + system:7.1f} s (user {user:6.1f}, sys {system:5.1f})  "
+        rows.append((user + system, user, system, wall, code, str(path.resolve().relative_to(REPO))))
+        print(f"{rows[-1][-1]:52s} cpu {user + system:7.1f} s (user {user:6.1f}, sys {system:5.1f})  "
               f"wall {wall:6.1f} s  exit {code}", flush=True)
     print("\nby CPU:")
     for cpu, _, _, wall, code, name in sorted(rows, reverse=True):
-        print(f"{name:34s} {cpu:7.1f} CPU-s  {wall:6.1f} s wall  exit {code}")
-    print(f"{'total':34s} {sum(r[0] for r in rows):7.1f} CPU-s  {sum(r[3] for r in rows):6.1f} s wall")
+        print(f"{name:52s} {cpu:7.1f} CPU-s  {wall:6.1f} s wall  exit {code}")
+    print(f"{'total':52s} {sum(r[0] for r in rows):7.1f} CPU-s  {sum(r[3] for r in rows):6.1f} s wall")
     return 0
 
 

@@ -24,6 +24,7 @@ import struct
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -214,6 +215,7 @@ def _wandb(steps: dict[int, dict[str, float]], run_id: str, name: str, folder: P
     held = sum(len(v) for s, v in steps.items() if s <= last)
     if fresh:
         folder.mkdir(parents=True, exist_ok=True)
+        _wait_for_a_fresh_second(folder / "wandb", run_id)
         run = wandb.init(project=name, id=run_id, resume="allow", mode="offline", dir=str(folder),
                          settings=wandb.Settings(silent=True, console="off"))
         try:
@@ -223,6 +225,18 @@ def _wandb(steps: dict[int, dict[str, float]], run_id: str, name: str, folder: P
             run.finish()
             wandb.teardown()  # the W&B service ends: the run's record file is whole once this returns
     return Synced("wandb", run_id, str(folder / "wandb"), sum(len(v) for v in fresh.values()), held)
+
+
+def _wait_for_a_fresh_second(runs: Path, run_id: str) -> None:
+    """W&B names an offline run's folder by its start, to the second, in local time
+    (`offline-run-%Y%m%d_%H%M%S-<id>`): a second sync in the same second as the last would write into
+    that folder and replace its record file, and `wandb sync` would upload the later steps alone.
+    So a sync waits (under a second) until its second names no folder of the run yet."""
+    def taken() -> bool:
+        stamp = datetime.fromtimestamp(time.time()).strftime("%Y%m%d_%H%M%S")
+        return (runs / f"offline-run-{stamp}-{run_id}").exists()
+    while taken():
+        time.sleep(0.05)
 
 
 def _wandb_steps(path: Path) -> int:

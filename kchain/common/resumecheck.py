@@ -67,14 +67,14 @@ def await_state(resume: dict | None, input_root: Path, wait_s: float, say: Calla
     dataset version "ready" minutes before a session saw it mounted (docs/emulator.md, mount_lag_s).
 
     Returns at once without an expected state (a fresh chain, a local run) or when it is there; says a
-    line every `every_s` while it waits; raises StateNotMounted after `wait_s`. A different step found
+    line when it finds the state missing and every `every_s` while it waits; raises StateNotMounted after `wait_s`. A different step found
     is left to check() once the checkpoint is read (a wrong version, not a late one, is WrongState)."""
     want = expected(resume)
     if want is None:
         return
     step, version = int(want["step"]), want.get("state_version")
     start = time.monotonic()
-    said = start
+    said = start - every_s  # the first look that misses says so at once, then a line every `every_s`
     while attached_step(input_root) != step:
         waited = time.monotonic() - start
         if waited >= wait_s:

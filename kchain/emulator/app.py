@@ -12,6 +12,7 @@ switches (`emu.faults`) and a few read-only views for tests (`sessions()`, `data
 from __future__ import annotations
 
 import errno
+import json
 import secrets as _secrets
 import shutil
 import sys
@@ -172,6 +173,11 @@ class Emulator:
         """The session reaches its time limit now: killed, ERROR, output as `switches.output_at_limit` says."""
         self.runner.expire(self.session(ref, version)["id"])
 
+    def mount_now(self, ref: str, version: int | None = None) -> None:
+        """The session's lagging mounts (switches.mount_lag_s) arrive now: a clock control, so a test can
+        mount a state only after the session said it waits for it, on a machine of any speed."""
+        self.runner.mount_now(self.session(ref, version)["id"])
+
     def settle(self, ref: str) -> None:
         """Every version of dataset ref is visible and ready now (a clock control: a test need not wait
         out a lag or a processing time it made long so that nothing races the machine)."""
@@ -223,6 +229,23 @@ class Emulator:
         with self.store.lock:
             return [dict(v, visible=self.store.version_visible(v), ready=self.store.version_ready(v))
                     for v in self.store.datasets[ref]["versions"]]
+
+    def live_log(self, ref: str, version: int | None = None) -> str:
+        """What the session has printed so far, while it runs (Kaggle's log is written when it ends)."""
+        path = self.store.session_dir(self.session(ref, version)["id"]) / "log.jsonl"
+        lines = path.read_text(errors="replace").splitlines() if path.exists() else []
+        return "".join(json.loads(line)["data"] for line in lines if line.strip())
+
+    def wait_output(self, ref: str, text: str, version: int | None = None, timeout: float = 60) -> str:
+        """Block until the session has printed text; its log so far. An event, not a time: a test acts at the
+        point the session reached, on a machine of any speed. Raises if it ends or times out first."""
+        deadline = time.time() + timeout
+        while text not in (log := self.live_log(ref, version)):
+            status = self.session(ref, version)["status"]
+            if status in TERMINAL or time.time() > deadline:
+                raise TimeoutError(f"session of {ref} is {status} and never printed {text!r}:\n{log[-2000:]}")
+            time.sleep(0.05)
+        return log
 
     def session_output_dir(self, session_id: str) -> Path:
         return self.store.session_dir(session_id) / "output"

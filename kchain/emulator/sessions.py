@@ -137,8 +137,11 @@ def _mount(files: Path, dest: Path) -> None:
     part.rename(dest)
 
 
-def _mount_late(files: Path, dest: Path, root: Path, stopping: threading.Event) -> None:
-    """The lagging mount arrives, if the session's sandbox is still there."""
+def _mount_late(files: Path, dest: Path, root: Path, stopping: threading.Event, now: threading.Event,
+                late: float) -> None:
+    """The lagging mount arrives after `late` seconds, or once `now` is set (Emulator.mount_now), if the
+    session's sandbox is still there."""
+    now.wait(late)
     if stopping.is_set() or not (root / layout.INPUT_DIR).is_dir():
         return
     try:
@@ -195,6 +198,7 @@ class SessionRunner:
         self._procs: dict[str, subprocess.Popen[bytes]] = {}
         self._cancels: dict[str, str] = {}  # session id -> who cancelled it
         self._expired: set[str] = set()  # sessions whose time limit a test declared reached
+        self._mount_now: dict[str, threading.Event] = {}  # per session: its lagging mounts arrive now
         self._stopping = threading.Event()
         # Test switch: extra environment for every session, standing for another kernel image (the doctor's
         # probe reads layout.TEST_IMAGE_TORCH_ENV / TEST_IMAGE_NUMPY_ENV as the image's versions).
@@ -224,9 +228,15 @@ class SessionRunner:
         """Reach the session's time limit now (a clock control: tests need not wait for the limit)."""
         self._expired.add(session_id)
 
+    def mount_now(self, session_id: str) -> None:
+        """The session's lagging mounts (mount_lag_s) arrive now (a clock control, as expire)."""
+        self._mount_now.setdefault(session_id, threading.Event()).set()
+
     def stop(self) -> None:
         """Kill every live session without recording an end: after a restart they read as lost."""
         self._stopping.set()
+        for now in list(self._mount_now.values()):
+            now.set()  # a lagging mount's thread sees the stop and mounts nothing
         for proc in list(self._procs.values()):
             kill_tree(proc.pid)
             proc.wait()  # reap it: a killed child left unwaited is a zombie and a ResourceWarning
@@ -304,9 +314,9 @@ class SessionRunner:
             files = self.store.version_files_dir(ref, version["number"])
             late = version["ready_at"] + session.get("mount_lag_s", 0.0) - time.time()
             if late > 0:  # ready, not yet mounted (switches.mount_lag_s)
-                timer = threading.Timer(late, _mount_late, args=(files, dest, root, self._stopping))
-                timer.daemon = True
-                timer.start()
+                now = self._mount_now.setdefault(session["id"], threading.Event())
+                threading.Thread(target=_mount_late, args=(files, dest, root, self._stopping, now, late),
+                                 name=f"mount-{session['id']}", daemon=True).start()
             else:
                 _mount(files, dest)
             mounted.append(f"{ref}/{version['number']}")

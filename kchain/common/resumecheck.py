@@ -67,8 +67,9 @@ def await_state(resume: dict | None, input_root: Path, wait_s: float, say: Calla
     dataset version "ready" minutes before a session saw it mounted (docs/emulator.md, mount_lag_s).
 
     Returns at once without an expected state (a fresh chain, a local run) or when it is there; says a
-    line when it finds the state missing and every `every_s` while it waits; raises StateNotMounted after `wait_s`. A different step found
-    is left to check() once the checkpoint is read (a wrong version, not a late one, is WrongState)."""
+    line when it first finds the state missing and every `every_s` while it waits; raises StateNotMounted
+    after `wait_s`. A different step found is left to check() once the checkpoint is read (a wrong
+    version, not a late one, is WrongState)."""
     want = expected(resume)
     if want is None:
         return

@@ -233,7 +233,8 @@ class Emulator:
     def live_log(self, ref: str, version: int | None = None) -> str:
         """What the session has printed so far, while it runs (Kaggle's log is written when it ends)."""
         path = self.store.session_dir(self.session(ref, version)["id"]) / "log.jsonl"
-        lines = path.read_text(errors="replace").splitlines() if path.exists() else []
+        # Whole lines only: the executor may be writing the last one.
+        lines = path.read_text(errors="replace").split("\n")[:-1] if path.exists() else []
         return "".join(json.loads(line)["data"] for line in lines if line.strip())
 
     def wait_output(self, ref: str, text: str, version: int | None = None, timeout: float = 60) -> str:

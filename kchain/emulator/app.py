@@ -12,7 +12,6 @@ switches (`emu.faults`) and a few read-only views for tests (`sessions()`, `data
 from __future__ import annotations
 
 import errno
-import json
 import secrets as _secrets
 import shutil
 import sys
@@ -27,7 +26,7 @@ from kchain.common.kernel_states import LIVE, TERMINAL
 from kchain.emulator.faults import Faults
 from kchain.emulator.rpcs import Rpcs
 from kchain.emulator.server import EmulatorHTTPServer, free_closed_port
-from kchain.emulator.sessions import SessionRunner
+from kchain.emulator.sessions import SessionRunner, log_entries
 from kchain.emulator.state import Store, model_key
 from kchain.emulator.switches import Limits, Switches
 from kchain.errors import KchainError
@@ -233,9 +232,7 @@ class Emulator:
     def live_log(self, ref: str, version: int | None = None) -> str:
         """What the session has printed so far, while it runs (Kaggle's log is written when it ends)."""
         path = self.store.session_dir(self.session(ref, version)["id"]) / "log.jsonl"
-        # Whole lines only: the executor may be writing the last one.
-        lines = path.read_text(errors="replace").split("\n")[:-1] if path.exists() else []
-        return "".join(json.loads(line)["data"] for line in lines if line.strip())
+        return "".join(entry["data"] for entry in log_entries(path))
 
     def wait_output(self, ref: str, text: str, version: int | None = None, timeout: float = 60) -> str:
         """Block until the session has printed text; its log so far. An event, not a time: a test acts at the

@@ -30,6 +30,7 @@ from typing import Any
 from urllib.parse import parse_qs, unquote, urlsplit
 
 from kchain.emulator.rpcs import ApiError, Redirect, ResetConnection, Rpcs
+from kchain.emulator.sessions import log_entries
 
 RPC_PATH = re.compile(r"^(?:/api)?/v1/(?P<service>[\w.]+)/(?P<rpc>\w+)$")
 LOG_STREAM_PATH = re.compile(r"^(?:/api)?/v1/kernels/logs/stream/(?P<owner>[^/]+)/(?P<slug>[^/]+)$")
@@ -278,7 +279,7 @@ class Handler(BaseHTTPRequestHandler):
         try:
             while not self.rpcs.runner.stopping:
                 done = not self.rpcs.session_live(session_id)
-                lines = _complete_lines(sdir / "log.jsonl")
+                lines = [json.dumps(entry) for entry in log_entries(sdir / "log.jsonl")]
                 for line in lines[sent:]:
                     self._chunk(f"data: {line}\n\n".encode())
                 sent = len(lines)
@@ -336,22 +337,6 @@ class Handler(BaseHTTPRequestHandler):
                 left -= len(chunk)
 
 
-def _complete_lines(path: Path) -> list[str]:
-    """The whole lines of a log the session is still writing (a torn last line waits)."""
-    try:
-        text = path.read_text(encoding="utf-8", errors="replace")
-    except FileNotFoundError:
-        return []
-    lines = text.split("\n")[:-1]
-    out = []
-    for line in lines:
-        try:
-            entry = json.loads(line)
-        except ValueError:
-            continue
-        out.append(json.dumps({"stream_name": entry.get("stream_name", "stdout"), "time": entry.get("time", 0.0),
-                               "data": entry.get("data", "")}))
-    return out
 
 
 def free_closed_port() -> int:

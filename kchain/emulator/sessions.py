@@ -159,18 +159,27 @@ def remove_tree(top: Path) -> None:
     shutil.rmtree(top, ignore_errors=True)
 
 
-def _kaggle_log(log_jsonl: Path) -> str:
-    """The executor's JSON lines as Kaggle's log: one JSON array of {stream_name, time, data}."""
+def log_entries(log_jsonl: Path) -> list[dict[str, Any]]:
+    """The executor's JSON lines as Kaggle's log entries {stream_name, time, data}, whole lines only: a
+    last line still being written (or torn by a kill) is left out."""
+    try:
+        lines = log_jsonl.read_text(encoding="utf-8", errors="replace").split("\n")[:-1]
+    except FileNotFoundError:
+        return []
     entries = []
-    if log_jsonl.exists():
-        for line in log_jsonl.read_text(encoding="utf-8", errors="replace").splitlines():
-            try:
-                entry = json.loads(line)
-            except ValueError:
-                continue  # a line torn by the kill
-            entries.append({"stream_name": entry.get("stream_name", "stdout"),
-                            "time": entry.get("time", 0.0), "data": entry.get("data", "")})
-    return json.dumps(entries)
+    for line in lines:
+        try:
+            entry = json.loads(line)
+        except ValueError:
+            continue  # a line torn by the kill
+        entries.append({"stream_name": entry.get("stream_name", "stdout"),
+                        "time": entry.get("time", 0.0), "data": entry.get("data", "")})
+    return entries
+
+
+def _kaggle_log(log_jsonl: Path) -> str:
+    """Kaggle's log once the session ended: one JSON array of its entries."""
+    return json.dumps(log_entries(log_jsonl))
 
 
 def _as_notebook(text: str, kernel_type: str) -> str:

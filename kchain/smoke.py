@@ -3,7 +3,8 @@
 What it proves, in order: the notebook renders; the code starts, stages its data and passes its
 preflight checks; it trains `smoke.steps` steps, validates and writes a checkpoint; a real SIGKILL
 after that checkpoint and a resume in a fresh process give the same losses, bit for bit, as an
-uninterrupted reference run of `2 x smoke.steps` steps.
+uninterrupted reference run of `2 x smoke.steps` steps. Each run is a process of its own with a hash seed of
+its own, as each Kaggle session is (local.py drops the laptop's PYTHONHASHSEED).
 
 `smoke()` is a straight run of stages: prepare (render, lay out the sandboxes) -> train (the reference
 and the run to be killed, side by side, and the resume's notebook beside them, held at its gate) ->

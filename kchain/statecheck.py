@@ -17,6 +17,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from kchain import traces
 from kchain.common import layout
 
 
@@ -155,8 +156,7 @@ def cause(comparison: Comparison, resume_step: int, traces_agree: bool = True) -
     diff = comparison.first
     assert diff is not None
     if diff.step <= resume_step:
-        return ("the state differs before any resume: the training is not deterministic even in one process "
-                "(an unseeded RNG, a nondeterministic kernel, a value read from the clock)")
+        return f"the state differs before any resume: the training is not deterministic ({traces.NOT_DETERMINISTIC})"
     what = objects(diff.keys)
     optimizers = objects(k for k in _all_keys(comparison) if ".param_groups." in k or ".state." in k)
     differing_optimizers = [o for o in what if o in optimizers]

@@ -65,11 +65,17 @@ PREFETCH = (
 )
 
 
+# What makes two runs differ with no resume between them. Each run of a smoke is a process of its own, as each
+# Kaggle session is, with a hash seed of its own (local.py drops a PYTHONHASHSEED the laptop has).
+NOT_DETERMINISTIC = ("an unseeded RNG, a nondeterministic kernel, a value read from the clock, or an order taken "
+                     "from a set of strings: each process draws its own hash seed")
+
+
 def likely_cause(first: tuple[int, str], resume_step: int, not_exact: list[str] | None = None) -> str:
     """The state most likely missing from the checkpoint, from where the traces first part."""
     step, key = first
     if step <= resume_step:
-        return "the trace before the kill differs: the training is not deterministic even without a resume"
+        return f"the trace before the kill differs: the training is not deterministic even without a resume ({NOT_DETERMINISTIC})"
     if not_exact:  # the runtime already named what it cannot restore (a hand-built DataLoader, a stream)
         return not_exact[0]
     if key.startswith("val"):

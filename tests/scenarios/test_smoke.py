@@ -148,6 +148,18 @@ def test_a_batch_prefetched_in_the_previous_step_fails_the_resume_check_naming_t
     assert first in result.output and traces.PREFETCH in result.output
 
 
+def test_an_order_taken_from_a_set_of_strings_fails_though_the_laptop_fixes_the_hash_seed(tmp_path, monkeypatch):
+    """Each process of a Kaggle session draws its own hash seed: a vocabulary in a set's order differs after every
+    resume there. A PYTHONHASHSEED in the laptop's environment must not give the smoke's runs one seed (a pass)."""
+    monkeypatch.setenv("PYTHONHASHSEED", "0")
+    path = copy_job("tinygpt", tmp_path)
+    mutate(path, 'vocab = sorted(set("".join(notes)))', 'vocab = list(set("".join(notes)))')
+    result = invoke("smoke", path, *ONE_RANK)
+    assert result.exit_code == 3, result.output
+    assert "ResumeMismatch" in error_line(result)
+    assert "each process draws its own hash seed" in result.output
+
+
 def test_a_passing_smoke_is_not_a_pass_for_changed_code(tmp_path):
     path = copy_job("classifier", tmp_path, params={"steps": 1500, "num_workers": 0})
     assert invoke("smoke", path, *ONE_RANK).exit_code == 0

@@ -43,15 +43,37 @@ GATE_POLL_S = 0.01  # how often a gated start looks for its release (a stat call
 GATE_NOTE = "smoke: started beside the run to resume, held until its kill before reading the working dir"
 
 
+# The code __main__ exits with, set just before (None in any other process that imports this module, a
+# spawned DataLoader worker's __mp_main__): _quick_teardown ends a rank with it.
+_EXIT: dict[str, int | None] = {"code": None}
+
+
 def _quick_teardown() -> None:
-    """The last exit handler (registered first, run last): collect once, then freeze what is left.
+    """The last exit handler (registered first, run last): collect once, then freeze what is left;
+    a rank of several leaves here instead, with its code.
 
     The interpreter's own teardown after torch (and torch._dynamo, where DDP or a compile imports
     it) costs about 1 s of CPU in repeated full collections; every checkpoint and the summary
     are on disk by then. One collection still finalizes the code's own garbage cycles (their
     __del__ runs, as in a plain exit); what is left is reachable (torch's modules), and the OS
     frees it at exit.
+
+    A rank of several must not free its process group from Python at all: the collection (or the
+    interpreter's own teardown) that frees a DDP model frees the gloo group with the GIL held, while
+    a gloo worker thread, releasing its last collective's tensors, waits for the GIL with the lock
+    the group's destructor needs. Seen here: a 2-rank resume that had finished and written its
+    summary hung in `~ProcessGroupGloo` for good, its launcher waiting on it (on Kaggle, a session
+    would burn its GPU hours to the limit). So a rank ends with `os._exit` once every other exit
+    handler ran (Python has joined the code's threads before them): its garbage cycles' `__del__`
+    do not run, and the OS frees the rest.
     """
+    from kchain.runtime import torchrun  # standard library only
+
+    code = _EXIT["code"]
+    if code is not None and torchrun.in_ranks(os.environ) and int(os.environ.get("WORLD_SIZE") or 1) > 1:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
     gc.collect()
     gc.freeze()
 
@@ -451,4 +473,5 @@ def _rank_killed(n: int, killed: tuple[int, int], config: RuntimeConfig) -> int:
 
 if __name__ == "__main__":
     lazydynamo.install()  # before anything imports torch: its optimizers no longer import torch._dynamo
-    sys.exit(main(sys.argv) if released(os.environ, sys.argv) else 0)
+    _EXIT["code"] = main(sys.argv) if released(os.environ, sys.argv) else 0
+    sys.exit(_EXIT["code"])

@@ -41,6 +41,7 @@ from kchain.common.sink import read_pointer
 from kchain.common.summary import Summary, read_working
 from kchain.errors import KchainError, SmokeFailed
 from kchain.ledger import Ledger, new_run_id, state_dir
+from kchain.local import HASH_SEED_ENV
 from kchain.smoke import threads_each
 from kchain.spec import Job, load_job
 from kchain.targets import skypilot, slurm
@@ -85,7 +86,8 @@ class TargetRehearsal:
 
 def _engine_env(target: str, job: Job, stage: Stage, number: int, sink: Path, bin_dir: Path) -> dict[str, str]:
     """The environment a one-node engine run gives the script, on a fresh machine."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("KCHAIN_", "SKYPILOT_", "SLURM_"))}
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("KCHAIN_", "SKYPILOT_", "SLURM_")) and k != HASH_SEED_ENV}  # the machine's own seeds
     env["PATH"] = os.pathsep.join([str(bin_dir), str(Path(sys.executable).parent), env.get("PATH", "")])
     sink.mkdir(parents=True, exist_ok=True)  # the bucket's mount point, as the engine mounts it
     env[layout.STATE_SINK_ENV] = str(sink / job.name)  # the bucket's mount folder (or the shared state folder)

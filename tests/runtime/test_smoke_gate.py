@@ -119,11 +119,11 @@ def main(run):
 '''
 
 
-def run_source(tmp_path: Path, module: str, source: str) -> str:
+def run_source(tmp_path: Path, module: str, source: str, **env: str) -> str:
     """Run `source` as the job's module to its end (not gated); its output, after it exited 0."""
     (tmp_path / "code").mkdir()
     (tmp_path / "code" / f"{module}.py").write_text(source)
-    with start(tmp_path / "root", code_dir=tmp_path / "code", entry=f"{module}:main") as child:
+    with start(tmp_path / "root", code_dir=tmp_path / "code", entry=f"{module}:main", **env) as child:
         out, _ = child.communicate(timeout=CHILD_TIMEOUT_S)
     assert child.returncode == 0, out
     return out
@@ -133,6 +133,40 @@ def test_the_quick_exit_still_finalizes_the_codes_garbage_cycles(tmp_path):
     """The teardown skips the interpreter's repeated collections, not the one that runs __del__."""
     run_source(tmp_path, "cyclic", CYCLIC_JOB)
     assert (tmp_path / "root" / layout.WORKING_DIR / "report.txt").read_text() == "finalized at exit\n"
+
+
+RANK_EXIT_JOB = '''
+import atexit
+import os
+
+import torch
+
+
+class Freed:
+    def __init__(self, path):
+        self.path = path
+
+    def __del__(self):
+        self.path.write_text("freed")
+
+
+def main(run):
+    model = run.wrap(torch.nn.Linear(2, 2))  # a DDP over a gloo group: its end must not hang the rank
+    rank = os.environ["RANK"]
+    cycle = {"model": model, "freed": Freed(run.working / f"freed-{rank}.txt")}
+    cycle["self"] = cycle  # only a collection would free the DDP (and its group) with it
+    atexit.register((run.working / f"rank-{rank}.txt").write_text, "exit handler ran\\n")
+'''
+
+
+def test_each_rank_of_two_runs_its_exit_handlers_and_never_frees_its_process_group(tmp_path):
+    """A rank leaves with os._exit after the other exit handlers (launch._quick_teardown): freeing its gloo group
+    from Python can deadlock with a gloo thread waiting for the GIL (a finished 2-rank resume hung so)."""
+    run_source(tmp_path, "ranked", RANK_EXIT_JOB, KCHAIN_RANKS="2")
+    working = tmp_path / "root" / layout.WORKING_DIR
+    for rank in (0, 1):
+        assert (working / f"rank-{rank}.txt").read_text() == "exit handler ran\n"
+        assert not (working / f"freed-{rank}.txt").exists()  # the cycle holding the DDP was never collected
 
 
 ONE_BATCH_LOADER_JOB = '''

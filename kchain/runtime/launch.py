@@ -62,10 +62,10 @@ def _quick_teardown() -> None:
     interpreter's own teardown) that frees a DDP model frees the gloo group with the GIL held, while
     a gloo worker thread, releasing its last collective's tensors, waits for the GIL with the lock
     the group's destructor needs. Seen here: a 2-rank resume that had finished and written its
-    summary hung in `~ProcessGroupGloo` for good, its launcher waiting on it (a smoke that never ends;
-    a session that does not end runs to its limit on the GPU hours). So a rank ends with `os._exit` once every other exit
-    handler ran (Python has joined the code's threads before them): its garbage cycles' `__del__`
-    do not run, and the OS frees the rest.
+    summary hung in `~ProcessGroupGloo` for good, its launcher waiting on it (a smoke that never
+    ends; a session that does not end runs to its limit on the GPU hours). So a rank ends with
+    `os._exit` once every other exit handler ran (Python has joined the code's threads before them):
+    its garbage cycles' `__del__` do not run, and the OS frees the rest.
     """
     from kchain.runtime import torchrun  # standard library only
 

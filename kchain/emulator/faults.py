@@ -42,6 +42,10 @@ class Faults:
     # Upload PUTs that carry bytes are cut off after reading half their body: the 1st, the
     # (N+1)th, ... (1 = every one).
     drop_upload_every: int = opt(0, 'cut off the 1st, (N+1)th, ... upload half-way through its body.', metavar='N')
+    # The next N upload PUTs that carry bytes stall half-way: the first half of the body is stored, the
+    # rest is read and thrown away, and no answer comes until the client goes away (a hung link; the
+    # official client sets no timeout on its PUT, so it waits until it is killed).
+    stall_upload: int = opt(0, 'the next N uploads store half their body, then hang until the client goes away.', metavar='N')
     # New dataset versions stay "processing" (BLOBS_RECEIVED) for this many seconds.
     processing_s: float = opt(0.0, 'a new dataset version stays processing (BLOBS_RECEIVED) this long.', metavar='SECONDS')
     # A session killed by its limit or by a fault leaves no output, like a lost VM.
@@ -120,6 +124,13 @@ class Faults:
         with self._lock:
             self._uploads_seen += 1
             return (self._uploads_seen - 1) % self.drop_upload_every == 0
+
+    def stall_this_upload(self) -> bool:
+        with self._lock:
+            stall = self.stall_upload > 0
+            if stall:
+                self.stall_upload -= 1
+            return stall
 
     def kill_at(self) -> float | None:
         """Seconds after start at which a session starting now is killed, or None."""

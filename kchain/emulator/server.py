@@ -47,7 +47,7 @@ class EmulatorHTTPServer(ThreadingHTTPServer):
         self.rpcs = rpcs
         self.users = users  # name -> key
         self.tokens = tokens  # token -> name
-        self.count = count  # one call of a kind (an RPC name, or upload_put/_drop/_probe/_resume)
+        self.count = count  # one call of a kind (an RPC name, or upload_put/_drop/_stall/_probe/_resume)
         super().__init__(address, Handler)
 
     def handle_error(self, request: Any, client_address: Any) -> None:
@@ -209,24 +209,20 @@ class Handler(BaseHTTPRequestHandler):
             if start > blob["received"]:
                 self._body()
                 return self._error(400, f"Content-Range starts at {start}, only {blob['received']} bytes received")
-        drop = length > 1 and self.rpcs.faults.drop_this_upload()
-        budget = length // 2 if drop else length
-        self.server.count("upload_drop" if drop else "upload_put")
-        received = start
-        with open(store.blob_path(token), "r+b") as f:
-            f.seek(start)
-            f.truncate()
-            while budget > 0:
-                chunk = self.rfile.read(min(CHUNK, budget))
-                if not chunk:
-                    break
-                f.write(chunk)
-                budget -= len(chunk)
-                received += len(chunk)
+        faults = self.rpcs.faults
+        drop = length > 1 and faults.drop_this_upload()
+        stall = length > 1 and not drop and faults.stall_this_upload()
+        budget = length // 2 if drop or stall else length
+        received = start + self._store_body(store.blob_path(token), start, budget)
         with store.lock:
             blob["received"] = received
-            blob["complete"] = not drop and received >= blob["size"]
+            blob["complete"] = not (drop or stall) and received >= blob["size"]
             store.save()
+        # Counted once the bytes are stored: a test that sees the count sees the upload's stored state.
+        self.server.count("upload_stall" if stall else "upload_drop" if drop else "upload_put")
+        if stall:
+            self.close_connection = True
+            return self._hang_until_the_client_goes()
         if drop:
             self.close_connection = True
             try:
@@ -239,6 +235,34 @@ class Handler(BaseHTTPRequestHandler):
         if not blob["complete"]:
             return self._send(308, b"", "text/plain", {"Range": f"bytes=0-{received - 1}"} if received else {})
         self._json(200, {"token": token})
+
+    def _store_body(self, blob: Path, start: int, budget: int) -> int:
+        """Write up to `budget` bytes of the request's body into the blob from `start` (cutting off what
+        was there after it); the bytes written."""
+        written = 0
+        with open(blob, "r+b") as f:
+            f.seek(start)
+            f.truncate()
+            while written < budget:
+                chunk = self.rfile.read(min(CHUNK, budget - written))
+                if not chunk:
+                    break
+                f.write(chunk)
+                written += len(chunk)
+        return written
+
+    def _hang_until_the_client_goes(self) -> None:
+        """Read and throw away whatever the client still sends, answering nothing, until it closes the
+        connection (or the emulator stops)."""
+        self.connection.settimeout(0.5)
+        while not self.rpcs.runner.stopping:
+            try:
+                if not self.connection.recv(CHUNK):
+                    return
+            except TimeoutError:
+                continue
+            except OSError:
+                return
 
     def do_GET(self) -> None:
         path, query = self._target()

@@ -173,17 +173,18 @@ def test_upload_resumes_after_a_dropped_connection(emulator, kaggle_api, tmp_pat
     assert emulator.calls["upload_drop"] == 1
     wait_dataset_ready(kaggle_api, "alice/big-upload")
 
-    # A client that dies mid-upload resumes next time with the `bytes */N` probe and a ranged PUT.
-    emulator.faults.drop_upload_every = 1
+    # A client killed while its upload hangs half-way resumes next time with the `bytes */N` probe and a
+    # ranged PUT. The stall is counted once half the body is stored, and the client, waiting for an answer
+    # that never comes, does nothing more until it is killed: what it left does not depend on timing.
+    emulator.faults.drop_upload_every, emulator.faults.stall_upload = 0, 1
     cmd = [str(KAGGLE_CLI), "datasets", "version", "-p", str(folder), "-m", "v2"]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 30
-    while emulator.calls["upload_drop"] < 2 and time.time() < deadline:
+    deadline = time.time() + 120
+    while emulator.calls["upload_stall"] < 1 and proc.poll() is None and time.time() < deadline:
         time.sleep(0.05)
     proc.kill()
     proc.wait()
-    assert emulator.calls["upload_drop"] >= 2
-    emulator.faults.drop_upload_every = 0
+    assert emulator.calls["upload_stall"] == 1
     starts = emulator.calls["StartBlobUpload"]
     assert kaggle_api.dataset_create_version(str(folder), "v2", quiet=True).status == "ok"
     assert emulator.calls["StartBlobUpload"] == starts

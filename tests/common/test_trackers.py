@@ -122,7 +122,7 @@ def test_the_trackers_variables_are_exported_before_the_user_code(tmp_path, monk
 
 
 def test_the_mlflow_run_active_at_a_save_is_kept_for_the_next_session(tmp_path, monkeypatch):
-    mlflow = pytest.importorskip("mlflow")
+    import mlflow
     from helpers import make_run
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", (tmp_path / "mlruns").as_uri())
@@ -143,8 +143,6 @@ def test_the_mlflow_run_active_at_a_save_is_kept_for_the_next_session(tmp_path, 
 def test_lightnings_tensorboard_logger_on_the_chains_folder_is_one_run_across_a_stop(tmp_path):
     # Lightning's logger flushes every 120 s by itself: what reaches the checkpoint at the stop is what
     # kchain's callback flushed (logger.save()) before it copied the folder.
-    pytest.importorskip("pytorch_lightning")
-    pytest.importorskip("tensorboard")
     import pytorch_lightning as pl
     from helpers import make_run
     from pytorch_lightning.loggers import TensorBoardLogger
@@ -178,8 +176,6 @@ def test_lightnings_tensorboard_logger_on_the_chains_folder_is_one_run_across_a_
 def test_the_hf_trainers_report_to_tensorboard_is_one_run_across_a_stop_without_a_line_of_code(tmp_path, monkeypatch):
     # train.trackers.tensorboard sets TENSORBOARD_LOGGING_DIR, which the Trainer's TensorBoardCallback reads
     # when it is built; run.hf_resume restores the folder before the callback's writer opens it.
-    pytest.importorskip("transformers")
-    pytest.importorskip("tensorboard")
     from helpers import make_run
     from test_hf import template_module
 

@@ -23,8 +23,6 @@ from kchain.common.checkpoint_files import verify
 from kchain.init import TEMPLATES, init_job
 from kchain.rehearse import rehearse
 
-pytest.importorskip("transformers")
-
 TEMPLATE = "hf-trainer"
 
 

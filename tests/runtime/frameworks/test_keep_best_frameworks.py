@@ -18,7 +18,6 @@ def newest_best(run) -> dict:
 
 
 def test_hf_load_best_model_at_end_keeps_the_best_eval_metric_checkpoint(tmp_path, capsys):
-    pytest.importorskip("transformers")
     from test_hf import tiny_trainer
 
     run = make_run(tmp_path, env={layout.CHECKPOINT_EVERY_ENV: "2 steps"})
@@ -37,7 +36,7 @@ def test_hf_load_best_model_at_end_keeps_the_best_eval_metric_checkpoint(tmp_pat
 
 @pytest.mark.filterwarnings("ignore::FutureWarning", "ignore:.*does not have many workers:UserWarning")
 def test_lightning_model_checkpoint_monitor_and_mode_land_in_keep_best(tmp_path, capsys):
-    pl = pytest.importorskip("pytorch_lightning")
+    import pytorch_lightning as pl
     from test_lightning import lightning_job, load_template
 
     template = load_template(lightning_job(tmp_path).parent)

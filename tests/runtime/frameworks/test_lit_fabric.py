@@ -23,8 +23,6 @@ from kchain.common import layout
 from kchain.common.summary import read_working
 from kchain.init import init_job
 
-pytest.importorskip("lightning_fabric")
-
 TEMPLATE = "fabric"
 PARAMS = {"epochs": 2, "lr": 2e-3, "seed": 0, "rows": 200, "features": 8, "classes": 3, "hidden": 16,
           "dropout": 0.2, "batch": 16, "accumulate": 3, "num_workers": 0}

@@ -43,6 +43,12 @@ def pytest_runtest_protocol(item, nextitem):  # noqa: ANN001, ANN201  (the plugi
                             "wall": time.time() - t0}) + "\n")
 
 
+def ci_pytest(workers: str, rest: list[str], *plugins: str) -> list[str]:
+    """The suite's command line as .ci/run gives it (`-n 6`, a cache of its own), with these plugins."""
+    return [sys.executable, "-m", "pytest", "-q", "-n", workers, *(f"-p{name}" for name in plugins),
+            "-p", "no:cacheprovider", *rest]
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python bench/suite_cpu_tests.py")
     parser.add_argument("-n", default="6", help="pytest-xdist workers (default 6, as .ci/run)")
@@ -53,8 +59,7 @@ def main(argv: list[str]) -> int:
         env = {**os.environ, LOG_ENV: str(log),
                "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")]))}
         t0 = time.time()
-        code = subprocess.call([sys.executable, "-m", "pytest", "-q", "-n", args.n, "-p", "suite_cpu_tests",
-                                "-p", "no:cacheprovider", *rest], cwd=REPO, env=env)
+        code = subprocess.call(ci_pytest(args.n, rest, "suite_cpu_tests"), cwd=REPO, env=env)
         wall = time.time() - t0
         rows = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
     for row in rows:

@@ -22,6 +22,8 @@ import sys
 import time
 from pathlib import Path
 
+from suite_cpu_tests import ci_pytest  # bench/ is on sys.path when a bench runs
+
 REPO = Path(__file__).resolve().parent.parent
 TICK = os.sysconf("SC_CLK_TCK")
 RANK_CPU_MIN = 0.5  # the training launcher's proxy uses ~0.1 CPU-s; a rank imports torch (~2)
@@ -106,7 +108,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("-n", default="6", help="pytest-xdist workers (default 6, as .ci/run)")
     parser.add_argument("--top", type=int, default=25)
     args, rest = parser.parse_known_args(argv)
-    code, wall, seen = sample([sys.executable, "-m", "pytest", "-q", "-n", args.n, "-p", "no:cacheprovider", *rest])
+    code, wall, seen = sample(ci_pytest(args.n, rest))
     print(f"\npytest exit {code}, {wall:.0f} s wall, {len(seen)} processes")
     report(seen, args.top)
     return code

@@ -93,13 +93,17 @@ class Faults:
             return 500
         return None
 
+    def _take_one(self, name: str) -> bool:
+        """Whether the countdown fault `name` (the next N ...) fires now; it counts one down if so."""
+        with self._lock:
+            left = getattr(self, name)
+            if left > 0:
+                setattr(self, name, left - 1)
+            return left > 0
+
     def lose_save_answer(self) -> bool:
         """Whether this SaveKernel, which has acted, answers 500 (fail_after_save, then the rate)."""
-        with self._lock:
-            if self.fail_after_save > 0:
-                self.fail_after_save -= 1
-                return True
-        return self.lose_answer()
+        return self._take_one("fail_after_save") or self.lose_answer()
 
     def lose_answer(self) -> bool:
         """Whether this creating call, which has acted, answers 500 (rate_lost_answer)."""
@@ -108,11 +112,7 @@ class Faults:
     def reset_answer(self) -> bool:
         """Whether this creating call, which has acted, resets the connection instead of answering
         (reset_after_acting, then the rate)."""
-        with self._lock:
-            reset = self.reset_after_acting > 0
-            if reset:
-                self.reset_after_acting -= 1
-        reset = reset or (self.rate_reset_after_acting > 0 and self._random() < self.rate_reset_after_acting)
+        reset = self._take_one("reset_after_acting") or (self.rate_reset_after_acting > 0 and self._random() < self.rate_reset_after_acting)
         if reset:
             with self._lock:
                 self._resets += 1
@@ -126,11 +126,7 @@ class Faults:
             return (self._uploads_seen - 1) % self.drop_upload_every == 0
 
     def stall_this_upload(self) -> bool:
-        with self._lock:
-            stall = self.stall_upload > 0
-            if stall:
-                self.stall_upload -= 1
-            return stall
+        return self._take_one("stall_upload")
 
     def kill_at(self) -> float | None:
         """Seconds after start at which a session starting now is killed, or None."""

@@ -701,8 +701,12 @@ def serve(state_dir: Path, port: int, users: list[tuple[str, str]], tokens: list
     for slug, user in competitions:
         accepted.setdefault(slug, []).append(user)
     given = {name: value for name, value in fields.items() if value is not None}
+    try:
+        options = emulator_options(lenient, **given)
+    except ValueError as exc:  # a switch's or a fault's own check (Switches/Faults.__post_init__)
+        raise click.UsageError(str(exc)) from None
     run_emulator(state_dir, port=port, users=dict(users), tokens=dict(tokens), secrets=labels, competitions=accepted,
-                 attached=list(attached), **emulator_options(lenient, **given))
+                 attached=list(attached), **options)
 
 
 def _terminated(signum: int, _frame: object) -> None:

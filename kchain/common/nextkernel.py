@@ -35,6 +35,7 @@ FORMAT = "kchain-next/1"
 SESSION, STATES, CONFIG, PAYLOAD = "@@kchain-session@@", "@@kchain-states@@", "@@kchain-config@@", "@@kchain-payload@@"
 FRESH = "none (a fresh start)"
 SETTLE_S = 20.0  # how long a push whose answer was lost is settled by the kernel's version number
+ATTEMPTS = 4  # sends of one push at most, each after the kernel's version showed the last did not land
 Say = Callable[[str], None]
 
 
@@ -128,32 +129,40 @@ def kernel_version(api: Any, ref: str) -> int | None:
         return 0 if sendonce.status_code(exc) in (403, 404) else None
 
 
-def read_version(api: Any, ref: str, attempts: int = 4) -> int | None:
-    """kernel_version, asked again after no answer (a 429, a 500, a reset): a push is settled against this
-    number, so an unknown one must not pass for "no version yet"."""
-    for attempt in range(attempts):
+def read_version(api: Any, ref: str, until: float | None = None, attempts: int = 4) -> int | None:
+    """kernel_version, asked again after no answer (a 429, a 500, a reset): `attempts` times, and more while the
+    caller's time allows when `until` (a monotonic deadline) is given. A push is settled against this number, so
+    an unknown one must not pass for "no version yet", and giving up leaves the chain to the laptop."""
+    attempt = 0
+    while True:
         version = kernel_version(api, ref)
-        if version is not None or attempt == attempts - 1:
+        wait = min(2.0 ** attempt, 8.0)
+        more = attempt < attempts - 1 or (until is not None and time.monotonic() + wait < until)
+        if version is not None or not more:
             return version
-        time.sleep(min(2.0 ** attempt, 8.0))
-    return None
+        time.sleep(wait)
+        attempt += 1
 
 
 def push_once(api: Any, folder: Path, ref: str, timeout_s: int, until: float) -> dict[str, Any]:
     """The next kernel version, sent once: a failed send is settled by the kernel's version number (a
     new one: it landed); sent again only when the version says it did not land and time is left.
     Returns {version | refused | unknown, version_before}."""
-    before = read_version(api, ref)
+    before = read_version(api, ref, until)
     out: dict[str, Any] = {"version_before": before}
 
     def landed() -> int | None:
         now = kernel_version(api, ref)
         return now if now is not None and now != before else None
 
+    def send() -> Any:  # a 429 acted on nothing: sent again in place (the client does not retry a push)
+        return sendonce.again_after_429(lambda: api.kernels_push(str(folder), timeout=str(int(timeout_s))),
+                                        until=until)
+
     try:  # whatever broke but a refusal (a 4xx other than 429), the kernel's versions say what happened
         answer, seen = sendonce.send_and_settle(
-            lambda: api.kernels_push(str(folder), timeout=str(int(timeout_s))), landed, lost=_not_refused,
-            attempts=2, settle_s=max(0.0, min(SETTLE_S, until - time.monotonic())),
+            send, landed, lost=_not_refused,
+            attempts=ATTEMPTS, settle_s=max(0.0, min(SETTLE_S, until - time.monotonic())),
             may_resend=lambda: before is not None and time.monotonic() + SETTLE_S <= until)
     except sendonce.NotLanded as exc:
         return {**out, "unknown": f"{type(exc.last).__name__}: {str(exc.last)[:160]}"}

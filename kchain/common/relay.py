@@ -39,6 +39,7 @@ SECRET_LABELS = ("KAGGLE_USERNAME", "KAGGLE_KEY")
 GRACE_S = 600.0  # how much longer than session N's time left the relay waits for Kaggle to say it ended
 CPU_LIMIT_S = 12 * 3600  # a CPU session's limit (kaggle-api.md 6.1); sessionTimeoutSeconds must stay below it
 POLL_S = 1.0  # between two reads of session N's status
+PUSH_S = 600.0  # how long the relay may spend pushing session N+1 (its reads and sends): it has a CPU session's hours
 
 CELL = '''# kchain relay: waits until the GPU session before it has ended, then pushes the next one once
 import base64, io, json, os, subprocess, sys, tempfile, zipfile
@@ -119,7 +120,7 @@ def send(api: Any, template: dict[str, Any], src: Path, config: dict[str, Any], 
     chain = template["chain"]
     kernel, relay = chain["kernel"], chain["relay"]
     wait_s = min(wait_s + GRACE_S, CPU_LIMIT_S - GRACE_S)
-    before = nextkernel.read_version(api, kernel)
+    before = nextkernel.read_version(api, kernel, until)
     out: dict[str, Any] = {"relay": relay, "version_before": before}
     if before is None:
         return {**out, "refused": f"{kernel}'s version could not be read, so a relay could not tell its push from "
@@ -196,15 +197,15 @@ def relay(config: dict[str, Any], src: Path) -> dict[str, Any]:
     ended = _wait_ended(api, f"{kernel}/{after}", time.monotonic() + float(config["wait_s"]))
     if ended not in TERMINAL:
         return {"pushed": False, "why": f"{kernel} version {after} was still {ended} after {config['wait_s']:g}s"}
-    now = nextkernel.read_version(api, kernel)
+    until = time.monotonic() + PUSH_S
+    now = nextkernel.read_version(api, kernel, until)
     if now is None:
         return {"pushed": False, "after": ended, "why": f"{kernel}'s version could not be read, so the relay could "
                 f"not tell whether someone pushed after version {after}; the laptop pushes the next session"}
     if now != after:
         return {"pushed": False, "after": ended, "why": f"{kernel} has version {now}, not {after}: someone else "
                 f"pushed after it (a laptop took the chain over), so the relay pushes nothing"}
-    sent = nextkernel.push_once(api, src / NEXT_DIR, kernel, int(config["timeout_s"]),
-                                time.monotonic() + 3 * nextkernel.SETTLE_S)
+    sent = nextkernel.push_once(api, src / NEXT_DIR, kernel, int(config["timeout_s"]), until)
     why = (f"pushed session {config['session']} as {kernel} version {sent['version']}" if sent.get("version") else
            f"Kaggle refused the push: {sent['refused']}" if sent.get("refused") else
            f"the push's answer was lost ({sent.get('unknown')}); the laptop settles it from the kernel's versions")

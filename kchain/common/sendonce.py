@@ -115,13 +115,25 @@ def sent_once(with_retry: Callable[..., Any], attempts: int = 6, delay: Delay = 
             return with_retry(func, *args, **kwargs)
 
         def send(*call_args: Any, **call_kwargs: Any) -> Any:
-            for attempt in range(attempts):
-                try:
-                    return func(*call_args, **call_kwargs)
-                except Exception as exc:  # noqa: BLE001 - all but a 429 go to the caller, which settles them
-                    if status_code(exc) != 429 or attempt == attempts - 1:
-                        raise
-                    sleep(delay(attempt, exc))
-            raise AssertionError("unreachable")
+            return again_after_429(lambda: func(*call_args, **call_kwargs), attempts, delay, sleep)
         return send
     return choose
+
+
+def again_after_429(call: Callable[[], T], attempts: int = 6, delay: Delay = retry_delay_s,
+                    sleep: Callable[[float], None] = time.sleep, until: float | None = None,
+                    monotonic: Callable[[], float] = time.monotonic) -> T:
+    """call(), sent again after a 429 only (Kaggle did nothing), once its Retry-After has passed: `attempts`
+    sends at most, and none whose wait would end past `until` (a monotonic deadline) when one is given. Every
+    other error reaches the caller as it is: an answer lost after Kaggle may have acted is the caller's to settle."""
+    for attempt in range(attempts):
+        try:
+            return call()
+        except Exception as exc:  # noqa: BLE001 - all but a 429 go to the caller, which settles them
+            if status_code(exc) != 429 or attempt == attempts - 1:
+                raise
+            wait = delay(attempt, exc)
+            if until is not None and monotonic() + wait > until:
+                raise
+            sleep(wait)
+    raise AssertionError("unreachable")

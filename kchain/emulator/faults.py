@@ -53,6 +53,10 @@ class Faults:
     # The next N SaveKernel calls create the version (and start its session), then answer 500:
     # a push whose answer is lost after Kaggle acted on it.
     fail_after_save: int = opt(0, 'the next N SaveKernel calls act, then answer 500 (a lost answer).', metavar='N')
+    # The next SaveKernel calls are answered these HTTP codes, one each, before acting (a comma-separated list
+    # such as "429,429,500"; a 429 carries Retry-After: 1): a push Kaggle turned away, in an order that never
+    # depends on what else the run asked (the rates draw from one RNG shared by every call).
+    refuse_save: str = opt('', 'the next SaveKernel calls are answered these codes before acting, one each (e.g. 429,500).', metavar='CODES')
     # Sessions get no GPU though the kernel asked for one (quota spent): the runtime's granted-
     # accelerator check sees what a real GPU-less session shows it.
     no_gpu: bool = False
@@ -70,6 +74,10 @@ class Faults:
     _lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
     _uploads_seen: int = field(default=0, init=False, repr=False)
     _resets: int = field(default=0, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if any(not c.strip().isdigit() or not 400 <= int(c) <= 599 for c in self.refuse_save.split(",") if c.strip()):
+            raise ValueError(f"refuse_save is HTTP error codes separated by commas (429,500), not {self.refuse_save!r}")
 
     @property
     def resets(self) -> int:
@@ -100,6 +108,15 @@ class Faults:
             if left > 0:
                 setattr(self, name, left - 1)
             return left > 0
+
+    def save_refusal(self) -> int | None:
+        """The HTTP code to turn this SaveKernel away with before it acts (refuse_save's next one), or None."""
+        with self._lock:
+            codes = [c.strip() for c in self.refuse_save.split(",") if c.strip()]
+            if not codes:
+                return None
+            self.refuse_save = ",".join(codes[1:])
+            return int(codes[0])
 
     def lose_save_answer(self) -> bool:
         """Whether this SaveKernel, which has acted, answers 500 (fail_after_save, then the rate)."""

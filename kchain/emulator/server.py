@@ -142,6 +142,9 @@ class Handler(BaseHTTPRequestHandler):
             return self._error(429, "TooManyRequests", {"Retry-After": "1"})
         if fault == 500:
             return self._error(500, "Internal error (injected)")
+        refused = self.rpcs.faults.save_refusal() if rpc == "SaveKernel" else None
+        if refused:
+            return self._error(refused, "Push refused (injected)", {"Retry-After": "1"} if refused == 429 else None)
         if rpc == "IntrospectToken":
             user = self.server.tokens.get(str(request.get("token", "")))
             return self._json(200, {"active": True, "username": user} if user else {"active": False})

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from kchain.common.sendonce import NotLanded, send_and_settle, settle
+from kchain.common.sendonce import NotLanded, again_after_429, send_and_settle, settle
 
 
 class Lost(Exception):
@@ -104,3 +104,50 @@ def test_settle_reads_at_least_once_and_for_its_time_at_most():
     assert len(reads) == 1
     answers = iter([None, None, 7])
     assert settle(lambda: next(answers), 10.0, 1.0, clock.sleep, clock.monotonic) == 7
+
+
+class Answer(Exception):
+    """An HTTP error answer, read by its status code as the client's is."""
+
+    def __init__(self, code: int):
+        super().__init__(f"HTTP {code}")
+        self.response = type("Response", (), {"status_code": code, "headers": {"Retry-After": "1"}})()
+
+
+def answers(*codes: int):
+    """A call answered with these error codes in turn, then "done"; its sends are counted."""
+    sent: list[int] = []
+
+    def call() -> str:
+        sent.append(1)
+        if len(sent) <= len(codes):
+            raise Answer(codes[len(sent) - 1])
+        return "done"
+    return call, sent
+
+
+def test_a_429_is_sent_again_in_place_after_its_retry_after():
+    clock = Clock()
+    call, sent = answers(429, 429, 429)
+    assert again_after_429(call, sleep=clock.sleep, monotonic=clock.monotonic) == "done"
+    assert len(sent) == 4 and 3.0 <= clock.now <= 3.75  # Retry-After: 1, plus under 0.25 s of jitter each
+
+
+def test_any_other_error_reaches_the_caller_at_once_to_be_settled():
+    clock = Clock()
+    call, sent = answers(500)
+    with pytest.raises(Answer, match="500"):
+        again_after_429(call, sleep=clock.sleep, monotonic=clock.monotonic)
+    assert len(sent) == 1 and clock.now == 0.0
+
+
+def test_no_429_is_waited_for_past_the_callers_time_or_attempts():
+    clock = Clock()
+    call, sent = answers(429, 429, 429)
+    with pytest.raises(Answer, match="429"):
+        again_after_429(call, sleep=clock.sleep, monotonic=clock.monotonic, until=1.5)
+    assert len(sent) == 2  # the second wait would end past 1.5 s
+    call, sent = answers(429, 429, 429)
+    with pytest.raises(Answer, match="429"):
+        again_after_429(call, attempts=2, sleep=clock.sleep, monotonic=clock.monotonic)
+    assert len(sent) == 2

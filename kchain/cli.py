@@ -10,6 +10,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 import signal
 import sys
 import typing
@@ -631,8 +632,13 @@ def _emulator_fields(command: Callable[..., Any]) -> Callable[..., Any]:
 
 def _option_decls(name: str, hint: Any, kind: str) -> tuple[str, str]:
     """A switch's bool is a --x/--no-x pair; a fault's is a flag that turns it on."""
-    flag = name.removesuffix("_s").replace("_", "-")
+    flag = _flag(name)
     return (f"--{flag}/--no-{flag}" if hint is bool and kind != FAULT else f"--{flag}"), name
+
+
+def _flag(name: str) -> str:
+    """A field's option, without its dashes: the name without its `_s` unit, `_` as `-`."""
+    return name.removesuffix("_s").replace("_", "-")
 
 
 def _option_kwargs(f: Any, hint: Any, kind: str) -> dict[str, Any]:
@@ -703,8 +709,11 @@ def serve(state_dir: Path, port: int, users: list[tuple[str, str]], tokens: list
     given = {name: value for name, value in fields.items() if value is not None}
     try:
         options = emulator_options(lenient, **given)
-    except ValueError as exc:  # a switch's or a fault's own check (Switches/Faults.__post_init__)
-        raise click.UsageError(str(exc)) from None
+    except ValueError as exc:  # a switch's or a fault's own check (Switches/Faults.__post_init__), by option
+        said = str(exc)
+        for name in given:
+            said = re.sub(rf"\b{name}\b", f"--{_flag(name)}", said)
+        raise click.UsageError(said) from None
     run_emulator(state_dir, port=port, users=dict(users), tokens=dict(tokens), secrets=labels, competitions=accepted,
                  attached=list(attached), **options)
 

@@ -400,6 +400,17 @@ def test_kchain_emulator_serve_refuses_a_malformed_pair():
     assert error_line(result) == "Error: Invalid value for '--user': 'alice': write it as NAME:KEY"
 
 
+@pytest.mark.parametrize("option, value, says", [
+    ("--mount-lag", "-1", "Error: --mount-lag is 0 (mounted once ready) or a number of seconds"),
+    ("--refuse-save", "429,x", "Error: --refuse-save is HTTP error codes separated by commas (429,500), not '429,x'"),
+])
+def test_kchain_emulator_serve_names_the_option_a_switch_or_fault_refuses(tmp_path, option, value, says):
+    result = invoke("emulator", "serve", "--state", tmp_path / "kaggle", option, value)
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    assert error_line(result) == says
+    assert not (tmp_path / "kaggle").exists()  # refused before anything was made
+
+
 def test_switches_refuse_values_kaggle_never_answers():
     with pytest.raises(ValueError, match="403 or 404"):
         Switches(missing_status=500)

@@ -2,7 +2,10 @@
 
 One `Faults` object hangs off a running emulator (`emu.faults`); tests change its attributes while
 the emulator runs and the next request or session sees the new values. Every random choice comes
-from one seeded RNG so a failing run can be replayed.
+from a seeded RNG so a failing run can be replayed: one RNG a kind of draw (an RPC's 429/500s by its name,
+the creating calls' lost answers, their resets, the kills), each seeded from `seed` and its name. So the
+faults a push meets do not shift with how many status polls came before it, a number that grows on a
+slower machine: with one RNG for every call, a seed's outcome depended on the machine's speed.
 """
 
 from __future__ import annotations
@@ -69,7 +72,7 @@ class Faults:
     # That fraction of creating calls act, then reset the connection, drawn from the seeded RNG.
     rate_reset_after_acting: float = opt(0.0, 'that fraction of creating calls act, then reset the connection (no answer).', metavar='P')
     seed: int = opt(0, 'Seed of the random faults.', metavar='N')
-    _rng: random.Random = field(default=None, init=False, repr=False)  # type: ignore[assignment]
+    _rngs: dict[str, random.Random] = field(default_factory=dict, init=False, repr=False)  # by stream
     _rng_seed: int | None = field(default=None, init=False, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
     _uploads_seen: int = field(default=0, init=False, repr=False)
@@ -84,17 +87,22 @@ class Faults:
         """How many creating calls acted and then reset the connection (so a test knows the fault fired)."""
         return self._resets
 
-    def _random(self) -> float:
+    def _random(self, stream: str) -> float:
+        """The next draw of one stream's RNG (seeded from `seed` and the stream's name; a new seed starts
+        every stream again)."""
         with self._lock:
-            if self._rng is None or self._rng_seed != self.seed:
-                self._rng, self._rng_seed = random.Random(self.seed), self.seed
-            return self._rng.random()
+            if self._rng_seed != self.seed:
+                self._rngs, self._rng_seed = {}, self.seed
+            rng = self._rngs.get(stream)
+            if rng is None:
+                rng = self._rngs[stream] = random.Random(f"{self.seed}/{stream}")
+            return rng.random()
 
-    def api_fault(self) -> int | None:
-        """The HTTP status to answer this API call with instead of serving it, or None."""
+    def api_fault(self, rpc: str) -> int | None:
+        """The HTTP status to answer this call of `rpc` with instead of serving it, or None."""
         if self.rate_429 <= 0 and self.rate_500 <= 0:
             return None
-        draw = self._random()
+        draw = self._random(f"api/{rpc}")
         if draw < self.rate_429:
             return 429
         if draw < self.rate_429 + self.rate_500:
@@ -124,12 +132,12 @@ class Faults:
 
     def lose_answer(self) -> bool:
         """Whether this creating call, which has acted, answers 500 (rate_lost_answer)."""
-        return self.rate_lost_answer > 0 and self._random() < self.rate_lost_answer
+        return self.rate_lost_answer > 0 and self._random("lost") < self.rate_lost_answer
 
     def reset_answer(self) -> bool:
         """Whether this creating call, which has acted, resets the connection instead of answering
         (reset_after_acting, then the rate)."""
-        reset = self._take_one("reset_after_acting") or (self.rate_reset_after_acting > 0 and self._random() < self.rate_reset_after_acting)
+        reset = self._take_one("reset_after_acting") or (self.rate_reset_after_acting > 0 and self._random("reset") < self.rate_reset_after_acting)
         if reset:
             with self._lock:
                 self._resets += 1
@@ -151,5 +159,5 @@ class Faults:
             return float(self.kill_after_s)
         if self.kill_random_s is not None:
             low, high = self.kill_random_s
-            return low + (high - low) * self._random()
+            return low + (high - low) * self._random("kill")
         return None

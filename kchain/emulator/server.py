@@ -137,7 +137,7 @@ class Handler(BaseHTTPRequestHandler):
             return self._error(404, f"No such endpoint: {path}")
         rpc = match["rpc"]
         self.server.count(rpc)
-        fault = self.rpcs.faults.api_fault()
+        fault = self.rpcs.faults.api_fault(rpc)
         if fault == 429:
             return self._error(429, "TooManyRequests", {"Retry-After": "1"})
         if fault == 500:
@@ -280,7 +280,7 @@ class Handler(BaseHTTPRequestHandler):
         """kernels_logs_stream: SSE `data:` lines while the session lives, then END_OF_LOG; the
         persisted JSON log (not SSE) once it has ended."""
         self.server.count("GetKernelSessionLogsStream")
-        fault = self.rpcs.faults.api_fault()
+        fault = self.rpcs.faults.api_fault("GetKernelSessionLogsStream")
         if fault:
             return self._error(fault, "Injected fault", {"Retry-After": "1"} if fault == 429 else None)
         user = self._user()

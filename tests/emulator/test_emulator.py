@@ -26,7 +26,7 @@ from emulator_helpers import (  # noqa: F401
     write_kernel,
 )
 
-from kchain.emulator import Emulator
+from kchain.emulator import Emulator, Faults
 
 KAGGLE_CLI = Path(sys.executable).parent / "kaggle"
 
@@ -358,6 +358,23 @@ def test_a_lost_answer_after_a_creating_call_has_acted(emulator, kaggle_api, tmp
     emulator.faults.rate_lost_answer, emulator.faults.seed = 0.5, 11
     outcomes = [emulator.faults.lose_answer() for _ in range(200)]
     assert 0 < sum(outcomes) < 200  # a rate, not all or nothing
+
+
+def test_the_faults_one_call_meets_do_not_shift_with_how_many_other_calls_came_first():
+    # A slower machine polls a session's status more often before it pushes: the push's faults stay the same.
+    def pushes(polls_between: int) -> list:
+        faults = Faults(rate_429=0.2, rate_500=0.2, rate_lost_answer=0.3, seed=7)
+        seen = []
+        for _ in range(30):
+            for _ in range(polls_between):
+                faults.api_fault("GetKernelSessionStatus")
+            seen.append((faults.api_fault("SaveKernel"), faults.lose_save_answer()))
+        return seen
+
+    assert pushes(0) == pushes(1) == pushes(7)
+    assert {code for code, _ in pushes(0)} == {None, 429, 500} and any(lost for _, lost in pushes(0))
+    assert pushes(0) != [(f.api_fault("SaveKernel"), f.lose_save_answer())
+                         for f in [Faults(rate_429=0.2, rate_500=0.2, rate_lost_answer=0.3, seed=8)] for _ in range(30)]
 
 
 def test_sessions_record_the_step_they_resumed_from(emulator, kaggle_api, tmp_path):

@@ -496,7 +496,8 @@ def _delete_to_stop(ledger: Ledger, client: KaggleClient, job: Job, chain: list[
 def _stale_session(job: Job, ledger: Ledger, client: KaggleClient, record: SessionRecord, rule: StaleRule,
                   delete: bool, echo: Echo) -> bool:
     """watch's look at a running session: a stale one ends the watch (ChainStop naming `kchain stop
-    --delete`), or, with delete, has its kernel deleted once the chain's state is safe; True then."""
+    --delete`), or, with delete, has its kernel deleted once the chain's state is safe; True then (False
+    also when Kaggle gave no answer about that state this time: asked again at the next look)."""
     judged = sess.check_stale(client, ledger, job.name, record, rule, time.time())
     if judged is None:
         return False
@@ -506,6 +507,9 @@ def _stale_session(job: Job, ledger: Ledger, client: KaggleClient, record: Sessi
     with _chain_lock(ledger, job.name):
         chain = [s for s in ledger.sessions(job.name) if s["status"] != "FAILED_TO_PUSH"]
         plan = _delete_plan(client, job, chain, record)
+        if plan.unchecked and not plan.blockers:  # no answer is not a no: the watch asks at its next look
+            echo(f"  not deleted yet: {'; '.join(plan.unchecked)}; asking Kaggle again at the next look")
+            return False
         plan.refuse_if_unsafe()
         _delete_kernel_of(ledger, client, job, record, plan, echo)
     return True
@@ -521,11 +525,13 @@ class DeletePlan:
     lost: list[str]
     blockers: list[str]
     resumes: str  # the state the next session resumes from, in words
+    unchecked: list[str] = dataclasses.field(default_factory=list)  # what Kaggle gave no answer about this time
 
     def refuse_if_unsafe(self) -> None:
-        if self.blockers:
+        needs = self.blockers + self.unchecked
+        if needs:
             raise ChainStop(f"not deleting {self.kernel}: that would lose what the chain needs: "
-                            f"{'; '.join(self.blockers)}; deleting it on its page loses the same")
+                            f"{'; '.join(needs)}; deleting it on its page loses the same")
 
 
 def _delete_plan(client: KaggleClient, job: Job, chain: list[SessionRecord], record: SessionRecord) -> DeletePlan:
@@ -541,14 +547,18 @@ def _delete_plan(client: KaggleClient, job: Job, chain: list[SessionRecord], rec
     newest = max((saved_step(s) or 0 for s in ended), default=0)
     if newest > published:
         blockers.append(f"the checkpoint at step {newest}, which is in no state version yet (only in a download here)")
+    unchecked: list[str] = []
     version, step = record.get("state_version"), record.get("resumes_at") or 0
     resumes = f"state version {version} of {state_dataset(owner, job.name)} (step {step})" if version else "a fresh start"
     if version:
         try:
             if client.dataset_version_number(state_dataset(owner, job.name)) < version:
                 blockers.append(f"{resumes}, which Kaggle does not have")
-        except KaggleError as exc:
-            blockers.append(f"{resumes}, which could not be checked ({exc})")
+        except KaggleError as exc:  # "not there" is Kaggle's answer; anything else is no answer
+            if missing(exc):
+                blockers.append(f"{resumes}, which Kaggle does not have ({exc})")
+            else:
+                unchecked.append(f"{resumes}, which could not be checked ({exc})")
     beat = _heartbeat_step(record.get("heartbeat"))
     lost = [f"session {n}'s work since step {step}" + (f" (it reached step {beat})" if beat else "") + " and its log"]
     if ended:
@@ -560,7 +570,7 @@ def _delete_plan(client: KaggleClient, job: Job, chain: list[SessionRecord], rec
     downloads = [Path(s["output"]).parent for s in ended if s.get("output")]
     if downloads:
         kept.append(f"every ended session's output and log, downloaded to {downloads[-1]}")
-    return DeletePlan(ref, job.path, kept, lost, blockers, resumes)
+    return DeletePlan(ref, job.path, kept, lost, blockers, resumes, unchecked)
 
 
 def _delete_kernel_of(ledger: Ledger, client: KaggleClient, job: Job, record: SessionRecord, plan: DeletePlan,

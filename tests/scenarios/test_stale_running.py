@@ -149,3 +149,26 @@ def test_the_stale_rule_waits_for_slow_steps_and_judges_nothing_it_cannot_see():
         "session 2 is stale: still RUNNING past its time limit for 1h21m (more than the 1h18m allowed after its "
         "1h00m time limit, with no log to read its heartbeat in)")
     assert stale({**unseen, "status": "COMPLETE"}, rule, now) is None
+
+
+def test_a_state_kaggle_gave_no_answer_about_is_unchecked_not_missing(
+        emulator, tmp_path):
+    # Before deleting a stale kernel, the state its session resumed from must be a version on Kaggle. When
+    # Kaggle answers the check with errors only, that is unknown, not "missing": `kchain stop --delete` refuses
+    # (the user runs it again), and the watch that may delete asks again at its next look instead of ending.
+    from kchain.chain import _delete_plan
+
+    path = copy_job("tinygpt", tmp_path)
+    record = {"kernel": REF, "session": 2, "version": 2, "status": "RUNNING", "state_version": 1, "resumes_at": 20}
+    emulator.faults.rate_500 = 1.0
+    plan = _delete_plan(KaggleClient(attempts=2, backoff_s=0.01), load_job(path), [record], record)
+    assert plan.blockers == [] and plan.unchecked == [
+        f"state version 1 of {USER}/{NAME}-state (step 20), which could not be checked (Kaggle dataset status "
+        "failed: HTTP 500: Internal error (injected))"]
+    with pytest.raises(ChainStop, match=r"not deleting alice/tinygpt-notes: .*which could not be checked"):
+        plan.refuse_if_unsafe()
+    emulator.faults.rate_500 = 0.0  # answered now: no such dataset (403), so the state is missing, a blocker
+    plan = _delete_plan(KaggleClient(attempts=2, backoff_s=0.01), load_job(path), [record], record)
+    assert plan.unchecked == [] and plan.blockers == [
+        f"state version 1 of {USER}/{NAME}-state (step 20), which Kaggle does not have (Kaggle dataset status "
+        f"failed: HTTP 403: Permission denied: dataset {USER}/{NAME}-state does not exist or you cannot see it)"]

@@ -57,8 +57,8 @@ class Faults:
     # a push whose answer is lost after Kaggle acted on it.
     fail_after_save: int = opt(0, 'the next N SaveKernel calls act, then answer 500 (a lost answer).', metavar='N')
     # The next SaveKernel calls are answered these HTTP codes, one each, before acting (a comma-separated list
-    # such as "429,429,500"; a 429 carries Retry-After: 1): a push Kaggle turned away, in an order that never
-    # depends on what else the run asked (the rates draw from one RNG shared by every call).
+    # such as "429,429,500"; a 429 carries Retry-After: 1): a push Kaggle turned away, in an order no draw of
+    # the rates can change.
     refuse_save: str = opt('', 'the next SaveKernel calls are answered these codes before acting, one each (e.g. 429,500).', metavar='CODES')
     # Sessions get no GPU though the kernel asked for one (quota spent): the runtime's granted-
     # accelerator check sees what a real GPU-less session shows it.
@@ -79,8 +79,12 @@ class Faults:
     _resets: int = field(default=0, init=False, repr=False)
 
     def __post_init__(self) -> None:
-        if any(not c.strip().isdigit() or not 400 <= int(c) <= 599 for c in self.refuse_save.split(",") if c.strip()):
+        if any(not c.isdigit() or not 400 <= int(c) <= 599 for c in self._refusals()):
             raise ValueError(f"refuse_save is HTTP error codes separated by commas (429,500), not {self.refuse_save!r}")
+
+    def _refusals(self) -> list[str]:
+        """refuse_save's codes still to answer, in order."""
+        return [c.strip() for c in self.refuse_save.split(",") if c.strip()]
 
     @property
     def resets(self) -> int:
@@ -120,7 +124,7 @@ class Faults:
     def save_refusal(self) -> int | None:
         """The HTTP code to turn this SaveKernel away with before it acts (refuse_save's next one), or None."""
         with self._lock:
-            codes = [c.strip() for c in self.refuse_save.split(",") if c.strip()]
+            codes = self._refusals()
             if not codes:
                 return None
             self.refuse_save = ",".join(codes[1:])

@@ -99,6 +99,10 @@ class Handler(BaseHTTPRequestHandler):
     def _error(self, code: int, message: str, headers: dict[str, str] | None = None) -> None:
         self._json(code, {"code": code, "message": message}, headers)
 
+    def _injected(self, code: int, message: str) -> None:
+        """An injected fault's answer; a 429 says when to come back (Retry-After: 1), as Kaggle's does."""
+        self._error(code, message, {"Retry-After": "1"} if code == 429 else None)
+
     def _user(self) -> str | None:
         auth = self.headers.get("Authorization") or ""
         scheme, _, value = auth.partition(" ")
@@ -138,13 +142,11 @@ class Handler(BaseHTTPRequestHandler):
         rpc = match["rpc"]
         self.server.count(rpc)
         fault = self.rpcs.faults.api_fault(rpc)
-        if fault == 429:
-            return self._error(429, "TooManyRequests", {"Retry-After": "1"})
-        if fault == 500:
-            return self._error(500, "Internal error (injected)")
+        if fault:
+            return self._injected(fault, "TooManyRequests" if fault == 429 else "Internal error (injected)")
         refused = self.rpcs.faults.save_refusal() if rpc == "SaveKernel" else None
         if refused:
-            return self._error(refused, "Push refused (injected)", {"Retry-After": "1"} if refused == 429 else None)
+            return self._injected(refused, "Push refused (injected)")
         if rpc == "IntrospectToken":
             user = self.server.tokens.get(str(request.get("token", "")))
             return self._json(200, {"active": True, "username": user} if user else {"active": False})
@@ -282,7 +284,7 @@ class Handler(BaseHTTPRequestHandler):
         self.server.count("GetKernelSessionLogsStream")
         fault = self.rpcs.faults.api_fault("GetKernelSessionLogsStream")
         if fault:
-            return self._error(fault, "Injected fault", {"Retry-After": "1"} if fault == 429 else None)
+            return self._injected(fault, "Injected fault")
         user = self._user()
         if user is None:
             return self._error(401, "Unauthenticated: missing or invalid Kaggle credentials")

@@ -444,7 +444,8 @@ class Loop:
                     and not isinstance(o.sampler, SequentialSampler) and not _sequential_shards(o.sampler)]
 
         # A DataLoader made for one batch (a preflight check) is garbage, not a loader in use: when
-        # there is a candidate, collect (a full pass over torch's objects, ~0.2 s) and look again.
+        # there is a candidate, collect (a pass over the code's objects: the imports' are frozen,
+        # launch._freeze_imports) and look again.
         plain = plain_loaders() if scan else []
         if plain:
             del plain

@@ -141,3 +141,15 @@ def test_a_checkpoint_carries_the_digest_of_every_value_it_holds(tmp_path):
         torch.save(s, tmp_path / name / layout.STATE_FILE)
     far = largest_differences(tmp_path / "a", tmp_path / "b", ["tracked.model.w", "tracked.sched.last_epoch"])
     assert far["tracked.model.w"] == pytest.approx(1e-3, rel=1e-3) and far["tracked.sched.last_epoch"] == 0.0
+
+
+def test_an_ema_built_when_the_entry_is_imported_is_watched_like_one_built_in_main(tmp_path):
+    # The runtime sets what its imports made outside the collector's passes before it imports the code
+    # (launch._freeze_imports): what the code builds at its own import must still be walked.
+    job = runtime_job(tmp_path, "import_job", "main", "state", 1, None, {})
+    result = invoke("smoke", job, "--quiet")
+    assert result.exit_code == 3, result.output
+    line = error_line(result)
+    assert line.startswith("Error: smoke failed (during step): UntrackedState: "), line
+    assert "net_ema (AveragedModel) changes between steps but no checkpoint holds it" in line, line
+    assert "run.track(net_ema=net_ema)" in line, line

@@ -48,8 +48,8 @@ def pytest_runtest_protocol(item, nextitem):  # noqa: ANN001, ANN201  (the plugi
 
 
 def ci_pytest(workers: str, rest: list[str], *plugins: str) -> list[str]:
-    """The suite's command line as .ci/run gives it (`-n 6`, a cache of its own), with these plugins."""
-    return [sys.executable, "-m", "pytest", "-q", "-n", workers, *(f"-p{name}" for name in plugins),
+    """The suite's command line as .ci/run gives it (`-n 6 --dist loadgroup`, no cache), with these plugins."""
+    return [sys.executable, "-m", "pytest", "-q", "-n", workers, "--dist", "loadgroup", *(f"-p{name}" for name in plugins),
             "-p", "no:cacheprovider", *rest]
 
 
@@ -83,6 +83,10 @@ def _timeline(rows: list[dict], busy: list[tuple[float, float]], t0: float) -> N
         for r in sorted(rows, key=lambda r: -(r["start"] + r["wall"]))[:12]:
             print(f"{r['start'] - t0:7.0f} {r['start'] + r['wall'] - t0:7.0f}  {r['worker']:5s} {r['test']}")
         print(f"suite end {end - t0:.0f} s")
+    cores = os.cpu_count() or 1
+    idle = [(t, 1 - b) for t, b in busy if t >= t0 + 60]
+    print(f"idle after the first minute: {sum(i for _, i in idle) * SAMPLE_S * cores:.0f} core-seconds "
+          f"(of {len(idle) * SAMPLE_S * cores:.0f})")
 
 
 def main(argv: list[str]) -> int:

@@ -45,3 +45,15 @@ def isolated_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     yield home
     shutil.rmtree(tmp, ignore_errors=True)
 
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The order CI's workers take the tests in (`-n 6 --dist loadgroup`: one test at a time to whichever
+    worker is free). The `slow` ones go first, so the suite ends on short tests, not on a chain that
+    started late while the other cores sit idle. Tests that share a module-scoped fixture of their module
+    (a reference run) form one group, so a worker runs it once for all of them."""
+    for item in items:
+        defs = getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {})
+        if any(d[-1].scope == "module" and d[-1].baseid == item.nodeid.split("::")[0] for d in defs.values() if d):
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)  # stable: the rest keep their order

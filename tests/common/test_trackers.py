@@ -52,6 +52,7 @@ def checkpoint_ids(root: Path) -> set[str]:
             for p in ckpts.iterdir() if p.name.startswith(layout.CHECKPOINT_PREFIX)}
 
 
+@pytest.mark.slow
 def test_a_sigkill_between_checkpoints_leaves_one_tensorboard_run_equal_to_an_uninterrupted_one(tmp_path):
     ref = launch(tmp_path / "ref")
     assert ref.returncode == 0, ref.stdout + ref.stderr

@@ -14,6 +14,7 @@ import json
 import os
 from pathlib import Path
 
+import pytest
 import yaml
 from emulator_helpers import emulator  # noqa: F401
 from helpers import copy_job, invoke
@@ -36,6 +37,7 @@ def log_of(session: int) -> str:
     return "".join(e["data"] for e in json.loads((root / "sessions" / NAME / str(session) / "log.json").read_text()))
 
 
+@pytest.mark.slow
 def test_a_late_mount_is_waited_for_and_a_missing_one_is_pushed_again(tmp_path, emulator, monkeypatch):
     monkeypatch.setenv(layout.FAULT_ENV, "stall_step=0.05,deadline_after_steps=10")
     emulator.session_limit_s = 600

@@ -49,6 +49,7 @@ def gpu_sessions_run(emu) -> list[dict]:
     return [s for s in emu.sessions() if s["gpu"] and (s.get("run") or s.get("started"))]
 
 
+@pytest.mark.slow
 def test_doctor_all_ok_probes_a_cpu_session_and_writes_no_credential(emulator, kaggle_api, tmp_path):
     import torch
 

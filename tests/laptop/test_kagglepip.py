@@ -150,6 +150,7 @@ def test_a_pin_with_no_wheel_fails_the_smoke_in_one_line_before_anything_runs(tm
         "or this laptop; pin a version that ships a wheel (pip cannot build one in a kernel with the internet off)")
 
 
+@pytest.mark.slow
 def test_a_job_importing_a_package_only_its_wheels_hold_smokes_and_trains_on_the_local_kaggle(
         emulator, tmp_path, wheelhouse):
     job = toy_job(tmp_path, [f"{TOY}==1.0"])

@@ -49,6 +49,7 @@ def test_the_ema_counted_by_the_step_with_the_gpu_branch_loader_arguments_passes
     assert " values equal at steps 3, 6 (every tracked tensor" in result.output
 
 
+@pytest.mark.slow
 def test_rehearse_fails_the_same_ema_naming_it_though_the_chained_trace_is_identical(tmp_path):
     # 20 steps in 3 planned sessions (stops at 7 and 14, mid-epoch: resumes at batch 2 and 4 of 5) and a
     # kill; an update every 3 batches: every mid-epoch resume restarts the

@@ -85,6 +85,7 @@ def reference(tmp_path_factory) -> list[tuple[int, float]]:
     return ref
 
 
+@pytest.mark.slow
 def test_two_ranks_sigkill_at_a_random_step_resume_bit_exact(tmp_path, reference):
     """The epoch loop (run.epochs, `for batch in loader`): a kill may land in either epoch."""
     seed = random.SystemRandom().randrange(10**6)
@@ -109,6 +110,7 @@ def test_two_ranks_sigkill_at_a_random_step_resume_bit_exact(tmp_path, reference
     assert summary(tmp_path)["world_size"] == 2
 
 
+@pytest.mark.slow
 def test_deadline_on_one_rank_stops_both_with_one_checkpoint(tmp_path):
     done = launch(tmp_path, every=100, KCHAIN_FAULT="deadline_at_step=3,deadline_rank=1")
     assert done.returncode == layout.EXIT_SAVED_NOT_DONE, out(done)
@@ -166,6 +168,7 @@ def test_rank_0_sigkilled_alone_is_a_kill_on_two_ranks_and_the_chain_goes_on(tmp
     assert "killed from outside" in failure.hint
 
 
+@pytest.mark.slow
 def test_one_rank_and_two_ranks_train_the_same_with_the_same_effective_batch(tmp_path):
     one = launch(tmp_path / "one", gpus=1, params={"batch": 16})
     two = launch(tmp_path / "two", gpus=2, params={"batch": 8})

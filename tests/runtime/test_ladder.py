@@ -13,6 +13,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from kchain.common import layout
 from kchain.runtime import ladder
 
@@ -43,6 +45,7 @@ def trace(root: Path) -> list[tuple[int, float]]:
     return [(r["step"], r["loss"]) for r in rows if "loss" in r]
 
 
+@pytest.mark.slow
 def test_the_ladder_halves_until_it_fits_keeps_the_effective_batch_and_resumes_with_the_size_that_fitted(tmp_path):
     # The reference: micro-batch 4 x 4 accumulations written by hand (effective batch 16).
     ref = launch(tmp_path / "ref", batch=4, accumulate=4, micro="off")

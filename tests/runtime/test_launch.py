@@ -16,6 +16,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from kchain.common import layout, sink
 from kchain.common.summary import STATUSES, Status
 from kchain.runtime.launch import exit_code
@@ -66,6 +68,7 @@ def test_every_status_has_the_documented_exit_code():
     assert f"if code not in (0, {layout.EXIT_SAVED_NOT_DONE}):" in template
 
 
+@pytest.mark.slow
 def test_sigterm_75_resume_0_guard_1_no_gpu_69(tmp_path):
     bucket = tmp_path / "bucket"
     first = tmp_path / "first"

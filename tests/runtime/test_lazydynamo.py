@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 
 # Two optimizers of two kinds, their schedulers, zero_grad and a state_dict round trip: every mark
@@ -50,6 +52,7 @@ print(json.dumps({"plain": plain, "loaded": loaded_by_optimizers, "marked": trai
 '''
 
 
+@pytest.mark.slow
 def test_the_optimizers_run_the_same_without_importing_dynamo():
     setup = "from kchain.runtime import lazydynamo\nassert lazydynamo.install()\n"
     out = subprocess.run([sys.executable, "-c", setup + CHILD], cwd=REPO, capture_output=True, text=True,
@@ -95,6 +98,7 @@ dist.destroy_process_group()
 '''
 
 
+@pytest.mark.slow
 def test_a_ddp_is_built_without_importing_dynamo_and_trains_the_same():
     import socket
 

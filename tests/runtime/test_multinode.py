@@ -17,6 +17,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from kchain.common import checkpoint_files, layout, sink
 from kchain.common.checkpoint_files import CheckpointInvalid
 
@@ -85,6 +87,7 @@ def verifies(copy: Path) -> bool:
         return False
 
 
+@pytest.mark.slow
 def test_two_nodes_under_an_outer_torchrun_resume_from_the_sink_bit_exact(tmp_path):
     # The uninterrupted run: the same 2 ranks started by kchain's own launcher on one machine (cheaper
     # than two more torchruns, and the same arithmetic: two nodes of one rank are two ranks).

@@ -14,6 +14,7 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
 from emulator_helpers import emulator  # noqa: F401  (fixture)
 from helpers import copy_job, error_line, invoke
 
@@ -35,6 +36,7 @@ def no_overlap(sessions: list[dict]) -> bool:
     return all(later[0] >= earlier[1] for earlier, later in zip(ran, ran[1:], strict=False))
 
 
+@pytest.mark.slow
 def test_a_chain_with_a_kill_deadlines_and_flaky_api_equals_the_uninterrupted_run(tmp_path, monkeypatch):
     # Every strict switch at once (the emulator's defaults: 403 for missing, lagging and processing
     # versions, ignored version pins, output lost at the limit, queue and boot time, no GPU figures in
@@ -100,6 +102,7 @@ def test_a_chain_with_a_kill_deadlines_and_flaky_api_equals_the_uninterrupted_ru
     assert any(r["publish"]["published"] == "relay" for r in chain[:-1])
 
 
+@pytest.mark.slow
 def test_the_kernel_publishes_its_own_state_when_it_has_internet_and_a_secret(tmp_path, monkeypatch):
     monkeypatch.setenv(layout.FAULT_ENV, f"{STALL},deadline_after_steps=25")
     job = copy_job("tinygpt", tmp_path, params={"steps": 50, "eval_every": 25, "batch": 8, "accumulate": 1})

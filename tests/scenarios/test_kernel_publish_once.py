@@ -15,6 +15,7 @@ import os
 from datetime import datetime, timezone
 from pathlib import Path
 
+import pytest
 from emulator_helpers import USER, emulator  # noqa: F401
 from helpers import copy_job, invoke
 
@@ -74,6 +75,7 @@ def test_the_kernel_adds_one_state_version_after_a_reset_and_after_a_lost_answer
         assert f"is now a new version of {state}" in log, log
 
 
+@pytest.mark.slow
 def test_a_send_the_kernel_cannot_settle_in_time_is_settled_by_the_laptop_never_sent_twice(emulator, tmp_path,
                                                                                            monkeypatch):
     # The kernel's state version lands, its answer is lost, and the version is still processing when the

@@ -61,6 +61,7 @@ def test_a_chain_that_never_resumed_proves_nothing_and_fails(tmp_path, monkeypat
     assert "verdict: proves nothing about resuming" in result.output
 
 
+@pytest.mark.slow
 def test_an_explicit_save_loop_is_killed_exactly_as_often_as_asked(tmp_path):
     # run.restore()/run.save(step) and no heartbeat: the kill follows a checkpoint, not a log line. The
     # loop never asks run.should_stop, so no plan can stop it: a session ends at its limit (sessions by
@@ -95,6 +96,7 @@ def test_fewer_kills_than_asked_are_named_and_fail(tmp_path, monkeypatch):
     )
 
 
+@pytest.mark.slow
 def test_two_ranks_as_on_kaggle_in_the_sessions_and_the_reference(tmp_path, monkeypatch):
     # train.gpus: auto on a GPU job is 2 ranks on Kaggle: every session and the uninterrupted run
     # train with 2 gloo ranks here, and the push line says so truly.
@@ -206,6 +208,7 @@ def test_a_rehearsal_stops_when_sessions_save_nothing(tmp_path):
     assert not any("0 steps lost" in line for line in lines)
 
 
+@pytest.mark.slow
 def test_a_lora_fine_tune_chains_identically_through_a_kill_and_a_deadline(tmp_path, monkeypatch):
     # jobs/finetune as it is (transformers + peft, a frozen base from a folder, offline): every session
     # restores the adapters onto a base it rebuilds and fingerprints, and the chain matches the
@@ -234,6 +237,7 @@ def test_sessions_planned_in_steps_give_the_same_chain_at_any_speed(tmp_path):
     assert [s.get("end_status") for s in result.sessions][::2] == ["deadline", "deadline"]
 
 
+@pytest.mark.slow
 def test_an_unattended_rehearsal_from_the_cli_counts_what_the_laptop_did(tmp_path):
     # `rehearse --unattended`: each kernel publishes its state and pushes the next; the kill takes the training
     # process alone (the kernel lives on to push), so the laptop pushes nothing after session 1.

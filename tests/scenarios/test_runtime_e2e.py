@@ -161,6 +161,7 @@ def test_untracked_optimizer_diverges_after_resume(tmp_path, reference):
 SAVE_POINTS = ["after_state", "after_metrics", "before_manifest", "before_rename", "after_rename"]
 
 
+@pytest.mark.slow
 def test_sigkill_inside_a_checkpoint_write_leaves_a_loadable_one(tmp_path, reference, capsys):
     base = tmp_path / "base"
     in_process(base, {"steps": 2}, every=2)

@@ -103,6 +103,7 @@ def test_epoch_loop_killed_on_an_epoch_boundary(tmp_path):
 # A SIGKILL between two saves (steps lost and replayed). The other loop shapes (sampler,
 # batch_sampler, a GAN's two optimizers, manual save/restore, a hand-built DataLoader, mid-epoch) are
 # killed and resumed by the smoke in tests/scenarios/test_smoke_loops.py, which judges the traces bit for bit.
+@pytest.mark.slow
 @pytest.mark.parametrize("entry", ["iterable"])
 def test_loop_shape_resumes_exactly_after_sigkill(tmp_path, entry):
     ref, got, end, out = kill_and_resume(tmp_path, entry, {"steps": 16}, kill=11)

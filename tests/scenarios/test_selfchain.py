@@ -8,6 +8,8 @@ a GPU job's sessions hand each push to a CPU relay (kchain/common/relay.py), so 
 
 import secrets
 
+import pytest
+
 from kchain.common import layout
 from kchain.emulator import Faults, Switches
 from kchain.rehearse import rehearse
@@ -29,6 +31,7 @@ def ours(result) -> list[dict]:
     return [s for s in result.emulator_sessions if s["kernel"] == result.sessions[0]["kernel"]]
 
 
+@pytest.mark.slow
 def test_an_unattended_chain_under_the_fault_set_equals_the_uninterrupted_run(tmp_path, monkeypatch):
     # Session 2's training process alone is SIGKILLed right after its checkpoint at step 40 (the OOM killer: the
     # notebook lives on); its launch cell publishes that checkpoint and pushes session 3 as after a deadline.
@@ -66,6 +69,7 @@ def test_an_unattended_chain_under_the_fault_set_equals_the_uninterrupted_run(tm
     assert len(published) == len(set(published)), published
 
 
+@pytest.mark.slow
 def test_an_unattended_chain_holds_one_gpu_slot_beside_another_gpu_session(tmp_path, monkeypatch):
     # Another GPU session of the account runs all along (a notebook open in the browser). Under Kaggle's cap of
     # two, a session that pushed the next while it still ran would be refused; each hands the push to a CPU
@@ -84,6 +88,7 @@ def test_an_unattended_chain_holds_one_gpu_slot_beside_another_gpu_session(tmp_p
     assert len(relays) == 1 and not relays[0]["gpu"] and relays[0]["pushed_from"] == "kernel", relays
 
 
+@pytest.mark.slow
 def test_when_a_kernel_cannot_push_the_laptop_takes_the_chain_over_from_kaggles_records(tmp_path, monkeypatch):
     # Session 2's kernel finds no Secret: it cannot publish or push, and says so in its summary; the
     # laptop's `continue` (its records rebuilt from Kaggle's outputs: it pushed only session 1) relays and

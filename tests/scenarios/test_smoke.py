@@ -132,6 +132,7 @@ def test_an_untracked_batch_generator_fails_the_smoke_naming_it(tmp_path):
         "start it over; add run.track(batches=batches) before the loop")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("accumulate", [1, 2])  # 2: the first resumed step's logged loss still matches
 def test_a_batch_prefetched_in_the_previous_step_fails_the_resume_check_naming_the_prefetch(tmp_path, accumulate):
     """nanoGPT's loop: the next batch is fetched at the end of the step (the first one before the loop)."""
@@ -148,6 +149,7 @@ def test_a_batch_prefetched_in_the_previous_step_fails_the_resume_check_naming_t
     assert first in result.output and traces.PREFETCH in result.output
 
 
+@pytest.mark.slow
 def test_an_order_taken_from_a_set_of_strings_fails_though_the_laptop_fixes_the_hash_seed(tmp_path, monkeypatch):
     """Each process of a Kaggle session draws its own hash seed: a vocabulary in a set's order differs after every
     resume there. A PYTHONHASHSEED in the laptop's environment must not give the smoke's runs one seed (a pass)."""

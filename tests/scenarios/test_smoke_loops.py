@@ -42,6 +42,7 @@ def test_loop_shape_smokes_to_a_pass(entry, tmp_path):
     assert ("not exact" in result.output) == (entry == "iterable")
 
 
+@pytest.mark.slow
 def test_a_hand_built_dataloader_fails_the_smoke_naming_it(tmp_path):
     result = invoke("smoke", loop_job(tmp_path, "plain_loader"), "--quiet")
     assert result.exit_code == 3, result.output

@@ -71,6 +71,7 @@ def losses(root: Path) -> list[tuple[int, float]]:
     return [(r["step"], r["loss"]) for r in rows if "loss" in r]
 
 
+@pytest.mark.slow
 def test_a_write_over_the_file_size_limit_is_reported_and_the_previous_checkpoint_stays(tmp_path):
     first = launch(tmp_path, {**PARAMS, "steps": 6})
     assert first.returncode == 0, first.stderr

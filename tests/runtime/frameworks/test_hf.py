@@ -32,6 +32,7 @@ def template_job(tmp_path: Path) -> Path:
     return folder / "job.yaml"
 
 
+@pytest.mark.slow
 def test_the_template_smokes_to_an_exact_pass_on_two_ranks_with_a_mid_epoch_kill(tmp_path):
     path = template_job(tmp_path)
     result = invoke("smoke", path)  # the ranks it gets on Kaggle: GPU T4 x2, 2 gloo ranks here
@@ -54,6 +55,7 @@ def test_the_template_smokes_to_an_exact_pass_on_two_ranks_with_a_mid_epoch_kill
     assert not list((work / "run" / layout.WORKING_DIR / "clm-output").glob("checkpoint-*"))  # moved, not copied
 
 
+@pytest.mark.slow
 def test_a_rehearsal_chains_through_a_deadline_mid_epoch_and_a_kill(tmp_path, monkeypatch):
     # 0 -> 8 (a deadline, inside the logging window 6..10), 8 -> 12 (killed after its save), 12 -> 16;
     # every stop is mid-epoch (395 steps an epoch), and the resumed windows log what the reference logs.

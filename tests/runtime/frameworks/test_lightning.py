@@ -46,6 +46,7 @@ def load_template(folder: Path):
     return module
 
 
+@pytest.mark.slow
 def test_the_template_smokes_to_an_exact_pass_on_two_ranks_with_a_stop_mid_epoch(tmp_path):
     path = lightning_job(tmp_path)
     result = invoke("smoke", path)
@@ -62,6 +63,7 @@ def test_the_template_smokes_to_an_exact_pass_on_two_ranks_with_a_stop_mid_epoch
     assert (resumed.status, resumed.step, resumed.total, resumed.world_size) == ("finished", 6, 6, 2)
 
 
+@pytest.mark.slow
 def test_a_chain_matches_the_uninterrupted_fit_through_a_deadline_mid_epoch_and_a_kill(tmp_path, monkeypatch):
     # 96 training rows, 32 a step: 3 steps an epoch, 9 in all. Session 1 saves at step 3 (the cadence) and
     # stops at the deadline after step 4, mid-epoch; session 2 resumes there and is SIGKILLed after its

@@ -28,6 +28,7 @@ PARAMS = {"epochs": 2, "lr": 2e-3, "seed": 0, "rows": 200, "features": 8, "class
           "dropout": 0.2, "batch": 16, "accumulate": 3, "num_workers": 0}
 
 
+@pytest.mark.slow
 def test_the_template_smokes_to_an_exact_pass_on_two_ranks_with_a_stop_mid_epoch(tmp_path):
     folder = tmp_path / "fabric-job"
     init_job(folder, template=TEMPLATE)

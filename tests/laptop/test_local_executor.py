@@ -1,7 +1,10 @@
-"""kchain/local.py: the executor's kernel listens on unix sockets of its own (no TCP port races)."""
+"""kchain/local.py: the executor's kernel listens on unix sockets of its own (no TCP port races), and it is this
+interpreter's ipykernel whatever kernelspecs the machine holds."""
 
 from __future__ import annotations
 
+import json
+import sys
 import tempfile
 from pathlib import Path
 
@@ -36,3 +39,28 @@ def test_a_temp_dir_too_deep_for_a_socket_path_falls_back_to_tcp(tmp_path, monke
     monkeypatch.setattr(tempfile, "tempdir", str(deep))
     result = execute_notebook(notebook(tmp_path / "nb.ipynb"), tmp_path / "root")
     assert transport(result) == "tcp"
+
+
+def test_a_python3_kernelspec_of_another_environment_does_not_run_the_notebook(tmp_path, monkeypatch):
+    # `python -m ipykernel install --user`, run once from another environment (a conda env, an older venv),
+    # leaves a `python3` kernelspec in the user's Jupyter data dir; outside a venv jupyter_client prefers it to
+    # this interpreter's own. Here it would set a variable in its kernel, so the notebook tells which kernel ran.
+    data = tmp_path / "jupyter-data"
+    spec = data / "kernels" / "python3"
+    spec.mkdir(parents=True)
+    (spec / "kernel.json").write_text(json.dumps({
+        "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+        "display_name": "Python 3 (another environment)", "language": "python",
+        "env": {"KCHAIN_TEST_OTHER_KERNEL": "1"},
+    }))
+    monkeypatch.setenv("JUPYTER_DATA_DIR", str(data))
+    monkeypatch.setenv("JUPYTER_PREFER_ENV_PATH", "0")  # as outside a venv: the user's dir comes first
+    path = tmp_path / "nb.ipynb"
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(
+        "import os, sys\nprint('kernel', os.environ.get('KCHAIN_TEST_OTHER_KERNEL', 'this'), sys.executable)")])
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nbformat.write(nb, str(path))
+    result = execute_notebook(path, tmp_path / "root")
+    assert result.ok, result.error
+    said = next(m["data"].split() for m in result.log if m["data"].startswith("kernel"))
+    assert said == ["kernel", "this", sys.executable]

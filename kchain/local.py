@@ -56,10 +56,10 @@ def _first_line(text: str) -> str:
 def _kernel_manager_class():  # noqa: ANN202  (jupyter_client is imported only when a notebook runs)
     """A kernel manager whose kernel is always this interpreter's ipykernel.
 
-    jupyter_client would look `python3` up in the Jupyter data dirs, which imports IPython and ipykernel
-    into the executor (about 0.1 s of CPU for every notebook run), and a `python3` kernelspec installed
-    by another environment would run the notebook under that environment's Python, without this one's
-    packages. The command is ipykernel's own (`ipykernel.kernelspec.make_ipkernel_cmd`)."""
+    jupyter_client would look `python3` up in the Jupyter data dirs: outside a venv a `python3` kernelspec
+    that another environment installed in the user's dir comes first, and the notebook would run under that
+    environment's Python, without this one's packages; the lookup also imports IPython and ipykernel into
+    the executor. The command is ipykernel's own (`ipykernel.kernelspec.make_ipkernel_cmd`)."""
     from jupyter_client.kernelspec import KernelSpec, KernelSpecManager
     from jupyter_client.manager import AsyncKernelManager
     from traitlets import default

@@ -46,7 +46,6 @@ def isolated_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     shutil.rmtree(tmp, ignore_errors=True)
 
 
-
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """The order CI's workers take the tests in (`-n 6 --dist loadgroup`: one test at a time to whichever
     worker is free). The `slow` ones go first, so the suite ends on short tests, not on a chain that

@@ -98,6 +98,15 @@ def report(seen: dict[str, list], top: int) -> None:
     for name, (cpu, count) in sorted(by_kind.items(), key=lambda kv: -kv[1][0]):
         print(f"{cpu:8.1f} {cpu / total:6.1%} {count:6d} {cpu / count:6.2f}  {name}")
     print(f"{total:8.1f}  in all")
+    others: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0])
+    for cpu, cmd, _ in seen.values():
+        if kind(cmd, cpu) == "other":
+            head = " ".join(Path(w).name if "/" in w else w for w in cmd.split()[:3])
+            others[head][0] += cpu
+            others[head][1] += 1
+    print(f"\n{'CPU-s':>8} {'procs':>6}  'other': the command's first three words")
+    for head, (cpu, count) in sorted(others.items(), key=lambda kv: -kv[1][0])[:10]:
+        print(f"{cpu:8.1f} {count:6d}  {head}")
     print(f"\n{'CPU-s':>8} {'notebooks':>9} {'ranks':>6}  test")
     for test, (cpu, notebooks, ranks) in sorted(by_test.items(), key=lambda kv: -kv[1][0])[:top]:
         print(f"{cpu:8.1f} {notebooks:9d} {ranks:6d}  {test}")

@@ -9,12 +9,13 @@ hf-trainer|lightning`); jobs/finetune is the LoRA one (transformers + peft).
 
 The floor is what the smoke's design cannot go below on this machine, measured here, in this run,
 for each job: the killed run and the reference start side by side, and the resume starts when the
-killed run is dead, each a notebook run by `python -m kchain.local` whose one cell starts a Python
+killed run is dead, each a notebook run as the smoke runs its three (local.execute_notebook on a thread
+of this process) whose one cell starts a Python
 child that imports torch and the job's own top-level imports (its frameworks: transformers, peft,
 Lightning; the training child's start, each rank's with 2 ranks) and does nothing else; the child exits the way the
 runtime's training child does (one collection, then the rest frozen: runtime/launch.py), so no exit
-cost the smoke avoids is left in the floor. So the floor holds 3 notebook executors, 3 kernel starts
-and 3 torch imports, 2 of each on the critical path. The smoke itself starts the resume's notebook
+cost the smoke avoids is left in the floor. So the floor holds 3 kernel starts and 3 torch
+imports, 2 of each on the critical path. The smoke itself starts the resume's notebook
 beside the other two and holds it at a gate until the kill, so that notebook's start overlaps the
 training: the training and the checks are what the smoke adds to the floor.
 
@@ -32,9 +33,9 @@ import importlib.util
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -43,7 +44,8 @@ sys.path.insert(0, str(REPO))
 
 from kchain.common import layout  # noqa: E402
 from kchain.init import init_job  # noqa: E402
-from kchain.smoke import smoke  # noqa: E402
+from kchain.local import execute_notebook  # noqa: E402
+from kchain.smoke import close_thread_loop, smoke  # noqa: E402
 
 STAGES = ["render", "executor start", "preflight", "steps", "kill and resume"]
 TEMPLATES = ("hf-trainer", "lightning")  # the framework templates, made with `kchain init --template`
@@ -89,9 +91,16 @@ def _notebook(path: Path, ranks: int = 1, imports: str = "") -> Path:
     return path
 
 
-def _executor(notebook: Path, root: Path) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "kchain.local", "run", str(notebook), "--root", str(root)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+def _executor(notebook: Path, root: Path) -> threading.Thread:
+    def body() -> None:
+        try:
+            execute_notebook(notebook, root)
+        finally:
+            close_thread_loop()
+
+    thread = threading.Thread(target=body)
+    thread.start()
+    return thread
 
 
 def floor_s(scratch: Path, ranks: int = 1, imports: str = "", name: str = "") -> float:
@@ -99,9 +108,9 @@ def floor_s(scratch: Path, ranks: int = 1, imports: str = "", name: str = "") ->
     nb = _notebook(scratch / f"floor-{name}-{ranks}.ipynb", ranks, imports)
     t0 = time.perf_counter()
     reference, killed = _executor(nb, scratch / "f-ref"), _executor(nb, scratch / "f-run")
-    killed.wait()
-    _executor(nb, scratch / "f-run").wait()
-    reference.wait()
+    killed.join()
+    _executor(nb, scratch / "f-run").join()
+    reference.join()
     return time.perf_counter() - t0
 
 

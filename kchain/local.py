@@ -2,8 +2,9 @@
 
 The same executor serves `kchain smoke`, the emulator's sessions and `kchain rehearse`, so the
 notebook that runs here is byte for byte the one Kaggle will run. It can be used in-process
-(`execute_notebook`) or as a process of its own (`python -m kchain.local run ...`), which is what
-the emulator and the smoke run use when they need to kill a session for real.
+(`execute_notebook`: the smoke runs its three notebooks so, each on a thread, and kills a notebook's
+kernel tree through the pid `on_kernel` gives) or as a process of its own (`python -m kchain.local
+run ...`), which is what the emulator and rehearse use: their sessions die whole, executor included.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from kchain.common import layout
 from kchain.common.summary import Summary, read_working
 
 OutputFn = Callable[[str, str], None]
+KernelFn = Callable[[int], None]  # told the kernel's pid once it has started
 HASH_SEED_ENV = "PYTHONHASHSEED"
 SOCKET_PATH_MAX = 100  # a unix socket's path is at most 104 bytes on macOS, 108 on Linux
 
@@ -87,6 +89,7 @@ def _live_client_class():  # noqa: ANN202  (nbclient is imported only when a not
         t0: float = 0.0
         messages: list[dict[str, Any]]  # not `log`: that is nbclient's logger
         on_output: OutputFn | None = None
+        on_kernel: KernelFn | None = None
         kernel_ready: float = 0.0
 
         def output(self, outs, msg, display_id, cell_index):
@@ -102,6 +105,12 @@ def _live_client_class():  # noqa: ANN202  (nbclient is imported only when a not
                 if self.on_output is not None:
                     self.on_output(name, text)
             return super().output(outs, msg, display_id, cell_index)
+
+        async def async_start_new_kernel(self, **kwargs):
+            await super().async_start_new_kernel(**kwargs)
+            process = getattr(getattr(self.km, "provisioner", None), "process", None)
+            if self.on_kernel is not None and process is not None:
+                self.on_kernel(process.pid)
 
         async def async_start_new_kernel_client(self):
             result = await super().async_start_new_kernel_client()
@@ -150,8 +159,10 @@ def execute_notebook(
     env: Mapping[str, str] | None = None,
     timeout: float | None = None,
     on_output: OutputFn | None = None,
+    on_kernel: KernelFn | None = None,
 ) -> ExecResult:
-    """Execute the notebook with a fresh ipykernel whose working dir is ROOT/working."""
+    """Execute the notebook with a fresh ipykernel whose working dir is ROOT/working (`on_kernel` is told
+    the kernel's pid, so a caller running this on a thread can kill the notebook's process tree)."""
     import nbformat
     from traitlets.config import Config
 
@@ -175,7 +186,7 @@ def execute_notebook(
         shutdown_kernel="immediate",
         config=Config(_kernel_channels(sockets)),
     )
-    client.t0, client.messages, client.on_output = time.time(), [], on_output
+    client.t0, client.messages, client.on_output, client.on_kernel = time.time(), [], on_output, on_kernel
     try:
         error = _execute(client, kernel_env, working, root / "kernel-stderr.log")
     finally:

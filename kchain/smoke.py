@@ -20,12 +20,11 @@ working dir is read before the kill; what it has done by then is start up, as on
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import shutil
 import signal
-import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -53,20 +52,23 @@ KILLED_LINE = f"TrainingFailed: training exited with code {-signal.SIGKILL};"
 
 @dataclass
 class Child:
-    """One execution of the notebook in a process of its own (`python -m kchain.local run`)."""
+    """One execution of the notebook with a fresh kernel of its own, driven from a thread of this process
+    (local.execute_notebook): the kernel, its training processes and their deaths are real processes;
+    the executor that sends the cells is not a Python to start and import again for each of the three."""
 
     name: str
     root: Path
     lines: list[tuple[float, str]] = field(default_factory=list)
-    returncode: int | None = None
+    returncode: int | None = None  # 0: every cell ran; 1: a cell failed (its error is the last line)
     wall_s: float = 0.0  # from the start, or from the release for a child started at a gate
     gate: Path | None = None  # started early, held at this gate until release()
     _held: list[str] | None = None  # output kept back while held at the gate
     _echo: Echo | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _killed: threading.Event = field(default_factory=threading.Event)  # KILLED_LINE was printed
-    _proc: subprocess.Popen | None = None
-    _pump: threading.Thread | None = None
+    _thread: threading.Thread | None = None
+    _kernel: int | None = None  # the kernel's pid, once it has started
+    _stopping: bool = False
     _t0: float = 0.0
     _released: float | None = None
 
@@ -78,23 +80,22 @@ class Child:
         return next((t for t, line in self.lines if needle in line), None)
 
     def start(self, notebook: Path, env: dict[str, str], echo: Echo | None) -> Child:
-        log = self.root.parent / f"{self.name}.log"
+        from kchain.local import execute_notebook
+
         self._echo = echo
         if self.gate is not None:
             self._held = []
             env = {**env, layout.GATE_ENV: f"{os.getpid()}:{self.gate}"}
-        self._proc = proc = subprocess.Popen(
-            [sys.executable, "-m", "kchain.local", "run", str(notebook), "--root", str(self.root)],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-        )
         self._t0 = t0 = time.time()
+        log = self.root.parent / f"{self.name}.log"
 
-        def pump() -> None:
-            assert proc.stdout is not None
-            with proc.stdout, open(log, "w", encoding="utf-8") as f:
-                for line in proc.stdout:
-                    self.lines.append((time.time() - t0, line.rstrip("\n")))
-                    f.write(line)
+        def body() -> None:
+            pending = ""  # the output's last line, until its newline comes
+            with open(log, "w", encoding="utf-8") as f:
+                def line_out(line: str) -> None:
+                    self.lines.append((time.time() - t0, line))
+                    f.write(line + "\n")
+                    f.flush()
                     if line.startswith(KILLED_LINE):
                         self._killed.set()
                     # The notebook's own failure line repeats what the runtime already said.
@@ -105,9 +106,41 @@ class Child:
                             else:
                                 echo(f"    {line.rstrip()}")
 
-        self._pump = threading.Thread(target=pump, daemon=True)
-        self._pump.start()
+                def on_output(_stream: str, text: str) -> None:
+                    nonlocal pending
+                    *whole, pending = (pending + text).split("\n")
+                    for line in whole:
+                        line_out(line)
+
+                try:
+                    error = execute_notebook(notebook, self.root, env=env, on_output=on_output,
+                                             on_kernel=self._started).error
+                except Exception as e:  # noqa: BLE001  (the kernel could not start: the child's failure, said as a line)
+                    error = f"{type(e).__name__}: {e}"
+                finally:
+                    close_thread_loop()
+                if pending:
+                    line_out(pending)
+                if error is not None:
+                    line_out(error)
+                self.returncode = 0 if error is None else 1
+
+        self._thread = threading.Thread(target=body, name=f"smoke-{self.name}", daemon=True)
+        self._thread.start()
         return self
+
+    def _started(self, pid: int) -> None:
+        """The kernel is up: remember it, or kill it at once if the smoke is already ending."""
+        with self._lock:
+            self._kernel, stopping = pid, self._stopping
+        if stopping:
+            self._kill()
+
+    def _kill(self) -> None:
+        from kchain.emulator.sessions import kill_tree
+
+        if self._kernel is not None:
+            kill_tree(self._kernel)
 
     def release(self, go: bool = True) -> Child:
         """Open the gate (`go`: the kill has happened) or tell the held child to leave (`stop`)."""
@@ -123,34 +156,46 @@ class Child:
 
     def stop(self) -> None:
         """Kill the notebook's process tree if it still runs (the smoke is ending early: a signal, an error)."""
-        from kchain.emulator.sessions import kill_tree
-
-        if self._proc is not None and self._proc.poll() is None:
-            kill_tree(self._proc.pid)
-            self._proc.wait()
+        if self._thread is None or not self._thread.is_alive():
+            return
+        with self._lock:
+            self._stopping = True
+        self._kill()
+        self._thread.join()
 
     def cancel(self) -> None:
         """A child still held at its gate leaves without reading anything; wait for it to end."""
-        if self._proc is not None and self.gate is not None and not self.gate.exists():
+        if self._thread is not None and self.gate is not None and not self.gate.exists():
             self.release(go=False).wait()
 
     def until_killed(self) -> Child:
         """Until the notebook reports its training process SIGKILLed, or the notebook ends: the
         resume need not wait for the killed run's kernel to shut down."""
-        assert self._proc is not None
+        assert self._thread is not None
         while not self._killed.wait(0.02):
-            if self._proc.poll() is not None:
+            if not self._thread.is_alive():
                 return self.wait()
         self.wall_s = time.time() - self._t0
         return self
 
     def wait(self) -> Child:
-        assert self._proc is not None and self._pump is not None
-        self.returncode = self._proc.wait()
-        self._pump.join()
+        assert self._thread is not None
+        self._thread.join()
         if not self._killed.is_set():  # a killed run's time ends at its kill (until_killed)
             self.wall_s = time.time() - (self._released or self._t0)
         return self
+
+
+def close_thread_loop() -> None:
+    """Close the event loop nbclient made for this thread (jupyter_core's run_sync makes one per thread and
+    leaves it open): collected later, an open loop is a ResourceWarning raised inside whatever code the
+    garbage collector interrupts (under pytest's warnings-as-errors, a parse: python/cpython#106905)."""
+    try:
+        loop = asyncio.get_event_loop_policy().get_event_loop()
+    except RuntimeError:
+        return
+    asyncio.set_event_loop(None)
+    loop.close()
 
 
 @dataclass

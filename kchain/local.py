@@ -161,14 +161,17 @@ def execute_notebook(
     on_output: OutputFn | None = None,
     on_kernel: KernelFn | None = None,
 ) -> ExecResult:
-    """Execute the notebook with a fresh ipykernel whose working dir is ROOT/working (`on_kernel` is told
-    the kernel's pid, so a caller running this on a thread can kill the notebook's process tree)."""
+    """Execute the notebook with a fresh ipykernel whose working dir is ROOT/working, in `env` (this
+    process's environment if None); `on_kernel` is told the kernel's pid, so a caller running this on a
+    thread can kill the notebook's process tree."""
     import nbformat
     from traitlets.config import Config
 
     root = Path(root).resolve()
     _, working = _prepare_root(root)
-    kernel_env = {**os.environ, **(env or {}), layout.ROOT_ENV: str(root)}
+    # `env`, when given, is the kernel's whole environment: a variable the caller left out of it (the smoke drops
+    # a session clock or a fault the shell set) must not come back from this process's own.
+    kernel_env = {**(os.environ if env is None else env), layout.ROOT_ENV: str(root)}
     # A Kaggle session never has the laptop's PYTHONHASHSEED: each of its processes draws its own. Kept, it would
     # give the smoke's three runs one hash seed, and a run that takes an order from a set of strings (a
     # vocabulary) would pass here and differ after every resume there.

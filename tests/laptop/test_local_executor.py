@@ -4,6 +4,7 @@ interpreter's ipykernel whatever kernelspecs the machine holds."""
 from __future__ import annotations
 
 import json
+import os
 import sys
 import tempfile
 from pathlib import Path
@@ -64,3 +65,18 @@ def test_a_python3_kernelspec_of_another_environment_does_not_run_the_notebook(t
     assert result.ok, result.error
     said = next(m["data"].split() for m in result.log if m["data"].startswith("kernel"))
     assert said == ["kernel", "this", sys.executable]
+
+
+def test_the_environment_given_is_the_kernels_whole_environment(tmp_path, monkeypatch):
+    # The smoke runs its notebooks from threads of its own process and drops what the shell may hold (a fault,
+    # a session clock); a variable left out of `env` must not come back from this process's environment.
+    monkeypatch.setenv("KCHAIN_FAULT", "kill_after_checkpoint=1")
+    path = tmp_path / "nb.ipynb"
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(
+        "import os\nprint('seen', os.environ.get('KCHAIN_FAULT', '-'), os.environ.get('KCHAIN_TEST_GIVEN', '-'))")])
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nbformat.write(nb, str(path))
+    env = {k: v for k, v in os.environ.items() if k != "KCHAIN_FAULT"}
+    result = execute_notebook(path, tmp_path / "root", env={**env, "KCHAIN_TEST_GIVEN": "1"})
+    assert result.ok, result.error
+    assert next(m["data"].split() for m in result.log if m["data"].startswith("seen")) == ["seen", "-", "1"]

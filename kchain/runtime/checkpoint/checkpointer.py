@@ -433,10 +433,9 @@ class Checkpointer:
         if self._plan["stream"]:
             self.writer.write_now(live, job)  # blocks; no host copy of the state
             return
-        state = self._snapshots.take(live)
+        # A state too large to keep a host copy of: the writer holds the only reference, freed when written.
+        state = self._snapshots.take(live, keep=self._plan["reuse"])
         del live
-        if not self._plan["reuse"]:
-            self._snapshots.release()  # the writer holds the only reference: freed when written
         self.writer.submit(state, job)
 
     def _rank_state(self) -> dict:

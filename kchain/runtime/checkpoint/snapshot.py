@@ -21,46 +21,73 @@ _ATOMS = frozenset({int, float, bool, str, bytes, type(None)})
 class Snapshotter:
     """Private copies of the state: tensors detached and copied to host memory, the rest deep-copied.
 
-    This is the only part of a save that blocks training; the write happens in a thread. The host
-    buffers are kept and reused by the next snapshot (same key path, shape and dtype): copying into
-    memory already touched avoids a page fault per 4 KiB, which dominates a fresh copy. Reuse is safe
-    because a snapshot is taken only after the previous write finished. release() drops them (large
-    states: a second full host copy must not outlive its write). A tensor seen twice in one state
-    (tied weights) is copied once, so torch.save writes it once.
+    This is the only part of a save that blocks training; the write happens in a thread. With
+    `keep`, the host buffers are kept and reused by the next snapshot (same key path, shape and
+    dtype): copying into memory already touched avoids a page fault per 4 KiB, which dominates a
+    fresh copy. Reuse is safe because a snapshot is taken only after the previous write finished.
+    A kept buffer for a CUDA tensor is pinned (page-locked), and all its copies are queued without
+    waiting and awaited once at the end: a copy from the GPU into pageable memory is synchronous and
+    staged through a pinned buffer of the driver's (bench/gpu_check.py measures the two). Without `keep` (a large state: a second full host copy must not outlive its
+    write), each copy is fresh pageable memory, and pinned memory is never held by a state too large
+    to keep: torch caches freed pinned blocks for the process's lifetime. A tensor seen twice in one
+    state (tied weights) is copied once, so torch.save writes it once.
     """
 
     def __init__(self):
         self._buffers: dict[tuple, torch.Tensor] = {}
         self._seen: dict[tuple, torch.Tensor] = {}
+        self._pending: set[torch.device] = set()  # CUDA devices with copies in flight
 
-    def release(self) -> None:
-        self._buffers = {}
+    def take(self, obj, keep: bool = True):
+        """A private host copy of obj, complete when this returns."""
+        self._seen, self._pending = {}, set()
+        try:
+            return self._take(obj, (), keep)
+        finally:
+            for device in self._pending:
+                torch.cuda.current_stream(device).synchronize()
+            if not keep:
+                self._buffers = {}
 
-    def take(self, obj, path: tuple = ()):
-        if not path:
-            self._seen = {}
+    def _take(self, obj, path: tuple, keep: bool):
         if isinstance(obj, torch.Tensor):
             t = obj.detach()
             view = (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
             if t.numel() and view in self._seen:
                 return self._seen[view]  # tied weights: one copy, one storage in the file
-            buf = self._buffers.get(path)
+            buf = self._buffers.get(path) if keep else None
+            filled = False
             if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
-                # clone even on CPU: the optimizer updates its tensors in place while the writer runs.
-                buf = self._buffers[path] = t.to("cpu", copy=True)
-            else:
+                buf = self._pinned_like(t) if keep and t.is_cuda else None
+                if buf is None:
+                    # clone even on CPU: the optimizer updates its tensors in place while the writer runs.
+                    buf, filled = t.to("cpu", copy=True), True
+                if keep:
+                    self._buffers[path] = buf
+            if not filled and t.is_cuda and buf.is_pinned():
+                buf.copy_(t, non_blocking=True)  # awaited once, at the end of take()
+                self._pending.add(t.device)
+            elif not filled:
                 buf.copy_(t)  # from any device: a CUDA tensor comes back to the same host buffer
             self._seen[view] = buf
             return buf
         if type(obj) in _ATOMS:
             return obj  # immutable: sharing it is a copy
         if isinstance(obj, dict):
-            return {k: self.take(v, (*path, k)) for k, v in obj.items()}
+            return {k: self._take(v, (*path, k), keep) for k, v in obj.items()}
         if type(obj) is tuple and all(type(v) in _ATOMS for v in obj):
             return obj  # e.g. python's RNG state, 625 ints: no need to visit each one
         if type(obj) in (list, tuple):
-            return type(obj)(self.take(v, (*path, i)) for i, v in enumerate(obj))
+            return type(obj)(self._take(v, (*path, i), keep) for i, v in enumerate(obj))
         return copy.deepcopy(obj)
+
+    @staticmethod
+    def _pinned_like(t: torch.Tensor) -> torch.Tensor | None:
+        """Pinned host memory shaped as t, or None where it cannot be had (the OS's locked-memory limit)."""
+        try:
+            return torch.empty_like(t, device="cpu", pin_memory=True)
+        except RuntimeError:
+            return None
 
 
 def available_ram() -> int | None:
@@ -76,7 +103,7 @@ def available_ram() -> int | None:
 
 def snapshot(obj):
     """A one-off private copy (see Snapshotter)."""
-    return Snapshotter().take(obj)
+    return Snapshotter().take(obj, keep=False)
 
 
 # Python's and numpy's global RNGs start from the OS's entropy, and so does torch's CPU generator (torch

@@ -441,5 +441,7 @@ def test_a_snapshot_is_a_private_copy_into_host_buffers_kept_for_the_next_save()
     assert torch.equal(moments, opt.state[model.weight]["exp_avg"])
     assert moments.data_ptr() != opt.state[model.weight]["exp_avg"].data_ptr()
 
-    snaps.release()  # a large state: the host copy goes with its write
-    assert snaps.take(live)["tracked"]["model"]["weight"].data_ptr() != w.data_ptr()
+    large = snaps.take(live, keep=False)  # a large state: the host copy goes with its write
+    assert large["tracked"]["model"]["weight"].data_ptr() != w.data_ptr()
+    assert torch.equal(large["tracked"]["model"]["weight"], model.weight)
+    assert snaps.take(live)["tracked"]["model"]["weight"].data_ptr() not in (w.data_ptr(), model.weight.data_ptr())

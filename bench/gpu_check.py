@@ -11,6 +11,8 @@
    RNGs, the CUDA generator's among them).
 2. lora: jobs/finetune (transformers + peft, LoRA on a tiny BERT built from a config) the same way, in
    fp16, with the checkpoint holding only what trains.
+   templates: the HF Trainer, Lightning, Fabric and accelerate templates the same way, each in its own
+   fp16 (the Trainer's, "16-mixed", accelerate's "fp16"), SIGKILLed once their first checkpoint is written.
 3. snapshot: the time a checkpoint's host copy blocks training (Snapshotter.take) for a state of CUDA
    tensors, kept pinned buffers against kept pageable ones (the old way) and a bare
    `{k: v.to("cpu")}`, for a state under checkpointer.REUSE_MAX_BYTES and one above it.
@@ -83,12 +85,12 @@ def logs(root: Path) -> str:
     return "".join(p.read_text(errors="replace") for p in sorted(root.glob("out*.log")))
 
 
-def kill_resume(name: str, cfg: dict, code: Path, kill_at: int, scratch: Path) -> dict:
+def kill_resume(name: str, cfg: dict, code: Path, fault: str, scratch: Path) -> dict:
     """Reference, reference again and the killed run side by side; then the resume. The verdicts."""
     roots = {k: scratch / name / k for k in ("reference", "again", "resumed")}
     t0 = time.perf_counter()
     procs = {"reference": start(roots["reference"], cfg, code), "again": start(roots["again"], cfg, code),
-             "killed": start(roots["resumed"], cfg, code, fault=f"kill_at_step={kill_at}")}
+             "killed": start(roots["resumed"], cfg, code, fault=fault)}
     codes = {k: p.wait(timeout=400) for k, p in procs.items()}
     resumed = start(roots["resumed"], cfg, code)
     codes["resumed"] = resumed.wait(timeout=400)
@@ -149,7 +151,7 @@ def check_resume(scratch: Path, cuda: bool) -> None:
                "train": {"checkpoint_every": {"steps": 5}, "keep": 20, "heartbeat_s": 0, "gpus": 1,
                          "precision": precision},
                "kaggle": {"accelerator": "gpu"}}
-        RESULTS[f"resume-{precision}"] = kill_resume(f"resume-{precision}", cfg, code, kill_at=23, scratch=scratch)
+        RESULTS[f"resume-{precision}"] = kill_resume(f"resume-{precision}", cfg, code, "kill_at_step=23", scratch)
 
 
 def check_lora(scratch: Path, cuda: bool) -> None:
@@ -159,7 +161,7 @@ def check_lora(scratch: Path, cuda: bool) -> None:
            "train": {"checkpoint_every": {"steps": 5}, "keep": 20, "heartbeat_s": 0, "gpus": 1,
                      "precision": "fp16" if cuda else "fp32"},
            "kaggle": {"accelerator": "gpu"}}
-    out = RESULTS["lora"] = kill_resume("lora", cfg, REPO / "jobs" / "finetune", kill_at=17, scratch=scratch)
+    out = RESULTS["lora"] = kill_resume("lora", cfg, REPO / "jobs" / "finetune", "kill_at_step=17", scratch)
     ckpts = sorted(statecheck.checkpoints_of(scratch / "lora" / "resumed" / layout.WORKING_DIR).glob(
         f"{layout.CHECKPOINT_PREFIX}*"))
     if ckpts:
@@ -171,6 +173,32 @@ def check_lora(scratch: Path, cuda: bool) -> None:
         out.update(frozen_left_out=left_out, checkpoint_bytes=size)
         verdict("lora: only what trains is saved", left_out > 0,
                 f"{left_out} frozen base tensors left out of the checkpoint; {size / 1e3:.0f} KB on disk")
+
+
+# The framework templates (`kchain init --template NAME`), smaller; each trains in the mixed precision its
+# own code asks for (the Trainer's fp16 from train.precision, Lightning's and Fabric's "16-mixed",
+# accelerate's "fp16"), and is SIGKILLed once its first checkpoint (step 5) is written: mid-epoch for
+# the epoch loops.
+TEMPLATES = {
+    "hf-trainer": {"steps": 40, "lines": 2000, "warmup": 5, "log_every": 5, "eval_every": 20},
+    "lightning": {"epochs": 2, "rows": 2000},
+    "fabric": {"epochs": 2, "rows": 2000},
+    "accelerate": {"epochs": 2, "rows": 2000},
+}
+
+
+def check_templates(scratch: Path, cuda: bool, only: list[str]) -> None:
+    from kchain.init import TEMPLATES as FOLDER
+
+    for name, params in TEMPLATES.items():
+        if only and name not in only:
+            continue
+        job = yaml.safe_load((FOLDER / name / "job.yaml").read_text().replace("@NAME@", name))
+        cfg = {"job": f"gpu-check-{name}", "entry": "train:main", "params": {**job["params"], **params},
+               "train": {"checkpoint_every": {"steps": 5}, "keep": 20, "heartbeat_s": 0, "gpus": 1,
+                         "precision": "fp16" if cuda else "fp32"},
+               "kaggle": {"accelerator": "gpu"}}
+        RESULTS[name] = kill_resume(name, cfg, FOLDER / name, "kill_after_checkpoint=1", scratch)
 
 
 def check_snapshot(cuda: bool) -> None:
@@ -248,7 +276,8 @@ def check_snapshot(cuda: bool) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "gpu-check-out")))
-    parser.add_argument("--only", nargs="*", default=["resume", "lora", "snapshot"])
+    parser.add_argument("--only", nargs="*", default=["resume", "lora", "templates", "snapshot"])
+    parser.add_argument("--templates", nargs="*", default=[], help="only these templates (default: all)")
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     args = parser.parse_args()
     import torch
@@ -269,6 +298,8 @@ def main() -> int:
             check_resume(scratch, cuda)
         if "lora" in args.only:
             check_lora(scratch, cuda)
+        if "templates" in args.only:
+            check_templates(scratch, cuda, args.templates)
         if "snapshot" in args.only:
             check_snapshot(cuda)
     finally:

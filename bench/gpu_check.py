@@ -13,7 +13,9 @@
    fp16, with the checkpoint holding only what trains.
    templates: the HF Trainer, Lightning, Fabric and accelerate templates the same way, each in its own
    fp16 (the Trainer's, "16-mixed", accelerate's "fp16"), SIGKILLed once their first checkpoint is written.
-3. snapshot: the time a checkpoint's host copy blocks training (Snapshotter.take) for a state of CUDA
+3. ladder: `train.micro_batch: auto` against a real CUDA out-of-memory error (a memory cap the job sets),
+   against the same training with the micro-batch set by hand, killed and resumed.
+4. snapshot: the time a checkpoint's host copy blocks training (Snapshotter.take) for a state of CUDA
    tensors, kept pinned buffers against kept pageable ones (the old way) and a bare
    `{k: v.to("cpu")}`, for a state under checkpointer.REUSE_MAX_BYTES and one above it.
 
@@ -85,14 +87,18 @@ def logs(root: Path) -> str:
     return "".join(p.read_text(errors="replace") for p in sorted(root.glob("out*.log")))
 
 
-def kill_resume(name: str, cfg: dict, code: Path, fault: str, scratch: Path) -> dict:
-    """Reference, reference again and the killed run side by side; then the resume. The verdicts."""
+def kill_resume(name: str, cfg: dict, code: Path, fault: str, scratch: Path, reference: dict | None = None,
+                env_fault: str = "") -> dict:
+    """Reference, reference again and the killed run side by side; then the resume. The verdicts.
+    With `reference`, the reference runs that config and "again" runs `cfg` uninterrupted."""
     roots = {k: scratch / name / k for k in ("reference", "again", "resumed")}
     t0 = time.perf_counter()
-    procs = {"reference": start(roots["reference"], cfg, code), "again": start(roots["again"], cfg, code),
-             "killed": start(roots["resumed"], cfg, code, fault=fault)}
+    both = ",".join(f for f in (env_fault, fault) if f)
+    procs = {"reference": start(roots["reference"], reference or cfg, code),
+             "again": start(roots["again"], cfg, code, fault=env_fault),
+             "killed": start(roots["resumed"], cfg, code, fault=both)}
     codes = {k: p.wait(timeout=400) for k, p in procs.items()}
-    resumed = start(roots["resumed"], cfg, code)
+    resumed = start(roots["resumed"], cfg, code, fault=env_fault)
     codes["resumed"] = resumed.wait(timeout=400)
     wall = time.perf_counter() - t0
     out = {"codes": codes, "wall_s": round(wall, 1)}
@@ -109,7 +115,7 @@ def kill_resume(name: str, cfg: dict, code: Path, fault: str, scratch: Path) -> 
     out.update(precision_line=precision, resumed_line=resumed_from.strip(), steps=len(ref))
     say(f"  {name}: {len(ref)} steps; {precision}; {resumed_from.strip()}; all four runs {wall:.1f} s")
     repeatable = ref == again
-    verdict(f"{name}: the GPU repeats itself", repeatable,
+    verdict(f"{name}: {'the same as the hand-set run' if reference else 'the GPU repeats itself'}", repeatable,
             "two uninterrupted runs logged the same values" if repeatable else
             f"two uninterrupted runs differ first at step {first_difference(ref, again)}")
     same = [r["step"] for r in got] == [r["step"] for r in ref] and got == ref
@@ -201,6 +207,26 @@ def check_templates(scratch: Path, cuda: bool, only: list[str]) -> None:
         RESULTS[name] = kill_resume(name, cfg, FOLDER / name, "kill_after_checkpoint=1", scratch)
 
 
+def check_ladder(scratch: Path, cuda: bool) -> None:
+    """train.micro_batch: auto against a real CUDA out-of-memory error (the CPU dry run injects it):
+    micro-batch 16384 under a 1.5 GiB cap must halve twice to 4096 x 4 and train as the hand-set
+    4096 x 4 does, and resume exactly with the size that fitted."""
+    base = {"rows": 65536, "hidden": 32768, "steps": 8} if cuda else {"rows": 4096, "hidden": 256, "steps": 8}
+    top, fits = (16384, 4096) if cuda else (1024, 256)
+    train = {"checkpoint_every": {"steps": 2}, "keep": 20, "heartbeat_s": 0, "gpus": 1, "precision": "fp16" if cuda else "fp32"}
+    hand = {"job": "gpu-check-ladder", "entry": "gpu_check_job:ladder", "kaggle": {"accelerator": "gpu"},
+            "params": {**base, "batch": fits, "accumulate": top // fits, "mem_cap_gb": 0}, "train": train}
+    auto = {**hand, "params": {**base, "batch": top, "accumulate": 1, "mem_cap_gb": 1.5},
+            "train": {**train, "micro_batch": "auto"}}
+    out = RESULTS["ladder"] = kill_resume("ladder", auto, REPO / "bench", "kill_at_step=5", scratch, reference=hand,
+                                          env_fault="" if cuda else f"oom_above={fits}")
+    rungs = [line.strip() for line in logs(scratch / "ladder" / "resumed").splitlines() if "out of memory at micro-batch" in line]
+    out["rungs"] = rungs
+    say("  ladder: " + (" | ".join(rungs) or "no out-of-memory error"))
+    verdict("ladder: a real out-of-memory error halves the micro-batch", len(rungs) == 2,
+            f"{len(rungs)} halvings before the first step (expected 2: {top} -> {top // 2} -> {fits})")
+
+
 def check_snapshot(cuda: bool) -> None:
     import torch
 
@@ -276,7 +302,7 @@ def check_snapshot(cuda: bool) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "gpu-check-out")))
-    parser.add_argument("--only", nargs="*", default=["resume", "lora", "templates", "snapshot"])
+    parser.add_argument("--only", nargs="*", default=["resume", "lora", "templates", "ladder", "snapshot"])
     parser.add_argument("--templates", nargs="*", default=[], help="only these templates (default: all)")
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     args = parser.parse_args()
@@ -300,6 +326,8 @@ def main() -> int:
             check_lora(scratch, cuda)
         if "templates" in args.only:
             check_templates(scratch, cuda, args.templates)
+        if "ladder" in args.only:
+            check_ladder(scratch, cuda)
         if "snapshot" in args.only:
             check_snapshot(cuda)
     finally:

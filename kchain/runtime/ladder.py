@@ -3,7 +3,8 @@
 A T4 has 15 GB; a micro-batch that does not fit crashes the session at step 1. With the ladder on,
 an out-of-memory error before the first step of this process finishes is caught by the launcher:
 it frees what it can, then runs `main(run)` again with every `run.loader` batch halved and every
-`run.optimize` accumulation doubled, so the effective batch (batch x accumulate) is the same. The
+`run.optimize` accumulation doubled, so the effective batch (batch x accumulate) is the same, and the
+global RNGs put back as the first attempt found them (launch.py), so the retry draws what it would have. The
 number of halvings is written in every checkpoint's manifest, so a later session starts with the
 size that fitted, and a resume stays exact (the micro-batch schedule is part of the state).
 

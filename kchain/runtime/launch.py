@@ -266,7 +266,7 @@ def main(argv: list[str]) -> int:
 def _train(config: RuntimeConfig, current: SimpleNamespace) -> None:
     """Build the Run, import the entry and call it; after an out-of-memory error, again one rung down."""
     from kchain.runtime import ladder
-    from kchain.runtime.checkpoint.snapshot import seed_globals
+    from kchain.runtime.checkpoint.snapshot import restore_rng, rng_state, seed_globals
     from kchain.runtime.run import Run, SessionStopped
 
     seed_globals()  # before the code is imported: a seed of its own, set at import or later, wins
@@ -276,6 +276,10 @@ def _train(config: RuntimeConfig, current: SimpleNamespace) -> None:
     module_name, _, func_name = config.entry.partition(":")
     current.run.launcher.enter("build")
     entry = getattr(importlib.import_module(module_name), func_name or "main")
+    # The global RNGs as main(run) first finds them (after the code's import, which may seed them): each
+    # retry down the ladder starts from here, as if the attempt that ran out of memory had never drawn
+    # (its model's initial weights, its dropout), so it trains as the micro-batch set by hand would.
+    first = rng_state()
     while True:  # train.micro_batch: auto retries main with a halved micro-batch (runtime/ladder.py)
         rung = None
         try:
@@ -293,6 +297,7 @@ def _train(config: RuntimeConfig, current: SimpleNamespace) -> None:
         current.run.close()
         current.run = None
         ladder.free()
+        restore_rng(first)
         current.run = Run(config, os.environ, started=PROCESS_START, halvings=halvings)
         current.run.launcher.enter("build")
     if current.run.status == Status.RUNNING:

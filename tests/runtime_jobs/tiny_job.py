@@ -31,7 +31,8 @@ class NoisyRows(Dataset):
 
 def main(run):
     p = run.params
-    torch.manual_seed(p.get("seed", 0))
+    if p.get("seed_in_main", True):  # False: main leaves the global RNGs as it finds them
+        torch.manual_seed(p.get("seed", 0))
     data = NoisyRows(p.get("rows", 96))
     model = run.wrap(nn.Sequential(  # on run.device; DDP under several ranks
         nn.Linear(N_FEATURES, p.d_model), nn.ReLU(), nn.Dropout(p.get("dropout", 0.2)), nn.Linear(p.d_model, N_CLASSES)

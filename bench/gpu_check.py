@@ -15,6 +15,7 @@
    fp16 (the Trainer's, "16-mixed", accelerate's "fp16"), SIGKILLed once their first checkpoint is written.
 3. ladder: `train.micro_batch: auto` against a real CUDA out-of-memory error (a memory cap the job sets),
    against the same training with the micro-batch set by hand, killed and resumed.
+   stream: the resume job with its checkpoints streamed from the live CUDA tensors (forced).
 4. snapshot: the time a checkpoint's host copy blocks training (Snapshotter.take) for a state of CUDA
    tensors, kept pinned buffers against kept pageable ones (the old way) and a bare
    `{k: v.to("cpu")}`, for a state under checkpointer.REUSE_MAX_BYTES and one above it.
@@ -61,12 +62,17 @@ def verdict(name: str, ok: bool, detail: str) -> None:
         FAILED.append(name)
 
 
+# Set in every run of a check that asks for it (the streamed checkpoint: KCHAIN_CHECKPOINT_STREAM=1).
+EXTRA_ENV: dict[str, str] = {}
+
+
 def start(root: Path, cfg: dict, code: Path, fault: str = "") -> subprocess.Popen:
     root.mkdir(parents=True, exist_ok=True)
     (root / "cfg.json").write_text(json.dumps(cfg))
     drop = ("KCHAIN_", "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_", "KAGGLE_")
     env = {k: v for k, v in os.environ.items() if not k.startswith(drop)}
-    env.update(KCHAIN_ROOT=str(root), PYTHONPATH=os.pathsep.join([str(REPO), str(code)]), PYTHONUNBUFFERED="1")
+    env.update(KCHAIN_ROOT=str(root), PYTHONPATH=os.pathsep.join([str(REPO), str(code)]), PYTHONUNBUFFERED="1",
+               **EXTRA_ENV)
     if fault:
         env["KCHAIN_FAULT"] = fault
     log = open(root / f"out{'-killed' if fault else ''}.log", "a")
@@ -227,6 +233,28 @@ def check_ladder(scratch: Path, cuda: bool) -> None:
             f"{len(rungs)} halvings before the first step (expected 2: {top} -> {top // 2} -> {fits})")
 
 
+def check_stream(scratch: Path, cuda: bool) -> None:
+    """The streamed checkpoint (a state too large for a host copy: torch.save of the live CUDA tensors,
+    blocking), forced for the fp16 job: the resume must still be exact. Its CUDA tensors are written
+    without a digest (":unhashed"), so the state verdict compares only what was digested: said."""
+    cfg = {"job": "gpu-check-stream", "entry": "gpu_check_job:main", "params": {"steps": 40},
+           "train": {"checkpoint_every": {"steps": 5}, "keep": 20, "heartbeat_s": 0, "gpus": 1,
+                     "precision": "fp16" if cuda else "fp32"},
+           "kaggle": {"accelerator": "gpu"}}
+    EXTRA_ENV[layout.CHECKPOINT_STREAM_ENV] = "1"
+    try:
+        out = RESULTS["stream"] = kill_resume("stream", cfg, REPO / "bench", "kill_at_step=23", scratch)
+    finally:
+        EXTRA_ENV.clear()
+    saved = statecheck.saved([statecheck.checkpoints_of(scratch / "stream" / "resumed" / layout.WORKING_DIR)])
+    digests = [v for s in saved.values() for v in s.digests.values()]
+    unhashed = sum(v.endswith(":unhashed") for v in digests)
+    out.update(unhashed=unhashed, digested=len(digests) - unhashed)
+    say(f"  stream: {unhashed} of {len(digests)} values in the checkpoints have no digest (live CUDA tensors "
+        "streamed): the state verdict above compared the other "
+        f"{len(digests) - unhashed}")
+
+
 def check_snapshot(cuda: bool) -> None:
     import torch
 
@@ -302,7 +330,7 @@ def check_snapshot(cuda: bool) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "gpu-check-out")))
-    parser.add_argument("--only", nargs="*", default=["resume", "lora", "templates", "ladder", "snapshot"])
+    parser.add_argument("--only", nargs="*", default=["resume", "lora", "templates", "ladder", "stream", "snapshot"])
     parser.add_argument("--templates", nargs="*", default=[], help="only these templates (default: all)")
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     args = parser.parse_args()
@@ -328,6 +356,8 @@ def main() -> int:
             check_templates(scratch, cuda, args.templates)
         if "ladder" in args.only:
             check_ladder(scratch, cuda)
+        if "stream" in args.only:
+            check_stream(scratch, cuda)
         if "snapshot" in args.only:
             check_snapshot(cuda)
     finally:

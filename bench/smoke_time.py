@@ -45,7 +45,7 @@ sys.path.insert(0, str(REPO))
 from kchain.common import layout  # noqa: E402
 from kchain.init import init_job  # noqa: E402
 from kchain.local import execute_notebook  # noqa: E402
-from kchain.smoke import close_thread_loop, smoke  # noqa: E402
+from kchain.smoke import smoke  # noqa: E402
 
 STAGES = ["render", "executor start", "preflight", "steps", "kill and resume"]
 TEMPLATES = ("hf-trainer", "lightning")  # the framework templates, made with `kchain init --template`
@@ -92,13 +92,7 @@ def _notebook(path: Path, ranks: int = 1, imports: str = "") -> Path:
 
 
 def _executor(notebook: Path, root: Path) -> threading.Thread:
-    def body() -> None:
-        try:
-            execute_notebook(notebook, root)
-        finally:
-            close_thread_loop()
-
-    thread = threading.Thread(target=body)
+    thread = threading.Thread(target=execute_notebook, args=(notebook, root))
     thread.start()
     return thread
 

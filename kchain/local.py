@@ -10,13 +10,16 @@ run ...`), which is what the emulator and rehearse use: their sessions die whole
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
 import json
 import os
 import shutil
 import sys
 import tempfile
+import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -191,7 +194,8 @@ def execute_notebook(
     )
     client.t0, client.messages, client.on_output, client.on_kernel = time.time(), [], on_output, on_kernel
     try:
-        error = _execute(client, kernel_env, working, root / "kernel-stderr.log")
+        with _closing_new_thread_loop():
+            error = _execute(client, kernel_env, working, root / "kernel-stderr.log")
     finally:
         shutil.rmtree(sockets, ignore_errors=True)
     return ExecResult(
@@ -202,6 +206,36 @@ def execute_notebook(
         kernel_start_s=client.kernel_ready,
         summary=read_working(working),
     )
+
+
+@contextlib.contextmanager
+def _closing_new_thread_loop() -> Iterator[None]:
+    """On a thread other than the main one, close the event loop the run made for it, and only that one.
+
+    nbclient's calls go through jupyter_core's run_sync, which makes this thread an event loop and leaves
+    it open. Collected later, an open loop is a ResourceWarning raised inside whatever code the garbage
+    collector interrupts (under pytest's warnings-as-errors, a parse: python/cpython#106905). A loop the
+    thread had before is left as it was; the main thread's loop is the process's and is left alone.
+    """
+    if threading.current_thread() is threading.main_thread():
+        yield
+        return
+    before = _thread_loop()
+    try:
+        yield
+    finally:
+        made = _thread_loop()
+        if made is not None and made is not before:
+            asyncio.set_event_loop(before)
+            made.close()
+
+
+def _thread_loop() -> asyncio.AbstractEventLoop | None:
+    """The event loop set for this (non-main) thread, or None; never makes one."""
+    try:
+        return asyncio.get_event_loop_policy().get_event_loop()
+    except RuntimeError:  # none set: off the main thread, the policy makes none
+        return None
 
 
 def _cli(argv: list[str] | None = None) -> int:

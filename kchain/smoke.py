@@ -20,7 +20,6 @@ working dir is read before the kill; what it has done by then is start up, as on
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import shutil
@@ -117,8 +116,6 @@ class Child:
                                              on_kernel=self._started).error
                 except Exception as e:  # noqa: BLE001  (the kernel could not start: the child's failure, said as a line)
                     error = f"{type(e).__name__}: {e}"
-                finally:
-                    close_thread_loop()
                 if pending:
                     line_out(pending)
                 if error is not None:
@@ -184,18 +181,6 @@ class Child:
         if not self._killed.is_set():  # a killed run's time ends at its kill (until_killed)
             self.wall_s = time.time() - (self._released or self._t0)
         return self
-
-
-def close_thread_loop() -> None:
-    """Close the event loop nbclient made for this thread (jupyter_core's run_sync makes one per thread and
-    leaves it open): collected later, an open loop is a ResourceWarning raised inside whatever code the
-    garbage collector interrupts (under pytest's warnings-as-errors, a parse: python/cpython#106905)."""
-    try:
-        loop = asyncio.get_event_loop_policy().get_event_loop()
-    except RuntimeError:
-        return
-    asyncio.set_event_loop(None)
-    loop.close()
 
 
 @dataclass

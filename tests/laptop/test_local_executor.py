@@ -3,10 +3,12 @@ interpreter's ipykernel whatever kernelspecs the machine holds."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import sys
 import tempfile
+import threading
 from pathlib import Path
 
 import nbformat
@@ -80,3 +82,25 @@ def test_the_environment_given_is_the_kernels_whole_environment(tmp_path, monkey
     result = execute_notebook(path, tmp_path / "root", env={**env, "KCHAIN_TEST_GIVEN": "1"})
     assert result.ok, result.error
     assert next(m["data"].split() for m in result.log if m["data"].startswith("seen")) == ["seen", "-", "1"]
+
+
+def test_on_a_thread_the_loop_the_run_made_is_closed_and_the_threads_own_is_kept(tmp_path):
+    """jupyter_core's run_sync makes the thread an event loop and leaves it open; the run closes that one
+    (left to the garbage collector, it is a ResourceWarning raised inside unrelated code) and gives the
+    thread back the loop it had."""
+    seen: dict = {}
+
+    def body() -> None:
+        own = asyncio.new_event_loop()
+        asyncio.set_event_loop(own)
+        result = execute_notebook(notebook(tmp_path / "nb.ipynb"), tmp_path / "root",
+                                  on_kernel=lambda _pid: seen.setdefault("made", asyncio.get_running_loop()))
+        seen.update(ok=result.ok, own=own, current=asyncio.get_event_loop_policy().get_event_loop())
+        own.close()
+
+    thread = threading.Thread(target=body)
+    thread.start()
+    thread.join()
+    assert seen["ok"] and seen["made"] is not seen["own"]
+    assert seen["made"].is_closed()
+    assert seen["current"] is seen["own"]

@@ -576,7 +576,7 @@ def judge(reference: list[dict[str, Any]], summary: Summary | None, chain: list[
         steps = max((r["step"] for r in reference), default=0)
         resumed = sum(1 for s in chain if (s.get("resumes_at") or 0) > 0)
         compared = (f"; the state equal at step{'s' if len(state.steps) > 1 else ''} "
-                    f"{', '.join(map(str, state.steps))} ({state.values} values)") if state and state.steps else ""
+                    f"{', '.join(map(str, state.steps))} ({state.counted()})") if state and state.steps else ""
         verdict = (f"identical: {len(rows)} values over {steps} steps, {len(chain)} sessions ({resumed} resumed, "
                    f"{len(killed)} killed), largest difference 0.0{compared}")
     _print(echo, chain, rows, set(killed))

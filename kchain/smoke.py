@@ -451,9 +451,11 @@ def _judge_state(prep: Prepared, reference: Child, killed: Child, resumed: Child
     diff = comparison.first
     if diff is None:
         if failure is None and comparison.steps:
+            what = "every tracked tensor, the RNGs, the loader positions" if comparison.whole else comparison.counted()
             echo(f"  state      {comparison.values} values equal at step{'s' if len(comparison.steps) > 1 else ''} "
-                 f"{', '.join(map(str, comparison.steps))} (every tracked tensor, the RNGs, the loader positions)")
-            verdict = verdict.replace("bit for bit (", "bit for bit, state and trace (", 1)
+                 f"{', '.join(map(str, comparison.steps))} ({what})")
+            if comparison.whole:
+                verdict = verdict.replace("bit for bit (", "bit for bit, state and trace (", 1)
         return failure, verdict
     line = statecheck.describe(diff, statecheck.largest(diff), traces_agree=failure is None)
     echo(f"  state      {line}")

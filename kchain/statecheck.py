@@ -45,10 +45,23 @@ class Comparison:
     steps: tuple[int, ...]  # the steps both runs saved, compared
     values: int  # values compared over those steps
     differences: tuple[Difference, ...]  # one per step that differs, oldest first
+    unhashed: int = 0  # values with no digest in one run or both (live CUDA tensors streamed): not compared
 
     @property
     def first(self) -> Difference | None:
         return self.differences[0] if self.differences else None
+
+    @property
+    def whole(self) -> bool:
+        """Every value at the compared steps was compared."""
+        return self.unhashed == 0
+
+    def counted(self) -> str:
+        """'448 values', or what was left out: a verdict never claims values it did not compare."""
+        values = f"{self.values} value{'s' if self.values != 1 else ''}"
+        if self.whole:
+            return values
+        return f"{values}; {self.unhashed} more, tensors streamed from the GPU without a digest, not compared"
 
 
 def saved(folders: Iterable[Path]) -> dict[int, Saved]:
@@ -76,15 +89,17 @@ def compare(reference: dict[int, Saved], other: dict[int, Saved]) -> Comparison:
     lacks differs too)."""
     steps = sorted(set(reference) & set(other))
     differences = []
-    values = 0
+    values = unhashed = 0
     for step in steps:
         a, b = reference[step].digests, other[step].digests
         keys = sorted(set(a) | set(b), key=_order)
-        values += len(keys)
-        differing = tuple(k for k in keys if a.get(k) != b.get(k) and not _unhashed(a.get(k), b.get(k)))
+        blind = {k for k in keys if _unhashed(a.get(k), b.get(k))}
+        values += len(keys) - len(blind)
+        unhashed += len(blind)
+        differing = tuple(k for k in keys if a.get(k) != b.get(k) and k not in blind)
         if differing:
             differences.append(Difference(step, differing, reference[step].path, other[step].path))
-    return Comparison(tuple(steps), values, tuple(differences))
+    return Comparison(tuple(steps), values, tuple(differences), unhashed)
 
 
 def _unhashed(a: str | None, b: str | None) -> bool:

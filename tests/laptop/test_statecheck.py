@@ -154,3 +154,13 @@ def test_an_ema_built_when_the_entry_is_imported_is_watched_like_one_built_in_ma
     assert line.startswith("Error: smoke failed (during step): UntrackedState: "), line
     assert "net_ema (AveragedModel) changes between steps but no checkpoint holds it" in line, line
     assert "run.track(net_ema=net_ema)" in line, line
+
+
+def test_a_value_without_a_digest_is_neither_a_difference_nor_counted_as_compared(tmp_path):
+    """A live CUDA tensor streamed to the file has no digest: the verdict says it was not compared."""
+    _ckpt(tmp_path / "ref", 4, {"tracked.model.w": "float32[4]:unhashed", "rng.torch": "r"})
+    _ckpt(tmp_path / "run", 4, {"tracked.model.w": "float32[4]:unhashed", "rng.torch": "r"})
+    found = statecheck.compare(statecheck.saved([statecheck.checkpoints_of(tmp_path / "ref")]),
+                               statecheck.saved([statecheck.checkpoints_of(tmp_path / "run")]))
+    assert found.first is None and (found.values, found.unhashed) == (1, 1) and not found.whole
+    assert found.counted() == "1 value; 1 more, tensors streamed from the GPU without a digest, not compared"

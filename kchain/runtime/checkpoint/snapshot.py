@@ -27,10 +27,11 @@ class Snapshotter:
     fresh copy. Reuse is safe because a snapshot is taken only after the previous write finished.
     A kept buffer for a CUDA tensor is pinned (page-locked), and all its copies are queued without
     waiting and awaited once at the end: a copy from the GPU into pageable memory is synchronous and
-    staged through a pinned buffer of the driver's (bench/gpu_check.py measures the two). Without `keep` (a large state: a second full host copy must not outlive its
-    write), each copy is fresh pageable memory, and pinned memory is never held by a state too large
-    to keep: torch caches freed pinned blocks for the process's lifetime. A tensor seen twice in one
-    state (tied weights) is copied once, so torch.save writes it once.
+    staged through a pinned buffer of the driver's (bench/gpu_check.py measures the two). Without
+    `keep` (a large state: a second full host copy must not outlive its write), each copy is fresh
+    pageable memory, and pinned memory is never held by a state too large to keep: torch caches
+    freed pinned blocks for the process's lifetime. A tensor seen twice in one state (tied weights)
+    is copied once, so torch.save writes it once.
     """
 
     def __init__(self):

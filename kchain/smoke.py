@@ -451,7 +451,7 @@ def _judge_state(prep: Prepared, reference: Child, killed: Child, resumed: Child
     diff = comparison.first
     if diff is None:
         if failure is None and comparison.steps:
-            what = "every tracked tensor, the RNGs, the loader positions" if comparison.whole else comparison.counted()
+            what = "every tracked tensor, the RNGs, the loader positions" if comparison.whole else comparison.not_compared()
             echo(f"  state      {comparison.values} values equal at step{'s' if len(comparison.steps) > 1 else ''} "
                  f"{', '.join(map(str, comparison.steps))} ({what})")
             if comparison.whole:

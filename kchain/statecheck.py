@@ -56,12 +56,16 @@ class Comparison:
         """Every value at the compared steps was compared."""
         return self.unhashed == 0
 
-    def counted(self) -> str:
-        """'448 values', or what was left out: a verdict never claims values it did not compare."""
-        values = f"{self.values} value{'s' if self.values != 1 else ''}"
+    def not_compared(self) -> str:
+        """What was left out ('' when nothing was): a verdict never claims values it did not compare."""
         if self.whole:
-            return values
-        return f"{values}; {self.unhashed} more, tensors streamed from the GPU without a digest, not compared"
+            return ""
+        return f"{self.unhashed} more, tensors streamed from the GPU without a digest, not compared"
+
+    def counted(self) -> str:
+        """'448 values', and what was left out."""
+        values = f"{self.values} value{'s' if self.values != 1 else ''}"
+        return f"{values}; {self.not_compared()}" if not self.whole else values
 
 
 def saved(folders: Iterable[Path]) -> dict[int, Saved]:

@@ -82,7 +82,10 @@ class Ranks:
         self.backend: str | None = None
         self.pids: list[int] = [os.getpid()]
         if self.world_size > 1:
-            use_cuda = torch.cuda.is_available() and torch.cuda.device_count() > self.local_rank
+            # One GPU each for every rank on this machine, or all of them on the CPU: a rank that took NCCL
+            # beside one that took gloo (2 ranks, 1 GPU) would never meet it in a collective.
+            local_world = int(env.get("LOCAL_WORLD_SIZE") or self.world_size)
+            use_cuda = torch.cuda.is_available() and torch.cuda.device_count() >= local_world
             self.backend = "nccl" if use_cuda else "gloo"
             if use_cuda:
                 torch.cuda.set_device(self.local_rank)
@@ -103,11 +106,15 @@ class Ranks:
     def active(self) -> bool:
         return self.world_size > 1
 
-    def device(self, default: torch.device) -> torch.device:
-        """The rank's device: its own GPU under NCCL, else what the runtime chose."""
+    def device(self, default: torch.device, why: str) -> tuple[torch.device, str]:
+        """The rank's device and why: its own GPU under NCCL, the CPU under gloo (ranks standing in for
+        GPUs this machine has too few of), else what the runtime chose."""
         if self.backend == "nccl":
-            return torch.device("cuda", self.local_rank)
-        return default
+            return torch.device("cuda", self.local_rank), why
+        if self.backend == "gloo" and default.type != "cpu":
+            return torch.device("cpu"), (f"{self.world_size} ranks and {torch.cuda.device_count()} CUDA device(s) "
+                                         "here: every rank on the CPU")
+        return default, why
 
     def describe(self) -> str:
         where = "CUDA" if self.backend == "nccl" else "CPU"

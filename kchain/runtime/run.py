@@ -103,8 +103,7 @@ class Run:
             # Ranks on the CPU standing in for GPUs (a smoke, a rehearsal): accelerate (the HF Trainer's
             # DDP) then runs over these ranks too, instead of one separate training per process.
             os.environ.setdefault("ACCELERATE_USE_CPU", "true")
-        device, why = precision.choose_device()
-        device = self._ranks.device(device)
+        device, why = self._ranks.device(*precision.choose_device())
         say(f"device: {device} ({why}); {self._ranks.describe()}")
         dtype, why = precision.choose_dtype(device, st.precision)
         say(f"precision: {str(dtype).removeprefix('torch.')} ({why})")

@@ -16,7 +16,9 @@
 3. ladder: `train.micro_batch: auto` against a real CUDA out-of-memory error (a memory cap the job sets),
    against the same training with the micro-batch set by hand, killed and resumed.
    stream: the resume job with its checkpoints streamed from the live CUDA tensors (forced).
-4. snapshot: the time a checkpoint's host copy blocks training (Snapshotter.take) for a state of CUDA
+4. ranks: two ranks on a machine with fewer GPUs (a smoke's KCHAIN_RANKS=2 on one GPU): every rank on
+   the CPU with gloo, spawned, never forked beside a GPU (runtime/forkranks.py), killed and resumed.
+5. snapshot: the time a checkpoint's host copy blocks training (Snapshotter.take) for a state of CUDA
    tensors, kept pinned buffers against kept pageable ones (the old way) and a bare
    `{k: v.to("cpu")}`, for a state under checkpointer.REUSE_MAX_BYTES and one above it.
 
@@ -164,6 +166,34 @@ def check_resume(scratch: Path, cuda: bool) -> None:
                          "precision": precision},
                "kaggle": {"accelerator": "gpu"}}
         RESULTS[f"resume-{precision}"] = kill_resume(f"resume-{precision}", cfg, code, "kill_at_step=23", scratch)
+
+
+def check_ranks(scratch: Path, cuda: bool) -> None:
+    """Two ranks where the machine has fewer GPUs (a smoke's KCHAIN_RANKS=2 on a one-GPU machine): every
+    rank on the CPU with gloo (before, rank 0 took NCCL on the GPU and rank 1 gloo: no collective could
+    meet), each spawned: a launcher never forks ranks where torch can reach a GPU (forkranks.py)."""
+    from kchain.runtime import forkranks
+
+    probe = subprocess.run([sys.executable, "-c", "from kchain.runtime import forkranks; ok = forkranks.prepare({}); "
+                            "import torch; print(ok, torch.cuda.is_initialized())"],
+                           cwd=REPO, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+    want = ["False", "False"] if cuda else ["True", "False"]
+    verdict("ranks: forked only where no GPU is reachable", probe.stdout.split() == want,
+            f"forkranks.prepare, torch.cuda.is_initialized(): {probe.stdout.strip() or probe.stderr[-300:]}")
+    cfg = {"job": "gpu-check-ranks", "entry": "gpu_check_job:main", "params": {"steps": 24},
+           "train": {"checkpoint_every": {"steps": 4}, "keep": 20, "heartbeat_s": 0, "gpus": 2, "precision": "auto"},
+           "kaggle": {"accelerator": "gpu"}}
+    EXTRA_ENV.update({layout.RANKS_ENV: "2", "OMP_NUM_THREADS": "1"})  # as a smoke's 2 ranks below 8 cores
+    try:
+        RESULTS["ranks"] = kill_resume("ranks", cfg, REPO / "bench", "kill_at_step=13", scratch)
+    finally:
+        EXTRA_ENV.clear()
+    text = logs(scratch / "ranks" / "resumed")
+    placed = "2 ranks (gloo, CPU)" in text and "device: cpu" in text
+    spawned = forkranks.NOTE not in text
+    verdict("ranks: every rank on the CPU with gloo" + (", spawned" if cuda else ", forked"),
+            placed and spawned == cuda, next((line.strip() for line in text.splitlines() if "device:" in line), "")
+            + ("; spawned" if spawned else "; forked"))
 
 
 def check_lora(scratch: Path, cuda: bool) -> None:
@@ -330,7 +360,8 @@ def check_snapshot(cuda: bool) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "gpu-check-out")))
-    parser.add_argument("--only", nargs="*", default=["resume", "lora", "templates", "ladder", "stream", "snapshot"])
+    parser.add_argument("--only", nargs="*",
+                        default=["ranks", "resume", "lora", "templates", "ladder", "stream", "snapshot"])
     parser.add_argument("--templates", nargs="*", default=[], help="only these templates (default: all)")
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     args = parser.parse_args()
@@ -348,6 +379,8 @@ def main() -> int:
     scratch = Path(tempfile.mkdtemp(prefix="gpu-check-"))
     t0 = time.perf_counter()
     try:
+        if "ranks" in args.only:
+            check_ranks(scratch, cuda)
         if "resume" in args.only:
             check_resume(scratch, cuda)
         if "lora" in args.only:

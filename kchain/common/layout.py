@@ -24,6 +24,8 @@ GATE_ENV = "KCHAIN_GATE"  # PID:PATH, the smoke's early-started resume waits her
 CHECKPOINT_STREAM_ENV = "KCHAIN_CHECKPOINT_STREAM"  # 1: stream saves from live tensors, 0: copy to RAM
 # local only (smoke, rehearse): the rank count the job gets on Kaggle, run here as gloo ranks on the CPU
 RANKS_ENV = "KCHAIN_RANKS"
+# local only: "0" starts each local CPU rank as its own interpreter instead of forking them (forkranks.py)
+FORK_RANKS_ENV = "KCHAIN_FORK_RANKS"
 # Set by kchain's launcher for its ranks: a folder where rank 0 leaves the port of the store it bound.
 RENDEZVOUS_ENV = "KCHAIN_RENDEZVOUS"
 SMOKE_PARAMS_ENV = "KCHAIN_SMOKE_PARAMS"  # local only: JSON params over the job's, from `kchain smoke --set`

@@ -17,6 +17,7 @@ import os
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -232,7 +233,7 @@ def main(argv: list[str]) -> int:
     config = RuntimeConfig.from_dict(json.loads(Path(argv[1]).read_text()))
     if faults.wanted(os.environ.get(layout.FAULT_ENV, "")):
         faults.lead()  # a kill fault takes this process's workers with it, as a session's end does
-    from kchain.runtime import torchrun  # no torch yet: a launcher of several ranks never needs it
+    from kchain.runtime import torchrun  # no torch yet: a launcher of spawned ranks never needs it
 
     if torchrun.in_ranks(os.environ) and os.environ.get("RANK") == "0":
         # An outer torchrun's rank 0 (or kchain's): a summary left from an earlier run on this disk is
@@ -414,14 +415,15 @@ def _await_state(config: RuntimeConfig) -> int | None:
 def _run_ranks(n: int, why: str, config_path: str, config: RuntimeConfig) -> int:
     """kchain ddp: run N ranks, then make the summary name the first rank's error."""
 
-    from kchain.runtime import torchrun
+    from kchain.runtime import forkranks, torchrun
 
     kdir = layout.kchain_dir(os.environ)
     torchrun.clear_errors(kdir)
     (kdir / layout.SUMMARY).unlink(missing_ok=True)
-    print(f"[kchain] launching {n} ranks ({why})", flush=True)
+    fork = _forkable(config_path)
+    print(f"[kchain] launching {n} ranks ({why}{'; ' + forkranks.NOTE if fork else ''})", flush=True)
     env = {**os.environ, layout.SESSION_START_ENV: os.environ.get(layout.SESSION_START_ENV) or repr(PROCESS_START)}
-    ended = torchrun.launch_ranks(n, config_path, env)
+    ended = torchrun.launch_ranks(n, config_path, env, fork=fork)
     if not _gate_opened(os.environ):
         return 0  # the smoke sent its held resume away (or is gone): the ranks left untouched, nothing to say
     if ended.killed:
@@ -437,6 +439,40 @@ def _run_ranks(n: int, why: str, config_path: str, config: RuntimeConfig) -> int
     summary.write(path, done)
     _say_summary(done)
     return exit_code(done.status)
+
+
+def _forkable(config_path: str) -> Callable[[], None] | None:
+    """What a forked rank runs, when this launcher's ranks may be forks of it (forkranks.py: local CPU
+    ranks; torch is imported here then), else None: each rank is spawned."""
+    from kchain.runtime import forkranks
+
+    if not forkranks.prepare(os.environ):
+        return None
+    from kchain.runtime import run  # noqa: F401  (what every rank imports before its first step)
+
+    if os.environ.get(layout.GATE_ENV):
+        warm_frameworks([sys.argv[0], config_path])  # what each held rank would import while it waits
+    if not forkranks.alone():
+        return None
+
+    def rank() -> None:
+        argv = [sys.argv[0], config_path]
+        code = 1
+        try:
+            code = main(argv) if released(os.environ, argv) else 0
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        except BaseException:  # noqa: BLE001 - what an uncaught error does in a spawned rank
+            traceback.print_exc()
+        _EXIT["code"] = code
+        try:
+            atexit._run_exitfuncs()  # the interpreter's exit, as a spawned rank's: _quick_teardown leaves here
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+
+    return rank
 
 
 def _without_summary(kdir: Path, n: int, config: RuntimeConfig, why: str) -> Summary:

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from kchain.common import atomic, layout
 from kchain.common.config import RuntimeConfig
+from kchain.runtime import forkranks
 
 RANK_ERRORS_DIR = "rank-errors"  # under the kchain dir: one JSON per rank that failed
 KAGGLE_SESSION_ENV = "KAGGLE_KERNEL_RUN_TYPE"  # set in every Kaggle notebook session
@@ -83,7 +84,7 @@ def plan_ranks(config: RuntimeConfig, env, cuda_count: int | None = None) -> tup
     if local is not None:  # smoke / rehearse: the ranks Kaggle would give, on this machine (no torch here)
         return local, f"{local} ranks, as on Kaggle ({layout.RANKS_ENV})"
     if cuda_count is None:
-        import torch  # the GPUs this machine has: only now, so the launcher of a local run never imports torch
+        import torch  # the GPUs this machine has: only now (a local run's launcher imports it only to fork its CPU ranks)
 
         cuda_count = torch.cuda.device_count()
     asked, accelerator = config.train.gpus, config.kaggle.accelerator
@@ -125,19 +126,23 @@ def _rank_env(env, rank: int, n: int, rendezvous: str) -> dict:
     return out
 
 
-def launch_ranks(n: int, config_path: str, env) -> RanksEnded:
+def launch_ranks(n: int, config_path: str, env, fork: Callable[[], None] | None = None) -> RanksEnded:
     """Run N ranks as children of this process; code 0 when every rank ended well, else 1 (as torchrun).
 
     What torchrun's agent did for kchain, without importing torch (about 2 s of CPU a session): each
     rank leads a session of its own (so a kill fault takes a rank with its DataLoader workers), a
     SIGTERM or SIGINT to the launcher reaches every rank, and one rank that fails ends the others:
-    SIGTERM, then SIGKILL after RANK_GRACE_S.
+    SIGTERM, then SIGKILL after RANK_GRACE_S. Each rank is `python -m kchain.runtime.launch`, or,
+    given `fork` (what a rank runs, in a launcher that imported torch: forkranks.py), a fork of this one.
     """
     rendezvous = tempfile.mkdtemp(prefix="kchain-ranks-")
     try:
-        cmd = [sys.executable, "-u", "-m", "kchain.runtime.launch", config_path]
-        procs = [subprocess.Popen(cmd, env=_rank_env(env, r, n, rendezvous), start_new_session=True)
-                 for r in range(n)]
+        if fork is not None:
+            procs: list = [forkranks.start(_rank_env(env, r, n, rendezvous), fork) for r in range(n)]
+        else:
+            cmd = [sys.executable, "-u", "-m", "kchain.runtime.launch", config_path]
+            procs = [subprocess.Popen(cmd, env=_rank_env(env, r, n, rendezvous), start_new_session=True)
+                     for r in range(n)]
         return _watch_ranks(procs)
     finally:
         shutil.rmtree(rendezvous, ignore_errors=True)

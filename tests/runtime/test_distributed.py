@@ -13,6 +13,7 @@ import random
 import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -24,7 +25,7 @@ from kchain import diagnose
 from kchain.common import layout, nextsession
 from kchain.common.config import RuntimeConfig
 from kchain.common.summary import Summary
-from kchain.runtime import distributed
+from kchain.runtime import distributed, forkranks
 from kchain.runtime.checkpoint.state import load_state
 from kchain.sessions import session_note
 
@@ -93,12 +94,14 @@ def test_two_ranks_sigkill_at_a_random_step_resume_bit_exact(tmp_path, reference
     # step 5 or later always leaves a complete checkpoint (a later one may still be in flight).
     kill = random.Random(seed).randrange(5, TOTAL)
     print(f"kill at step {kill} (seed {seed})")
-    died = launch(tmp_path, every=2, params=EPOCHS, KCHAIN_FAULT=f"kill_at_step={kill}")
+    # The killed session's ranks are spawned, each its own interpreter, as on Kaggle's GPUs; the reference's
+    # and the resume's are forked from their launcher's torch import (forkranks.py): the three are one run.
+    died = launch(tmp_path, every=2, params=EPOCHS, KCHAIN_FAULT=f"kill_at_step={kill}", KCHAIN_FORK_RANKS="0")
     assert died.returncode == KILLED, out(died)
-    assert "2 ranks (gloo, CPU)" in died.stdout
+    assert "2 ranks (gloo, CPU)" in died.stdout and forkranks.NOTE not in died.stdout
     done = launch(tmp_path, every=2, params=EPOCHS)
     assert done.returncode == 0, out(done)
-    assert "[kchain] resumed from step" in done.stdout
+    assert "[kchain] resumed from step" in done.stdout and forkranks.NOTE in done.stdout
     got = trace(tmp_path)
     assert [s for s, _ in got] == [s for s, _ in reference]
     assert max(abs(a - b) for (_, a), (_, b) in zip(got, reference, strict=True)) == 0.0
@@ -180,6 +183,24 @@ def test_one_rank_and_two_ranks_train_the_same_with_the_same_effective_batch(tmp
     other = launch(tmp_path / "other", gpus=2, params={"batch": 4})
     c = trace(tmp_path / "other")
     assert other.returncode == 0 and max(abs(x - y) for (_, x), (_, y) in zip(a, c, strict=True)) > 1e-3
+
+
+def test_ranks_are_forked_only_from_a_launcher_of_one_thread_unless_switched_off():
+    """Forking a process with other threads can copy a lock one of them holds: such a launcher spawns. Ranks
+    of more than one CPU thread are spawned without a torch import in the launcher (it would start threads)."""
+    assert not forkranks.prepare({layout.FORK_RANKS_ENV: "0"})
+    probe = subprocess.run([sys.executable, "-c", "import os, sys; from kchain.runtime import forkranks; "
+                            "print(forkranks.prepare(os.environ), 'torch' in sys.modules)"],
+                           env={**os.environ, "OMP_NUM_THREADS": "2"}, capture_output=True, text=True, cwd=REPO)
+    assert probe.stdout.split() == ["False", "False"], probe.stdout + probe.stderr
+    release = threading.Event()
+    other = threading.Thread(target=release.wait)
+    other.start()
+    try:
+        assert not forkranks.prepare({})
+    finally:
+        release.set()
+        other.join()
 
 
 def test_shards_of_a_global_batch_are_the_one_rank_batch():

@@ -8,8 +8,9 @@ waited for is not in it, and it cannot say which start-up a test pays for. This 
 0.2 s while the suite runs and keeps, for each process started after it, the most CPU it was seen to
 have used, its command line and the test it was started for (PYTEST_CURRENT_TEST, inherited). A process
 that lives less than a sample, or the CPU a process spends after its last sample, is missed: the totals
-are a little low. Then it prints the CPU of each kind of process (a training rank, the notebook's
-kernel, the executor that drives it, ...) and the tests with the most notebook runs.
+are a little low. Then it prints the CPU of each kind of process (a training rank, the launcher of
+several ranks, which imports torch when it forks them: runtime/forkranks.py; the notebook's kernel,
+the executor that drives it, ...) and the tests with the most notebook runs.
 """
 
 from __future__ import annotations
@@ -26,7 +27,6 @@ from suite_cpu_tests import ci_pytest  # bench/ is on sys.path when a bench runs
 
 REPO = Path(__file__).resolve().parent.parent
 TICK = os.sysconf("SC_CLK_TCK")
-RANK_CPU_MIN = 0.5  # the training launcher's proxy uses ~0.1 CPU-s; a rank imports torch (~2)
 # (what the command line holds, the kind), first match wins
 KINDS = [
     ("kchain.runtime.launch", "rank"), ("ipykernel_launcher", "notebook kernel"),
@@ -34,22 +34,24 @@ KINDS = [
     ("kchain.common.publish", "state publisher"), ("statedigest", "state digest"),
     ("torch.distributed.run", "torchrun"), ("/bin/kaggle", "kaggle CLI"), ("-m pip", "pip"),
 ]
+LAUNCHER = "launcher of ranks"  # a `kchain.runtime.launch` whose children are ranks (spawned or forked)
 
 
-def kind(cmd: str, cpu: float) -> str:
+def kind(cmd: str, launches_ranks: bool = False) -> str:
     for needle, name in KINDS:
         if needle in cmd:
-            return "launcher proxy" if name == "rank" and cpu < RANK_CPU_MIN else name
+            return LAUNCHER if name == "rank" and launches_ranks else name
     return "other"
 
 
-def _cpu(pid: str) -> float | None:
-    """The process's CPU seconds so far (user and system), or None if it is gone."""
+def _stat(pid: str) -> tuple[float, str] | None:
+    """The process's CPU seconds so far (user and system) and, when it leads its own session (a rank
+    does; a DataLoader worker, which shares its rank's command line, does not), its parent's pid."""
     try:
         fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     except (OSError, IndexError):
         return None
-    return (int(fields[11]) + int(fields[12])) / TICK
+    return (int(fields[11]) + int(fields[12])) / TICK, fields[1] if fields[3] == pid else ""
 
 
 def _describe(pid: str) -> tuple[str, str]:
@@ -72,12 +74,12 @@ def sample(argv: list[str]) -> tuple[int, float, dict[str, list]]:
     proc = subprocess.Popen(argv, cwd=REPO)
     while proc.poll() is None:
         for pid in os.listdir("/proc"):
-            if not pid.isdigit() or pid in before or (cpu := _cpu(pid)) is None:
+            if not pid.isdigit() or pid in before or (stat := _stat(pid)) is None:
                 continue
             if pid in seen:
-                seen[pid][0] = max(seen[pid][0], cpu)
+                seen[pid][0] = max(seen[pid][0], stat[0])
             else:
-                seen[pid] = [cpu, *_describe(pid)]
+                seen[pid] = [stat[0], *_describe(pid), stat[1]]
         time.sleep(0.2)
     return proc.returncode, time.time() - t0, seen
 
@@ -85,8 +87,10 @@ def sample(argv: list[str]) -> tuple[int, float, dict[str, list]]:
 def report(seen: dict[str, list], top: int) -> None:
     by_kind: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0])
     by_test: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0, 0])
-    for cpu, cmd, test in seen.values():
-        name = kind(cmd, cpu)
+    launchers = {ppid for _, cmd, _, ppid in seen.values() if "kchain.runtime.launch" in cmd}
+    names = {pid: kind(cmd, pid in launchers) for pid, (_, cmd, _, _) in seen.items()}
+    for pid, (cpu, _, test, _) in seen.items():
+        name = names[pid]
         by_kind[name][0] += cpu
         by_kind[name][1] += 1
         row = by_test[test or "(no test: the workers, collection)"]
@@ -99,8 +103,8 @@ def report(seen: dict[str, list], top: int) -> None:
         print(f"{cpu:8.1f} {cpu / total:6.1%} {count:6d} {cpu / count:6.2f}  {name}")
     print(f"{total:8.1f}  in all")
     others: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0])
-    for cpu, cmd, _ in seen.values():
-        if kind(cmd, cpu) == "other":
+    for pid, (cpu, cmd, _, _) in seen.items():
+        if names[pid] == "other":
             head = " ".join(Path(w).name if "/" in w else w for w in cmd.split()[:3])
             others[head][0] += cpu
             others[head][1] += 1

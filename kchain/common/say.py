@@ -18,8 +18,10 @@ def gb(n: float) -> str:
     return f"{n / 1e6:.1f} MB" if n >= 1e5 else f"{n / 1e3:.0f} KB"
 
 
-# kchain ddp: under torchrun only rank 0 narrates; the other ranks' warnings carry their rank.
-_RANK = os.environ.get("RANK", "0") if os.environ.get("WORLD_SIZE", "1") != "1" else "0"
+def _rank() -> str:
+    """kchain ddp: under torchrun only rank 0 narrates; the other ranks' warnings carry their rank. Read at
+    each line, not at import: a forked rank imported this module in its launcher (runtime/forkranks.py)."""
+    return os.environ.get("RANK", "0") if os.environ.get("WORLD_SIZE", "1") != "1" else "0"
 
 
 def emit(text: str) -> None:
@@ -30,9 +32,10 @@ def emit(text: str) -> None:
 
 
 def say(msg: str) -> None:
-    if _RANK == "0":
+    if _rank() == "0":
         emit(f"[kchain] {msg}")
 
 
 def warn(msg: str) -> None:
-    emit(f"[kchain{'' if _RANK == '0' else f' rank {_RANK}'}] WARNING: {msg}")
+    rank = _rank()
+    emit(f"[kchain{'' if rank == '0' else f' rank {rank}'}] WARNING: {msg}")

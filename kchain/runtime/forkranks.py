@@ -16,6 +16,10 @@ Only where forking is safe, else the ranks are spawned as before:
   get more threads spawns them without importing torch at all. No tensor operation has run before a fork.
 - KCHAIN_FORK_RANKS is not "0" (that spawns them, as on Kaggle).
 
+What the launcher imports before it forks reads nothing of a rank's environment at its import (kchain's
+own modules read RANK when they print, not at import); the job's frameworks, some of which do, are
+imported by each rank after the fork, as in a spawned one.
+
 A forked rank leaves with `os._exit` after the exit handlers (launch._quick_teardown), never through the
 interpreter's teardown or a last collection: that collection frees the DDP's gloo group with the GIL held
 while a gloo thread waits for it, the hang a 2-rank run once showed on this path (docs/runtime.md).

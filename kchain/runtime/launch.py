@@ -448,10 +448,10 @@ def _forkable(config_path: str) -> Callable[[], None] | None:
 
     if not forkranks.prepare(os.environ):
         return None
-    from kchain.runtime import run  # noqa: F401  (what every rank imports before its first step)
+    # What every rank imports before its first step. Not the job's frameworks: some read the rank from the
+    # environment at their import (Lightning's rank_zero_only), and here it is still the launcher's.
+    from kchain.runtime import run  # noqa: F401
 
-    if os.environ.get(layout.GATE_ENV):
-        warm_frameworks([sys.argv[0], config_path])  # what each held rank would import while it waits
     if not forkranks.alone():
         return None
 

@@ -102,6 +102,8 @@ def test_two_ranks_sigkill_at_a_random_step_resume_bit_exact(tmp_path, reference
     done = launch(tmp_path, every=2, params=EPOCHS)
     assert done.returncode == 0, out(done)
     assert "[kchain] resumed from step" in done.stdout and forkranks.NOTE in done.stdout
+    for output in (died.stdout, done.stdout):  # only rank 0 narrates, forked (its modules imported before) or not
+        assert output.count("[kchain] device: cpu") == 1, output
     got = trace(tmp_path)
     assert [s for s, _ in got] == [s for s, _ in reference]
     assert max(abs(a - b) for (_, a), (_, b) in zip(got, reference, strict=True)) == 0.0

@@ -22,7 +22,8 @@ imported by each rank after the fork, as in a spawned one.
 
 A forked rank leaves with `os._exit` after the exit handlers (launch._quick_teardown), never through the
 interpreter's teardown or a last collection: that collection frees the DDP's gloo group with the GIL held
-while a gloo thread waits for it, the hang a 2-rank run once showed on this path (docs/runtime.md).
+while a gloo thread waits for it, the likely cause of the hang an earlier forked version showed once
+(docs/runtime.md, "Two GPUs").
 
 One difference from spawned ranks remains: the forks share the launcher's string-hash seed, where
 spawned ranks draw one each (when PYTHONHASHSEED is unset). Every run still draws its own, so the

@@ -441,6 +441,11 @@ def _run_ranks(n: int, why: str, config_path: str, config: RuntimeConfig) -> int
     return exit_code(done.status)
 
 
+def _process(argv: list[str]) -> int:
+    """What this process does, spawned or forked: wait at the smoke's gate if it has one, then run."""
+    return main(argv) if released(os.environ, argv) else 0
+
+
 def _forkable(config_path: str) -> Callable[[], None] | None:
     """What a forked rank runs, when this launcher's ranks may be forks of it (forkranks.py: local CPU
     ranks; torch is imported here then), else None: each rank is spawned."""
@@ -459,7 +464,7 @@ def _forkable(config_path: str) -> Callable[[], None] | None:
         argv = [sys.argv[0], config_path]
         code = 1
         try:
-            code = main(argv) if released(os.environ, argv) else 0
+            code = _process(argv)
         except SystemExit as e:
             code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
         except BaseException:  # noqa: BLE001 - what an uncaught error does in a spawned rank
@@ -529,5 +534,5 @@ def _rank_killed(n: int, killed: tuple[int, int], config: RuntimeConfig) -> int:
 
 if __name__ == "__main__":
     lazydynamo.install()  # before anything imports torch: its optimizers no longer import torch._dynamo
-    _EXIT["code"] = main(sys.argv) if released(os.environ, sys.argv) else 0
+    _EXIT["code"] = _process(sys.argv)
     sys.exit(_EXIT["code"])

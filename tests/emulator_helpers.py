@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 
 from kchain.emulator import Emulator
+from kchain.emulator.app import PATIENCE_S
 
 USER = "alice"
 
@@ -32,9 +33,11 @@ def fake_key() -> str:
 
 @pytest.fixture
 def emulator(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Emulator]:
-    """A running emulator with user alice (random key), short limits, the client env pointed at it, and
-    Kaggle's strict behaviour (the default Switches(): 403 for missing, invisible new versions, ...)."""
-    emu = Emulator(tmp_path / "kaggle-state", users={USER: fake_key()}, session_limit_s=60,
+    """A running emulator with user alice (random key), the client env pointed at it, and Kaggle's strict
+    behaviour (the default Switches(): 403 for missing, invisible new versions, ...). A session's time limit
+    is only a net for one that hangs: a test whose session must reach its limit calls emulator.expire, so
+    no test depends on how fast this machine starts and runs a session."""
+    emu = Emulator(tmp_path / "kaggle-state", users={USER: fake_key()}, session_limit_s=PATIENCE_S,
                    gpu_quota_s=30 * 3600, max_gpu_sessions=2)
     emu.start()
     for name, value in emu.env(USER).items():

@@ -31,6 +31,10 @@ from kchain.emulator.state import Store, model_key
 from kchain.emulator.switches import Limits, Switches
 from kchain.errors import KchainError
 
+# How long wait_session and wait_output wait by default: a net for a session that hangs, far above what the
+# slowest machine needs, never a time a test counts on (a test that needs a limit reached calls expire()).
+PATIENCE_S = 900.0
+
 
 def _shared(holder: str, name: str) -> property:
     """An Emulator attribute that lives on one of its parts, so a test's change reaches the server."""
@@ -143,7 +147,7 @@ class Emulator:
             chosen = versions[-1] if version is None else next(v for v in versions if v["number"] == version)
             return dict(self.store.session(chosen["session"]))
 
-    def wait_session(self, ref: str, version: int | None = None, timeout: float = 60) -> dict[str, Any]:
+    def wait_session(self, ref: str, version: int | None = None, timeout: float = PATIENCE_S) -> dict[str, Any]:
         """Block until the session reaches a terminal status; return it."""
         deadline = time.time() + timeout
         while True:
@@ -234,7 +238,7 @@ class Emulator:
         path = self.store.session_dir(self.session(ref, version)["id"]) / "log.jsonl"
         return "".join(entry["data"] for entry in log_entries(path))
 
-    def wait_output(self, ref: str, text: str, version: int | None = None, timeout: float = 60) -> str:
+    def wait_output(self, ref: str, text: str, version: int | None = None, timeout: float = PATIENCE_S) -> str:
         """Block until the session has printed text; its log so far. An event, not a time: a test acts at the
         point the session reached, on a machine of any speed. Raises if it ends or times out first."""
         deadline = time.time() + timeout

@@ -16,6 +16,7 @@ import psutil
 import pytest
 import requests
 from emulator_helpers import (  # noqa: F401
+    PATIENCE_S,
     USER,
     emulator,
     fake_key,
@@ -74,7 +75,7 @@ def test_push_runs_the_notebook_and_its_output_and_log_download(emulator, kaggle
 def test_session_is_killed_at_its_time_limit(emulator, kaggle_api, tmp_path):
     write_kernel(tmp_path / "k", "alice/sleepy-kernel", ["import time\ntime.sleep(120)"])
     kaggle_api.kernels_push(str(tmp_path / "k"), timeout="2")
-    session = emulator.wait_session("alice/sleepy-kernel", timeout=30)
+    session = emulator.wait_session("alice/sleepy-kernel")
     assert session["status"] == "ERROR" and "time limit of 2 seconds" in session["failure_message"]
     assert not psutil.pid_exists(session["pid"]) or psutil.Process(session["pid"]).status() == "zombie"
     status = kaggle_api.kernels_status("alice/sleepy-kernel")
@@ -98,9 +99,9 @@ def test_injected_kills_and_lost_output(emulator, kaggle_api, tmp_path):
     write_kernel(tmp_path / "c", "alice/random-kill", [cell])
     kaggle_api.kernels_push(str(tmp_path / "c"))
 
-    lost = emulator.wait_session("alice/killed-kernel", timeout=30)
-    kept = emulator.wait_session("alice/marker-kill", timeout=30)
-    drawn = emulator.wait_session("alice/random-kill", timeout=30)
+    lost = emulator.wait_session("alice/killed-kernel")
+    kept = emulator.wait_session("alice/marker-kill")
+    drawn = emulator.wait_session("alice/random-kill")
     for session in (lost, kept, drawn):
         assert session["status"] == "ERROR" and "fault injection" in session["failure_message"]
     assert 1.5 <= drawn["kill_at"] <= 2.5
@@ -179,7 +180,7 @@ def test_upload_resumes_after_a_dropped_connection(emulator, kaggle_api, tmp_pat
     emulator.faults.drop_upload_every, emulator.faults.stall_upload = 0, 1
     cmd = [str(KAGGLE_CLI), "datasets", "version", "-p", str(folder), "-m", "v2"]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 120
+    deadline = time.time() + PATIENCE_S
     while emulator.calls["upload_stall"] < 1 and proc.poll() is None and time.time() < deadline:
         time.sleep(0.05)
     proc.kill()
@@ -227,7 +228,7 @@ def test_gpu_concurrency_cap_and_weekly_quota(emulator, kaggle_api, tmp_path):
     assert kaggle_api.kernels_push(str(tmp_path / "cpu")).error == ""  # CPU sessions are not capped
 
     for name in ("gpu-one-run", "gpu-two-run"):
-        emulator.wait_session(f"alice/{name}", timeout=30)
+        emulator.wait_session(f"alice/{name}")
     emulator.gpu_quota_s = 4  # two sessions of ~3 s used ~6 s of GPU time this week
     refused = kaggle_api.kernels_push(str(tmp_path / "third"))
     assert "GPU quota exceeded" in refused.error
@@ -239,7 +240,7 @@ def test_gpu_concurrency_cap_and_weekly_quota(emulator, kaggle_api, tmp_path):
 def test_state_survives_a_restart(tmp_path, monkeypatch):
     key = fake_key()
     state = tmp_path / "state"
-    emu = Emulator(state, users={USER: key}, session_limit_s=60)
+    emu = Emulator(state, users={USER: key}, session_limit_s=PATIENCE_S)
     emu.start()
     for name, value in emu.env(USER).items():
         monkeypatch.setenv(name, value)
@@ -254,7 +255,7 @@ def test_state_survives_a_restart(tmp_path, monkeypatch):
     emu.wait_session("alice/done-kernel")
     write_kernel(tmp_path / "live", "alice/live-kernel", ["import time\ntime.sleep(120)"])
     api.kernels_push(str(tmp_path / "live"))
-    deadline = time.time() + 30
+    deadline = time.time() + PATIENCE_S
     while not emu.session("alice/live-kernel").get("pid") and time.time() < deadline:  # booted, notebook runs
         time.sleep(0.05)
     pid = emu.session("alice/live-kernel")["pid"]

@@ -55,7 +55,7 @@ def test_a_third_gpu_session_is_refused_and_kchain_names_the_two_that_run(emulat
     assert kaggle_api.kernels_push(str(tmp_path / "cpu3")).error == "Maximum batch CPU session count of 2 reached"
     for n in (1, 2):
         emulator.expire(f"{USER}/cpu-{n}", 1)
-        emulator.wait_session(f"{USER}/cpu-{n}", 1, timeout=30)
+        emulator.wait_session(f"{USER}/cpu-{n}", 1)
 
     job = copy_job("classifier", tmp_path, params={"steps": 5, "rows": 4000, "num_workers": 0})
     result = invoke("push", job, "--skip-smoke")
@@ -70,7 +70,7 @@ def test_a_third_gpu_session_is_refused_and_kchain_names_the_two_that_run(emulat
 
     # The job's own kernel runs a session kchain did not start: a push would run a second one beside it.
     emulator.expire(twice, 1)
-    emulator.wait_session(twice, 1, timeout=30)
+    emulator.wait_session(twice, 1)
     write_kernel(tmp_path / "by-hand", f"{USER}/{NAME}", SLEEPER, enable_gpu=True)
     assert kaggle_api.kernels_push(str(tmp_path / "by-hand")).error == ""
     wait_running(emulator, f"{USER}/{NAME}", 1)

@@ -45,21 +45,21 @@ def test_a_late_mount_is_waited_for_and_a_missing_one_is_pushed_again(tmp_path, 
                     train={"session_limit": "600s", "margin": "30s"})
     set_mount_wait(path, "2s")
     assert invoke("push", path, "--skip-smoke").exit_code == 0
-    emulator.wait_session(REF, 1, timeout=120)
+    emulator.wait_session(REF, 1)
 
     # Session 2: its state version is ready, and stays unmounted far longer than the session waits.
     emulator.switches.mount_lag_s = 1000.0
     second = invoke("continue", path, "--skip-smoke")
     assert second.exit_code == 0, second.output
-    emulator.wait_session(REF, 2, timeout=120)
+    emulator.wait_session(REF, 2)
     # Session 3 (pushed by continue without --retry): the same state still lags, and arrives once the
     # session has said it waits for it (mount_now), however long the machine took to start the session.
     set_mount_wait(path, "5m")
     third = invoke("continue", path, "--skip-smoke")
     assert third.exit_code == 0, third.output
-    emulator.wait_output(REF, "[kchain] waiting for state version", version=3, timeout=120)
+    emulator.wait_output(REF, "[kchain] waiting for state version", version=3)
     emulator.mount_now(REF, 3)
-    emulator.wait_session(REF, 3, timeout=120)  # it finishes the run
+    emulator.wait_session(REF, 3)  # it finishes the run
     done = invoke("continue", path, "--skip-smoke")
     assert done.exit_code == 0, done.output
 

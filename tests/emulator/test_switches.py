@@ -255,7 +255,7 @@ def test_sessions_queue_and_the_clock_starts_before_the_first_cell(emulator, kag
     emulator.switches.queue_s, emulator.switches.boot_s = 0.0, 30.0
     write_kernel(tmp_path / "b", "alice/slow-boot", ["print('never')"])
     kaggle_api.kernels_push(str(tmp_path / "b"), timeout="2")
-    session = emulator.wait_session("alice/slow-boot", timeout=60)
+    session = emulator.wait_session("alice/slow-boot")
     assert session["status"] == "ERROR" and "time limit of 2 seconds" in session["failure_message"]
     assert "first_cell" not in session  # the limit ran out while the container booted
 
@@ -267,10 +267,10 @@ def test_tpu_sessions_end_at_the_tpu_limit_and_the_quota_may_have_no_gpu(emulato
     write_kernel(tmp_path / "c", "alice/cpu-kernel", ["import time\ntime.sleep(4)"])
     kaggle_api.kernels_push(str(tmp_path / "t"))
     kaggle_api.kernels_push(str(tmp_path / "c"))
-    tpu = emulator.wait_session("alice/tpu-kernel", timeout=60)
+    tpu = emulator.wait_session("alice/tpu-kernel")
     assert tpu["tpu"] and tpu["limit_s"] == 2
     assert tpu["status"] == "ERROR" and "time limit of 2 seconds" in tpu["failure_message"]
-    assert emulator.wait_session("alice/cpu-kernel", timeout=60)["status"] == "COMPLETE"
+    assert emulator.wait_session("alice/cpu-kernel")["status"] == "COMPLETE"
 
     quota = kaggle_api.quota_view()
     assert quota.gpu_quota is None and quota.tpu_quota is not None
@@ -304,7 +304,7 @@ def test_cancel_and_the_mine_lists(emulator, kaggle_api, tmp_path):
     assert info.value.response.status_code == 403
     session_id = int(emulator.session("alice/long-runner")["id"])
     assert cancel(session_id).error_message == ""
-    session = emulator.wait_session("alice/long-runner", timeout=30)
+    session = emulator.wait_session("alice/long-runner")
     assert session["status"] == "CANCEL_ACKNOWLEDGED"
     assert kaggle_api.kernels_status("alice/long-runner").status.name == "CANCEL_ACKNOWLEDGED"
     assert "not running" in cancel(session_id).error_message
@@ -313,7 +313,7 @@ def test_cancel_and_the_mine_lists(emulator, kaggle_api, tmp_path):
 
     kaggle_api.kernels_push(str(tmp_path / "k"))
     emulator.cancel("alice/long-runner")  # the user stopped it in the web UI
-    assert emulator.wait_session("alice/long-runner", 2, timeout=30)["status"] == "CANCEL_ACKNOWLEDGED"
+    assert emulator.wait_session("alice/long-runner", 2)["status"] == "CANCEL_ACKNOWLEDGED"
     assert [c["by"] for c in emulator.cancellations()] == ["api", "web UI"]
 
 

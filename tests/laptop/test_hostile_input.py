@@ -91,7 +91,7 @@ def test_a_push_sends_no_planted_secret(emulator, tmp_path):
     pushed = invoke("push", job, "--skip-smoke")
     assert pushed.exit_code == 0, pushed.output
     for session in emulator.sessions():
-        emulator.wait_session(session["kernel"], session["version"], timeout=120)
+        emulator.wait_session(session["kernel"], session["version"])
     stored = {str(p): p.read_bytes() for p in emulator.store.root.rglob("*") if p.is_file()}
     sources = [data for path, data in stored.items() if path.endswith("/source")]
     assert sources, sorted(stored)

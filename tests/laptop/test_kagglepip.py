@@ -165,7 +165,7 @@ def test_a_job_importing_a_package_only_its_wheels_hold_smokes_and_trains_on_the
     assert f"  kaggle.pip {ref} version 2 (new dataset): {TOY}==1.0 for CPython 3.11" in pushed.output
     kernel = emulator.store.kernels[f"{USER}/{NAME}"]
     assert ref in kernel["dataset_sources"] and kernel["enable_internet"] is False
-    session = emulator.wait_session(f"{USER}/{NAME}", 1, timeout=120)
+    session = emulator.wait_session(f"{USER}/{NAME}", 1)
     log = invoke("logs", job).output
     assert session["status"] == "COMPLETE", log
     assert f"[kchain] kaggle.pip: installed {TOY}==1.0 from " in log

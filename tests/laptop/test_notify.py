@@ -34,7 +34,7 @@ def test_a_watched_chain_tells_each_session_end_and_the_finish_once(tmp_path, em
                     train={"session_limit": "600s", "margin": "30s"})
     events = tmp_path / "events.txt"
     assert invoke("push", path, "--skip-smoke").exit_code == 0
-    emulator.wait_session(f"{USER}/{NAME}", 1, timeout=120)
+    emulator.wait_session(f"{USER}/{NAME}", 1)
 
     lines: list[str] = []
     job, ledger = load_job(path), Ledger(Path(os.environ["KCHAIN_HOME"]))

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
-from emulator_helpers import emulator  # noqa: F401  (fixture)
+from emulator_helpers import PATIENCE_S, emulator  # noqa: F401  (fixture)
 from helpers import copy_job, error_line, invoke
 
 from kchain.common import layout
@@ -148,7 +148,7 @@ def test_the_same_crash_twice_is_refused(tmp_path, emulator):
     path = crashing_job(tmp_path)
     ref = "alice/tinygpt-notes"
     assert invoke("push", path, "--skip-smoke").exit_code == 0
-    emulator.wait_session(ref, 1, timeout=120)
+    emulator.wait_session(ref, 1)
 
     first = invoke("continue", path)
     assert first.exit_code == 8
@@ -163,7 +163,7 @@ def test_the_same_crash_twice_is_refused(tmp_path, emulator):
     assert events.read_text() == "needs_person 1\n"
     again = invoke("continue", path, "--retry", "--skip-smoke")
     assert again.exit_code == 0, again.output
-    emulator.wait_session(ref, 2, timeout=120)
+    emulator.wait_session(ref, 2)
     refused = invoke("continue", path, "--retry", "--skip-smoke")
     assert refused.exit_code == 8
     assert error_line(refused) == (
@@ -183,12 +183,12 @@ def test_a_session_whose_output_was_lost_resumes_from_the_last_good_state(tmp_pa
     )
     ref = "alice/tinygpt-notes"
     assert invoke("push", path, "--skip-smoke").exit_code == 0
-    emulator.wait_session(ref, 1, timeout=120)
+    emulator.wait_session(ref, 1)
     emulator.faults.lose_output = True
     emulator.faults.kill_on_output = "[kchain] step "  # killed once it trained a step, whatever the speed
     second = invoke("continue", path, "--skip-smoke")
     assert second.exit_code == 0, second.output
-    emulator.wait_session(ref, 2, timeout=120)
+    emulator.wait_session(ref, 2)
     emulator.faults.lose_output = False
     emulator.faults.kill_on_output = None
 
@@ -203,7 +203,7 @@ def test_a_session_whose_output_was_lost_resumes_from_the_last_good_state(tmp_pa
     assert chain[2]["resumes_at"] == published
     assert f"session 2 left no checkpoint: resuming from step {published}" in third.output
     assert f"{chain[1]['publish']['steps_lost']} steps lost" in third.output
-    emulator.wait_session(ref, 3, timeout=120)
+    emulator.wait_session(ref, 3)
 
 
 def test_continue_never_starts_a_second_session_while_one_runs(tmp_path, emulator, monkeypatch):
@@ -215,7 +215,7 @@ def test_continue_never_starts_a_second_session_while_one_runs(tmp_path, emulato
     assert result.exit_code == 0
     assert "session 1 is" in result.output and "pushed" not in result.output
     assert len(emulator.sessions()) == 1
-    emulator.wait_session("alice/tinygpt-notes", 1, timeout=120)
+    emulator.wait_session("alice/tinygpt-notes", 1)
     summary = json.loads(next(Path(emulator.session_output_dir(emulator.sessions()[0]["id"])).rglob(
         layout.SUMMARY)).read_text())
     assert summary["status"] == "deadline"
@@ -231,7 +231,7 @@ def test_continue_refuses_a_session_the_budget_cannot_cover_and_publishes_only_o
     )
     ref = "alice/tinygpt-notes"
     assert invoke("push", path, "--skip-smoke").exit_code == 0
-    emulator.wait_session(ref, 1, timeout=120)
+    emulator.wait_session(ref, 1)
     refused = invoke("continue", path, "--skip-smoke")
     assert refused.exit_code == 5, refused.output
     assert "are left this week (budget.weekly_gpu_hours 1)" in error_line(refused)
@@ -241,7 +241,7 @@ def test_continue_refuses_a_session_the_budget_cannot_cover_and_publishes_only_o
     assert forced.exit_code == 0, forced.output
     assert len(emulator.dataset_versions("alice/tinygpt-notes-state")) == 2
     assert emulator.session(ref, 2)["dataset_sources"][0] == "alice/tinygpt-notes-state/2"
-    emulator.wait_session(ref, 2, timeout=120)
+    emulator.wait_session(ref, 2)
 
 
 def session_log(ledger: Ledger, job: str, session: int) -> str:
@@ -260,7 +260,7 @@ def test_a_publish_that_cannot_fit_the_session_is_left_to_the_relay(tmp_path, em
         "tinygpt-notes", {"start_s": 3600.0, "create_s": 10.0, "rate_bps": 1e6, "processing_s": 10.0})
     ref = "alice/tinygpt-notes"
     assert invoke("push", path, "--skip-smoke").exit_code == 0
-    emulator.wait_session(ref, 1, timeout=120)
+    emulator.wait_session(ref, 1)
     second = invoke("continue", path, "--skip-smoke")
     assert second.exit_code == 0, second.output
     ledger = Ledger(Path(os.environ["KCHAIN_HOME"]))
@@ -278,12 +278,12 @@ def test_stop_names_the_page_waits_for_the_stop_and_continue_resumes(tmp_path, e
     path = copy_job("tinygpt", tmp_path, params={"steps": 10**6, "batch": 8, "accumulate": 1}, train=ROOMY)
     ref = "alice/tinygpt-notes"
     assert invoke("push", path, "--skip-smoke").exit_code == 0
-    emulator.wait_session(ref, 1, timeout=120)
+    emulator.wait_session(ref, 1)
     assert invoke("continue", path, "--skip-smoke").exit_code == 0  # session 2, from step 10
     monkeypatch.setenv(layout.FAULT_ENV, STALL)  # session 2 would train until its limit
 
     def user_stops_it_in_the_web_ui() -> None:
-        deadline = time.time() + 60
+        deadline = time.time() + PATIENCE_S
         while emulator.session(ref, 2)["status"] != "RUNNING" and time.time() < deadline:
             time.sleep(0.1)
         emulator.cancel(ref, 2)
@@ -311,7 +311,7 @@ def test_an_early_stop_ends_the_chain_and_a_session_without_a_gpu_needs_retry(tm
         "        trainer.step()\n", "        trainer.step()\n        if step == 25:\n            break\n"))
     ref = "alice/tinygpt-notes"
     assert invoke("push", path, "--skip-smoke").exit_code == 0
-    emulator.wait_session(ref, 1, timeout=300)
+    emulator.wait_session(ref, 1)
     done = invoke("continue", path, "--skip-smoke")
     assert done.exit_code == 0, done.output
     assert "training stopped early on purpose at step 25/60" in done.output
@@ -320,7 +320,7 @@ def test_an_early_stop_ends_the_chain_and_a_session_without_a_gpu_needs_retry(tm
     other = copy_job("classifier", tmp_path / "gpu", params={"steps": 6, "rows": 2000, "eval_every": 3})
     emulator.faults.no_gpu = True
     assert invoke("push", other, "--skip-smoke").exit_code == 0
-    emulator.wait_session("alice/blobs-classifier", 1, timeout=300)
+    emulator.wait_session("alice/blobs-classifier", 1)
     refused = invoke("continue", other, "--skip-smoke")
     assert refused.exit_code == 8, refused.output
     assert error_line(refused).startswith("Error: session 1 got no accelerator: asked for GPU T4 x2")

@@ -45,7 +45,7 @@ def test_the_kernel_adds_one_state_version_after_a_reset_and_after_a_lost_answer
     # The push is done: the next creating call is the kernel's state version, which acts and then
     # has its connection reset (the cache dataset's creation after it answers normally).
     emulator.faults.reset_after_acting = 1
-    assert emulator.wait_session(REF, 1, timeout=300)["status"] == "COMPLETE"
+    assert emulator.wait_session(REF, 1)["status"] == "COMPLETE"
     assert emulator.faults.resets == 1
     assert [v["notes"] for v in emulator.dataset_versions(state)][1:] == ["kchain session 1 step 3"]
 
@@ -60,7 +60,7 @@ def test_the_kernel_adds_one_state_version_after_a_reset_and_after_a_lost_answer
     ended = first["summary"]
     assert ended["session_ended"] >= ended["ended"]
     assert first["ended"] == iso(datetime.fromtimestamp(ended["session_ended"], timezone.utc))
-    assert emulator.wait_session(REF, 2, timeout=300)["status"] == "COMPLETE"
+    assert emulator.wait_session(REF, 2)["status"] == "COMPLETE"
     assert emulator.session(REF, 2)["dataset_sources"][0] == f"{state}/2"  # the kernel's version, pinned
     assert emulator.session(REF, 2)["resumed_from"] == 3
     assert [v["notes"] for v in emulator.dataset_versions(state)][1:] == ["kchain session 1 step 3",
@@ -95,7 +95,7 @@ def test_a_send_the_kernel_cannot_settle_in_time_is_settled_by_the_laptop_never_
     assert invoke("push", job, "--skip-smoke").exit_code == 0
     emulator.faults.rate_lost_answer = 1.0  # the kernel's version acts, then answers 500
     emulator.faults.processing_s = 90.0  # and processes past the kernel's 60 s
-    assert emulator.wait_session(REF, 1, timeout=300)["status"] == "COMPLETE"
+    assert emulator.wait_session(REF, 1)["status"] == "COMPLETE"
     emulator.faults.rate_lost_answer, emulator.faults.processing_s = 0.0, 0.0
     log = kernel_log(REF, 1)
     assert "[kchain] published: none (failed: RuntimeError: " in log and "time for the publish ran out" in log, log

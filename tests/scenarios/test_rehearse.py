@@ -162,14 +162,14 @@ def test_continue_stops_a_chain_whose_sessions_save_nothing(tmp_path, emulator):
     path = explicit_job_killed_before_its_first_save(tmp_path, emulator)
     ref = f"{USER}/chain-explicit"
     assert invoke("push", path, "--skip-smoke").exit_code == 0
-    emulator.wait_session(ref, 1, timeout=120)
+    emulator.wait_session(ref, 1)
     second = invoke("continue", path, "--skip-smoke")
     assert second.exit_code == 0, second.output
     # No heartbeat and no summary say how far session 1 got: never "0 steps lost".
     assert ("session 1 left no checkpoint: resuming from step 0 (state version 1); an unknown number of steps "
             "lost (no summary or heartbeat says how far it got)") in second.output
     assert "0 steps lost" not in second.output
-    emulator.wait_session(ref, 2, timeout=120)
+    emulator.wait_session(ref, 2)
     stopped = invoke("continue", path, "--skip-smoke")
     assert stopped.exit_code == 8, stopped.output
     assert error_line(stopped) == (

@@ -6,6 +6,7 @@ emulator's routing (LOCALHOST + an HTTP proxy) is set here, before any test can 
 
 from __future__ import annotations
 
+import compileall
 import os
 import shutil
 import sys
@@ -27,6 +28,16 @@ REPO = Path(__file__).resolve().parent.parent
 # The shared helpers (tests/*.py), and each folder's test modules by their unique names: a test may use
 # another's fixture builders (`from test_checkpointer import parts`), as pytest imports them (rootdir, prepend).
 sys.path[:0] = [str(REPO / "tests"), *sorted({str(p.parent) for p in (REPO / "tests").glob("*/**/test_*.py")})]
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """kchain byte-compiled once, by the process that starts the suite, before its workers exist. Where the
+    environment sets PYTHONDONTWRITEBYTECODE (this project's machines do), no process writes a .pyc, so each
+    worker, CLI and executor the suite starts compiled kchain again: about 4 CPU-s a worker. A .pyc is
+    checked against its source's size and time when read, so one left from an older tree is never used.
+    (A notebook's copy of the runtime is unpacked anew by each session, as on Kaggle, and compiles there.)"""
+    if not hasattr(config, "workerinput"):
+        compileall.compile_dir(REPO / "kchain", quiet=1)
 
 
 @pytest.fixture(autouse=True)

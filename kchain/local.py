@@ -58,20 +58,41 @@ def _first_line(text: str) -> str:
     return ""
 
 
+# The kernel's command: what `python -m ipykernel_launcher` runs (ipykernel_launcher.py, then
+# IPKernelApp.launch_instance), except that ipykernel's visual debugger is not loaded. The kernel imports
+# debugpy when it starts, for a front end's breakpoints, which a notebook run to its end never uses: about
+# a fifth of the kernel's start-up CPU, paid by each of the smoke's and each local Kaggle session's
+# notebooks. debugpy is importable again once the kernel is set up, so a notebook's own code imports it as
+# on Kaggle, and sys.argv and sys.path are the launcher's (tests/laptop/test_local_executor.py).
+KERNEL_MAIN = """\
+import sys  # ipykernel_launcher, without ipykernel's debugger (kchain/local.py)
+if sys.path[0] == "":
+    del sys.path[0]
+import ipykernel_launcher  # its code runs only as __main__: here, its path for sys.argv[0], as there
+sys.argv[0] = ipykernel_launcher.__file__
+sys.modules["debugpy"] = None
+from ipykernel.kernelapp import IPKernelApp
+app = IPKernelApp.instance()
+app.initialize()
+del sys.modules["debugpy"]
+app.start()
+"""
+
+
 def _kernel_manager_class():  # noqa: ANN202  (jupyter_client is imported only when a notebook runs)
     """A kernel manager whose kernel is always this interpreter's ipykernel.
 
     jupyter_client would look `python3` up in the Jupyter data dirs: outside a venv a `python3` kernelspec
     that another environment installed in the user's dir comes first, and the notebook would run under that
     environment's Python, without this one's packages; the lookup also imports IPython and ipykernel into
-    the executor. The command is ipykernel's own (`ipykernel.kernelspec.make_ipkernel_cmd`)."""
+    the executor. The command is ipykernel's own launcher, less its debugger (KERNEL_MAIN)."""
     from jupyter_client.kernelspec import KernelSpec, KernelSpecManager
     from jupyter_client.manager import AsyncKernelManager
     from traitlets import default
 
     class ThisPython(KernelSpecManager):
         def get_kernel_spec(self, kernel_name: str) -> KernelSpec:
-            return KernelSpec(argv=[sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+            return KernelSpec(argv=[sys.executable, "-c", KERNEL_MAIN, "-f", "{connection_file}"],
                               display_name="Python 3 (ipykernel)", language="python", resource_dir="")
 
     class ThisPythonKernel(AsyncKernelManager):

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import nbformat
 
+from kchain import local
 from kchain.local import SOCKET_PATH_MAX, execute_notebook
 
 CELL = "from ipykernel.kernelapp import IPKernelApp\nprint('transport', IPKernelApp.instance().transport)\n"
@@ -104,3 +105,27 @@ def test_on_a_thread_the_loop_the_run_made_is_closed_and_the_threads_own_is_kept
     assert seen["ok"] and seen["made"] is not seen["own"]
     assert seen["made"].is_closed()
     assert seen["current"] is seen["own"]
+
+
+def test_the_kernel_is_ipykernels_launcher_less_its_debugger(tmp_path, monkeypatch):
+    # The notebook sees the sys.argv and sys.path that `python -m ipykernel_launcher` gives (runpy is what -m
+    # runs), and imports debugpy as on Kaggle; only the kernel's start-up no longer loads it.
+    path = tmp_path / "nb.ipynb"
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(
+        "import json, sys\nat_start = 'debugpy' in sys.modules\nimport debugpy\n"
+        "print('seen', json.dumps([sys.argv[0], sys.argv[1], sys.path, at_start, debugpy.__name__]))")])
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nbformat.write(nb, str(path))
+
+    def seen() -> list:
+        result = execute_notebook(path, tmp_path / "root")
+        assert result.ok, result.error
+        return json.loads(next(m["data"] for m in result.log if m["data"].startswith("seen"))[5:])
+
+    ours = seen()
+    monkeypatch.setattr(local, "KERNEL_MAIN", "import runpy\nrunpy.run_module('ipykernel_launcher', "
+                                              "run_name='__main__', alter_sys=True)\n")
+    launcher = seen()
+    assert ours[3] is False and launcher[3] is True  # ipykernel's own launcher loads debugpy as it starts
+    assert ours[:3] + ours[4:] == launcher[:3] + launcher[4:]
+    assert Path(ours[0]).name == "ipykernel_launcher.py" and ours[1] == "-f" and ours[4] == "debugpy"

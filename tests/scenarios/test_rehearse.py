@@ -65,17 +65,18 @@ def test_a_chain_that_never_resumed_proves_nothing_and_fails(tmp_path, monkeypat
 def test_an_explicit_save_loop_is_killed_exactly_as_often_as_asked(tmp_path):
     # run.restore()/run.save(step) and no heartbeat: the kill follows a checkpoint, not a log line. The
     # loop never asks run.should_stop, so no plan can stop it: a session ends at its limit (sessions by
-    # time; output kept: --lenient); at 4 steps/s at most, session 1 cannot train 320 steps in a 60-second
-    # session. (60 s, not 30: a start-up on a loaded machine took 30 s, and no session saved a step.)
-    path = chain_job(tmp_path, "explicit", steps=320, save_every=5, sleep_s=0.25)
-    result = rehearse(path, sessions=None, session_limit_s=60, kills=1, ranks=1, switches=Switches.lenient(),
+    # time; output kept: --lenient); at 4 steps/s at most, session 1 cannot train 480 steps in a 90-second
+    # session. (90 s, not 30: a start-up on a loaded machine took 30 s, and no session saved a step; a
+    # start-up of up to a minute still leaves session 1 steps to save.)
+    path = chain_job(tmp_path, "explicit", steps=480, save_every=5, sleep_s=0.25)
+    result = rehearse(path, sessions=None, session_limit_s=90, kills=1, ranks=1, switches=Switches.lenient(),
                       echo=lambda _: None)
     assert result.passed, result.verdict
     assert result.verdict.startswith("identical: ")
     killed = [s for s in result.emulator_sessions if s["failure_message"].startswith(CHECKPOINT_KILL)]
     assert [s["version"] for s in killed] == result.killed == [2], result.emulator_sessions
     assert result.sessions[-1]["summary"]["status"] == "finished"
-    assert result.sessions[-1]["summary"]["step"] == 320
+    assert result.sessions[-1]["summary"]["step"] == 480
 
 
 def test_fewer_kills_than_asked_are_named_and_fail(tmp_path, monkeypatch):

@@ -40,7 +40,6 @@ def log_of(session: int) -> str:
 @pytest.mark.slow
 def test_a_late_mount_is_waited_for_and_a_missing_one_is_pushed_again(tmp_path, emulator, monkeypatch):
     monkeypatch.setenv(layout.FAULT_ENV, "stall_step=0.05,deadline_after_steps=10")
-    emulator.session_limit_s = 600
     path = copy_job("tinygpt", tmp_path, params={"steps": 20, "eval_every": 20, "batch": 8, "accumulate": 1},
                     train={"session_limit": "600s", "margin": "30s"})
     set_mount_wait(path, "2s")

@@ -29,7 +29,6 @@ def appender(events: Path) -> str:
 def test_a_watched_chain_tells_each_session_end_and_the_finish_once(tmp_path, emulator, monkeypatch):
     # Session 1 stops itself after 10 of the 20 steps (its deadline), session 2 trains the rest.
     monkeypatch.setenv(layout.FAULT_ENV, f"{STALL},deadline_after_steps=10")
-    emulator.session_limit_s = 600
     path = copy_job("tinygpt", tmp_path, params={"steps": 20, "eval_every": 20, "batch": 8, "accumulate": 1},
                     train={"session_limit": "600s", "margin": "30s"})
     events = tmp_path / "events.txt"

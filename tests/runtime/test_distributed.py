@@ -254,7 +254,6 @@ def test_plan_ranks():
 
 def test_the_emulator_runs_a_two_gpu_job_as_two_ranks_and_stops_a_gpuless_session(emulator, kaggle_api, tmp_path):
     """The same notebook: 2 gloo ranks when GPUs are granted; no-accelerator when the session has none."""
-    emulator.session_limit_s = 600  # generous: two rank processes start slowly on a busy CPU
     small = {"steps": 6, "rows": 2000, "num_workers": 0, "eval_every": 3}
     job = copy_job("classifier", tmp_path, train={"gpus": 2}, params=small)
     assert invoke("render", job, "-o", tmp_path / "kernel").exit_code == 0

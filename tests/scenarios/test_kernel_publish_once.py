@@ -34,7 +34,6 @@ def kernel_log(ref: str, version: int) -> str:
 
 def test_the_kernel_adds_one_state_version_after_a_reset_and_after_a_lost_answer(emulator, tmp_path, monkeypatch):
     monkeypatch.setenv(layout.FAULT_ENV, "deadline_after_steps=3")  # each session trains 3 steps, whatever the speed
-    emulator.session_limit_s = 600  # generous: the deadline fault ends the sessions
     emulator.switches.queue_s = emulator.switches.boot_s = 0.0  # not what this test is about
     emulator.secrets.update({USER: {"KAGGLE_USERNAME": USER, "KAGGLE_KEY": emulator.users[USER]}})
     emulator.attach_secrets(REF)  # the user attached them to the notebook in the web UI

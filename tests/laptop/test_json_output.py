@@ -8,17 +8,20 @@ from datetime import timedelta
 
 from helpers import JOBS, invoke
 
-from kchain.ledger import Ledger, iso, now_utc, state_dir
+from kchain.ledger import Ledger, iso, now_utc, state_dir, week_start
 from kchain.spec import load_job
 
 JOB = JOBS / "tinygpt" / "job.yaml"
 
 
 def a_week_of_sessions() -> tuple[str, Ledger]:
-    """A chain of two ended GPU sessions this week, as the ledger keeps them (nothing live to ask Kaggle)."""
+    """A chain of two ended GPU sessions this week, as the ledger keeps them (nothing live to ask Kaggle).
+    They began 3 h ago, or when the quota week began if that was later: on a Saturday before 03:00 UTC
+    a start 3 h back would lie in last week, and this week would hold none of their hours."""
     name = load_job(JOB).name
     ledger = Ledger(state_dir(JOB))
-    start = now_utc() - timedelta(hours=3)
+    now = now_utc()
+    start = max(now - timedelta(hours=3), week_start(now))
     ledger.save_session(name, {
         "session": 1, "kernel": f"alice/{name}", "version": 1, "status": "COMPLETE", "gpu": True,
         "started": iso(start), "ended": iso(start + timedelta(hours=1)), "step": 100, "total": 300,

@@ -16,6 +16,7 @@ from helpers import REPO
 from kchain.common import layout, summary
 from kchain.common.config import RuntimeConfig
 from kchain.common.summary import STATUSES, Status, Summary
+from kchain.emulator.app import PATIENCE_S
 from kchain.runtime import launch
 
 # The keys a Run's summary has had since before the record existed, in its order.
@@ -53,7 +54,7 @@ def test_every_status_the_runtime_sets_is_a_status():
 def test_the_record_is_standard_library_only():
     code = ("import sys; import kchain.common.summary; "
             "assert not {'torch', 'numpy'} & set(sys.modules), 'the laptop reader imports torch or numpy'")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=REPO)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=PATIENCE_S, cwd=REPO)
     assert done.returncode == 0, done.stderr
 
 

@@ -28,6 +28,7 @@ from emulator_helpers import (  # noqa: F401
 )
 
 from kchain.emulator import Emulator, Faults
+from kchain.emulator.app import PATIENCE_S
 
 KAGGLE_CLI = Path(sys.executable).parent / "kaggle"
 
@@ -280,7 +281,7 @@ def test_kaggle_cli_subprocess_reads_status(emulator, kaggle_api, tmp_path):
     write_kernel(tmp_path / "k", "alice/quick-saved", ["print(1)"])
     kaggle_api.kernels_push(str(tmp_path / "k"), no_run=True)
     done = subprocess.run([str(KAGGLE_CLI), "kernels", "status", "alice/quick-saved"],
-                          capture_output=True, text=True, timeout=60)
+                          capture_output=True, text=True, timeout=PATIENCE_S)
     assert done.returncode == 0, done.stderr
     assert 'alice/quick-saved has status "KernelWorkerStatus.COMPLETE"' in done.stdout
     assert emulator.calls["GetKernelSessionStatus"] == 1

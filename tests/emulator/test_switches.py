@@ -31,7 +31,7 @@ from helpers import error_line, invoke
 
 from kchain.cli import serve as serve_command
 from kchain.emulator import Faults, Switches
-from kchain.emulator.app import emulator_options
+from kchain.emulator.app import PATIENCE_S, emulator_options
 from kchain.emulator.switches import Limits
 
 KAGGLE_CLI = Path(sys.executable).parent / "kaggle"
@@ -285,11 +285,11 @@ def test_cancel_and_the_mine_lists(emulator, kaggle_api, tmp_path):
     write_kernel(tmp_path / "k", "alice/long-runner", ["import time\ntime.sleep(600)"])
     kaggle_api.kernels_push(str(tmp_path / "k"))
     # The CLI subprocess inherits the emulator's env from the fixture.
-    kernels = subprocess.run([str(KAGGLE_CLI), "kernels", "list", "--mine"], capture_output=True, text=True, timeout=60)
+    kernels = subprocess.run([str(KAGGLE_CLI), "kernels", "list", "--mine"], capture_output=True, text=True, timeout=PATIENCE_S)
     assert kernels.returncode == 0, kernels.stderr
     assert "alice/long-runner" in kernels.stdout
     datasets = subprocess.run([str(KAGGLE_CLI), "datasets", "list", "--mine"], capture_output=True, text=True,
-                              timeout=60)
+                              timeout=PATIENCE_S)
     assert datasets.returncode == 0, datasets.stderr
     assert "alice/listed-data" in datasets.stdout
 

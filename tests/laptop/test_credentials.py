@@ -20,6 +20,7 @@ import pytest
 from helpers import copy_job, error_line, invoke
 
 from kchain import credentials
+from kchain.emulator.app import PATIENCE_S
 from kchain.errors import CredentialsError
 from kchain.kaggle_api import MISSING_CREDENTIALS, KaggleClient
 
@@ -37,7 +38,7 @@ def client_view() -> dict:
     """What the unmodified client picks with this environment, in a fresh process (an API key needs no
     network to be chosen; nothing here reaches Kaggle)."""
     done = subprocess.run([sys.executable, "-c", ASK_THE_CLIENT], env=dict(os.environ), capture_output=True,
-                          text=True, timeout=120, check=True)
+                          text=True, timeout=PATIENCE_S, check=True)
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 

@@ -23,6 +23,7 @@ import pytest
 from emulator_helpers import emulator  # noqa: F401
 from helpers import copy_job, error_line, invoke
 
+from kchain.emulator.app import PATIENCE_S
 from kchain.ledger import Ledger
 
 TRAIN = "def main(run):\n    pass\n"
@@ -295,7 +296,7 @@ def test_a_damaged_run_log_is_refused_or_padded_and_never_loses_a_row(tmp_path):
 
 def test_native_windows_is_refused_at_start_with_use_wsl():
     code = "import os; os.name = 'nt'; from kchain.cli import main; main()"
-    done = subprocess.run([sys.executable, "-c", code, "render"], capture_output=True, text=True, timeout=120)
+    done = subprocess.run([sys.executable, "-c", code, "render"], capture_output=True, text=True, timeout=PATIENCE_S)
     assert done.returncode == 1
     assert done.stderr.strip() == ("Error: kchain runs on Linux and macOS only (it needs POSIX signals and file "
                                    "locks); on Windows, use WSL")

@@ -25,6 +25,7 @@ from kchain import diagnose
 from kchain.common import layout, nextsession
 from kchain.common.config import RuntimeConfig
 from kchain.common.summary import Summary
+from kchain.emulator.app import PATIENCE_S
 from kchain.runtime import distributed, forkranks
 from kchain.runtime.checkpoint.state import load_state
 from kchain.sessions import session_note
@@ -289,5 +290,5 @@ def test_the_launcher_of_several_ranks_plans_them_without_importing_torch(tmp_pa
             "from kchain.common.config import RuntimeConfig; "
             "n, why = torchrun.plan_ranks(RuntimeConfig(), {'KCHAIN_RANKS': '2', 'KCHAIN_SMOKE': '1'}); "
             "assert n == 2 and 'as on Kaggle' in why, why; assert 'torch' not in sys.modules, 'torch imported'")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=PATIENCE_S)
     assert done.returncode == 0, done.stderr

@@ -8,6 +8,7 @@ import sys
 import torch
 from torch import nn
 
+from kchain.emulator.app import PATIENCE_S
 from kchain.runtime import replicas
 
 
@@ -42,7 +43,7 @@ def test_parameters_under_ddp_and_frozen_ones_pass(tmp_path):
     # In a process of its own: the check finds every live optimizer in the process, and an earlier test's
     # (a framework's Trainer still referenced somewhere) would be found too.
     done = subprocess.run([sys.executable, "-c", DDP_AND_FROZEN, str(tmp_path / "pg")], capture_output=True,
-                          text=True, timeout=120)
+                          text=True, timeout=PATIENCE_S)
     assert done.returncode == 0, done.stderr
 
 
@@ -71,5 +72,5 @@ def test_fsdp_counts_as_keeping_the_ranks_in_step_once_the_job_imports_it():
             "assert replicas._syncing() == (replicas.DistributedDataParallel,); "
             "from torch.distributed.fsdp import FullyShardedDataParallel as F; "
             "assert replicas._syncing()[1] is F")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=PATIENCE_S)
     assert done.returncode == 0, done.stderr

@@ -35,6 +35,7 @@ from kchain.common.checkpoint_files import (
     sha256_of,
     verify,
 )
+from kchain.emulator.app import PATIENCE_S
 from kchain.runtime.checkpoint import snapshot
 from kchain.runtime.checkpoint.state import load_state, load_verified
 from kchain.runtime.run import Run
@@ -59,7 +60,7 @@ def launch(root: Path, params: dict, fsize: int | None = None, **env: str) -> su
             resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, fsize))
 
     return subprocess.run([sys.executable, "-m", "kchain.runtime.launch", str(root / "cfg.json")], env=child_env,
-                          cwd=root, capture_output=True, text=True, timeout=180, preexec_fn=limit)
+                          cwd=root, capture_output=True, text=True, timeout=PATIENCE_S, preexec_fn=limit)
 
 
 def kdir(root: Path) -> Path:

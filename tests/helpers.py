@@ -16,6 +16,10 @@ if TYPE_CHECKING:
 
 REPO = Path(__file__).resolve().parent.parent
 JOBS = REPO / "jobs"
+# A training fault (kchain/common/faults.py) for rehearsals and chains: at most 20 steps/s, whatever the machine.
+STALL = "stall_step=0.05"
+# A session's limit where the deadline fault ends every session long before it, however loaded the machine.
+GENEROUS_S = 600
 
 
 def copy_job(name: str, dest: Path, **overrides) -> Path:

@@ -9,7 +9,7 @@ import os
 from pathlib import Path
 
 from emulator_helpers import USER, emulator  # noqa: F401  (fixture)
-from helpers import copy_job, invoke
+from helpers import STALL, copy_job, invoke
 
 from kchain.chain import watch
 from kchain.common import layout
@@ -19,7 +19,6 @@ from kchain.notify import notifier
 from kchain.spec import load_job
 
 NAME = "tinygpt-notes"
-STALL = "stall_step=0.05"  # at most 20 steps/s, whatever the machine
 
 
 def appender(events: Path) -> str:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 from emulator_helpers import PATIENCE_S, emulator  # noqa: F401  (fixture)
-from helpers import copy_job, error_line, invoke
+from helpers import GENEROUS_S, STALL, copy_job, error_line, invoke
 
 from kchain.common import layout
 from kchain.emulator import Faults, Switches
@@ -24,8 +24,6 @@ from kchain.ledger import Ledger
 from kchain.rehearse import rehearse
 from kchain.sessions import StaleRule
 
-STALL = "stall_step=0.05"  # at most 20 steps/s, whatever the machine
-GENEROUS_S = 600  # a session's limit: the deadline fault ends sessions long before it, however loaded
 ROOMY = {"session_limit": "600s", "margin": "30s"}
 # Stale after 20 s without a new heartbeat (the chain's come every step), 90 s of set-up before the first.
 PATIENT = StaleRule(heartbeat_s=0.0, margin_s=0.0, limit_s=600.0, quiet_s=20.0, setup_s=90.0)

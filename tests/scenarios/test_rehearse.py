@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 from emulator_helpers import USER, emulator  # noqa: F401  (fixture)
-from helpers import REPO, copy_job, error_line, invoke
+from helpers import GENEROUS_S, REPO, STALL, copy_job, error_line, invoke
 
 from kchain.chain import watch
 from kchain.common import layout
@@ -31,9 +31,6 @@ from kchain.kaggle_api import KaggleClient
 from kchain.ledger import Ledger
 from kchain.rehearse import rehearse, shortcomings
 from kchain.spec import load_job
-
-STALL = "stall_step=0.05"  # at most 20 steps/s, whatever the machine
-GENEROUS_S = 600  # a session's limit where the deadline fault ends sessions long before it
 
 
 def chain_job(tmp_path: Path, shape: str, **params) -> Path:

@@ -9,14 +9,12 @@ a GPU job's sessions hand each push to a CPU relay (kchain/common/relay.py), so 
 import secrets
 
 import pytest
+from helpers import GENEROUS_S, STALL
 
 from kchain.common import layout
 from kchain.emulator import Faults, Switches
 from kchain.rehearse import rehearse
 from kchain.sessions import waiting
-
-STALL = "stall_step=0.05"  # at most 20 steps/s, whatever the machine
-GENEROUS_S = 600
 
 
 def trained_at_once(emulator_sessions: list[dict]) -> int:

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 from emulator_helpers import USER, emulator, kaggle_api  # noqa: F401
-from helpers import copy_job, invoke
+from helpers import STALL, copy_job, invoke
 
 from kchain.cli import cli
 from kchain.common import layout
@@ -32,7 +32,6 @@ from kchain.spec import load_job
 
 NAME = "tinygpt-notes"
 REF = f"{USER}/{NAME}"
-STALL = "stall_step=0.05"  # at most 20 steps/s, whatever the machine
 # The stale rule in seconds, not an hour: 5 s without a new heartbeat (the job's come every step); the
 # watch that deletes and chains on allows 20 s, and 5 minutes of set-up, so that the healthy session it
 # pushes next is not judged stale on a loaded machine.

@@ -16,14 +16,12 @@ from pathlib import Path
 
 import pytest
 import yaml
-from helpers import invoke, make_run
+from helpers import STALL, invoke, make_run
 
 from kchain.common import layout
 from kchain.common.summary import read_working
 from kchain.init import init_job
 from kchain.rehearse import rehearse
-
-STALL = "stall_step=0.05"  # at most 20 steps/s, whatever the machine (the deadline fault is the clock)
 
 
 def lightning_job(tmp_path: Path, **params) -> Path:

@@ -1,17 +1,20 @@
 """Run a rendered notebook on this machine, in a sandbox laid out like /kaggle.
 
 The same executor serves `kchain smoke`, the emulator's sessions and `kchain rehearse`, so the
-notebook that runs here is byte for byte the one Kaggle will run. It can be used in-process
-(`execute_notebook`: the smoke runs its three notebooks so, each on a thread, and kills a notebook's
-kernel tree through the pid `on_kernel` gives) or as a process of its own (`python -m kchain.local
-run ...`), which is what the emulator and rehearse use: their sessions die whole, executor included.
+notebook that runs here is byte for byte the one Kaggle will run. It runs on a thread of the caller's
+process (`NotebookThread`: the smoke's three notebooks, the local Kaggle's sessions, rehearse's reference
+run), watched and killed as a process would be: the kernel, its training processes and their deaths are
+real processes, and only the client that sends the cells is not a Python started and importing nbclient
+again for each notebook. `python -m kchain.local run ...` runs one as a process of its own.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import atexit
 import contextlib
+import itertools
 import json
 import os
 import shutil
@@ -22,10 +25,11 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from kchain.common import layout
 from kchain.common.summary import Summary, read_working
+from kchain.emulator.sessions import kill_tree
 
 OutputFn = Callable[[str, str], None]
 KernelFn = Callable[[int], None]  # told the kernel's pid once it has started
@@ -177,6 +181,25 @@ def _execute(client: Any, env: dict[str, str], working: Path, stderr_path: Path)
     return None
 
 
+def _read_notebook(path: Path) -> Any:
+    """The notebook as nbformat's node, each cell given the id nbformat 4.5 asks for where it has none.
+
+    A notebook written by hand or by an older tool (Kaggle runs those) lacks them; nbformat adds them itself
+    but warns first, and a warning is an error in a process that turns warnings into errors (the one that
+    drives this notebook from a thread, under pytest's `error`). Changing the warning filters instead would
+    change them for every thread of that process."""
+    import nbformat
+
+    data = json.loads(Path(path).read_text(encoding="utf-8"))
+    if (data.get("nbformat", 0), data.get("nbformat_minor", 0)) >= (4, 5):
+        taken = {cell["id"] for cell in data.get("cells", []) if "id" in cell}
+        for n, cell in enumerate(data.get("cells", [])):
+            if "id" not in cell:
+                cell["id"] = next(name for k in itertools.count() if (name := f"cell-{n}-{k}") not in taken)
+                taken.add(cell["id"])
+    return nbformat.reads(json.dumps(data), as_version=4)
+
+
 def execute_notebook(
     notebook_path: Path,
     root: Path,
@@ -188,7 +211,6 @@ def execute_notebook(
     """Execute the notebook with a fresh ipykernel whose working dir is ROOT/working, in `env` (this
     process's environment if None); `on_kernel` is told the kernel's pid, so a caller running this on a
     thread can kill the notebook's process tree."""
-    import nbformat
     from traitlets.config import Config
 
     root = Path(root).resolve()
@@ -203,7 +225,7 @@ def execute_notebook(
     kernel_env.setdefault("PYTHONUNBUFFERED", "1")
     sockets = Path(tempfile.mkdtemp(prefix="kchain-k-"))
     client = _live_client_class()(
-        nbformat.read(str(notebook_path), as_version=4),
+        _read_notebook(notebook_path),
         timeout=timeout,
         kernel_name="python3",
         kernel_manager_class=_kernel_manager_class(),
@@ -219,6 +241,10 @@ def execute_notebook(
             error = _execute(client, kernel_env, working, root / "kernel-stderr.log")
     finally:
         shutil.rmtree(sockets, ignore_errors=True)
+        # nbclient leaves its exit-time kernel cleanup registered when the kernel dies while its client
+        # starts (a session killed at its first moment); at this process's exit it would fail on the
+        # manager it already let go, a traceback in the middle of a long-lived process's exit.
+        atexit.unregister(client._cleanup_kernel)
     return ExecResult(
         ok=error is None,
         error=error,
@@ -259,6 +285,106 @@ def _thread_loop() -> asyncio.AbstractEventLoop | None:
         return None
 
 
+class SessionLog:
+    """A notebook's output as a session keeps it, written as it arrives: each stream to its file, and each
+    message as a line of JSON (`{"stream_name", "time", "data"}`, Kaggle's log entry) when `jsonl` is given."""
+
+    def __init__(self, out: IO[str], err: IO[str], jsonl: IO[str] | None = None) -> None:
+        self.out, self.err, self.jsonl, self.t0 = out, err, jsonl, time.time()
+
+    def __call__(self, name: str, text: str) -> None:
+        stream = self.err if name == "stderr" else self.out
+        stream.write(text)
+        stream.flush()
+        if self.jsonl is not None:
+            entry = {"stream_name": name, "time": round(time.time() - self.t0, 3), "data": text}
+            self.jsonl.write(json.dumps(entry) + "\n")
+            self.jsonl.flush()
+
+    def failed(self, error: str) -> None:
+        """The notebook's error (`Class: first line`) as its stderr's last line, where a session's failure is read."""
+        self.err.write(f"{error}\n")
+        self.err.flush()
+
+
+class NotebookThread:
+    """`execute_notebook` on a thread of this process, watched and ended as a process would be.
+
+    `pid` is the kernel's once it has started (it leads a process group: the notebook's whole tree);
+    `poll()` and `wait()` give `returncode`, 0 when every cell ran and 1 otherwise (`error` says why);
+    `kill()` SIGKILLs the tree now, or as soon as the kernel starts if it has not yet. A killed kernel
+    ends the thread within about a second (nbclient looks at the kernel once a second). `on_end(error)` runs
+    on the thread after the last output and before `returncode` is set.
+    """
+
+    def __init__(self, notebook: Path, root: Path, env: Mapping[str, str], on_output: OutputFn | None = None,
+                 on_end: Callable[[str | None], None] | None = None, name: str = "notebook") -> None:
+        self.pid: int | None = None
+        self.returncode: int | None = None
+        self.error: str | None = None
+        self._lock = threading.Lock()
+        self._killing = False
+        self._thread = threading.Thread(target=self._body, args=(notebook, root, dict(env), on_output, on_end),
+                                        name=name, daemon=True)
+
+    def start(self) -> NotebookThread:
+        self._thread.start()
+        return self
+
+    def _body(self, notebook: Path, root: Path, env: dict[str, str], on_output: OutputFn | None,
+              on_end: Callable[[str | None], None] | None) -> None:
+        try:
+            error = execute_notebook(notebook, root, env=env, on_output=on_output, on_kernel=self._started).error
+        except Exception as e:  # noqa: BLE001  (the kernel could not start: the notebook's failure, said as its error)
+            error = f"{type(e).__name__}: {e}"
+        self.error = error
+        try:
+            if on_end is not None:
+                on_end(error)
+        finally:
+            self.returncode = 0 if error is None else 1
+
+    def _started(self, pid: int) -> None:
+        with self._lock:
+            self.pid, killing = pid, self._killing
+        if killing:
+            kill_tree(pid)
+
+    def kill(self) -> None:
+        with self._lock:
+            self._killing, pid = True, self.pid
+        if pid is not None:
+            kill_tree(pid)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def poll(self) -> int | None:
+        return None if self._thread.is_alive() else self.returncode
+
+    def wait(self) -> int:
+        self._thread.join()
+        assert self.returncode is not None
+        return self.returncode
+
+
+def start_session(notebook: Path, root: Path, env: Mapping[str, str], log_jsonl: Path, stdout: Path,
+                  stderr: Path) -> NotebookThread:
+    """A local Kaggle session's notebook on a thread (what `Emulator(start_notebook=...)` takes): its streams
+    to `stdout` and `stderr`, its log entries to `log_jsonl`, its error as stderr's last line."""
+    files = [open(path, "w", encoding="utf-8") for path in (stdout, stderr, log_jsonl)]  # noqa: SIM115
+    log = SessionLog(*files)
+
+    def end(error: str | None) -> None:
+        if error is not None:
+            log.failed(error)
+        for f in files:
+            f.close()
+
+    return NotebookThread(notebook, root, env, on_output=log, on_end=end, name=f"session-{root.parent.name}").start()
+
+
 def _cli(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kchain.local")
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -270,24 +396,14 @@ def _cli(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     log_file = open(args.log_jsonl, "a", encoding="utf-8") if args.log_jsonl else None  # noqa: SIM115
-    t0 = time.time()
-
-    def echo(name: str, text: str) -> None:
-        stream = sys.stderr if name == "stderr" else sys.stdout
-        stream.write(text)
-        stream.flush()
-        if log_file is not None:
-            entry = {"stream_name": name, "time": round(time.time() - t0, 3), "data": text}
-            log_file.write(json.dumps(entry) + "\n")
-            log_file.flush()
-
+    log = SessionLog(sys.stdout, sys.stderr, log_file)
     try:
-        result = execute_notebook(args.notebook, args.root, timeout=args.timeout, on_output=echo)
+        result = execute_notebook(args.notebook, args.root, timeout=args.timeout, on_output=log)
     finally:
         if log_file is not None:
             log_file.close()
     if not result.ok:
-        sys.stderr.write(f"{result.error}\n")
+        log.failed(str(result.error))
         return 1
     return 0
 

@@ -37,12 +37,13 @@ from kchain.common.statefolder import write_dataset_metadata
 from kchain.common.summary import Status, Summary, read_working
 from kchain.datasets import wait_ready
 from kchain.emulator import Emulator, Faults
-from kchain.emulator.sessions import CHECKPOINT_KILL, kill_tree
+from kchain.emulator.sessions import CHECKPOINT_KILL
 from kchain.emulator.switches import Switches
 from kchain.errors import ChainStop, KaggleError, KchainError
 from kchain.inputs import local_inputs, mount_inputs
 from kchain.kaggle_api import KaggleClient
 from kchain.ledger import Ledger, new_run_id, state_dir
+from kchain.local import NotebookThread, SessionLog, start_session
 from kchain.names import doctor_kernel, state_dataset
 from kchain.plot import newest_trace
 from kchain.push import push_job
@@ -195,10 +196,10 @@ def _resized(job: Job, limit_s: float) -> Job:
 
 
 def _run_reference(job: Job, root: Path, sources: dict[tuple[str, str, str], Path], extra_env: dict[str, str],
-                  started: Callable[[subprocess.Popen[bytes]], None] = lambda _proc: None,
+                  started: Callable[[NotebookThread], None] = lambda _notebook: None,
                   ) -> tuple[list[dict[str, Any]], Summary | None]:
-    """The same notebook, one uninterrupted session with no time limit, in a process group of its
-    own (started: told the process, so it can be stopped); returns its trace and its summary."""
+    """The same notebook, one uninterrupted session with no time limit, its kernel in a process group of
+    its own (started: told the notebook, so it can be killed); returns its trace and its summary."""
     rendered = render_job(job, owner=USER)
     write_rendered(rendered, root.parent / "reference-kernel")
     root.mkdir(parents=True, exist_ok=True)
@@ -208,10 +209,15 @@ def _run_reference(job: Job, root: Path, sources: dict[tuple[str, str, str], Pat
     env.pop(layout.SESSION_PLAN_ENV, None)  # so is the rehearsal's plan
     notebook = root.parent / "reference-kernel" / rendered.notebook_file
     with open(root.parent / "reference.log", "w") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "kchain.local", "run", str(notebook), "--root", str(root)],
-                                stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        started(proc)
-        code = proc.wait()
+        output = SessionLog(log, log)
+
+        def end(error: str | None) -> None:
+            if error is not None:
+                output.failed(error)
+
+        run = NotebookThread(notebook, root, env, on_output=output, on_end=end, name="rehearse-reference")
+        started(run)
+        code = run.start().wait()
     if code != 0:
         raise KchainError(f"the reference run failed (exit {code}); see {root.parent / 'reference.log'}")
     return read_trace(sandbox_trace(root)), read_working(root / layout.WORKING_DIR)
@@ -375,7 +381,7 @@ def _start_local_kaggle(job: Job, work: Path, sources: dict[tuple[str, str, str]
     owners = {owner: secrets.token_hex(16) for (_, owner, _) in sources if owner != USER}
     emu = Emulator(work / "kaggle", users={USER: key, **owners}, session_limit_s=session_limit_s * 1.05,
                    secrets={USER: {"KAGGLE_USERNAME": USER, "KAGGLE_KEY": key}}, faults=faults,
-                   switches=switches)
+                   switches=switches, start_notebook=start_session)
     emu.start()
     try:
         upload_inputs(emu, job, sources, {USER: key, **owners}, work / "upload", echo)
@@ -394,7 +400,7 @@ class ReferenceRun:
         self.trace: list[dict[str, Any]] = []
         self.summary: Summary | None = None
         self.error: BaseException | None = None
-        self.proc: subprocess.Popen[bytes] | None = None
+        self.notebook: NotebookThread | None = None
         self.stopping = threading.Event()
         self.thread = threading.Thread(target=self._run, args=(job, root, sources, env), daemon=True)
 
@@ -404,10 +410,10 @@ class ReferenceRun:
         except BaseException as exc:  # noqa: BLE001 - reported after the chain
             self.error = exc
 
-    def _started(self, proc: subprocess.Popen[bytes]) -> None:
-        self.proc = proc
+    def _started(self, notebook: NotebookThread) -> None:
+        self.notebook = notebook
         if self.stopping.is_set():
-            kill_tree(proc.pid)
+            notebook.kill()
 
     def start(self) -> None:
         self.thread.start()
@@ -415,8 +421,8 @@ class ReferenceRun:
     def stop(self) -> None:
         """End the run if it is still going (its process group, SIGKILL), and wait for its thread."""
         self.stopping.set()
-        if self.proc is not None and self.proc.poll() is None:
-            kill_tree(self.proc.pid)
+        if self.notebook is not None:
+            self.notebook.kill()
         if self.thread.ident is not None:
             self.thread.join()
 

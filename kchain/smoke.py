@@ -30,7 +30,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kchain import diagnose, statecheck, traces
 from kchain.common import atomic, layout
@@ -43,6 +43,9 @@ from kchain.ledger import Ledger, new_run_id, state_dir
 from kchain.render import Rendered, render_job, write_rendered
 from kchain.spec import Job, load_job
 
+if TYPE_CHECKING:
+    from kchain.local import NotebookThread
+
 Echo = Callable[[str], None]
 # What the notebook prints once it has reaped a training process that died of SIGKILL
 # (kernel_templates/notebook.ipynb.j2): from then on nothing of that run writes to the working dir.
@@ -52,22 +55,19 @@ KILLED_LINE = f"TrainingFailed: training exited with code {-signal.SIGKILL};"
 @dataclass
 class Child:
     """One execution of the notebook with a fresh kernel of its own, driven from a thread of this process
-    (local.execute_notebook): the kernel, its training processes and their deaths are real processes;
+    (local.NotebookThread): the kernel, its training processes and their deaths are real processes;
     the executor that sends the cells is not a Python to start and import again for each of the three."""
 
     name: str
     root: Path
     lines: list[tuple[float, str]] = field(default_factory=list)
-    returncode: int | None = None  # 0: every cell ran; 1: a cell failed (its error is the last line)
     wall_s: float = 0.0  # from the start, or from the release for a child started at a gate
     gate: Path | None = None  # started early, held at this gate until release()
     _held: list[str] | None = None  # output kept back while held at the gate
     _echo: Echo | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _killed: threading.Event = field(default_factory=threading.Event)  # KILLED_LINE was printed
-    _thread: threading.Thread | None = None
-    _kernel: int | None = None  # the kernel's pid, once it has started
-    _stopping: bool = False
+    _notebook: NotebookThread | None = None
     _t0: float = 0.0
     _released: float | None = None
 
@@ -79,7 +79,7 @@ class Child:
         return next((t for t, line in self.lines if needle in line), None)
 
     def start(self, notebook: Path, env: dict[str, str], echo: Echo | None) -> Child:
-        from kchain.local import execute_notebook
+        from kchain.local import NotebookThread
 
         self._echo = echo
         if self.gate is not None:
@@ -88,56 +88,44 @@ class Child:
         self._t0 = t0 = time.time()
         log = self.root.parent / f"{self.name}.log"
 
-        def body() -> None:
-            pending = ""  # the output's last line, until its newline comes
-            with open(log, "w", encoding="utf-8") as f:
-                def line_out(line: str) -> None:
-                    self.lines.append((time.time() - t0, line))
-                    f.write(line + "\n")
-                    f.flush()
-                    if line.startswith(KILLED_LINE):
-                        self._killed.set()
-                    # The notebook's own failure line repeats what the runtime already said.
-                    if echo is not None and not line.startswith("TrainingFailed:"):
-                        with self._lock:
-                            if self._held is not None:
-                                self._held.append(line)
-                            else:
-                                echo(f"    {line.rstrip()}")
+        pending = ""  # the output's last line, until its newline comes
+        f = open(log, "w", encoding="utf-8")  # noqa: SIM115  (closed at the notebook's end, on its thread)
 
-                def on_output(_stream: str, text: str) -> None:
-                    nonlocal pending
-                    *whole, pending = (pending + text).split("\n")
-                    for line in whole:
-                        line_out(line)
+        def line_out(line: str) -> None:
+            self.lines.append((time.time() - t0, line))
+            f.write(line + "\n")
+            f.flush()
+            if line.startswith(KILLED_LINE):
+                self._killed.set()
+            # The notebook's own failure line repeats what the runtime already said.
+            if echo is not None and not line.startswith("TrainingFailed:"):
+                with self._lock:
+                    if self._held is not None:
+                        self._held.append(line)
+                    else:
+                        echo(f"    {line.rstrip()}")
 
-                try:
-                    error = execute_notebook(notebook, self.root, env=env, on_output=on_output,
-                                             on_kernel=self._started).error
-                except Exception as e:  # noqa: BLE001  (the kernel could not start: the child's failure, said as a line)
-                    error = f"{type(e).__name__}: {e}"
-                if pending:
-                    line_out(pending)
-                if error is not None:
-                    line_out(error)
-                self.returncode = 0 if error is None else 1
+        def on_output(_stream: str, text: str) -> None:
+            nonlocal pending
+            *whole, pending = (pending + text).split("\n")
+            for line in whole:
+                line_out(line)
 
-        self._thread = threading.Thread(target=body, name=f"smoke-{self.name}", daemon=True)
-        self._thread.start()
+        def on_end(error: str | None) -> None:
+            if pending:
+                line_out(pending)
+            if error is not None:
+                line_out(error)
+            f.close()
+
+        self._notebook = NotebookThread(notebook, self.root, env, on_output=on_output, on_end=on_end,
+                                        name=f"smoke-{self.name}").start()
         return self
 
-    def _started(self, pid: int) -> None:
-        """The kernel is up: remember it, or kill it at once if the smoke is already ending."""
-        with self._lock:
-            self._kernel, stopping = pid, self._stopping
-        if stopping:
-            self._kill()
-
-    def _kill(self) -> None:
-        from kchain.emulator.sessions import kill_tree
-
-        if self._kernel is not None:
-            kill_tree(self._kernel)
+    @property
+    def returncode(self) -> int | None:
+        """0: every cell ran; 1: a cell failed (its error is the last line); None: still running."""
+        return None if self._notebook is None else self._notebook.poll()
 
     def release(self, go: bool = True) -> Child:
         """Open the gate (`go`: the kill has happened) or tell the held child to leave (`stop`)."""
@@ -153,31 +141,29 @@ class Child:
 
     def stop(self) -> None:
         """Kill the notebook's process tree if it still runs (the smoke is ending early: a signal, an error)."""
-        if self._thread is None or not self._thread.is_alive():
+        if self._notebook is None or self._notebook.poll() is not None:
             return
-        with self._lock:
-            self._stopping = True
-        self._kill()
-        self._thread.join()
+        self._notebook.kill()
+        self._notebook.wait()
 
     def cancel(self) -> None:
         """A child still held at its gate leaves without reading anything; wait for it to end."""
-        if self._thread is not None and self.gate is not None and not self.gate.exists():
+        if self._notebook is not None and self.gate is not None and not self.gate.exists():
             self.release(go=False).wait()
 
     def until_killed(self) -> Child:
         """Until the notebook reports its training process SIGKILLed, or the notebook ends: the
         resume need not wait for the killed run's kernel to shut down."""
-        assert self._thread is not None
+        assert self._notebook is not None
         while not self._killed.wait(0.02):
-            if not self._thread.is_alive():
+            if self._notebook.poll() is not None:
                 return self.wait()
         self.wall_s = time.time() - self._t0
         return self
 
     def wait(self) -> Child:
-        assert self._thread is not None
-        self._thread.join()
+        assert self._notebook is not None
+        self._notebook.wait()
         if not self._killed.is_set():  # a killed run's time ends at its kill (until_killed)
             self.wall_s = time.time() - (self._released or self._t0)
         return self

@@ -22,6 +22,7 @@ import pytest
 
 from kchain.emulator import Emulator
 from kchain.emulator.app import PATIENCE_S
+from kchain.local import start_session  # each session's notebook driven from a thread, as rehearse's are
 
 USER = "alice"
 
@@ -38,7 +39,7 @@ def emulator(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Emulat
     is only a net for one that hangs: a test whose session must reach its limit calls emulator.expire, so
     no test depends on how fast this machine starts and runs a session."""
     emu = Emulator(tmp_path / "kaggle-state", users={USER: fake_key()}, session_limit_s=PATIENCE_S,
-                   gpu_quota_s=30 * 3600, max_gpu_sessions=2)
+                   gpu_quota_s=30 * 3600, max_gpu_sessions=2, start_notebook=start_session)
     emu.start()
     for name, value in emu.env(USER).items():
         monkeypatch.setenv(name, value)

@@ -26,7 +26,7 @@ from kchain.common.kernel_states import LIVE, TERMINAL
 from kchain.emulator.faults import Faults
 from kchain.emulator.rpcs import Rpcs
 from kchain.emulator.server import EmulatorHTTPServer, free_closed_port
-from kchain.emulator.sessions import SessionRunner, log_entries
+from kchain.emulator.sessions import SessionRunner, StartNotebook, log_entries, start_process
 from kchain.emulator.state import Store, model_key
 from kchain.emulator.switches import Limits, Switches
 from kchain.errors import KchainError
@@ -61,7 +61,8 @@ class Emulator:
                  gpu_quota_s: float = 30 * 3600, max_gpu_sessions: int = 2,
                  secrets: dict[str, dict[str, str]] | None = None, port: int = 0,
                  faults: Faults | None = None, switches: Switches | None = None,
-                 competitions: dict[str, list[str]] | None = None, python: str = sys.executable,
+                 competitions: dict[str, list[str]] | None = None,
+                 start_notebook: StartNotebook = start_process,
                  max_cpu_sessions: int = 2, attached: list[str] | None = None) -> None:
         self.state_dir = Path(state_dir)
         self.users = dict(users or {})
@@ -74,7 +75,7 @@ class Emulator:
         self._calls_lock = threading.Lock()
         self.store = Store(self.state_dir)
         self.runner = SessionRunner(self.store, lambda: self.url,
-                                    f"http://127.0.0.1:{free_closed_port()}", python=python)
+                                    f"http://127.0.0.1:{free_closed_port()}", start_notebook)
         self.rpcs = Rpcs(self.store, self.runner, faults or Faults(), switches or Switches(), self.limits,
                          lambda: self.url, self.secrets, self.competitions)
         self._server: EmulatorHTTPServer | None = None

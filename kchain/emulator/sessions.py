@@ -1,9 +1,12 @@
 """Running pushed notebooks as local sessions with Kaggle's limits.
 
-Each session is a real process tree: `python -m kchain.local run NOTEBOOK --root ROOT --log-jsonl
-LOG` (the same executor as `kchain smoke`) in its own process group, inside a sandbox laid out like
-/kaggle. A watcher thread per session enforces the time limit and injected kills with SIGKILL on
-the whole tree, then captures ROOT/working as the version's output and the log in Kaggle's format.
+Each session is a real process tree: a Jupyter kernel running the notebook (the same executor as
+`kchain smoke`) in its own process group, inside a sandbox laid out like /kaggle. The executor that sends
+the cells is `python -m kchain.local run NOTEBOOK --root ROOT --log-jsonl LOG`, a process that dies with
+the session, or what the laptop's side passes as `start_notebook` (local.start_session: a thread of this
+process; the emulator imports no laptop module). A watcher thread per session enforces the time limit and
+injected kills with SIGKILL on the whole tree, then captures ROOT/working as the version's output and the
+log in Kaggle's format.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import psutil
 
@@ -98,6 +101,55 @@ def kill_tree(pid: int) -> None:
         except psutil.NoSuchProcess:
             pass
     psutil.wait_procs(procs, timeout=5)
+
+
+class Notebook(Protocol):
+    """A session's running notebook as the runner watches it (a process, or local.NotebookThread)."""
+
+    @property
+    def pid(self) -> int | None: ...  # the leader of the notebook's process group, once it has started
+
+    def poll(self) -> int | None: ...  # the exit code once it has ended, 0 when every cell ran
+
+    def wait(self) -> int: ...
+
+    def kill(self) -> None: ...  # SIGKILL the whole tree (now, or as soon as it starts)
+
+
+# start_notebook(notebook, root, env, log_jsonl, stdout, stderr): the notebook runs with ROOT/working as its
+# working dir, in exactly `env`; its streams go to stdout and stderr (its error as stderr's last line), its
+# log entries ({"stream_name", "time", "data"}, one JSON line each) to log_jsonl.
+StartNotebook = Callable[[Path, Path, dict[str, str], Path, Path, Path], Notebook]
+
+
+class _Process:
+    """The default executor: `python -m kchain.local run` in a process group of its own; it dies whole."""
+
+    def __init__(self, proc: subprocess.Popen[bytes]) -> None:
+        self.proc = proc
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid
+
+    def poll(self) -> int | None:
+        return self.proc.poll()
+
+    def wait(self) -> int:
+        return self.proc.wait()
+
+    def kill(self) -> None:
+        kill_tree(self.proc.pid)
+
+
+def start_process(notebook: Path, root: Path, env: dict[str, str], log_jsonl: Path, stdout: Path,
+                  stderr: Path) -> Notebook:
+    with open(stdout, "wb") as out, open(stderr, "wb") as err:
+        return _Process(subprocess.Popen(
+            [sys.executable, "-m", "kchain.local", "run", str(notebook), "--root", str(root),
+             "--log-jsonl", str(log_jsonl)],
+            cwd=root / layout.WORKING_DIR, env=env, stdout=out, stderr=err, stdin=subprocess.DEVNULL,
+            start_new_session=True))
 
 
 def _kill_training(pid: int) -> None:
@@ -197,14 +249,14 @@ class SessionRunner:
     """Starts, watches and finishes sessions; owned by the Emulator."""
 
     def __init__(self, store: Store, proxy_url: Callable[[], str], closed_proxy_url: str,
-                 python: str = sys.executable) -> None:
+                 start_notebook: StartNotebook = start_process) -> None:
         self.store = store
         self.proxy_url = proxy_url
         self.closed_proxy_url = closed_proxy_url
-        self.python = python
+        self.start_notebook = start_notebook
         self.secret_tokens: dict[str, tuple[str, str]] = {}  # per-session secrets token -> (user, kernel ref)
         self._threads: dict[str, threading.Thread] = {}
-        self._procs: dict[str, subprocess.Popen[bytes]] = {}
+        self._procs: dict[str, Notebook] = {}
         self._cancels: dict[str, str] = {}  # session id -> who cancelled it
         self._expired: set[str] = set()  # sessions whose time limit a test declared reached
         self._mount_now: dict[str, threading.Event] = {}  # per session: its lagging mounts arrive now
@@ -246,8 +298,10 @@ class SessionRunner:
         self._stopping.set()
         for now in list(self._mount_now.values()):
             now.set()  # a lagging mount's thread sees the stop and mounts nothing
-        for proc in list(self._procs.values()):
-            kill_tree(proc.pid)
+        procs = list(self._procs.values())
+        for proc in procs:
+            proc.kill()
+        for proc in procs:
             proc.wait()  # reap it: a killed child left unwaited is a zombie and a ResourceWarning
         for thread in list(self._threads.values()):
             thread.join(timeout=10)
@@ -384,7 +438,7 @@ class SessionRunner:
         proc = self._launch(session_id, session, sdir, root) if time.time() < deadline else None
         killed_by = reason if proc is None else self._watch(session_id, proc, deadline, reason, limit_reason)
         if proc is not None:
-            kill_tree(proc.pid)  # stray grandchildren of a finished notebook die with the session
+            proc.kill()  # stray grandchildren of a finished notebook die with the session
         if killed_by == RUNNER_CRASHED and session.get("crashed_runner") == "running":
             self._wedged(session_id)
         if self._stopping.is_set():
@@ -396,34 +450,37 @@ class SessionRunner:
         self._capture(sdir, root, lose)
         if killed_by is not None:
             status, message = "ERROR", killed_by
-        elif proc is not None and proc.returncode == 0:
+        elif proc is not None and proc.poll() == 0:
             status, message = "COMPLETE", ""
         else:
             lines = [ln for ln in (sdir / "stderr.txt").read_text(errors="replace").splitlines() if ln.strip()]
-            status, message = "ERROR", (lines[-1].strip() if lines else f"exit code {proc and proc.returncode}")
+            status, message = "ERROR", (lines[-1].strip() if lines else f"exit code {proc and proc.poll()}")
         self._update(session_id, status=status, failure_message=message, ended=time.time(),
-                     returncode=proc.returncode if proc else None, output_lost=lose, **_resumed(sdir))
+                     returncode=proc.poll() if proc else None, output_lost=lose, **_resumed(sdir))
 
-    def _launch(self, session_id: str, session: dict[str, Any], sdir: Path, root: Path) -> subprocess.Popen[bytes]:
+    def _launch(self, session_id: str, session: dict[str, Any], sdir: Path, root: Path) -> Notebook:
         """Start the notebook's process tree in its own process group (its first cell runs now)."""
         notebook = sdir / "kernel.ipynb"
         notebook.write_text(_as_notebook((sdir / "source").read_text(encoding="utf-8"), session["kernel_type"]))
         env = self._env(session, self.store.kernels.get(session["kernel"], {}), sdir, root)  # {}: just deleted
-        with open(sdir / "stdout.txt", "wb") as out, open(sdir / "stderr.txt", "wb") as err:
-            proc = subprocess.Popen(
-                [self.python, "-m", "kchain.local", "run", str(notebook), "--root", str(root),
-                 "--log-jsonl", str(sdir / "log.jsonl")],
-                cwd=root / layout.WORKING_DIR, env=env, stdout=out, stderr=err, stdin=subprocess.DEVNULL,
-                start_new_session=True)
+        proc = self.start_notebook(notebook, root, env, sdir / "log.jsonl", sdir / "stdout.txt", sdir / "stderr.txt")
         self._procs[session_id] = proc
-        try:
-            created = psutil.Process(proc.pid).create_time()
-        except psutil.NoSuchProcess:
-            created = None
-        self._update(session_id, pid=proc.pid, pid_created=created, first_cell=time.time())
+        self._update(session_id, first_cell=time.time())
+        self._record_pid(session_id, proc.pid)
         return proc
 
-    def _watch(self, session_id: str, proc: subprocess.Popen[bytes], deadline: float, reason: str,
+    def _record_pid(self, session_id: str, pid: int | None) -> bool:
+        """The session's process-group leader in its record (reap_orphans, tests); False until it has one."""
+        if pid is None:
+            return False
+        try:
+            created = psutil.Process(pid).create_time()
+        except psutil.NoSuchProcess:
+            created = None
+        self._update(session_id, pid=pid, pid_created=created)
+        return True
+
+    def _watch(self, session_id: str, proc: Notebook, deadline: float, reason: str,
                limit_reason: str) -> str | None:
         """Wait for the process; kill its tree at the deadline, on a marker fault, an expiry or a cancel.
         Returns why it was killed, or None if it ended by itself (or the emulator is stopping)."""
@@ -432,9 +489,11 @@ class SessionRunner:
         log_jsonl = self.store.session_dir(session_id) / "log.jsonl"
         root = self.store.session_dir(session_id) / "root"
         resumed = _attached_state_step(root / layout.INPUT_DIR) if session.get("kill_after_checkpoint") else None
+        recorded = "pid" in self.store.session(session_id)
         while proc.poll() is None:
+            recorded = recorded or self._record_pid(session_id, proc.pid)
             if self._stopping.is_set():  # stop() may have looked at the live sessions before this one started
-                kill_tree(proc.pid)
+                proc.kill()
                 proc.wait()
                 return None
             text = log_jsonl.read_text(errors="replace") if (marker or crash) and log_jsonl.exists() else ""
@@ -445,7 +504,7 @@ class SessionRunner:
             if resumed is not None:  # a state mounted late (mount_lag_s) is the one the session resumes from
                 resumed = max(resumed, _attached_state_step(root / layout.INPUT_DIR))
             saved = _new_checkpoint(root, resumed) if resumed is not None else None
-            if saved is not None and session.get("kill_training_only"):
+            if saved is not None and session.get("kill_training_only") and proc.pid is not None:
                 _kill_training(proc.pid)  # the notebook lives on: it reports the death, publishes, pushes
                 self._update(session_id, training_killed=saved, training_killed_at=time.time())
                 resumed = None
@@ -454,7 +513,7 @@ class SessionRunner:
             if session_id in self._expired:
                 deadline, reason = time.time(), limit_reason
             if time.time() >= deadline or session_id in self._cancels:
-                kill_tree(proc.pid)
+                proc.kill()
                 proc.wait()
                 return reason
             time.sleep(0.05)

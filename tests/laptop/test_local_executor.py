@@ -4,6 +4,7 @@ interpreter's ipykernel whatever kernelspecs the machine holds."""
 from __future__ import annotations
 
 import asyncio
+import atexit
 import json
 import os
 import sys
@@ -12,6 +13,7 @@ import threading
 from pathlib import Path
 
 import nbformat
+from nbclient import NotebookClient
 
 from kchain import local
 from kchain.local import SOCKET_PATH_MAX, execute_notebook
@@ -129,3 +131,51 @@ def test_the_kernel_is_ipykernels_launcher_less_its_debugger(tmp_path, monkeypat
     assert ours[3] is False and launcher[3] is True  # ipykernel's own launcher loads debugpy as it starts
     assert ours[:3] + ours[4:] == launcher[:3] + launcher[4:]
     assert Path(ours[0]).name == "ipykernel_launcher.py" and ours[1] == "-f" and ours[4] == "debugpy"
+
+
+def test_a_notebook_thread_killed_before_its_kernel_started_kills_the_kernel_as_it_starts(tmp_path, monkeypatch):
+    # A session killed at its first moment (a deadline, a cancel, the emulator stopping): the kill comes before
+    # the kernel's pid is known, so the kernel dies as soon as it has started, and the thread ends.
+    left: list = []  # exit-time callbacks registered and not unregistered since (still registered for real)
+    register, unregister = atexit.register, atexit.unregister
+
+    def track(func, *args, **kwargs):
+        left.append(func)
+        return register(func, *args, **kwargs)
+
+    def untrack(func) -> None:
+        left[:] = [f for f in left if f != func]
+        unregister(func)
+
+    monkeypatch.setattr(atexit, "register", track)
+    monkeypatch.setattr(atexit, "unregister", untrack)
+    run = local.NotebookThread(notebook(tmp_path / "nb.ipynb"), tmp_path / "root", dict(os.environ)).start()
+    run.kill()
+    assert run.wait() == 1 and run.error  # no cell ran to its end
+    assert run.pid is not None and not _alive(run.pid)
+    # nbclient's exit-time cleanup of that kernel is not left behind, to fail at this process's exit
+    assert not [f for f in left if isinstance(getattr(f, "__self__", None), NotebookClient)]
+
+
+def test_a_session_on_a_thread_writes_its_streams_its_log_entries_and_its_error(tmp_path):
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(
+        "import sys\nprint('out line')\nprint('err line', file=sys.stderr)\nraise ValueError('wrong shape')")])
+    for cell in nb.cells:
+        del cell["id"]  # as a notebook written by hand or by an older tool: nbformat would warn, an error here
+    (tmp_path / "nb.ipynb").write_text(json.dumps(nb))
+    files = [tmp_path / name for name in ("log.jsonl", "stdout.txt", "stderr.txt")]
+    run = local.start_session(tmp_path / "nb.ipynb", tmp_path / "root", dict(os.environ), *files)
+    assert run.wait() == 1
+    entries = [json.loads(line) for line in files[0].read_text().splitlines()]
+    assert [(e["stream_name"], e["data"]) for e in entries[:2]] == [("stdout", "out line\n"), ("stderr", "err line\n")]
+    assert files[1].read_text() == "out line\n"
+    assert files[2].read_text().splitlines()[-1] == "ValueError: wrong shape"  # where a session's failure is read
+
+
+def _alive(pid: int) -> bool:
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False

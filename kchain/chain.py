@@ -414,6 +414,11 @@ def continue_chain(job_file: Path, retry: bool = False, force: bool = False, ski
                                from_state=from_state)
 
 
+# A wait that has not changed is echoed again only after this long: a rehearsal polls every 2 s, and a
+# session that runs for minutes was a page of the same line; a watch still says it is alive each minute.
+SAY_AGAIN_S = 60.0
+
+
 def watch(job: Job, ledger: Ledger, client: KaggleClient, retry: bool = False, force: bool = False,
           skip_smoke: bool = False, echo: Echo = print, poll_s: float = 30.0, max_poll_s: float = 300.0,
           before_each: Callable[[int], None] | None = None, max_failures: int = 8,
@@ -426,10 +431,12 @@ def watch(job: Job, ledger: Ledger, client: KaggleClient, retry: bool = False, f
     step is safe to repeat (pushes and uploads check Kaggle's versions first). A running session that
     goes stale (sessions.StaleRule; `stale` overrides the job's) ends the watch, naming `kchain stop
     --delete`; with delete_stale its kernel is deleted (when the chain's state is safe) and the watch goes on.
-    Every decision is echoed as it comes, the last one too; notify hears of each session that ended and
+    Every decision is echoed as it comes, the last one too (a wait once, then again only when it changed or
+    SAY_AGAIN_S later); notify hears of each session that ended and
     of the end (kchain/notify.py)."""
     delay = poll_s
     failures = 0
+    said, said_at = "", 0.0  # the last wait echoed, and when
     while True:
         if before_each is not None:
             before_each(len(ledger.sessions(job.name)) + 1)
@@ -458,7 +465,9 @@ def watch(job: Job, ledger: Ledger, client: KaggleClient, retry: bool = False, f
             notify(SESSION_ENDED, f"session {ended} ended; {decision.message}", ended)
             delay = poll_s
         else:
-            echo(f"[{time.strftime('%H:%M:%S')}] {decision.message}")
+            if decision.message != said or time.monotonic() - said_at >= SAY_AGAIN_S:
+                echo(f"[{time.strftime('%H:%M:%S')}] {decision.message}")
+                said, said_at = decision.message, time.monotonic()
             delay = min(delay * 1.5, max_poll_s)
             if decision.action == "running" and decision.record is not None and _stale_session(
                     job, ledger, client, decision.record, stale or StaleRule.for_job(job), delete_stale, echo):

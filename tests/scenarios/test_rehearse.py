@@ -10,6 +10,7 @@ clock, so nothing here races the machine; the explicit-save loop caps its own sp
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import threading
 from pathlib import Path
@@ -108,6 +109,8 @@ def test_two_ranks_as_on_kaggle_in_the_sessions_and_the_reference(tmp_path, monk
     assert "2 ranks per session and in the uninterrupted run, as on Kaggle" in lines[0]
     assert any("GPU T4 x2, 2 ranks" in line for line in lines)
     assert "[kchain] launching 2 ranks (" in (result.work / "reference.log").read_text()
+    waits = [line[11:] for line in lines if re.match(r"\[\d\d:\d\d:\d\d\] ", line)]
+    assert waits and all(a != b for a, b in zip(waits, waits[1:], strict=False)), waits  # said once, not at every poll
     ledger = Ledger(result.work / "ledger")
     for record in result.sessions:
         log = (ledger.root / "sessions" / record["kernel"].split("/")[1] / str(record["session"]) / "log.json")

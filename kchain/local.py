@@ -301,10 +301,12 @@ class SessionLog:
             self.jsonl.write(json.dumps(entry) + "\n")
             self.jsonl.flush()
 
-    def failed(self, error: str) -> None:
-        """The notebook's error (`Class: first line`) as its stderr's last line, where a session's failure is read."""
-        self.err.write(f"{error}\n")
-        self.err.flush()
+    def ended(self, error: str | None) -> None:
+        """The notebook's error (`Class: first line`), if any, as its stderr's last line, where a session's
+        failure is read."""
+        if error is not None:
+            self.err.write(f"{error}\n")
+            self.err.flush()
 
 
 class NotebookThread:
@@ -356,10 +358,6 @@ class NotebookThread:
         if pid is not None:
             kill_tree(pid)
 
-    @property
-    def alive(self) -> bool:
-        return self._thread.is_alive()
-
     def poll(self) -> int | None:
         return None if self._thread.is_alive() else self.returncode
 
@@ -377,8 +375,7 @@ def start_session(notebook: Path, root: Path, env: Mapping[str, str], log_jsonl:
     log = SessionLog(*files)
 
     def end(error: str | None) -> None:
-        if error is not None:
-            log.failed(error)
+        log.ended(error)
         for f in files:
             f.close()
 
@@ -402,10 +399,8 @@ def _cli(argv: list[str] | None = None) -> int:
     finally:
         if log_file is not None:
             log_file.close()
-    if not result.ok:
-        log.failed(str(result.error))
-        return 1
-    return 0
+    log.ended(result.error)
+    return 0 if result.ok else 1
 
 
 if __name__ == "__main__":

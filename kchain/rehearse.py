@@ -210,12 +210,7 @@ def _run_reference(job: Job, root: Path, sources: dict[tuple[str, str, str], Pat
     notebook = root.parent / "reference-kernel" / rendered.notebook_file
     with open(root.parent / "reference.log", "w") as log:
         output = SessionLog(log, log)
-
-        def end(error: str | None) -> None:
-            if error is not None:
-                output.failed(error)
-
-        run = NotebookThread(notebook, root, env, on_output=output, on_end=end, name="rehearse-reference")
+        run = NotebookThread(notebook, root, env, on_output=output, on_end=output.ended, name="rehearse-reference")
         started(run)
         code = run.start().wait()
     if code != 0:

@@ -144,6 +144,7 @@ class _Process:
 
 def start_process(notebook: Path, root: Path, env: dict[str, str], log_jsonl: Path, stdout: Path,
                   stderr: Path) -> Notebook:
+    """The emulator's own executor (no laptop module imported): a process per session."""
     with open(stdout, "wb") as out, open(stderr, "wb") as err:
         return _Process(subprocess.Popen(
             [sys.executable, "-m", "kchain.local", "run", str(notebook), "--root", str(root),

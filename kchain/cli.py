@@ -410,16 +410,27 @@ def plot(job: Path, out: Path | None) -> None:
     click.echo(f"wrote {plot_for(job, out)}")
 
 
+def _chosen(best: bool, final: bool, step: int | None = None) -> str:
+    """--best, --final or --step N: at most one of them, a usage error naming them otherwise (as flag_value
+    options sharing one name, the last given would win silently); --final when none is given."""
+    given = [flag for flag, on in (("--best", best), ("--final", final), ("--step", step is not None)) if on]
+    if len(given) > 1:
+        raise click.UsageError(f"{', '.join(given[:-1])} and {given[-1]} cannot be given together: choose one",
+                               click.get_current_context())
+    return "best" if best else "step" if step is not None else "final"
+
+
 @cli.command()
 @JOB
-@click.option("--best", "which", flag_value="best", help="The kept best checkpoint's weights (train.keep_best).")
-@click.option("--final", "which", flag_value="final", default=True, help="The finished chain's final weights (default).")
+@click.option("--best", is_flag=True, help="The kept best checkpoint's weights (train.keep_best).")
+@click.option("--final", is_flag=True, help="The finished chain's final weights (default).")
 @click.option("--step", type=click.IntRange(min=0), default=None, metavar="N", help="The weights of step N, if kept.")
 @click.option("-o", "--out", type=click.Path(path_type=Path), default=None,
-              help="Folder to write (default: <name>-best, -final or -step-N beside the job file).")
+              help="Folder to write (default: <name>-best, -final or -step-N beside the job file): a new one, or "
+                   "one an earlier pull wrote.")
 @click.option("--logs", is_flag=True, help="The chain's TensorBoard run instead of the weights (run.tensorboard_dir).")
-@click.option("--force", is_flag=True, help="Replace a folder that is not empty.")
-def pull(job: Path, which: str, step: int | None, logs: bool, out: Path | None, force: bool) -> None:
+@click.option("--force", is_flag=True, help="Replace an earlier pull's folder (never a job's folder or other files).")
+def pull(job: Path, best: bool, final: bool, step: int | None, logs: bool, out: Path | None, force: bool) -> None:
     """Bring the chain's weights home from its newest state version, verified, as a plain folder:
     model.safetensors, metrics.json, and (--final) what the last session wrote under run.export_dir.
 
@@ -431,8 +442,9 @@ def pull(job: Path, which: str, step: int | None, logs: bool, out: Path | None, 
     """
     from kchain.pull import Want, pull_for, pull_logs
 
+    which = _chosen(best, final, step)
     lines = pull_logs(job, out, force, click.echo) if logs else \
-        pull_for(job, Want("step", step) if step is not None else Want(which), out, force, click.echo)
+        pull_for(job, Want(which, step), out, force, click.echo)
     for line in lines:
         click.echo(line)
 
@@ -464,13 +476,14 @@ def sync(job: Path, to: str, folder: Path | None) -> None:
 
 @cli.command()
 @JOB
-@click.option("--best", "which", flag_value="best", help="Release the kept best checkpoint's weights.")
-@click.option("--final", "which", flag_value="final", default=True, help="Release the final weights (default).")
+@click.option("--best", is_flag=True, help="Release the kept best checkpoint's weights.")
+@click.option("--final", is_flag=True, help="Release the final weights (default).")
 @click.option("--model", default=None, metavar="OWNER/MODEL/FRAMEWORK/VARIATION", help="The Kaggle Model variation.")
 @click.option("--dataset", default=None, metavar="OWNER/SLUG", help="A dataset instead of a model.")
 @click.option("--public", is_flag=True, help="Make a new model public (default: private).")
 @click.option("--license", "license_name", default="Apache 2.0", show_default=True, help="A new variation's licence.")
-def release(job: Path, which: str, model: str | None, dataset: str | None, public: bool, license_name: str) -> None:
+def release(job: Path, best: bool, final: bool, model: str | None, dataset: str | None, public: bool,
+            license_name: str) -> None:
     """Publish the pulled weights (model.safetensors, metrics.json, export/) as a new Kaggle Model
     version, sent exactly once, with a card in its description; prints the model_sources line.
 
@@ -482,7 +495,7 @@ def release(job: Path, which: str, model: str | None, dataset: str | None, publi
     from kchain.pull import Want
     from kchain.release import release as run_release
 
-    for line in run_release(job, Want(which), model, dataset, public, license_name, click.echo):
+    for line in run_release(job, Want(_chosen(best, final)), model, dataset, public, license_name, click.echo):
         click.echo(line)
 
 

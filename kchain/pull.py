@@ -16,6 +16,12 @@ The folder written:
                                several are tracked); state_dict.pt when safetensors cannot hold a dtype
     metrics.json               step, the metric values at that step, sessions, GPU-hours, fingerprint
     export/                    what the finishing session wrote under run.export_dir (--final)
+    .kchain-pull.json          kchain's mark: the files this pull wrote (what a later --force may replace)
+
+Nothing kchain did not write is ever deleted: `-o` is a new or empty folder, or one a pull wrote before
+(its mark names every file in it), which `--force` replaces. A folder holding a job (job.yaml), a ledger
+(.kchain/) or any other file, and a plain file, are refused in one line naming them, --force or not.
+The scratch folder is `.tmp-pull-<pid>-...` beside the target; a pull removes those whose process is gone.
 """
 
 from __future__ import annotations
@@ -29,7 +35,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kchain.common import eventfiles, layout, summary
+import kchain
+from kchain.common import atomic, eventfiles, layout, summary
 from kchain.common.checkpoint_files import (
     ATTACHED_KEY,
     BEST_KEY,
@@ -53,6 +60,10 @@ METRICS_FILE = "metrics.json"
 EXPORT_SUBDIR = "export"
 SAFETENSORS_FILE = "model.safetensors"
 TORCH_FILE = "state_dict.pt"
+PULL_MARK = ".kchain-pull.json"  # in every folder a pull writes: the files it wrote
+JOB_MARKS = ("job.yaml", ".kchain")  # a job's folder and its ledger: never replaced
+SCRATCH = f"{layout.TMP_PREFIX}pull-"  # + the pulling process's id: a folder being written beside the target
+SHOWN = 5  # offending names a refusal lists before "and N more"
 
 
 @dataclass(frozen=True)
@@ -109,6 +120,7 @@ def begin(job_file: Path, out: Path | None, label: str, force: bool, client: Kag
     job = load_job(job_file)
     out = Path(out) if out is not None else job.path.parent / f"{job.name}-{label}"
     _check_out(out, force)
+    _clear_scratch(out)
     client = client or KaggleClient()
     ref, version = _newest_state(job_file, job, client, echo)
     return job, out, client, ref, version, _scratch_beside(out)
@@ -124,15 +136,100 @@ def _newest_state(job_file: Path, job: Job, client: KaggleClient, echo: Echo) ->
 
 
 def _scratch_beside(out: Path) -> Path:
-    """A `.tmp-` folder beside `out` (the same disk): the pull is written there, then renamed into place."""
+    """A `.tmp-pull-<pid>-` folder beside `out` (the same disk): the pull is written there, then renamed into
+    place. The process id tells a later pull whether the folder is still being written."""
     out.parent.mkdir(parents=True, exist_ok=True)
-    return Path(tempfile.mkdtemp(prefix=f"{layout.TMP_PREFIX}pull-{out.name}-", dir=out.parent))
+    return Path(tempfile.mkdtemp(prefix=f"{SCRATCH}{os.getpid()}-{out.name}-", dir=out.parent))
+
+
+def _clear_scratch(out: Path) -> None:
+    """The scratch folders beside `out` that killed pulls left (`.tmp-pull-<pid>-*` whose process is gone)."""
+    try:
+        entries = list(out.parent.iterdir())
+    except OSError:  # no folder there yet: nothing left in it
+        return
+    for entry in entries:
+        pid = entry.name.removeprefix(SCRATCH).split("-")[0]
+        if entry.name.startswith(SCRATCH) and pid.isdigit() and entry.is_dir() and not entry.is_symlink() \
+                and not _alive(int(pid)):
+            shutil.rmtree(entry, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    """Whether a process `pid` runs on this machine (another user's counts: its folder is not ours to take)."""
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _check_out(out: Path, force: bool) -> None:
-    """Never over a folder that holds something, unless --force (checked before any download)."""
-    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not force:
+    """`-o` is a new or empty folder, or one a pull wrote before (--force replaces it); anything else is
+    refused in one line naming what it holds (checked before any download, and again before the rename)."""
+    if not out.exists() and not out.is_symlink():
+        return
+    if not out.is_dir() or out.is_symlink():
+        what = "a link" if out.is_symlink() else "a file"
+        raise KchainError(f"{out} is {what}, not a folder: a pull never replaces it, --force or not; -o a new "
+                          "folder (or one an earlier pull wrote)")
+    if not any(out.iterdir()):
+        return
+    if any((out / name).exists() or (out / name).is_symlink() for name in JOB_MARKS):
+        raise KchainError(f"{out} is a job's folder ({_names(_foreign(out, set()))}): a pull never writes over a job "
+                          "or its ledger, --force or not; -o a new folder")
+    written = _written(out)
+    if written is None:
+        raise KchainError(f"{out} was not written by kchain pull ({_names(_foreign(out, set()))}): --force replaces "
+                          "only a pull's own folder; -o a new folder")
+    foreign = _foreign(out, written)
+    if foreign:
+        raise KchainError(f"{out} holds files kchain pull did not write ({_names(foreign)}): --force replaces only "
+                          "a folder holding nothing else; move them out, or -o a new folder")
+    if not force:
         raise KchainError(f"{out} exists and is not empty: pass --force to replace it, or -o another folder")
+
+
+def _written(out: Path) -> set[str] | None:
+    """The files an earlier pull wrote in `out`, from its mark; None when `out` carries no readable mark."""
+    try:
+        files = json.loads((out / PULL_MARK).read_text()).get("files")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return {str(f) for f in files} if isinstance(files, list) else None
+
+
+def _foreign(out: Path, written: set[str]) -> list[str]:
+    """What `out` holds beyond `written` and the mark: files by their path, a folder no written file is
+    in by its name and a slash (not walked), links never followed; a job's marks first, then sorted."""
+    folders = {parent.as_posix() for rel in written for parent in Path(rel).parents if parent != Path(".")}
+    found: list[str] = []
+    for root, dirs, files in os.walk(out):
+        here = Path(root).relative_to(out)
+        for name in sorted(dirs):
+            rel = (here / name).as_posix()
+            if rel not in folders or (Path(root) / name).is_symlink():
+                found.append(rel + "/")
+                dirs.remove(name)
+        found += [rel for rel in ((here / name).as_posix() for name in files) if rel not in written | {PULL_MARK}]
+    return sorted(found, key=lambda rel: (rel.rstrip("/") not in JOB_MARKS, rel))
+
+
+def _names(names: list[str]) -> str:
+    """The first few names, then how many more."""
+    shown = ", ".join(names[:SHOWN])
+    return shown + (f" and {len(names) - SHOWN} more" if len(names) > SHOWN else "")
+
+
+def _mark(folder: Path, ref: str, version: int) -> None:
+    """The mark of a folder a pull wrote: every file in it, so that a later --force replaces only those."""
+    files = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file())
+    atomic.write_json(folder / PULL_MARK, {"written_by": f"kchain {kchain.__version__} pull",
+                                           "state": f"{ref}/{version}", "files": files})
 
 
 def pull(job_file: Path, want: Want, out: Path | None = None, force: bool = False, echo: Echo = print,
@@ -168,7 +265,8 @@ def pull(job_file: Path, want: Want, out: Path | None = None, force: bool = Fals
         metrics = describe(job, manifest, raw / (prefix + layout.METRICS), ended, marker, ref, version, want, weights)
         (folder / METRICS_FILE).write_text(json.dumps(metrics, indent=2, sort_keys=True) + "\n")
         fetched = sum(p.stat().st_size for p in raw.rglob("*") if p.is_file())
-        _replace(folder, out, work)
+        _mark(folder, ref, version)
+        _replace(folder, out, work, force)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return Pulled(out, ref, weights, int(manifest["step"]), version, fetched, note)
@@ -196,7 +294,8 @@ def pull_logs(job_file: Path, out: Path | None = None, force: bool = False, echo
             raise KchainError(f"{ref} version {version}: {e}; pull again (a download cut short)") from None
         eventfiles.state_dir(raw, work / "out")
         fetched = sum((raw / flat).stat().st_size for flat in names)
-        _replace(work / "out", out, work)
+        _mark(work / "out", ref, version)
+        _replace(work / "out", out, work, force)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return [f"pulled the TensorBoard log of step {manifest.get('step')} from {ref} version {version} "
@@ -245,8 +344,10 @@ def choose(job_file: Path, want: Want, marker: dict, ended: summary.Summary | No
                       "(train.keep)")
 
 
-def _replace(folder: Path, out: Path, work: Path) -> None:
-    """The finished folder renamed into place: an existing one (--force) set aside first, then removed."""
+def _replace(folder: Path, out: Path, work: Path, force: bool) -> None:
+    """The finished folder renamed into place: an existing one (an empty folder, or an earlier pull's with
+    --force, checked again now: the download took a while) set aside first, then removed."""
+    _check_out(out, force)
     aside = None
     if out.exists():
         aside = work / "replaced"

@@ -25,7 +25,7 @@ from kchain.common.statefolder import write_dataset_metadata
 from kchain.datasets import ensure_dataset, new_version
 from kchain.errors import KaggleError, KchainError
 from kchain.kaggle_api import KaggleClient, lost_answer, missing
-from kchain.pull import METRICS_FILE, Want, pull
+from kchain.pull import METRICS_FILE, PULL_MARK, Want, pull
 from kchain.spec import MODEL_SLUG_RE, OWNER_RE, SLUG_RE
 
 Echo = Callable[[str], None]
@@ -98,7 +98,8 @@ def release(job_file: Path, want: Want, model: str | None, dataset: str | None, 
     work = Path(tempfile.mkdtemp(prefix="kchain-release-"))
     try:
         folder = work / "release"
-        pulled = pull(job_file, want, folder, force=True, echo=echo, client=client)
+        pulled = pull(job_file, want, folder, echo=echo, client=client)
+        (folder / PULL_MARK).unlink()  # the laptop's note of what a pull wrote, not part of the release
         metrics = json.loads((folder / METRICS_FILE).read_text())
         if target is not None:
             number = _publish_model(client, target, folder, card(metrics, target.model), public, license_name, echo)

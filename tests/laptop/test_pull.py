@@ -9,6 +9,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 from emulator_helpers import USER, emulator, kaggle_api, wait_dataset_ready  # noqa: F401  (fixtures)
+from helpers import error_line, invoke
 from safetensors.torch import load_file
 
 from kchain.cli import cli
@@ -190,3 +191,70 @@ def test_pull_logs_of_a_chain_that_logged_nothing_to_tensorboard_is_one_line(emu
     assert result.exit_code == 1
     assert result.output.startswith(f"Error: {job}: alice/pulljob-state version 1 holds no TensorBoard log: ")
     assert not (tmp_path / "runs").exists()
+
+
+def test_pull_never_deletes_what_it_did_not_write(emulator, kaggle_api, tmp_path):  # noqa: F811
+    """`-o` over a job's folder, a plain file, someone else's folder or a pull's folder with a file added is
+    refused, --force or not, naming what is there; a pull's own folder is replaced; dead pulls' scratch goes."""
+    import os
+    import subprocess
+
+    job = job_file(tmp_path)
+    publish_state(kaggle_api, tmp_path, summary.Status.FINISHED)
+    folder = job.parent
+    (folder / "notes.md").write_text("ideas\n")
+    (folder / ".kchain").mkdir()
+    (folder / ".kchain" / "sessions.json").write_text("[]\n")
+    before = {p: p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+    result = invoke("pull", job, "--best", "-o", folder, "--force")
+    assert result.exit_code == 1
+    assert error_line(result) == f"Error: {folder} is a job's folder (.kchain/, job.yaml, notes.md, train.py): a pull " \
+                                 "never writes over a job or its ledger, --force or not; -o a new folder"
+    assert {p: p.read_bytes() for p in folder.rglob("*") if p.is_file()} == before
+
+    plain = tmp_path / "weights.bin"
+    plain.write_text("mine\n")
+    result = invoke("pull", job, "--best", "-o", plain, "--force")
+    assert error_line(result) == f"Error: {plain} is a file, not a folder: a pull never replaces it, --force or not; " \
+                                 "-o a new folder (or one an earlier pull wrote)"
+    assert plain.read_text() == "mine\n"
+
+    theirs = tmp_path / "theirs"
+    (theirs / "sub").mkdir(parents=True)
+    for name in "abcdef":
+        (theirs / f"{name}.txt").write_text(name)
+    result = invoke("pull", job, "--best", "-o", theirs, "--force")
+    assert error_line(result) == f"Error: {theirs} was not written by kchain pull (a.txt, b.txt, c.txt, d.txt, e.txt " \
+                                 "and 2 more): --force replaces only a pull's own folder; -o a new folder"
+    assert len(list(theirs.iterdir())) == 7
+
+    # A pull's own folder, with a file added, is refused; without it, --force replaces it. Scratch folders of
+    # dead pulls beside it are removed; a live pull's (this process's) and others' are not.
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    stale, live, other = (tmp_path / f".tmp-pull-{dead.pid}-best-x1", tmp_path / f".tmp-pull-{os.getpid()}-best-x2",
+                          tmp_path / ".tmp-other")
+    for scratch in (stale, live, other):
+        (scratch / "fetched").mkdir(parents=True)
+    best = tmp_path / "best"
+    assert invoke("pull", job, "--best", "-o", best).exit_code == 0
+    assert not stale.exists() and live.exists() and other.exists()
+    mark = json.loads((best / ".kchain-pull.json").read_text())
+    assert mark["files"] == ["metrics.json", "model.safetensors"] and mark["state"] == f"{USER}/{NAME}-state/1"
+    (best / "notes.md").write_text("mine\n")
+    result = invoke("pull", job, "--best", "-o", best, "--force")
+    assert error_line(result) == f"Error: {best} holds files kchain pull did not write (notes.md): --force replaces " \
+                                 "only a folder holding nothing else; move them out, or -o a new folder"
+    assert (best / "notes.md").read_text() == "mine\n"
+    (best / "notes.md").unlink()
+    assert invoke("pull", job, "--final", "-o", best, "--force").exit_code == 0
+    assert json.loads((best / "metrics.json").read_text())["step"] == 8 and (best / "export" / "config.json").is_file()
+
+
+@pytest.mark.parametrize(("flags", "named"), [(("--best", "--final"), "--best and --final"),
+                                              (("--best", "--step", "4"), "--best and --step"),
+                                              (("--final", "--step", "4"), "--final and --step")])
+def test_conflicting_choices_of_weights_are_a_usage_error_naming_both(tmp_path, flags, named):
+    result = invoke("pull", job_file(tmp_path), *flags)
+    assert result.exit_code == 2
+    assert error_line(result) == f"Error: {named} cannot be given together: choose one"

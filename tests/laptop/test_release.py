@@ -82,3 +82,9 @@ def test_a_new_version_is_not_mountable_while_processed_and_a_missing_model_read
     instance = f"{USER}/slow-model/pytorch/default"
     assert emulator.model_versions(instance) == [1] and client.model_versions(instance) == []
     assert model_problem(client, f"{instance}/1") is not None  # a push would list it as an invalid source
+
+
+def test_best_and_final_together_are_a_usage_error_naming_both(tmp_path):
+    result = CliRunner().invoke(cli, ["release", str(job_file(tmp_path)), "--best", "--final", "--model", INSTANCE])
+    assert result.exit_code == 2
+    assert result.output.splitlines()[-1] == "Error: --best and --final cannot be given together: choose one"

@@ -7,6 +7,8 @@ compares the two sides with what this module finds:
 
 - `imported(files)`: the top-level names the job's code imports that are not its own, the standard
   library's or kchain's, read from the code (nothing is imported);
+- `sources(files)`: each Python source of the code parsed, under the name messages give it (a notebook's
+  cells one by one), what `imported` and codecheck.py read;
 - `distribution(module)`: the distribution that installs a module here (`pytorch_lightning` is
   `pytorch-lightning`), or the module's own name, normalised, when this laptop does not have it;
 - `extra(distribution)`: kchain's extra that installs it and the floor it asks for, read from kchain's
@@ -21,13 +23,16 @@ import ast
 import functools
 import re
 import sys
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from importlib import metadata
 
 from kchain.notebook_code import parse_python
 
 OWN = {"kchain", "__future__"}
+# The tuple of (name, code) a notebook made a module holds its cells in (notebook_code._module_text), as a
+# script that trains at module level holds its one: its code is in strings, not in the module's tree.
+CELLS = "_KCHAIN_CELLS"
 
 
 @dataclass(frozen=True)
@@ -46,6 +51,20 @@ def imported(files: dict[str, bytes]) -> list[str]:
     is skipped (render and the smoke say why)."""
     own = {name.removeprefix("code/").split("/")[0].removesuffix(".py") for name in files}
     found: set[str] = set()
+    for _, tree in sources(files):
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                found.update(alias.name.split(".")[0] for alias in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                found.add(node.module.split(".")[0])
+    return sorted(m for m in found if m not in own and m not in OWN and m not in sys.stdlib_module_names)
+
+
+def sources(files: dict[str, bytes]) -> Iterator[tuple[str, ast.Module]]:
+    """Each Python source of the payload's files, parsed: a .py file under its path in the code folder
+    (`train.py`), a notebook made a module (or a script that trains at module level) by each cell it runs,
+    under the name its traceback gives it (`train.ipynb, cell 3`; the script's own name), so line numbers
+    are the cell's. A source that does not parse is skipped (render and the smoke say why)."""
     for name, data in files.items():
         if not name.endswith(".py"):
             continue
@@ -53,12 +72,20 @@ def imported(files: dict[str, bytes]) -> list[str]:
             tree = parse_python(data.decode("utf-8", errors="replace"), name)
         except (SyntaxError, ValueError):
             continue
-        for node in ast.walk(tree):
-            if isinstance(node, ast.Import):
-                found.update(alias.name.split(".")[0] for alias in node.names)
-            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-                found.add(node.module.split(".")[0])
-    return sorted(m for m in found if m not in own and m not in OWN and m not in sys.stdlib_module_names)
+        cells = next((node.value for node in tree.body if isinstance(node, ast.Assign) and len(node.targets) == 1
+                      and isinstance(node.targets[0], ast.Name) and node.targets[0].id == CELLS), None)
+        if cells is None:
+            yield name.removeprefix("code/"), tree
+            continue
+        try:
+            made = ast.literal_eval(cells)
+        except ValueError:
+            continue
+        for cell, code in made:
+            try:
+                yield cell, parse_python(code, cell)
+            except (SyntaxError, ValueError):
+                continue
 
 
 def _normalise(name: str) -> str:

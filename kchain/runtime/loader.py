@@ -157,6 +157,29 @@ def _draw(source, seed: int, epoch: int) -> list:
                 holder.generator = own
 
 
+NOT_SHARDED = ("build the DataLoader without a DistributedSampler (e.g. timm's create_loader(..., "
+               "distributed=False))")
+
+
+def refuse_sharded(what: str, sampler, batch_sampler, fix: str = NOT_SHARDED) -> None:
+    """Refuse a sampler already sharded across ranks (torch's DistributedSampler; timm's, Hugging Face's
+    and any other with `num_replicas`), given as itself or as a batch_sampler's sampler: the Loader
+    shards each batch across the ranks itself, so each rank would read 1/N² of the data, and nothing
+    else would say so (timm's 2-rank loader: 10 updates an epoch in place of 20, smoke and rehearse passing).
+
+    `what` names what was passed, e.g. "run.loader(DataLoader)"; `fix` says what to pass instead."""
+    for where, source in (("sampler", sampler), ("batch_sampler's sampler", getattr(batch_sampler, "sampler", None)),
+                          ("batch_sampler", batch_sampler)):
+        n = getattr(source, "num_replicas", None) if source is not None else None
+        if n is not None:
+            # refused at 1 replica too: a smoke's one rank would pass the code that Kaggle's two shard twice
+            share = f"1/{n * n} of the data in place of 1/{n}" if isinstance(n, int) and n > 1 else \
+                "1/N² of the data in place of 1/N (N ranks)"
+            raise TypeError(f"{what}: its {where} is a {type(source).__name__} (num_replicas={n}), already sharded "
+                            f"across the ranks; kchain shards each batch across the ranks itself, so each rank "
+                            f"would read {share}: {fix}")
+
+
 class Loader:
     """A DataLoader whose position is checkpointed; counts batches delivered, not prefetched.
 

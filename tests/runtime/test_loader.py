@@ -89,3 +89,42 @@ def test_a_consumer_that_reads_exactly_len_batches_gets_every_epoch_whole(tmp_pa
         epochs.append([next(it)[0].tolist() for _ in range(len(lo))])
     assert epochs == [[[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]] * 3 and lo.epoch == 2
     run.close()
+
+
+def test_a_sampler_already_sharded_across_ranks_is_refused_in_one_line(tmp_path):
+    """kchain shards each batch across the ranks itself: a DistributedSampler (or any sampler with
+    num_replicas, e.g. timm's OrderedDistributedSampler) would have each rank read 1/N² of the data."""
+    from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
+
+    class OrderedDistributedSampler:  # timm's shape: a sampler with num_replicas, not torch's class
+        num_replicas = 2
+
+        def __iter__(self):
+            return iter(range(0, 16, 2))
+
+        def __len__(self):
+            return 8
+
+    data = TensorDataset(torch.arange(16))
+    run = make_run(tmp_path)
+    fix = ("build the DataLoader without a DistributedSampler (e.g. timm's create_loader(..., distributed=False)), "
+           "or pass its dataset: run.loader(dataset, batch_size=...)")
+    why = ("already sharded across the ranks; kchain shards each batch across the ranks itself, so each rank would "
+           "read 1/4 of the data in place of 1/2")
+    with pytest.raises(TypeError) as refused:
+        run.loader(DataLoader(data, batch_size=4, sampler=DistributedSampler(data, num_replicas=2, rank=0)))
+    assert str(refused.value) == (f"run.loader(DataLoader): its sampler is a DistributedSampler (num_replicas=2), "
+                                  f"{why}: {fix}")
+    with pytest.raises(TypeError) as refused:
+        run.loader(DataLoader(data, batch_sampler=BatchSampler(OrderedDistributedSampler(), 4, drop_last=False)))
+    assert str(refused.value) == ("run.loader(DataLoader): its batch_sampler's sampler is a OrderedDistributedSampler "
+                                  f"(num_replicas=2), {why}: {fix}")
+    with pytest.raises(TypeError) as refused:  # one rank (the smoke's) is refused too: Kaggle's two would shard twice
+        run.loader(data, batch_size=4, sampler=DistributedSampler(data, num_replicas=1, rank=0))
+    assert str(refused.value) == ("run.loader(TensorDataset, sampler=...): its sampler is a DistributedSampler "
+                                  "(num_replicas=1), already sharded across the ranks; kchain shards each batch across "
+                                  "the ranks itself, so each rank would read 1/N² of the data in place of 1/N (N ranks): "
+                                  "give a sampler over the whole dataset, or none (run.loader shuffles each epoch itself)")
+    lo = run.loader(DataLoader(data, batch_size=4, shuffle=True))  # an unsharded DataLoader is rebuilt as before
+    assert sorted(i for _ in range(4) for i in next(lo)[0].tolist()) == list(range(16))
+    run.close()

@@ -20,9 +20,9 @@ _HINTS: list[tuple[re.Pattern[str], str]] = [
     ),
     (
         re.compile(r"UntrackedState"),
-        "state the checkpoint does not hold changes as training goes on (a model wrapped but not tracked, an "
-        "EMA or AveragedModel kept beside the model, a generator the code draws from): a resume would start "
-        "it over, so pass each to run.track(...) before the loop",
+        "state no checkpoint holds (a model wrapped but not tracked, an EMA kept beside the model, a "
+        "generator the code draws from) would start over at a resume: pass each to run.track(...) before "
+        "the loop, or exclude what a resume rebuilds exactly with run.untrack(obj, reason=...)",
     ),
     (
         re.compile(r"PreflightError"),

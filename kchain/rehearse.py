@@ -308,7 +308,8 @@ def _session_env(emu: Emulator, n: int, sessions: int | None) -> dict[str, str]:
     """Each session runs the ranks Kaggle gives it, as gloo ranks here; a session and the reference train
     at once, so each gets its share of the cores (as the smoke's runs do). The sessions, not the reference,
     also get the plan in steps. Returns the reference's environment."""
-    ranked = {**ranks_env(n), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS") or str(threads_each(n))}
+    ranked = {**ranks_env(n), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS") or str(threads_each(n)),
+              layout.AUDIT_ENV: "1"}  # the state no checkpoint holds: refused at the first step, compared at saves
     emu.runner.image_env.update(ranked)
     if sessions is not None:
         emu.runner.image_env[layout.SESSION_PLAN_ENV] = str(sessions)
@@ -578,6 +579,7 @@ def judge(reference: list[dict[str, Any]], summary: Summary | None, chain: list[
         resumed = sum(1 for s in chain if (s.get("resumes_at") or 0) > 0)
         compared = (f"; the state equal at step{'s' if len(state.steps) > 1 else ''} "
                     f"{', '.join(map(str, state.steps))} ({state.counted()})") if state and state.steps else ""
+        compared += f"; {state.excluded_note()}" if state and state.excluded else ""
         verdict = (f"identical: {len(rows)} values over {steps} steps, {len(chain)} sessions ({resumed} resumed, "
                    f"{len(killed)} killed), largest difference 0.0{compared}")
     _print(echo, chain, rows, set(killed))

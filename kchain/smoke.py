@@ -6,10 +6,12 @@ after that checkpoint and a resume in a fresh process give the same losses, bit 
 uninterrupted reference run of `2 x smoke.steps` steps. Each run is a process of its own with a hash seed of
 its own, as each Kaggle session is (local.py drops the laptop's PYTHONHASHSEED).
 
-`smoke()` is a straight run of stages: prepare (render, lay out the sandboxes) -> train (the reference
+`smoke()` is a straight run of stages: prepare (refuse a leftover framework checkpoint call, codecheck.py;
+render, lay out the sandboxes) -> train (the reference
 and the run to be killed, side by side, and the resume's notebook beside them, held at its gate) ->
 resume (released once the killed run is dead: a fresh process that reads the checkpoint only then,
-while the reference may still be running) -> judge (traces.judge) -> record (the run log, and the
+while the reference may still be running) -> judge (traces.judge, the states, train.keep_best's metric
+logged) -> record (the run log, and the
 smoke pass for push).
 
 The resume starts early because its kernel, its Python and torch imports take seconds that would
@@ -32,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kchain import diagnose, statecheck, traces
+from kchain import codecheck, diagnose, statecheck, traces
 from kchain.common import atomic, layout
 from kchain.common.statefolder import build_state_folder
 from kchain.common.summary import Summary, read_working
@@ -40,7 +42,7 @@ from kchain.credentials import configured_username
 from kchain.errors import SmokeFailed
 from kchain.inputs import local_inputs, mount_inputs
 from kchain.ledger import Ledger, new_run_id, state_dir
-from kchain.render import Rendered, render_job, write_rendered
+from kchain.render import Rendered, code_files, render_job, write_rendered
 from kchain.spec import Job, load_job
 
 if TYPE_CHECKING:
@@ -237,9 +239,11 @@ def smoke(job_path: Path, echo: Echo = print, quiet_training: bool = False, down
 def prepare(job_path: Path, echo: Echo, download: bool, sets: dict[str, Any] | None = None,
             ranks_asked: int | None = None) -> Prepared:
     """Load and render the job, lay out three /kaggle-like sandboxes with the inputs mounted: the
-    reference, the run to stop and kill, and the resume (an empty working dir, as a new session's)."""
+    reference, the run to stop and kill, and the resume (an empty working dir, as a new session's).
+    Code that saves a framework's own checkpoint is refused first, before anything is laid out (codecheck.py)."""
     t_start = time.time()
     job = load_job(job_path)
+    codecheck.refuse_leftover_saves(code_files(job)[0])
     ledger = Ledger(state_dir(job.path))
     run_id = new_run_id("smoke")
     work = ledger.root / "smoke" / run_id
@@ -416,6 +420,8 @@ def judge(prep: Prepared, reference: Child, killed: Child, resumed: Child | None
         )
         traces.print_traces(echo, rows, prep.steps)
         report.failure, report.verdict = _judge_state(prep, reference, killed, resumed, report, echo)
+    if report.failure is None:
+        report.failure = _judge_keep_best(prep, report)
     report.passed = report.failure is None
     summary = (resumed.summary if resumed else None) or killed.summary or Summary()
     report.checkpoint = summary.checkpoint
@@ -437,11 +443,14 @@ def _judge_state(prep: Prepared, reference: Child, killed: Child, resumed: Child
     diff = comparison.first
     if diff is None:
         if failure is None and comparison.steps:
-            what = "every tracked tensor, the RNGs, the loader positions" if comparison.whole else comparison.not_compared()
+            what = ("every tracked tensor, the untracked state, the RNGs, the loader positions" if comparison.whole
+                    else comparison.not_compared())
             echo(f"  state      {comparison.values} values equal at step{'s' if len(comparison.steps) > 1 else ''} "
                  f"{', '.join(map(str, comparison.steps))} ({what})")
             if comparison.whole:
                 verdict = verdict.replace("bit for bit (", "bit for bit, state and trace (", 1)
+            if comparison.excluded:  # left out on purpose (run.untrack): never claimed as compared
+                verdict += f"; {comparison.excluded_note()}"
         return failure, verdict
     line = statecheck.describe(diff, statecheck.largest(diff), traces_agree=failure is None)
     echo(f"  state      {line}")
@@ -450,6 +459,27 @@ def _judge_state(prep: Prepared, reference: Child, killed: Child, resumed: Child
     if failure.type == "ResumeMismatch":  # the state names what the trace could only guess
         return diagnose.Failure(failure.type, f"{failure.message}; {line}", failure.stage, failure.hint), verdict
     return failure, verdict
+
+
+def _judge_keep_best(prep: Prepared, report: SmokeReport) -> diagnose.Failure | None:
+    """A metric train.keep_best names that the smoke's runs never logged: a chain would keep no best and
+    `pull --best` would fail at the end. Only a metric job.yaml names is checked: the default follows
+    run.best's (whatever is logged), and off keeps none. run.every(n) evaluates on the smoke's last step too,
+    so a cadence longer than the smoke still logs."""
+    from kchain.common import keepbest
+
+    choice = keepbest.parse((prep.rendered.config.get("train") or {}).get("keep_best"))
+    metric = choice.metric if choice is not None else None
+    seen = list(dict.fromkeys(key for row in [*report.reference, *report.resumed] for key, value in row.items()
+                              if key not in ("step", "time") and isinstance(value, (int, float))
+                              and not isinstance(value, bool)))
+    if metric is None or metric in seen:
+        return None
+    return diagnose.Failure(
+        "KeepBestNotLogged", f"{prep.job.path}: train.keep_best: {metric} was never logged in the smoke (it logged "
+        f"{', '.join(seen)}): log it with run.log({metric}=...) or name one of those", "checkpoint",
+        f"an evaluation on a cadence of its own (`if step % 500 == 0`) may never come in a smoke's {2 * prep.steps} "
+        "steps: put it under `if run.every(500):`, which also evaluates on the last step; or train.keep_best: off")
 
 
 def record(prep: Prepared, report: SmokeReport, killed: Child, resumed: Child | None, echo: Echo) -> SmokeReport:

@@ -19,6 +19,8 @@ CHECKPOINT_EVERY_ENV = "KCHAIN_CHECKPOINT_EVERY"
 TOTAL_STEPS_ENV = "KCHAIN_TOTAL_STEPS"
 # local only (rehearse): the sessions planned in steps, the run's total in this many spans (sessionplan.py)
 SESSION_PLAN_ENV = "KCHAIN_SESSION_PLAN"
+# local only (rehearse; a smoke always): "1" audits the state no checkpoint holds (runtime/checkpoint/untracked.py)
+AUDIT_ENV = "KCHAIN_AUDIT_STATE"
 FAULT_ENV = "KCHAIN_FAULT"
 GATE_ENV = "KCHAIN_GATE"  # PID:PATH, the smoke's early-started resume waits here until the kill (launch.py)
 CHECKPOINT_STREAM_ENV = "KCHAIN_CHECKPOINT_STREAM"  # 1: stream saves from live tensors, 0: copy to RAM

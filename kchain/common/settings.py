@@ -107,6 +107,7 @@ class Settings:
     sink: str | None = None  # KCHAIN_STATE_SINK: a mounted bucket folder each complete checkpoint is published to
     requeued: bool = False  # a requeued run (SLURM_RESTART_COUNT > 0) without KCHAIN_START_OVER=1: an empty sink is lost state
     plan: SessionPlan | None = None  # KCHAIN_SESSION_PLAN: a rehearsal's sessions planned in steps
+    audit: bool = False  # a smoke or a rehearsal (KCHAIN_AUDIT_STATE): the untracked state refused and digested
     trackers: tuple[str, ...] = ()  # train.trackers switched on: tensorboard, wandb, mlflow (trackers.py)
     multi_node: bool = False  # the ranks span machines (an outer torchrun with --nnodes > 1): no disk is shared
 
@@ -156,6 +157,7 @@ class Settings:
             sink=env.get(layout.STATE_SINK_ENV) or None,
             requeued=int(env.get(layout.RESTART_COUNT_ENV) or 0) > 0 and env.get(layout.START_OVER_ENV) != "1",
             plan=sessionplan.parse(env.get(layout.SESSION_PLAN_ENV)),
+            audit=smoke or env.get(layout.AUDIT_ENV) == "1",
             trackers=tuple(train.trackers or ()),
             multi_node=int(env.get("LOCAL_WORLD_SIZE") or env.get("WORLD_SIZE") or 1) < int(env.get("WORLD_SIZE") or 1),
         )

@@ -56,7 +56,7 @@ class Loop:
     def __init__(self, progress: Progress, clock: SessionClock, checkpointer: Checkpointer, trace: Trace,
                  ranks: Ranks, faults: Faults, params: dict, *, heartbeat_s: float, hang_s: float | None,
                  on_hang: Callable[[float, float], None], cap: int | None, plan: SessionPlan | None = None,
-                 watch_untracked: bool = False):
+                 watch_untracked: bool = False, watch_changes: bool = False):
         self.progress, self.clock, self.ckpt, self.trace = progress, clock, checkpointer, trace
         self.ranks, self.faults = ranks, faults
         self.params = params  # the job's: a resume checks they match the checkpoint's
@@ -75,8 +75,11 @@ class Loop:
         self._sharded: bool | None = None  # kchain ddp: FSDP or DTensor parameters (found once)
         self._eval_step: int | None = None  # the step that ran run.every's evaluation
         self._t0 = 0.0  # the running step's start
-        # A smoke: modules and generators that change between steps but no checkpoint holds (untracked.py)
-        self._untracked = untracked.Watch() if watch_untracked else None
+        # A smoke or a rehearsal: the state no checkpoint holds, refused at the first step by kind, watched
+        # for change (a smoke) and digested at each save for the verdict (untracked.py)
+        self._untracked = untracked.Watch(changes=watch_changes) if watch_untracked else None
+        if self._untracked is not None:
+            checkpointer.audit = self._untracked_digests
 
     # --- the two loops ------------------------------------------------------------------------------
 
@@ -354,9 +357,16 @@ class Loop:
         return True
 
     def watch_untracked(self) -> None:
-        """A smoke: stop with UntrackedState when something untracked changed since the first step."""
+        """A smoke or a rehearsal: stop with UntrackedState when the first step finds state no checkpoint
+        holds, or (a smoke) when something untracked changed since the first step."""
         if self._untracked is not None:
-            self._untracked.check([*self.ckpt.tracked.values(), *self.ckpt.covered.values()])
+            self._untracked.check([*self.ckpt.tracked.values(), *self.ckpt.covered.values()],
+                                  [obj for obj, _ in self.ckpt.excluded])
+
+    def _untracked_digests(self) -> dict[str, str]:
+        """At a save: the digests of the untracked state, beside the checkpoint's own (untracked.py)."""
+        assert self._untracked is not None
+        return self._untracked.digests([*self.ckpt.tracked.values(), *self.ckpt.covered.values()], self.ckpt.excluded)
 
     def _heartbeat(self) -> None:
         if not self._planned:

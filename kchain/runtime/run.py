@@ -35,7 +35,7 @@ from kchain.runtime import distributed, ladder, precision, preflight, staging, w
 from kchain.runtime.checkpoint.checkpointer import Checkpointer, Policy, Where
 from kchain.runtime.clock import SessionClock
 from kchain.runtime.frameworks import tensorboard
-from kchain.runtime.loader import Loader, dataloader_options
+from kchain.runtime.loader import NOT_SHARDED, Loader, dataloader_options, refuse_sharded
 from kchain.runtime.loader import subset as smoke_subset
 from kchain.runtime.loop import Loop, SessionStopped
 from kchain.runtime.progress import Progress
@@ -135,7 +135,7 @@ class Run:
                           dict(self._params), heartbeat_s=st.heartbeat_s, hang_s=None if st.smoke else st.hang_s,
                           on_hang=functools.partial(_hung, self._progress, summarize, paths.summary),
                           cap=st.total_cap if st.total_cap is not None else (st.smoke_steps if st.smoke else None),
-                          plan=st.plan, watch_untracked=st.smoke)
+                          plan=st.plan, watch_untracked=st.audit, watch_changes=st.smoke)
         if not st.smoke and self._ranks.is_main and resumecheck.expected(st.resume):
             # The chain said which step this session resumes: check it now, in the session's first
             # minute, not after the data is staged (resumecheck.WrongState ends the run).
@@ -326,6 +326,18 @@ class Run:
         for name, obj in objects.items():
             self._ckpt.track(name, obj)
 
+    def untrack(self, *objects, reason: str) -> None:
+        """Leave state out of every checkpoint on purpose: an object a resume rebuilds exactly (a frozen
+        teacher loaded from the hub, a metric reset each epoch). The smoke and the rehearsal then neither
+        refuse it as forgotten state nor compare it; their verdict lists it with `reason`.
+
+        Example: `run.untrack(teacher, reason="frozen, loaded from the hub")`.
+        """
+        if not isinstance(reason, str) or not reason.strip():
+            raise TypeError("run.untrack(obj, reason=...): say why in reason=, e.g. reason=\"frozen, loaded from the hub\"")
+        for obj in objects:
+            self._ckpt.exclude(obj, " ".join(reason.split()))
+
     def loader(self, dataset, batch_size: int | None = None, shuffle: bool = True, num_workers: int = 0,
                drop_last: bool = False, collate_fn: Callable | None = None, sampler=None,
                batch_sampler=None, name: str | None = None, *, pin_memory: bool | None = None,
@@ -344,7 +356,8 @@ class Run:
         drawn from (params.seed, epoch), so a resume goes on at the next batch of the same shuffle.
         `dataset` may also be a DataLoader you built (rebuilt here with its dataset, batch size,
         sampler and collate_fn), or any loader with state_dict/load_state_dict (e.g. torchdata's
-        StatefulDataLoader), which is tracked as it is.
+        StatefulDataLoader), which is tracked as it is. kchain shards each batch across the ranks itself:
+        a sampler already sharded (a DistributedSampler, anything with `num_replicas`) is refused.
 
         Example::
 
@@ -357,7 +370,12 @@ class Run:
                 and hasattr(dataset, "load_state_dict") and hasattr(dataset, "__iter__"):
             self.track(**{name: dataset})  # a stateful loader: its own state_dict is the position
             return dataset
+        given = "sampler" if sampler is not None else "batch_sampler"
+        refuse_sharded(f"run.loader({type(dataset).__name__}, {given}=...)", sampler, batch_sampler,
+                       "give a sampler over the whole dataset, or none (run.loader shuffles each epoch itself)")
         if isinstance(dataset, DataLoader):
+            refuse_sharded(f"run.loader({type(dataset).__name__})", dataset.sampler, dataset.batch_sampler,
+                           f"{NOT_SHARDED}, or pass its dataset: run.loader(dataset, batch_size=...)")
             dataset, batch_size, shuffle, num_workers, drop_last, collate_fn, sampler, batch_sampler = \
                 _rebuilt(dataset, shuffle, sampler, batch_sampler)
         if batch_sampler is None and batch_size is None:
@@ -402,6 +420,10 @@ class Run:
             self.track(**{name or self._ckpt.free_name("optimizer"): optimizer})
             if scaler is not None:
                 self.track(**{f"{name}_scaler" if name else self._ckpt.free_name("scaler"): scaler})
+        else:  # left out on purpose: the resume is not exact, and the verdict's trace shows it
+            self._ckpt.exclude(optimizer, "run.optimize(track=False)")
+            if scaler is not None:
+                self._ckpt.exclude(scaler, "run.optimize(track=False)")
         # The ladder halved the micro-batch this many times: the same effective batch.
         return precision.Stepper(optimizer, accumulate=self._rung.accumulate(accumulate), clip=clip, scaler=scaler)
 
@@ -735,6 +757,7 @@ class Run:
         """A framework's DataLoader rebuilt as run.loader rebuilds one, not tracked: the framework's own
         checkpoint holds its position (lightning.py). With `fraction` (a smoke) its dataset is cut as
         run.subset cuts one, to at least one batch per rank (one that came from run.subset stays as it is)."""
+        refuse_sharded("the training DataLoader", dataloader.sampler, dataloader.batch_sampler)
         dataset, batch_size, shuffle, num_workers, drop_last, collate_fn, sampler, batch_sampler = \
             _rebuilt(dataloader, True, None, None)
         if fraction is not None and sampler is None and batch_sampler is None and batch_size \

@@ -109,8 +109,8 @@ def test_state_kept_only_in_the_working_dir_fails_the_smoke(tmp_path):
     # the model changes and no checkpoint holds it (untracked.py).
     result = invoke("smoke", port_job(tmp_path, "file_state", gpus=1), "--quiet")
     assert result.exit_code == 3, result.output
-    assert error_line(result).endswith("UntrackedState: model (Sequential) changes between steps but no checkpoint "
-                                       "holds it: a resume would start it over; add run.track(model=model) before the loop")
+    assert ("UntrackedState: model (Sequential) changes between steps but no checkpoint holds it: a resume would "
+            "start it over; add run.track(model=model) before the loop") in error_line(result)
 
 
 # --- 6. smoke params -----------------------------------------------------------------------------
@@ -160,3 +160,21 @@ def test_a_finished_loop_that_trained_fewer_steps_than_asked_says_so(tmp_path):
     assert (got["status"], got["step"], got["total"]) == ("finished", 16, 32)
     assert got["note"].startswith("trained 16 of the 32 steps asked for: some epochs gave no batches")
     assert f"WARNING: {got['note']}" in done.stdout
+
+
+def test_a_leftover_accelerate_save_state_is_refused_at_the_smoke_before_any_training(tmp_path):
+    # issue 55: accelerate's own save_state every 500 steps passed the smoke's few steps and would end the
+    # Kaggle session at step 500; the smoke reads the code (kchain/codecheck.py) and stops before training.
+    job = port_job(tmp_path, "epoch_eval")
+    (tmp_path / "code" / "accel_loop.py").write_text(
+        "import accelerate  # read, never imported: the smoke stops first\n\n\n"
+        "def main(run):\n"
+        "    accelerator = run.accelerator()\n"
+        "    for epoch in run.epochs(2):\n"
+        "        accelerator.save_state(f'ckpt/{epoch}')  # as the script did, every epoch\n")
+    result = invoke("smoke", job, "--quiet")
+    assert result.exit_code == 3, result.output
+    assert error_line(result) == ("Error: accel_loop.py:7: accelerator.save_state(...) saves accelerate's own "
+                                  "checkpoint: kchain already checkpoints the whole state (and a resume would "
+                                  "ignore this one); remove the call")
+    assert "  train " not in result.output and "  render " not in result.output

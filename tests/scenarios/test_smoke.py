@@ -129,7 +129,8 @@ def test_an_untracked_batch_generator_fails_the_smoke_naming_it(tmp_path):
     assert result.exit_code == 3, result.output
     assert error_line(result).endswith(
         "UntrackedState: batches (Generator) changes between steps but no checkpoint holds it: a resume would "
-        "start it over; add run.track(batches=batches) before the loop")
+        "start it over; add run.track(batches=batches) before the loop (or run.untrack(batches, reason=...) if "
+        "a resume rebuilds it exactly)")
 
 
 @pytest.mark.slow

@@ -54,6 +54,8 @@ from kchain.runtime.checkpoint.frozen import FrozenBase
 from kchain.runtime.checkpoint.snapshot import Snapshotter, available_ram, restore_rng, rng_state
 from kchain.runtime.checkpoint.state import CheckpointJob, Writer, check_compatible, find_and_load, load_state
 from kchain.runtime.checkpoint.statedigest import digest_state
+from kchain.runtime.checkpoint.untracked import digests_of as untracked_digest
+from kchain.runtime.checkpoint.untracked import tensors_only
 from kchain.runtime.loader import Loader
 from kchain.runtime.progress import Progress
 
@@ -70,9 +72,34 @@ def per_rank(obj) -> bool:
     return isinstance(obj, PER_RANK) or bool(getattr(obj, "kchain_per_rank", False))
 
 
+BUFFERS_KEY = "buffers"  # a rank's own module buffers, in its part of the checkpoint (kchain ddp)
+
+
+def _buffers(obj) -> dict:
+    """A tracked module's buffers as its state_dict holds them (the inner module's, under DDP)."""
+    module = distributed.unwrap(obj)
+    names = {n for n, _ in module.named_buffers()}
+    return {k: v for k, v in module.state_dict().items() if k in names}
+
+
+def _copy_into(live, saved) -> None:
+    """Tracked tensors loaded back in place (every holder of them sees the restored values)."""
+    if isinstance(live, torch.Tensor):
+        with torch.no_grad():
+            live.copy_(saved)
+        return
+    keys = list(live) if isinstance(live, dict) else range(len(live))
+    if (sorted(map(str, keys)) != sorted(map(str, saved)) if isinstance(live, dict) else len(live) != len(saved)):
+        raise ValueError(f"the checkpoint holds {len(saved)} tensors here, the job now {len(live)}")
+    for k in keys:
+        _copy_into(live[k], saved[k])
+
+
 def state_of(obj):
     """The state a tracked object checkpoints (the inner module's, under DDP)."""
     obj = distributed.unwrap(obj)
+    if tensors_only(obj):
+        return obj  # the snapshot copies the tensors
     if isinstance(obj, torch.Generator):
         return obj.get_state()
     if isinstance(obj, np.random.Generator):
@@ -83,7 +110,9 @@ def state_of(obj):
 def _load_into(obj, state, frozen_keys: Set[str] = frozenset()) -> None:
     """Load a tracked object's saved state; a module's `frozen_keys` were left out of it (frozen.py)."""
     obj = distributed.unwrap(obj)
-    if isinstance(obj, torch.Generator):
+    if tensors_only(obj):
+        _copy_into(obj, state)
+    elif isinstance(obj, torch.Generator):
         obj.set_state(state)
     elif isinstance(obj, np.random.Generator):
         obj.bit_generator.state = state
@@ -143,7 +172,12 @@ class Checkpointer:
         self.best = keepbest.KeepBest(policy.keep_best)  # the best checkpoint so far, spared by pruning
         self.tracked: dict[str, object] = {}  # name -> object with state_dict/load_state_dict (or a generator)
         self._differ: set[str] = set()  # tracked objects found to differ between ranks: saved per rank from then on
+        self._own_buffers: set[str] = set()  # tracked modules whose buffers differ between ranks (BatchNorm under
+        # DDP without SyncBatchNorm): their buffers saved per rank from then on, the parameters once
         self.covered: dict[str, object] = {}  # what a framework's own checkpoint holds (the Trainer's model): cover()
+        self.excluded: list[tuple[object, str]] = []  # (object, reason): left out on purpose (run.untrack)
+        # A smoke or a rehearsal: the untracked state's digests, added to each checkpoint's (untracked.py)
+        self.audit: Callable[[], dict[str, str]] | None = None
         self.writer = Writer(faults)
         self.writer.die = ranks.kill_all  # kchain ddp: a kill fault ends every rank at once
         # rank 0 publishes each complete checkpoint to the state sink (a bucket), in the background
@@ -175,10 +209,11 @@ class Checkpointer:
     def track(self, name: str, obj) -> None:
         """Register `obj` under `name` (see Run.track for the rules)."""
         ok = hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")
-        if not (ok or isinstance(obj, (torch.Generator, np.random.Generator))):
+        if not (ok or isinstance(obj, (torch.Generator, np.random.Generator)) or tensors_only(obj)):
             raise TypeError(
                 f"run.track({name}=...): a {type(obj).__name__} has no state_dict/load_state_dict; "
-                "track modules, optimizers, schedulers, GradScalers or generators"
+                "track modules, optimizers, schedulers, GradScalers, generators, or tensors (alone or in a "
+                "list or dict)"
             )
         if self.restored:
             # A resumed run would silently differ from the uninterrupted one: stop here instead.
@@ -188,6 +223,9 @@ class Checkpointer:
             )
         if any(o is obj for o in self.tracked.values()):
             return
+        if any(o is obj for o, _ in self.excluded):
+            raise ValueError(f"run.track({name}=...): this {type(obj).__name__} was excluded with run.untrack; "
+                             "an object is tracked or excluded, not both")
         if name in self.tracked:
             raise ValueError(
                 f"run.track({name}=...): the name {name!r} already tracks a {type(self.tracked[name]).__name__}; "
@@ -201,6 +239,16 @@ class Checkpointer:
         model's (frozen.py), so a resume onto another base stops there too."""
         if obj is not None:
             self.covered[name] = obj
+
+    def exclude(self, obj, reason: str) -> None:
+        """`obj` is left out of every checkpoint on purpose (run.untrack): not refused as forgotten state, not
+        compared by the verdict, which lists it with `reason`."""
+        if any(o is obj for o in self.tracked.values()):
+            name = next(n for n, o in self.tracked.items() if o is obj)
+            raise ValueError(f"run.untrack(...): this {type(obj).__name__} is tracked as {name!r}; "
+                             "an object is tracked or excluded, not both")
+        if not any(o is obj for o, _ in self.excluded):
+            self.excluded.append((obj, reason))
 
     def fingerprinted(self) -> dict:
         """The modules whose frozen parameters the manifest records: the tracked ones and the covered ones."""
@@ -289,10 +337,13 @@ class Checkpointer:
         distributed.check_world_size(path, manifest, self.ranks.world_size)
         left_out = manifest.get(FROZEN_KEY) or {}
         self.frozen.check_shapes(path, left_out, self.fingerprinted())  # never a resume onto another base (bytes: later)
-        if self.ranks.active:  # kchain ddp: this rank's own RNGs and loader positions
+        if self.ranks.active:  # kchain ddp: this rank's own RNGs, loader positions and module buffers
             mine = saved["ranks"][self.ranks.rank]
             saved["rng"] = mine["rng"]
             saved["tracked"] = {**saved["tracked"], **mine["tracked"]}
+            for name, buffers in (mine.get(BUFFERS_KEY) or {}).items():
+                if isinstance(saved["tracked"].get(name), dict):
+                    saved["tracked"][name] = {**saved["tracked"][name], **buffers}
         self._apply(path, manifest, saved["tracked"], params, left_out)
         self.frozen.mark(self.fingerprinted(), path, left_out)
         restore_rng(saved["rng"])
@@ -429,7 +480,8 @@ class Checkpointer:
                             metrics_bytes=trace.bytes, manifest=manifest, keep=self.policy.keep,
                             attached=tuple((flat, held[group] / rel) for group, files in names.items()
                                            for flat, rel in files.items()),
-                            attached_dirs=tuple(held.values()))
+                            attached_dirs=tuple(held.values()),
+                            digests=self.audit() if self.audit is not None else {})
         if self._plan["stream"]:
             self.writer.write_now(live, job)  # blocks; no host copy of the state
             return
@@ -442,8 +494,20 @@ class Checkpointer:
         """What differs between ranks (kchain ddp): the global RNGs and the per-rank tracked objects:
         PER_RANK ones, and any other whose state differs between the ranks (found at each save)."""
         self._differ.update(self._differing())
+        self._own_buffers.update(self._buffers_differing())
         private = {n: state_of(o) for n, o in self.tracked.items() if per_rank(o) or n in self._differ}
-        return {"rank": self.ranks.rank, "rng": rng_state(), "tracked": private}
+        buffers = {n: _buffers(self.tracked[n]) for n in sorted(self._own_buffers)}
+        return {"rank": self.ranks.rank, "rng": rng_state(), "tracked": private, **({BUFFERS_KEY: buffers} if buffers else {})}
+
+    def _buffers_differing(self) -> set[str]:
+        """The tracked modules whose buffers differ between the ranks (BatchNorm's running statistics under DDP
+        without SyncBatchNorm, or with broadcast_buffers=False): one digest each, gathered (kchain ddp). DDP
+        keeps the parameters equal, not always the buffers; a resume gives each rank its own back."""
+        modules = {n: o for n, o in self.tracked.items() if n not in self._own_buffers and not per_rank(o)
+                   and n not in self._differ and isinstance(distributed.unwrap(o), torch.nn.Module)}
+        mine = {n: "".join(untracked_digest(_buffers(o)).values()) for n, o in modules.items() if _buffers(o)}
+        every = self.ranks.all_gather(mine)
+        return {n for n in mine if len({d.get(n) for d in every}) > 1}
 
     def _differing(self) -> set[str]:
         """The tracked objects of the user's own (not a model, an optimizer, a scheduler or a scaler, which

@@ -23,7 +23,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -73,6 +73,8 @@ class CheckpointJob:
     # (name in the checkpoint, a file on the same disk): moved in and hashed, e.g. the HF Trainer's files
     attached: tuple[tuple[str, Path], ...] = ()
     attached_dirs: tuple[Path, ...] = ()  # the folders they came from, removed once they are moved
+    # Digests of what the checkpoint does not hold, for the verdict (a smoke's or a rehearsal's untracked state)
+    digests: dict[str, str] = field(default_factory=dict)
 
 
 # --- writing ----------------------------------------------------------------------------------
@@ -185,7 +187,7 @@ def _write_files(tmp: Path, state: dict, job: CheckpointJob, faults: Faults, poo
     # A framework's own files (the HF Trainer's model, optimizer, scheduler, RNGs) by their checksums; its
     # JSON and arguments files hold paths and times that differ between two runs of the same training.
     values = {**digests.result(), **{f"files.{name}": entry["sha256"][:32] for name, entry in moved.items()
-                                     if name.endswith(COMPARED_FILES)}}
+                                     if name.endswith(COMPARED_FILES)}, **job.digests}
     text = json.dumps(values, indent=0, sort_keys=True).encode()
     (tmp / layout.DIGESTS).write_bytes(text)
     files[layout.DIGESTS] = {"sha256": hashlib.sha256(text).hexdigest(), "size": len(text)}

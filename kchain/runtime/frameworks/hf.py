@@ -303,6 +303,7 @@ class TrainerBridge:
         self._seed_collation(trainer)
         lp.ckpt.track(WINDOW, self.window)
         lp.ckpt.cover("hf_model", trainer.model)  # the Trainer's checkpoint-N (attached to kchain's) holds it
+        lp.ckpt.cover("hf_trainer", trainer)  # and its optimizer, scheduler and scaler, however they were made
         lp.restore()
         lp.progress.looped = True
         lp.check_one_model()

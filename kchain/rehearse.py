@@ -31,7 +31,8 @@ from typing import Any
 from kchain import sessions as sess
 from kchain import statecheck
 from kchain.chain import decide_and_continue, watch
-from kchain.common import layout
+from kchain.common import layout, sessionplan
+from kchain.common.checkpoint_files import BEST_KEY, CheckpointInvalid, complete, read_manifest
 from kchain.common.kernel_states import TERMINAL
 from kchain.common.statefolder import write_dataset_metadata
 from kchain.common.summary import Status, Summary, read_working
@@ -139,7 +140,7 @@ def _env(values: dict[str, str]) -> Iterator[None]:
 
 def _short_session_job(job: Job, session_limit_s: float, params: dict[str, Any], by_time: bool = True) -> Job:
     """The job with the rehearsal's session limit (by time: the margin and cadence scaled to it; planned in
-    steps: the limit is a safety net, and the plan replaces the cadence in the kernel)."""
+    steps: the limit is a safety net, and the plan's saves join the job's cadence in steps in the kernel)."""
     margin = max(3.0, round(session_limit_s * 0.25, 1))  # start-up and shutdown under load need room
     update = {"session_limit": f"{session_limit_s}s", "margin": f"{margin}s", "heartbeat": "2s"}
     if by_time:
@@ -204,9 +205,10 @@ def _run_reference(job: Job, root: Path, sources: dict[tuple[str, str, str], Pat
     write_rendered(rendered, root.parent / "reference-kernel")
     root.mkdir(parents=True, exist_ok=True)
     mount_inputs(root, sources)
-    env = {**os.environ, layout.SESSION_LIMIT_ENV: str(30 * 24 * 3600), **extra_env}
+    env = {**os.environ, layout.SESSION_LIMIT_ENV: str(30 * 24 * 3600)}
     env.pop(layout.FAULT_ENV, None)  # a test's session clock and kills are the sessions', not this run's
-    env.pop(layout.SESSION_PLAN_ENV, None)  # so is the rehearsal's plan
+    env.pop(layout.SESSION_PLAN_ENV, None)  # so are the rehearsal's stops (extra_env: its saves, sessionplan.py)
+    env.update(extra_env)
     notebook = root.parent / "reference-kernel" / rendered.notebook_file
     with open(root.parent / "reference.log", "w") as log:
         output = SessionLog(log, log)
@@ -293,8 +295,8 @@ def rehearse(job_file: Path, sessions: int | None = SESSIONS, session_limit_s: f
         reference.stop()
         emu.stop()
     chain = ledger.sessions(job.name)
-    state = _compare_state(work / "reference", chain) if stop is None else None
-    identical, passed, verdict, chained = judge(trace, summary, chain, sorted(kill.killed), kills, stop, echo, state)
+    state, best = _compare_state(work / "reference", chain) if stop is None else (None, None)
+    identical, passed, verdict, chained = judge(trace, summary, chain, sorted(kill.killed), kills, stop, echo, state, best)
     ours = [s for s in emu.sessions() if s["kernel"] == f"{USER}/{job.name}"]
     versions = emu.dataset_versions(state_dataset(USER, job.name))
     counts = None
@@ -311,9 +313,11 @@ def _session_env(emu: Emulator, n: int, sessions: int | None) -> dict[str, str]:
     ranked = {**ranks_env(n), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS") or str(threads_each(n)),
               layout.AUDIT_ENV: "1"}  # the state no checkpoint holds: refused at the first step, compared at saves
     emu.runner.image_env.update(ranked)
-    if sessions is not None:
-        emu.runner.image_env[layout.SESSION_PLAN_ENV] = str(sessions)
-    return ranked
+    if sessions is None:
+        return ranked
+    emu.runner.image_env[layout.SESSION_PLAN_ENV] = str(sessions)
+    # The reference saves where the sessions save and stop, so both runs keep the same best (keep_best).
+    return {**ranked, layout.SESSION_PLAN_ENV: sessionplan.reference(sessions)}
 
 
 def _judge_unattended(ours: list[dict[str, Any]], versions: list[dict[str, Any]], no_secret_in: int | None,
@@ -548,19 +552,54 @@ def _rebuilt_from_kaggle(client: KaggleClient, job: str, root: Path) -> list[dic
             for record in chain]
 
 
-def _compare_state(reference_root: Path, chain: list[sess.SessionRecord]) -> statecheck.Comparison:
+def _compare_state(reference_root: Path, chain: list[sess.SessionRecord],
+                   ) -> tuple[statecheck.Comparison, tuple[dict | None, dict | None]]:
     """The uninterrupted run's checkpoints against those the chain's sessions left, at every step both
-    saved (statecheck.py)."""
+    saved (statecheck.py), and the best each kept."""
     return statecheck.compare(
         statecheck.saved([statecheck.checkpoints_of(reference_root / layout.WORKING_DIR)]),
-        statecheck.saved(statecheck.checkpoints_of(Path(s["output"])) for s in chain if s.get("output")))
+        statecheck.saved(statecheck.checkpoints_of(Path(s["output"])) for s in chain if s.get("output")),
+    ), _kept_bests(reference_root, chain)
+
+
+def _kept_bests(reference_root: Path, chain: list[sess.SessionRecord]) -> tuple[dict | None, dict | None]:
+    """The best checkpoint train.keep_best kept (its manifest's record: metric, mode, value, step) by the
+    uninterrupted run and by the chain's last session that saved one."""
+    def newest(folders: list[Path]) -> dict | None:
+        for folder in reversed(folders):
+            for ckpt in reversed(complete(folder)):
+                try:
+                    return read_manifest(ckpt).get(BEST_KEY) or {}
+                except CheckpointInvalid:
+                    continue
+        return None
+
+    ran = [statecheck.checkpoints_of(Path(s["output"])) for s in chain if s.get("output")]
+    return newest([statecheck.checkpoints_of(reference_root / layout.WORKING_DIR)]), newest(ran)
+
+
+def best_problem(best: tuple[dict | None, dict | None] | None) -> str | None:
+    """The kept best of the chain against the uninterrupted run's: a chain that keeps another best hands
+    `pull --best` other weights, though every step agrees."""
+    if best is None or best[0] is None or best[1] is None:
+        return None
+    ours, theirs = best[1] or None, best[0] or None
+    if ours == theirs:
+        return None
+
+    def said(record: dict | None) -> str:
+        return f"step {record['step']} ({record['metric']} {record['value']:.6g})" if record else "none"
+    return (f"the kept best differs: the chain kept {said(ours)}, the uninterrupted run {said(theirs)} "
+            "(train.keep_best keeps the best of the steps a checkpoint is saved at: validate at the steps you "
+            "checkpoint, with a cadence in steps)")
 
 
 def judge(reference: list[dict[str, Any]], summary: Summary | None, chain: list[sess.SessionRecord],
           killed: list[int], kills: int, stop: ChainStop | None,
-          echo: Echo, state: statecheck.Comparison | None = None) -> tuple[bool, bool, str, list[dict[str, Any]]]:
-    """The chained trace and the chain's checkpoints against the reference's, step by step, and what the
-    chain proved: (identical, passed, the verdict, the chained trace)."""
+          echo: Echo, state: statecheck.Comparison | None = None,
+          best: tuple[dict | None, dict | None] | None = None) -> tuple[bool, bool, str, list[dict[str, Any]]]:
+    """The chained trace, the chain's checkpoints and its kept best against the reference's, step by step,
+    and what the chain proved: (identical, passed, the verdict, the chained trace)."""
     trace_path = newest_trace(chain)
     chained = read_trace(trace_path) if trace_path else []
     rows, first = compare_traces(reference, chained)
@@ -572,6 +611,10 @@ def judge(reference: list[dict[str, Any]], summary: Summary | None, chain: list[
         line = statecheck.describe(diff, statecheck.largest(diff), traces_agree=identical)
         problems.insert(0, f"the state differs: {line}: {statecheck.cause(state, first_resume, identical)}")
         identical = False
+    kept = best_problem(best)
+    if kept is not None:
+        problems.insert(0, kept)
+        identical = False
     if problems:
         verdict = problems[0]
     else:
@@ -580,6 +623,8 @@ def judge(reference: list[dict[str, Any]], summary: Summary | None, chain: list[
         compared = (f"; the state equal at step{'s' if len(state.steps) > 1 else ''} "
                     f"{', '.join(map(str, state.steps))} ({state.counted()})") if state and state.steps else ""
         compared += f"; {state.excluded_note()}" if state and state.excluded else ""
+        if best is not None and best[1]:
+            compared += f"; the same best kept (step {best[1]['step']})"
         verdict = (f"identical: {len(rows)} values over {steps} steps, {len(chain)} sessions ({resumed} resumed, "
                    f"{len(killed)} killed), largest difference 0.0{compared}")
     _print(echo, chain, rows, set(killed))

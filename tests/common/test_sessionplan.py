@@ -43,9 +43,9 @@ def test_the_variable_is_a_number_of_sessions():
 
 
 def test_a_session_stops_and_saves_where_the_plan_says_with_a_clock_that_never_falls(tmp_path):
-    # The job's cadence (every step) is replaced by the plan's mid-span saves, and the year-long clock
+    # The job's cadence in seconds is replaced by the plan's mid-span saves, and the year-long clock
     # never stops the loop: the stop at step 10 is the plan's, through the deadline path.
-    ckpt, progress, trace = parts(tmp_path, every={"steps": 1})
+    ckpt, progress, trace = parts(tmp_path, every={"seconds": 1e-9})
     ckpt.policy = dataclasses.replace(ckpt.policy, plan=SessionPlan(3))
     ckpt.track("model", torch.nn.Linear(2, 2))
     clock = SessionClock(time.time(), 365 * 24 * 3600.0, margin_s=0.0, publish=None)
@@ -58,4 +58,15 @@ def test_a_session_stops_and_saves_where_the_plan_says_with_a_clock_that_never_f
     ckpt.writer.wait()
     saved = sorted(int(p.name.split("-")[1]) for p in ckpt.where.checkpoints.glob("step-*"))
     assert ran == list(range(1, 11)) and progress.status == "deadline" and saved == [5, 10]
+    trace.close()
+
+
+def test_the_plan_adds_its_saves_to_a_cadence_in_steps_and_the_reference_saves_where_sessions_stop(tmp_path):
+    ckpt, _, trace = parts(tmp_path, every={"steps": 8})
+    ckpt.policy = dataclasses.replace(ckpt.policy, plan=SessionPlan(3))
+    # 3 spans of 40: stops at 14 and 27 (saved by the stop), the plan's saves at 7, 20 and 33.
+    assert [s for s in range(1, 41) if ckpt.due(s, 40)] == [7, 8, 16, 20, 24, 32, 33, 40]
+    ckpt.policy = dataclasses.replace(ckpt.policy, plan=sessionplan.parse(sessionplan.reference(3)))
+    assert [s for s in range(1, 41) if ckpt.due(s, 40)] == [7, 8, 14, 16, 20, 24, 27, 32, 33, 40]
+    assert ckpt.policy.plan.deadline_line(27, 0, 40) is None  # the reference never stops
     trace.close()

@@ -66,3 +66,16 @@ def test_batchnorm_buffers_of_each_rank_are_saved_per_rank_and_resumed_exactly(t
     ones = {k.removeprefix("ranks.1.buffers.") for k in digests if k.startswith("ranks.1.buffers.model.")}
     assert {"model.1.running_mean", "model.1.running_var"} <= ones, sorted(digests)
     assert digests["ranks.0.buffers.model.1.running_mean"] != digests["ranks.1.buffers.model.1.running_mean"]
+
+
+@pytest.mark.slow
+def test_rehearse_fails_forgotten_state_of_no_known_kind_naming_it(tmp_path):
+    # A rehearsal's sessions do not watch for change (a smoke does): the digests of the untracked state at
+    # each save, compared with the uninterrupted run's, are what see it. 12 steps in 3 planned sessions.
+    from kchain.rehearse import rehearse
+
+    result = rehearse(forgotten(tmp_path, "shadow", steps=12), kills=1, ranks=1, echo=lambda _: None)
+    assert not result.passed
+    assert result.verdict.startswith("the state differs: avg.params.0 differs at step "), result.verdict
+    assert "avg.params is not in run.track, and it differs after the resume" in result.verdict
+    assert "add run.track(params=avg.params) before the loop" in result.verdict

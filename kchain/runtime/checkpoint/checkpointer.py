@@ -269,8 +269,9 @@ class Checkpointer:
 
     def due(self, step: int, total: int | None = None) -> bool:
         """The cadence says save after `step` (a rehearsal's plan, when the loop has a total)."""
-        if self.policy.plan is not None and total:
-            return self.policy.plan.saves_at(step, total)
+        if self.policy.plan is not None and total:  # the plan's saves, beside a cadence in steps (sessionplan.py)
+            return self.policy.plan.saves_at(step, total) or (
+                "steps" in self.policy.every and step % int(self.policy.every["steps"]) == 0)
         if "steps" in self.policy.every:
             return step % int(self.policy.every["steps"]) == 0
         return time.time() - self.last_save >= float(self.policy.every["seconds"])
@@ -278,8 +279,8 @@ class Checkpointer:
     def next_in(self, step: int, total: int | None = None) -> str:
         """How far the next save is, for the heartbeat."""
         if self.policy.plan is not None and total:
-            plan, ends = self.policy.plan, self.policy.plan.ends(total)  # a planned stop saves too
-            after = next((s for s in range(step + 1, total) if plan.saves_at(s, total) or s in ends), total)
+            ends = self.policy.plan.ends(total)  # a planned stop saves too
+            after = next((s for s in range(step + 1, total) if self.due(s, total) or s in ends), total)
             return f"{after - step} steps"
         if "steps" in self.policy.every:
             n = int(self.policy.every["steps"])

@@ -34,21 +34,24 @@ def digest_state(state: dict) -> dict[str, str]:
     out: dict[str, str] = {}
     for key, value in state.items():
         if key not in LEFT_OUT:
-            _walk(value, str(key), out)
+            walk(value, str(key), out)
     return out
 
 
-def _walk(obj, path: str, out: dict[str, str]) -> None:
+def walk(obj, path: str, out: dict[str, str], live: bool = False) -> None:
+    """A digest per leaf of obj under `path` into out. `live`: the state of live objects (the untracked
+    state's, the ranks' buffers), where a CUDA tensor is copied back to be hashed; a checkpoint's is its
+    host copy already (a streamed save's CUDA tensors are left unhashed)."""
     if isinstance(obj, torch.Tensor):
-        out[path] = _tensor(obj)
+        out[path] = _tensor(obj, live)
     elif isinstance(obj, np.ndarray):
         out[path] = f"{obj.dtype}{list(obj.shape)}:{_sha(np.ascontiguousarray(obj).tobytes())}"
     elif isinstance(obj, dict):
         for k, v in obj.items():
-            _walk(v, f"{path}.{k}", out)
+            walk(v, f"{path}.{k}", out, live)
     elif isinstance(obj, (list, tuple)) and not _atoms(obj):
         for i, v in enumerate(obj):
-            _walk(v, f"{path}.{i}", out)
+            walk(v, f"{path}.{i}", out, live)
     else:
         text = repr(obj)
         out[path] = text if len(text) <= _SHORT else f"{type(obj).__name__}:{_sha(text.encode())}"
@@ -59,12 +62,12 @@ def _atoms(obj) -> bool:
     return len(obj) > 8 and all(type(v) in (int, float, bool) for v in obj)
 
 
-def _tensor(t: torch.Tensor) -> str:
+def _tensor(t: torch.Tensor, live: bool = False) -> str:
     shape = f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)}"
-    if t.device.type != "cpu" or t.is_sparse or t.is_quantized:
-        # A live CUDA tensor (a streamed save) is not copied back just to be hashed.
+    if (t.device.type != "cpu" and not (live and t.device.type == "cuda")) or t.is_sparse or t.is_quantized:
+        # A live CUDA tensor of a streamed save is not copied back just to be hashed.
         return f"{shape}:unhashed"
-    data = t.detach().reshape(-1).contiguous()
+    data = t.detach().reshape(-1).contiguous().cpu()
     if data.dtype == torch.bool:
         data = data.to(torch.uint8)
     return f"{shape}:{_sha(memoryview(data.view(torch.uint8).numpy()))}"

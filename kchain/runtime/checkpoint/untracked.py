@@ -43,6 +43,7 @@ import numpy as np
 import torch
 
 from kchain.runtime import distributed
+from kchain.runtime.checkpoint import statedigest
 
 _HERE = os.path.dirname(os.path.dirname(__file__))  # the kchain package: not the user's frames
 _LIBRARIES = tuple({p for p in (sysconfig.get_paths().get("stdlib"), sysconfig.get_paths().get("purelib"),
@@ -338,36 +339,13 @@ def _state(obj):
         return f"state_dict() failed: {type(e).__name__}"
 
 
-def _leaves(obj, path: str, out: dict[str, str]) -> None:
-    """A digest per leaf, as the checkpoint's digests.json holds them (tensors over their bytes,
-    a CUDA tensor copied back to be hashed, atoms as their repr)."""
-    if isinstance(obj, torch.Tensor):
-        out[path] = _tensor_digest(obj)
-    elif isinstance(obj, np.ndarray):
-        out[path] = f"{obj.dtype}{list(obj.shape)}:{hashlib.sha256(np.ascontiguousarray(obj).tobytes()).hexdigest()[:32]}"
-    elif isinstance(obj, dict):
-        for k, v in obj.items():
-            _leaves(v, f"{path}.{k}", out)
-    elif isinstance(obj, (list, tuple)) and any(isinstance(v, (torch.Tensor, dict, list, tuple)) for v in obj):
-        for i, v in enumerate(obj):
-            _leaves(v, f"{path}.{i}", out)
-    else:
-        text = repr(obj)
-        out[path] = text if len(text) <= 80 else f"{type(obj).__name__}:{hashlib.sha256(text.encode()).hexdigest()[:32]}"
-
-
-def _tensor_digest(t: torch.Tensor) -> str:
-    shape = f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)}"
-    if t.device.type == "meta" or t.is_sparse or t.is_quantized:
-        return f"{shape}:{t.device.type}"
-    data = t.detach().reshape(-1).contiguous().cpu()
-    if data.dtype == torch.bool:
-        data = data.to(torch.uint8)
-    return f"{shape}:{hashlib.sha256(memoryview(data.view(torch.uint8).numpy())).hexdigest()[:32]}"
+def _leaves(state, path: str, out: dict[str, str]) -> None:
+    """A digest per leaf, as a checkpoint's digests.json holds them, CUDA tensors copied back to be hashed."""
+    statedigest.walk(state, path, out, live=True)
 
 
 def digests_of(state) -> dict[str, str]:
-    """{leaf: digest} of a state, CUDA tensors copied back to be hashed (what ranks compare)."""
+    """{leaf: digest} of a live state (what the ranks compare of their buffers)."""
     out: dict[str, str] = {}
     _leaves(state, "", out)
     return out

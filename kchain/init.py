@@ -29,12 +29,17 @@ def templates() -> list[str]:
                   if p.is_dir() and not p.name.startswith((".", "_")) and (p / "job.yaml").is_file())
 
 
-def _template_files(template: str) -> list[str]:
-    """A template's files, as paths relative to its folder (sorted); an unknown name is one SpecError line."""
+def check_template(template: str) -> str:
+    """The name, if it is a template's (templates()); an unknown name is one SpecError line."""
     names = templates()
     if template not in names:
         raise SpecError(f"--template {template!r}: no such template; use one of: {', '.join(names)}")
-    folder = TEMPLATES / template
+    return template
+
+
+def _template_files(template: str) -> list[str]:
+    """A template's files, as paths relative to its folder (sorted); an unknown name is one SpecError line."""
+    folder = TEMPLATES / check_template(template)
     files = (p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file())
     return sorted(f for f in files if not _NOT_TEMPLATE.search(f))
 

@@ -24,12 +24,18 @@ def newest_trace(chain: list[SessionRecord]) -> Path | None:
     return None
 
 
+def need_matplotlib() -> None:
+    """matplotlib is an extra (some 78 MB for this one command): without it, one line naming the install."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise KchainError(f"kchain plot needs matplotlib: {INSTALL}") from None
+
+
 def plot_chain(trace: list[dict[str, Any]], boundaries: list[tuple[int, int]], out: Path, title: str) -> Path:
     """Write a PNG of loss and val_* against step, with a dashed line where each session began."""
-    try:
-        import matplotlib
-    except ImportError:  # an extra: some 78 MB for this one command
-        raise KchainError(f"kchain plot needs matplotlib: {INSTALL}") from None
+    need_matplotlib()
+    import matplotlib
 
     matplotlib.use("Agg")  # headless: no display on a laptop's CI or a server
     import matplotlib.pyplot as plt
@@ -61,6 +67,7 @@ def plot_for(job_file: Path, out: Path | None) -> Path:
     from kchain.ledger import Ledger, state_dir
     from kchain.spec import load_job
 
+    need_matplotlib()  # first: said before anything else, a chain or not
     job = load_job(job_file)
     ledger = Ledger(state_dir(job.path))
     chain = ledger.sessions(job.name)

@@ -243,7 +243,9 @@ class TrackersSpec(_Strict):
     # Each on: the experiment tracker sees the chain as one run (common/trackers.py, docs/runtime.md).
     tensorboard: bool = False  # every run.log value mirrored into run.tensorboard_dir; TENSORBOARD_LOGGING_DIR set
     wandb: bool = False  # WANDB_RUN_ID=run.id and WANDB_RESUME=allow in the training process
-    mlflow: bool = False  # MLFLOW_RUN_ID: the MLflow run the code had active at the last checkpoint
+    # MLflow's file store carried in the state (MLFLOW_TRACKING_URI, MLFLOW_ALLOW_FILE_STORE) and MLFLOW_RUN_ID:
+    # the MLflow run the code had active at the last checkpoint
+    mlflow: bool = False
 
     def on(self) -> tuple[str, ...]:
         return tuple(kind for kind in trackers.KINDS if getattr(self, kind))

@@ -17,6 +17,7 @@ Standard library only: the runtime imports it inside the Kaggle kernel.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import tempfile
@@ -25,8 +26,29 @@ from typing import Any
 
 from kchain.common import layout
 
-# mkstemp makes 0600 files; nothing written through here is secret (credentials never are).
-MODE = 0o644
+
+@functools.cache
+def usual_mode() -> int:
+    """The mode a plain open() gives a new file here: 0o666 less the process's umask (0644 under the usual
+    022). mkstemp makes 0600 files, and so do libraries that write through a temporary file (safetensors);
+    nothing kchain writes through here or pulls is secret (it never writes a credential file).
+
+    Read once: Linux says the umask in /proc; elsewhere setting it is the only way to read it, so once per
+    process a file another thread makes in that instant gets 0600, never more."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return 0o666 & ~int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    umask = os.umask(0o077)
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
+def give_usual_mode(path: str | os.PathLike[str]) -> None:
+    """A file another library wrote with a temporary file's 0600 gets usual_mode() (a pulled model.safetensors)."""
+    os.chmod(path, usual_mode())
 
 
 def fsync_path(path: Path) -> None:
@@ -48,10 +70,10 @@ def write_bytes(path: str | os.PathLike[str], data: bytes, tmp: str | os.PathLik
     if tmp is None:
         fd, tmp = tempfile.mkstemp(prefix=f"{layout.TMP_PREFIX}{path.name}.", dir=path.parent)
     else:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, MODE)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, usual_mode())
     try:
         with os.fdopen(fd, "wb") as f:
-            os.fchmod(f.fileno(), MODE)
+            os.fchmod(f.fileno(), usual_mode())
             f.write(data)
             f.flush()
             os.fsync(f.fileno())

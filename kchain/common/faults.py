@@ -104,6 +104,15 @@ class Faults:
                     f"stopping at step {step} and saving")
         return None
 
+    def stop_step(self, step: int, loop_steps: int) -> int | None:
+        """The step a test's deadline clock stops the run at (the stop saves there; the smoke's run to kill
+        has no cadence of its own), or None."""
+        if self.deadline_at_step is not None:
+            return self.deadline_at_step
+        if self.deadline_after_steps:
+            return step + self.deadline_after_steps - loop_steps
+        return None
+
     def at_step_end(self, step: int, kill_all) -> None:
         """The faults of a step's end, in order: a stall, a kill (of every rank), a hang."""
         _FIRST_STEP.setdefault("step", step)  # where this process started (kill_training_at_step)

@@ -75,6 +75,7 @@ DIGESTS = "digests.json"  # in a checkpoint: every value of its state, digested 
 SUMMARY = "summary.json"
 PUBLISH_SENT_KEY = "publish_sent"  # in summary.json: the kernel's state send {step, before}, before it settles
 CACHE_DIR = "cache"
+SCRATCH_DIR = ".scratch"  # where an attached archive is unpacked and a framework's resume is linked: kchain's own
 # The user's own export (run.export_dir: save_pretrained, ONNX, anything), under the kchain dir so it
 # travels in the state version the finishing session publishes; `kchain pull` brings it home.
 EXPORT_DIR = "export"
@@ -84,9 +85,13 @@ BEST_PREFIX = "best."
 # run.tensorboard_dir, <working>/kchain/tensorboard: carried in every checkpoint as the files of this group
 # (the manifest's "attached"), so every session of a chain appends to one TensorBoard run (tensorboard.py).
 TENSORBOARD_DIR = "tensorboard"
+# train.trackers.mlflow: MLflow's file store, <working>/kchain/mlflow, carried in every checkpoint as the files
+# of this group, so every session of a chain logs into one MLflow run (frameworks/mlflow_store.py).
+MLFLOW_DIR = "mlflow"
 
 # The marker file of a state dataset version (and of the state dataset's first, empty version).
 STATE_MARKER = "kchain-state.json"
+RELAY_FILE = "kchain-relay.json"  # an unattended chain's CPU relay's output: what it did (common/relay.py)
 
 # A manifest.json is ours only if it carries this key: attached datasets hold other manifests.
 MARKER = "kchain_checkpoint"
@@ -164,12 +169,17 @@ class Paths:
         """run.tensorboard_dir: the chain's one TensorBoard log dir (tensorboard.py)."""
         return self.kchain / TENSORBOARD_DIR
 
+    @property
+    def mlflow(self) -> Path:
+        """train.trackers.mlflow's file store (MLFLOW_TRACKING_URI): the chain's MLflow runs (mlflow_store.py)."""
+        return self.kchain / MLFLOW_DIR
+
     @classmethod
     def of(cls, env) -> Paths:
         here = kchain_dir(env)
         return cls(input_root=input_root(env), working=working_root(env), kchain=here,
                    checkpoints=here / CHECKPOINTS_DIR, cache=here / CACHE_DIR, metrics=here / METRICS,
-                   summary=here / SUMMARY, scratch=here / ".scratch", export=here / EXPORT_DIR)
+                   summary=here / SUMMARY, scratch=here / SCRATCH_DIR, export=here / EXPORT_DIR)
 
 
 def _subdirs(path: Path) -> list[Path]:

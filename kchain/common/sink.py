@@ -143,7 +143,7 @@ def _write_pointer(folder: Path, pointer: dict) -> None:
     fd, tmp = tempfile.mkstemp(prefix=f"{layout.TMP_PREFIX}{POINTER}.", dir=folder)
     try:
         with os.fdopen(fd, "w") as f:
-            os.fchmod(f.fileno(), atomic.MODE)
+            os.fchmod(f.fileno(), atomic.usual_mode())
             json.dump(pointer, f, indent=2, sort_keys=True)
             f.flush()
             os.fsync(f.fileno())

@@ -8,7 +8,11 @@ variables before the user's code runs:
 
 - wandb: `WANDB_RUN_ID=<run.id>` and `WANDB_RESUME=allow`: `wandb.init()` resumes the same run.
 - mlflow: `MLFLOW_RUN_ID` once a run exists: the id of the MLflow run the code had active at a
-  checkpoint (MLflow makes its ids itself), kept in the manifest, so `mlflow.start_run()` resumes it.
+  checkpoint (MLflow makes its ids itself), kept in the manifest, so `mlflow.start_run()` resumes it;
+  and, unless the process has a tracking URI of its own, `MLFLOW_TRACKING_URI` on the file store that
+  travels in every checkpoint (<working>/kchain/mlflow, mlflow_store.py) with `MLFLOW_ALLOW_FILE_STORE=true`:
+  MLflow 3 refuses a file store without that opt-in, and mlflow-skinny (kchain[trackers]) has no other
+  local store (its default, sqlite, needs SQLAlchemy).
 - tensorboard: `TENSORBOARD_LOGGING_DIR=<run.tensorboard_dir>` (the Hugging Face Trainer's
   TensorBoardCallback logs there) and every `run.log` value mirrored into it (tensorboard.py).
 
@@ -18,9 +22,10 @@ user's code imported mlflow itself.
 
 from __future__ import annotations
 
+import os
 import sys
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,6 +35,8 @@ MLFLOW_KEY = "mlflow_run_id"  # in the manifest once the code had an MLflow run 
 WANDB_RUN_ID_ENV = "WANDB_RUN_ID"
 WANDB_RESUME_ENV = "WANDB_RESUME"
 MLFLOW_RUN_ID_ENV = "MLFLOW_RUN_ID"
+MLFLOW_TRACKING_URI_ENV = "MLFLOW_TRACKING_URI"  # the user's own (a tracking server) wins over kchain's file store
+MLFLOW_ALLOW_FILE_STORE_ENV = "MLFLOW_ALLOW_FILE_STORE"  # MLflow 3's opt-in to its file store
 TENSORBOARD_ENV = "TENSORBOARD_LOGGING_DIR"  # read by transformers' TensorBoardCallback when it is built
 
 
@@ -76,14 +83,19 @@ def _active_mlflow_run() -> str | None:
     return getattr(getattr(run, "info", None), "run_id", None)
 
 
-def environ(kinds: Iterable[str], ids: RunIds, tensorboard_dir: Path) -> dict[str, str]:
-    """The trackers' own variables for the switches in `kinds` (train.trackers)."""
+def environ(kinds: Iterable[str], ids: RunIds, tensorboard_dir: Path, mlflow_dir: Path,
+            env: Mapping[str, str] = os.environ) -> dict[str, str]:
+    """The trackers' own variables for the switches in `kinds` (train.trackers); `env`, the process's
+    environment, keeps a tracking URI it has."""
     kinds = set(kinds)
     out: dict[str, str] = {}
     if "wandb" in kinds:
         out[WANDB_RUN_ID_ENV], out[WANDB_RESUME_ENV] = ids.run_id, "allow"
     if "mlflow" in kinds and ids.mlflow:
         out[MLFLOW_RUN_ID_ENV] = ids.mlflow
+    if "mlflow" in kinds and not env.get(MLFLOW_TRACKING_URI_ENV):
+        out[MLFLOW_TRACKING_URI_ENV] = mlflow_dir.absolute().as_uri()
+        out[MLFLOW_ALLOW_FILE_STORE_ENV] = "true"
     if "tensorboard" in kinds:
         out[TENSORBOARD_ENV] = str(tensorboard_dir)
     return out

@@ -34,7 +34,7 @@ from kchain.common.trace import Trace
 from kchain.runtime import distributed, ladder, precision, preflight, staging, watchdog
 from kchain.runtime.checkpoint.checkpointer import Checkpointer, Policy, Where
 from kchain.runtime.clock import SessionClock
-from kchain.runtime.frameworks import tensorboard
+from kchain.runtime.frameworks import mlflow_store, tensorboard
 from kchain.runtime.loader import NOT_SHARDED, Loader, dataloader_options, refuse_sharded
 from kchain.runtime.loader import subset as smoke_subset
 from kchain.runtime.loop import Loop, SessionStopped
@@ -127,8 +127,10 @@ class Run:
         self._ckpt.additions.append(functools.partial(_additions, self._ids, self._tb, self._ckpt))
         if "tensorboard" in st.trackers:
             self._trace.mirror = self._tb.mirror
+        if "mlflow" in st.trackers:  # MLflow's file store travels in every checkpoint
+            self._ckpt.additions.append(_mlflow_store(paths, self._ranks.is_main, self._ckpt).addition)
         # The trackers' own resume variables, before the user's code imports them (train.trackers).
-        os.environ.update(trackers.environ(st.trackers, self._ids, paths.tensorboard))
+        os.environ.update(trackers.environ(st.trackers, self._ids, paths.tensorboard, paths.mlflow, os.environ))
         # The watchdog's verdict writes the summary from the parts (a part never holds the Run).
         summarize = functools.partial(_build_summary, self._progress, self._trace, self._ckpt, st, self._ranks.world_size)
         self._loop = Loop(self._progress, self._clock, self._ckpt, self._trace, self._ranks, st.faults,
@@ -873,6 +875,13 @@ def _resumed_from(ckpt: Checkpointer) -> tuple[Path, dict] | None:
     """The checkpoint this run resumes from (rank 0: found and verified once), or None."""
     found, _ = ckpt.find()
     return found[0] if found else None
+
+
+def _mlflow_store(paths: Paths, writes: bool, ckpt: Checkpointer) -> mlflow_store.Store:
+    """train.trackers.mlflow's file store, made what the resumed checkpoint holds now, before the code imports mlflow."""
+    store = mlflow_store.Store(paths.mlflow, paths.scratch, writes, functools.partial(_resumed_from, ckpt))
+    store.restore()
+    return store
 
 
 def _additions(ids: trackers.RunIds, tb: tensorboard.Log, ckpt: Checkpointer) -> tuple[dict, dict[str, Path]]:

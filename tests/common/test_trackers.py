@@ -1,6 +1,6 @@
 """One run across sessions for the experiment trackers: the chain's run id, the trackers' variables,
-and one TensorBoard run through a real SIGKILL between two checkpoints, read back with TensorBoard's
-own reader (EventAccumulator)."""
+and one TensorBoard run and one MLflow run through a real SIGKILL between two checkpoints, read back
+with each tracker's own reader (EventAccumulator, MlflowClient)."""
 
 from __future__ import annotations
 
@@ -25,9 +25,11 @@ def launch(root: Path, **env: str) -> subprocess.CompletedProcess:
     root.mkdir(parents=True, exist_ok=True)
     (root / "cfg.json").write_text(json.dumps({
         "job": "tb", "entry": "tb_job:main", "params": {"steps": STEPS},
-        "train": {"checkpoint_every": {"steps": 3}, "keep": 2, "heartbeat_s": 0, "trackers": ["tensorboard", "wandb"]},
+        "train": {"checkpoint_every": {"steps": 3}, "keep": 2, "heartbeat_s": 0,
+                  "trackers": ["tensorboard", "wandb", "mlflow"]},
     }))
-    child_env = {k: v for k, v in os.environ.items() if not k.startswith(("KCHAIN_", "WANDB_", "TENSORBOARD_"))}
+    child_env = {k: v for k, v in os.environ.items()
+                 if not k.startswith(("KCHAIN_", "WANDB_", "TENSORBOARD_", "MLFLOW_"))}
     child_env.update(KCHAIN_ROOT=str(root), PYTHONPATH=os.pathsep.join([str(REPO), str(JOBS)]), **env)
     return subprocess.run([sys.executable, "-m", "kchain.runtime.launch", str(root / "cfg.json")], env=child_env,
                           cwd=root, capture_output=True, text=True, timeout=300)
@@ -46,6 +48,16 @@ def scalars(logdir: Path) -> dict[str, list[tuple[int, float]]]:
     return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
 
 
+def mlflow_runs(root: Path) -> dict[str, list[tuple[int, float]]]:
+    """{run id: [(step, train_loss), ...]} as MLflow's own client reads the store the chain carried."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=(kdir(root) / layout.MLFLOW_DIR).as_uri())
+    runs = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    return {r.info.run_id: sorted((m.step, m.value) for m in client.get_metric_history(r.info.run_id, "train_loss"))
+            for r in runs}
+
+
 def checkpoint_ids(root: Path) -> set[str]:
     ckpts = kdir(root) / layout.CHECKPOINTS_DIR
     return {json.loads((p / layout.MANIFEST).read_text())[trackers.RUN_ID_KEY]
@@ -53,12 +65,15 @@ def checkpoint_ids(root: Path) -> set[str]:
 
 
 @pytest.mark.slow
-def test_a_sigkill_between_checkpoints_leaves_one_tensorboard_run_equal_to_an_uninterrupted_one(tmp_path):
+def test_a_sigkill_between_checkpoints_leaves_one_tracker_run_equal_to_an_uninterrupted_one(tmp_path, monkeypatch):
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # this process's reader; the sessions get it from kchain
     ref = launch(tmp_path / "ref")
     assert ref.returncode == 0, ref.stdout + ref.stderr
     want = scalars(kdir(tmp_path / "ref") / layout.TENSORBOARD_DIR)
     assert sorted(want) == sorted(TAGS)
     assert all([s for s, _ in want[tag]] == list(range(1, STEPS + 1)) for tag in TAGS)
+    [want_mlflow] = mlflow_runs(tmp_path / "ref").values()
+    assert [s for s, _ in want_mlflow] == list(range(1, STEPS + 1))
 
     # Session 1 dies at step 8: checkpoints at 3 and 6 (written in the training thread, so both are
     # complete by then on a busy machine too); steps 7 and 8 are in its event file on disk.
@@ -67,6 +82,8 @@ def test_a_sigkill_between_checkpoints_leaves_one_tensorboard_run_equal_to_an_un
     assert died.returncode == KILLED, died.stdout + died.stderr
     logdir = kdir(root) / layout.TENSORBOARD_DIR
     assert [s for s, _ in scalars(logdir)["train/loss"]] == list(range(1, 9))
+    [(mlflow_id, logged)] = mlflow_runs(root).items()
+    assert [s for s, _ in logged] == list(range(1, 9))
     run_id = checkpoint_ids(root)
     assert len(run_id) == 1
 
@@ -76,12 +93,14 @@ def test_a_sigkill_between_checkpoints_leaves_one_tensorboard_run_equal_to_an_un
     again = launch(fresh)
     assert again.returncode == 0 and "resumed from step 6" in again.stdout, again.stdout + again.stderr
     assert scalars(kdir(fresh) / layout.TENSORBOARD_DIR) == want
+    assert mlflow_runs(fresh) == {mlflow_id: want_mlflow}  # session 1's run, steps 7 and 8 once
     assert checkpoint_ids(fresh) == run_id  # the same run in every session
 
     # In the killed session's own working dir: its events of steps 7 and 8 are superseded.
     resumed = launch(root)
     assert resumed.returncode == 0 and "resumed from step 6" in resumed.stdout, resumed.stdout + resumed.stderr
     assert scalars(logdir) == want
+    assert mlflow_runs(root) == {mlflow_id: want_mlflow}
     assert checkpoint_ids(root) == run_id
 
     # What `kchain pull --logs` will lay out from the last state: the same one run.
@@ -119,17 +138,22 @@ def test_the_trackers_variables_are_exported_before_the_user_code(tmp_path, monk
     assert "MLFLOW_RUN_ID" not in os.environ  # no MLflow run exists yet
     run.close()
     ids = trackers.RunIds.of({trackers.RUN_ID_KEY: "abc", trackers.MLFLOW_KEY: "f00"})
-    assert trackers.environ(["mlflow"], ids, tmp_path) == {"MLFLOW_RUN_ID": "f00"}
+    store = tmp_path / "mlflow"
+    assert trackers.environ(["mlflow"], ids, tmp_path, store, {}) == {
+        "MLFLOW_RUN_ID": "f00", "MLFLOW_TRACKING_URI": store.as_uri(), "MLFLOW_ALLOW_FILE_STORE": "true"}
+    server = {"MLFLOW_TRACKING_URI": "http://mlflow.example:5000"}  # the user's own tracking server is kept
+    assert trackers.environ(["mlflow"], ids, tmp_path, store, server) == {"MLFLOW_RUN_ID": "f00"}
 
 
 def test_the_mlflow_run_active_at_a_save_is_kept_for_the_next_session(tmp_path, monkeypatch):
     import mlflow
     from helpers import make_run
 
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", (tmp_path / "mlruns").as_uri())
-    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # a local file store: MLflow 3 asks for the opt-in
-    monkeypatch.delenv("MLFLOW_RUN_ID", raising=False)
+    for name in ("MLFLOW_TRACKING_URI", "MLFLOW_ALLOW_FILE_STORE", "MLFLOW_RUN_ID"):
+        monkeypatch.setenv(name, "")  # unset for kchain and MLflow alike, and restored after the test
     run = make_run(tmp_path, checkpoint_every={"steps": 2}, trackers=["mlflow"])
+    # No store or opt-in of the user's: kchain's file store, which travels in every checkpoint.
+    assert os.environ["MLFLOW_TRACKING_URI"] == (kdir(tmp_path) / layout.MLFLOW_DIR).as_uri()
     with mlflow.start_run() as active:
         for _ in run.steps(2):
             pass

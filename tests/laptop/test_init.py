@@ -5,8 +5,10 @@ from typing import get_args
 
 import pytest
 import yaml
+from click.testing import CliRunner
 from helpers import error_line, invoke
 
+from kchain.cli import cli
 from kchain.errors import SpecError
 from kchain.init import TEMPLATES, init_job, templates
 from kchain.spec import KaggleSpec, load_job
@@ -80,9 +82,13 @@ def test_every_template_is_a_folder_copied_with_the_jobs_name_and_loads(tmp_path
 
 def test_an_unknown_template_is_refused_in_one_line_and_the_help_lists_every_template(tmp_path):
     result = invoke("init", "--template", "../loop", tmp_path / "job")
-    assert result.exit_code == 10
+    assert result.exit_code == 2  # a usage error, as click's own
     assert error_line(result) == f"Error: --template '../loop': no such template; use one of: {', '.join(templates())}"
     assert not (tmp_path / "job").exists()
+    # The shell's completion of `kchain init --template l<TAB>` (click's bash protocol: type,value lines).
+    completed = CliRunner().invoke(cli, [], prog_name="kchain", env={
+        "_KCHAIN_COMPLETE": "bash_complete", "COMP_WORDS": "kchain init --template l", "COMP_CWORD": "3"})
+    assert completed.output.splitlines() == [f"plain,{name}" for name in templates() if name.startswith("l")]
     help_text = invoke("init", "--help").output
     examples = [line.strip() for line in help_text.split("Example:\n")[1].split("\n\n")[0].splitlines()]
     assert examples == ["kchain init jobs/my-model && kchain smoke jobs/my-model/job.yaml"] + [

@@ -26,6 +26,20 @@ def test_smoke_caps_steps_subsets_evenly_and_every_fires_on_the_last_step(tmp_pa
     assert make_run(tmp_path).subset(labels) is labels
 
 
+def test_the_heartbeat_of_the_smokes_run_to_kill_names_its_planned_stop(tmp_path, capsys):
+    # That run saves only at its deadline stop: its cadence is a placeholder (NO_CADENCE) the heartbeat never shows.
+    from kchain.runtime.run import SessionStopped
+    from kchain.smoke import NO_CADENCE
+
+    run = make_run(tmp_path, env={layout.FAULT_ENV: "deadline_at_step=3", layout.CHECKPOINT_EVERY_ENV: NO_CADENCE})
+    with pytest.raises(SessionStopped):
+        for _ in run.steps(6):
+            pass
+    run.close()
+    beats = [line.rsplit(" | ", 1)[1] for line in capsys.readouterr().out.splitlines() if line.startswith("[kchain] step ")]
+    assert beats == [f"ckpt in {n} steps (the planned stop)" for n in (2, 1, 0)]
+
+
 def test_tracking_after_the_loop_started_is_refused(tmp_path):
     run = Run({"job": "late-track", "params": {}, "train": {"checkpoint_every": {"steps": 100}}},
               env={"KCHAIN_ROOT": str(tmp_path)})

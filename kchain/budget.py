@@ -16,6 +16,7 @@ from typing import Any
 from kchain.errors import BudgetExceeded, CredentialsError, KaggleError
 from kchain.kaggle_api import KaggleClient, Quota
 from kchain.ledger import WEEK, Ledger, budget_document, budget_lines, iso, now_utc, state_dir, week_start
+from kchain.sessions import records
 from kchain.spec import Job, load_job
 
 
@@ -116,9 +117,11 @@ def check_budget(job: Job, plan: Plan, force: bool, job_file: Path) -> None:
 
 def _week(job_file: Path) -> tuple[Plan, dict[str, Any], Ledger, Job]:
     """`kchain budget`: the week as push and doctor plan it (Kaggle's allowance, week and count where it
-    answers; the ledger alone without credentials or an answer), session by session."""
+    answers; the ledger alone without credentials or an answer), session by session; an empty ledger is
+    rebuilt from Kaggle first, as status does."""
     job = load_job(job_file)
     ledger = Ledger(state_dir(job.path))
+    records(job, ledger)  # a chain another laptop ran: its sessions rebuilt from Kaggle, so their hours count
     plan = plan_for(job, ledger, KaggleClient(timeout_s=15, attempts=2))
     kaggle_used_h = plan.used_h if plan.used_h > ledger.gpu_hours_this_week(start=plan.week_start) else None
     return plan, budget_document(ledger, plan.weekly_h, job.name, start=plan.week_start,

@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from kchain import result
 from kchain import sessions as sess
 from kchain.budget import check_budget, plan_for
 from kchain.common import layout, nextsession
@@ -35,7 +36,6 @@ from kchain.common.statefolder import (
     cache_entries,
     write_dataset_metadata,
 )
-from kchain.common.summary import Status
 from kchain.datasets import (
     current_version,
     ensure_dataset,
@@ -139,8 +139,10 @@ def relay_state(client: KaggleClient, job: Job, owner: str, record: SessionRecor
 
 
 def ready_state(client: KaggleClient, job: Job, owner: str, chain: list[SessionRecord], echo: Echo,
-                save: Callable[[PublishFacts], None] | None = None) -> PublishFacts:
-    """Make sure the newest checkpoint is a ready version of the state dataset; return its facts."""
+                save: Callable[[PublishFacts], None] | None = None, final: bool = False) -> PublishFacts:
+    """Make sure the newest checkpoint is a ready version of the state dataset; return its facts. final: the
+    chain has ended, and this is its last state (a session that trained nothing past its resume leaves the
+    version it resumed from as the newest: nothing was lost)."""
     last = chain[-1]
     state_ref = state_dataset(owner, job.name)
     if (last.get("publish") or {}).get("version"):
@@ -163,12 +165,17 @@ def ready_state(client: KaggleClient, job: Job, owner: str, chain: list[SessionR
                           "cache": marker["cache"]})
     facts["version"] = current_version(client, state_ref, echo)
     if facts["published"] is None:
-        # Nothing new survived: the newest ready version is the last one a session published.
+        # Nothing new survived: the newest ready version is the last one a session published (or, in records
+        # rebuilt from Kaggle, which have no publish facts, the one the last session resumed from).
         earlier = [step for s in chain[:-1] if (step := (s.get("publish") or {}).get("step")) is not None]
-        facts["step"] = step = max(earlier, default=0)
+        facts["step"] = step = max([*earlier, last.get("resumes_at") or 0])
         facts["steps_lost"], lost = steps_lost(last, step)
-        echo(f"  session {last['session']} left no checkpoint: resuming from step {facts['step']} "
-             f"(state version {facts['version']}); {lost}")
+        if final:
+            echo(f"  session {last['session']} trained nothing past step {step}: state version {facts['version']} "
+                 "holds the final state")
+        else:
+            echo(f"  session {last['session']} left no checkpoint: resuming from step {facts['step']} "
+                 f"(state version {facts['version']}); {lost}")
     elif (step := facts.get("step")) is not None:
         facts["steps_lost"], lost = steps_lost(last, step)
         if facts["steps_lost"]:  # e.g. killed between two saves
@@ -224,7 +231,7 @@ def fetch_or_stop(client: KaggleClient, ledger: Ledger, job: Job, owner: str, ch
             else "every step it trained (how many is unknown: no heartbeat was seen)")
     if from_state is None:
         raise ChainStop(
-            f"the output of session {last['session']} could not be fetched ({str(error)[:160]}); run `kchain continue` "
+            f"the output of session {last['session']} could not be fetched ({' '.join(str(error).split())}); run `kchain continue` "
             f"again later, or pass --from-state {version} to resume from state version {version} (step {step}), "
             f"which loses {lost}"
         )
@@ -286,26 +293,45 @@ def stop_error(verdict: Verdict, job_file: Path) -> KchainError:
 
 def act(decision: Verdict, job: Job, ledger: Ledger, client: KaggleClient, owner: str,
         chain: list[SessionRecord], force: bool, echo: Echo) -> Verdict:
-    """Perform a decision: raise its stop, record a finished chain, or push the next session."""
+    """Perform a decision: raise its stop, publish and record a finished chain's end, or push the next session."""
     if decision.stop is not None:
         raise stop_error(decision, job.path)
     if decision.action == "finished":
-        record_finished(ledger, job, chain)
+        return finish(job, ledger, client, owner, chain, decision, echo)
     if decision.action == "push":
         return push_next(job, ledger, client, owner, chain, force, echo, decision.attempt if decision.again else 1)
     return decision
 
 
-def record_finished(ledger: Ledger, job: Job, chain: list[SessionRecord]) -> None:
-    """One line for the whole chain's result, so `kchain runs` can name the best weights."""
+def finish(job: Job, ledger: Ledger, client: KaggleClient, owner: str, chain: list[SessionRecord],
+           decision: Verdict, echo: Echo) -> Verdict:
+    """An ended chain: its last state a ready state version (relayed from the laptop unless the kernel published
+    it; sent once: a rerun finds it recorded, a lost answer is settled by the dataset's versions), one line in
+    the run log, and the line that says where the final weights are (kchain/result.py)."""
+    last = chain[-1]
+
+    def save_publish(progress: PublishFacts) -> None:
+        last["publish"] = progress
+        ledger.save_session(job.name, last)
+
+    save_publish(ready_state(client, job, owner, chain, echo, save_publish, final=True))
+    said = result.of_chain(chain)
+    state_ref = state_dataset(owner, job.name)
+    record_finished(ledger, job, chain, said, state_ref)
+    return dataclasses.replace(decision, message=said.finished_message(job.path, state_ref), record=last)
+
+
+def record_finished(ledger: Ledger, job: Job, chain: list[SessionRecord], said: result.Result, state_ref: str) -> None:
+    """One line for the whole chain's result: its final step and value, where its final state is."""
     last = chain[-1]
     summary = summary_of(last)
-    if summary.status != Status.FINISHED or last.get("logged"):
+    if said.ended is None or last.get("logged"):
         return
+    where = f"{state_ref}/{said.version}" if said.published and said.version else str(final_weights(last))
     ledger.append_run(
         run_id=new_run_id("kaggle"), channel="kaggle", job=job.name, config=str(last.get("fingerprint"))[:12],
-        steps=summary.step or "", val=_val(last), checkpoint=str(final_weights(last)),
-        note=f"finished after {len(chain)} session(s)",
+        steps=summary.step or "", val=_val(last), checkpoint=where,
+        note=f"{said.ended} after {len(chain)} session(s)",
     )
     ledger.save_session(job.name, {**last, "logged": True})
 
@@ -383,10 +409,9 @@ def _iso_now() -> str:
 
 
 def _val(record: SessionRecord) -> str:
+    """A run-log row's val: the last validation value the session logged (at its end), never the best so far,
+    which `kchain runs` names apart (the kept best, kchain/result.py)."""
     summary = summary_of(record)
-    best = summary.best or {}
-    if isinstance(best.get("value"), (int, float)):
-        return f"{best['value']:.6g}"
     for key, value in (summary.metrics or {}).items():
         if key.startswith("val") and isinstance(value, (int, float)):
             return f"{value:.6g}"

@@ -54,6 +54,34 @@ def _params(ctx: click.Context, param: click.Parameter, values: tuple[str, ...])
         raise click.UsageError(str(exc), ctx) from None
 
 
+def _usage(ctx: click.Context, check: Callable[[str], object], value: str) -> str:
+    """The value, checked by the library's own parse: its KchainError is a usage error (exit 2), as click's are."""
+    try:
+        check(value)
+    except KchainError as exc:
+        raise click.UsageError(str(exc), ctx) from None
+    return value
+
+
+def _template(ctx: click.Context, param: click.Parameter, value: str) -> str:
+    from kchain.init import check_template
+
+    return _usage(ctx, check_template, value)
+
+
+def _template_names(ctx: click.Context, param: click.Parameter, incomplete: str) -> list[str]:
+    """`kchain init --template <TAB>`: the template names (the shell's completion, click's shell_complete)."""
+    from kchain.init import templates
+
+    return [name for name in templates() if name.startswith(incomplete)]
+
+
+def _fault_spec(ctx: click.Context, param: click.Parameter, value: str) -> str:
+    from kchain.rehearse import parse_fault_spec
+
+    return _usage(ctx, parse_fault_spec, value) if value else value
+
+
 def _job_target(job: Path) -> str:
     """The job file's target (kaggle, skypilot or slurm): push, status, logs and stop act on its engine."""
     from kchain.spec import load_job
@@ -122,8 +150,8 @@ class TemplatesHelp(click.Command):
 
 @cli.command(cls=TemplatesHelp)
 @click.argument("folder", type=click.Path(path_type=Path), default=".")
-@click.option("--template", "-t", default="loop", metavar="NAME", show_default=True,
-              help="The template to copy (the Example lists them all).")
+@click.option("--template", "-t", default="loop", metavar="NAME", show_default=True, callback=_template,
+              shell_complete=_template_names, help="The template to copy (the Example lists them all).")
 def init(folder: Path, template: str) -> None:
     """Write a job folder from a template that passes `kchain smoke` as written (never overwrites)."""
     from kchain.init import init_job
@@ -380,14 +408,14 @@ def budget(job: Path, as_json: bool) -> None:
 @JOB
 @AS_JSON
 def runs(job: Path, as_json: bool) -> None:
-    """The run log, with the best row by validation metric and its checkpoint.
+    """The run log, and the chain's kept best and final weights (the ones pull and release bring).
 
     \b
     Example:
       kchain runs myjob/job.yaml
       kchain runs myjob/job.yaml --json | jq -r .best
     """
-    from kchain.ledger import runs_document, runs_for
+    from kchain.sessions import runs_document, runs_for
 
     if as_json:
         return click.echo(json.dumps(runs_document(job), indent=2))
@@ -399,7 +427,8 @@ def runs(job: Path, as_json: bool) -> None:
 @JOB
 @click.option("-o", "--out", type=click.Path(path_type=Path), default=None, help="PNG path (default: .kchain/<name>-loss.png).")
 def plot(job: Path, out: Path | None) -> None:
-    """A PNG of training and validation loss across the whole chain, sessions marked.
+    """A PNG of training and validation loss across the whole chain, sessions marked (matplotlib, an
+    extra: pip install 'kchain[plot]').
 
     \b
     Example:
@@ -482,10 +511,14 @@ def sync(job: Path, to: str, folder: Path | None) -> None:
 @click.option("--dataset", default=None, metavar="OWNER/SLUG", help="A dataset instead of a model.")
 @click.option("--public", is_flag=True, help="Make a new model public (default: private).")
 @click.option("--license", "license_name", default="Apache 2.0", show_default=True, help="A new variation's licence.")
+@click.option("--new", "again", is_flag=True,
+              help="Publish a new version even where an earlier release made one of these same weights.")
 def release(job: Path, best: bool, final: bool, model: str | None, dataset: str | None, public: bool,
-            license_name: str) -> None:
+            license_name: str, again: bool) -> None:
     """Publish the pulled weights (model.safetensors, metrics.json, export/) as a new Kaggle Model
-    version, sent exactly once, with a card in its description; prints the model_sources line.
+    version, sent exactly once, with a card in its description; prints the model_sources line. Run
+    again (after a kill or a finish), it names the version that holds these weights instead of sending
+    them again; never to the chain's own state, cache or pip dataset.
 
     \b
     Example:
@@ -495,7 +528,8 @@ def release(job: Path, best: bool, final: bool, model: str | None, dataset: str 
     from kchain.pull import Want
     from kchain.release import release as run_release
 
-    for line in run_release(job, Want(_chosen(best, final)), model, dataset, public, license_name, click.echo):
+    for line in run_release(job, Want(_chosen(best, final)), model, dataset, public, license_name, click.echo,
+                            new=again):
         click.echo(line)
 
 
@@ -522,7 +556,7 @@ def release(job: Path, best: bool, final: bool, model: str | None, dataset: str 
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--set", "sets", multiple=True, metavar="NAME=VALUE", callback=_params,
               help="Override a param, e.g. --set steps=300.")
-@click.option("--faults", "fault_spec", default="", metavar="SPEC",
+@click.option("--faults", "fault_spec", default="", metavar="SPEC", callback=_fault_spec,
               help="A flaky Kaggle, rates per call: e.g. 429=0.15,500=0.10,lost_answer=0.1,reset_after_acting=0.1,drop_upload=0.1.")
 @click.option("--strict/--lenient", default=True, show_default=True,
               help="Kaggle's strict behaviour (403s, lagging versions, ignored pins, lost output) or a kind one.")

@@ -27,6 +27,7 @@ DOCTOR_FILE = "doctor.json"  # what `kchain doctor` learned, by job (doctor.py w
 PUBLISH_FILE = "publish.json"
 SMOKE_FILE = "smoke-passes.json"
 SESSIONS_FILE = "sessions.json"
+RELEASES_FILE = "releases.json"  # what `kchain release` sent, by target and weights (release.py)
 RUN_FIELDS = ["run_id", "date", "channel", "job", "config", "steps", "val", "checkpoint", "note"]
 
 
@@ -164,6 +165,20 @@ class Ledger:
         data = _read_state_json(self.root / PUBLISH_FILE)
         data[job] = figures
         atomic_write_json(self.root / PUBLISH_FILE, data)
+
+    # -- releases -------------------------------------------------------------------------
+    def release_record(self, target: str, digest: str) -> dict[str, Any] | None:
+        """What this laptop sent of the weights `digest` to `target` (a model variation or a dataset):
+        {before, number (None until it settled), step, which, sent}, or None when it never sent them."""
+        entry = _read_state_json(self.root / RELEASES_FILE).get(target)
+        record = entry.get(digest) if isinstance(entry, dict) else None
+        return record if isinstance(record, dict) else None
+
+    def save_release(self, target: str, digest: str, record: dict[str, Any]) -> None:
+        data = _read_state_json(self.root / RELEASES_FILE)
+        entry = data.get(target)
+        data[target] = {**(entry if isinstance(entry, dict) else {}), digest: record}
+        atomic_write_json(self.root / RELEASES_FILE, data)
 
     def all_sessions(self) -> dict[str, list[SessionRecord]]:
         path = self.root / SESSIONS_FILE
@@ -334,7 +349,9 @@ def _best_run(rows: list[dict[str, str]]) -> dict[str, str] | None:
         return None
 
 
-def runs_lines(ledger: Ledger) -> list[str]:
+def runs_lines(ledger: Ledger, chain_lines: list[str] | None = None, job_file: Path | str = "job.yaml") -> list[str]:
+    """The run log, then what the chain's records say of its result (chain_lines: the kept best and the final
+    weights, kchain/result.py), or, with no chain, the row with the best validation value."""
     rows = ledger.runs()
     lines = [f"{'run':<28} {'date':<20} {'channel':<8} {'job':<18} {'config':<12} {'steps':>6} {'val':>9}  "
              f"{'checkpoint':<30} note"]
@@ -342,26 +359,22 @@ def runs_lines(ledger: Ledger) -> list[str]:
         lines.append(f"{r['run_id']:<28} {r['date']:<20} {r['channel']:<8} {r['job']:<18} {r['config']:<12} "
                      f"{r['steps']:>6} {r['val']:>9}  {r['checkpoint']:<30} {r['note']}")
     best = _best_run(rows)
-    if best:
-        # Not the row's checkpoint column: that is the run's last checkpoint, not the best step's, and a
-        # later session may have pruned it. The kept best (train.keep_best) travels in the state.
-        lines.append(f"best so far: {best['run_id']} at val {best['val']} (job {best['job']}); "
-                     "its best step's weights: kchain pull <job.yaml> --best")
+    if chain_lines:
+        if not rows:
+            lines.append("no run log on this laptop: the chain's records were rebuilt from Kaggle")
+        lines += chain_lines
+    elif best:
+        # A row's val is the value at its own step; the best checkpoint is the chain's kept best, named once
+        # a chain kept one (train.keep_best).
+        lines.append(f"best row by val: {best['run_id']} at val {best['val']} (job {best['job']})")
     elif not rows:
-        lines.append("the run log is empty: `kchain smoke job.yaml` writes its first line")
+        lines.append(f"the run log is empty: `kchain smoke {job_file}` writes its first line")
     return lines
 
 
-
-
-def runs_for(job_file: Path) -> list[str]:
-    return runs_lines(Ledger(state_dir(job_file)))
-
-
-def runs_document(job_file: Path) -> dict[str, Any]:
-    """`kchain runs --json`: the run log's rows, steps and val as numbers (null when empty), and the best
-    row's run_id (the shape README's "Machine-readable output" documents)."""
-    rows = Ledger(state_dir(job_file)).runs()
+def runs_json(ledger: Ledger) -> dict[str, Any]:
+    """`kchain runs --json`'s rows, steps and val as numbers (null when empty), and the best row's run_id."""
+    rows = ledger.runs()
     best = _best_run(rows)
 
     def number(text: str, kind: type) -> Any:

@@ -1,10 +1,12 @@
 """`kchain pull`: the chain's result brought home as a plain folder, from the newest state version.
 
 Laptop side. The state dataset is named by the job alone (`<owner>/<name>-state`), so a laptop that
-never saw the chain pulls it: no session record is needed (GPU-hours are said only when the records
-are here). Files come one by one through the official client (kaggle_api), only those the choice
-needs, and are checked against the checkpoint's manifest without torch (runtime/checkpoint_files);
-only the conversion of state.pt into weight files imports torch, inside `write_weights`.
+never saw the chain pulls it; the chain's records (this laptop's, or rebuilt from Kaggle as `status` does)
+say whether it has ended (kchain/result.py: the word `continue` says), so `--final` serves the newest
+version when it holds the step the chain ended at, whichever session published it. Files come one by one
+through the official client (kaggle_api), only those the choice needs, and are checked against the
+checkpoint's manifest without torch (runtime/checkpoint_files); only the conversion of state.pt into weight
+files imports torch, inside `write_weights`.
 
 What a pull takes from the version is a list of names (`Fetch`): the marker and summary, the chosen
 checkpoint's files (--best: its `best.*` files, or the newest's when the newest is the best), and with
@@ -15,7 +17,8 @@ The folder written:
     model.safetensors          the tracked module's weights (one file per module, named for it, when
                                several are tracked); state_dict.pt when safetensors cannot hold a dtype
     metrics.json               step, the metric values at that step, sessions, GPU-hours, fingerprint
-    export/                    what the finishing session wrote under run.export_dir (--final)
+    export/                    what the finishing session wrote under run.export_dir (--final; from its
+                               output here when it trained nothing past the state it resumed, so published none)
     .kchain-pull.json          kchain's mark: the files this pull wrote (what a later --force may replace)
 
 Nothing kchain did not write is ever deleted: `-o` is a new or empty folder, or one a pull wrote before
@@ -36,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 import kchain
+from kchain import result
 from kchain.common import atomic, eventfiles, layout, summary
 from kchain.common.checkpoint_files import (
     ATTACHED_KEY,
@@ -46,12 +50,15 @@ from kchain.common.checkpoint_files import (
     check_sha256,
     verify,
 )
+from kchain.common.nextsession import ENDED
 from kchain.common.say import gb
 from kchain.common.statefolder import STATE_MARKER
 from kchain.datasets import current_version
 from kchain.errors import KchainError
 from kchain.kaggle_api import KaggleClient
+from kchain.ledger import Ledger, state_dir
 from kchain.names import state_dataset
+from kchain.sessions import refresh
 from kchain.spec import Job, load_job
 
 Echo = Callable[[str], None]
@@ -102,11 +109,13 @@ class Pulled:
     version: int
     fetched_bytes: int
     note: str | None  # why the weights are not safetensors, or what they leave out
+    best: dict | None = None  # --best: the kept best these weights are (metric, mode, value, step)
 
     def lines(self) -> list[str]:
         files = ", ".join([*self.weights.values(), METRICS_FILE])
-        out = [f"pulled step {self.step} from {self.ref} version {self.version} ({gb(self.fetched_bytes)} fetched): "
-               f"{self.folder} ({files})"]
+        which = f" (the kept best: {result.best_words(self.best)})" if self.best else ""
+        out = [f"pulled step {self.step}{which} from {self.ref} version {self.version} ({gb(self.fetched_bytes)} "
+               f"fetched): {self.folder} ({files})"]
         if self.note:
             out.append(self.note)
         return out
@@ -237,17 +246,19 @@ def pull(job_file: Path, want: Want, out: Path | None = None, force: bool = Fals
     """Fetch the wanted checkpoint from the newest state version, verify it, write the plain folder."""
     job, out, client, ref, version, work = begin(job_file, out, want.label(), force, client, echo)
     try:
+        said = chain_result(client, job)
         raw = work / "fetched"
         Fetch([STATE_MARKER]).run(client, ref, version, raw)
         marker = json.loads((raw / STATE_MARKER).read_text())
         if not marker.get("session") or marker.get("step") is None:
-            raise KchainError(f"{job_file}: nothing to pull, {ref} version {version} holds no checkpoint yet (the "
-                              f"chain's first session has not published): `kchain status {job_file}`")
+            raise KchainError(f"{job_file}: nothing to pull, {ref} version {version} holds no checkpoint yet: "
+                              + _unpublished(job_file, said))
         ended = _summary(client, ref, version, raw, marker)
-        prefix = choose(job_file, want, marker, ended, ref, version)
+        prefix = choose(job_file, want, marker, ended, ref, version, said)
         Fetch([prefix + layout.MANIFEST]).run(client, ref, version, raw)
         listed = json.loads((raw / (prefix + layout.MANIFEST)).read_text()).get("files") or {}
-        exported = (marker.get("export") or {}) if want.which == "final" else {}
+        by_version = ended is not None and ended.status in ENDED  # the finishing session published this version
+        exported = (marker.get("export") or {}) if want.which == "final" and by_version else {}
         Fetch([prefix + name for name in listed] + list(exported)).run(client, ref, version, raw)
         try:
             manifest = verify(raw, prefix)
@@ -262,14 +273,52 @@ def pull(job_file: Path, want: Want, out: Path | None = None, force: bool = Fals
             dest = folder / EXPORT_SUBDIR / rel
             dest.parent.mkdir(parents=True, exist_ok=True)
             os.replace(raw / flat, dest)
-        metrics = describe(job, manifest, raw / (prefix + layout.METRICS), ended, marker, ref, version, want, weights)
+        if want.which == "final" and not by_version:
+            _export_from_output(said, folder / EXPORT_SUBDIR)
+        chain_status = said.ended or (ended.status if ended is not None else None)
+        metrics = describe(job, manifest, raw / (prefix + layout.METRICS), chain_status, marker, ref, version, want,
+                           weights)
         (folder / METRICS_FILE).write_text(json.dumps(metrics, indent=2, sort_keys=True) + "\n")
         fetched = sum(p.stat().st_size for p in raw.rglob("*") if p.is_file())
         _mark(folder, ref, version)
         _replace(folder, out, work, force)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    return Pulled(out, ref, weights, int(manifest["step"]), version, fetched, note)
+    return Pulled(out, ref, weights, int(manifest["step"]), version, fetched, note,
+                  manifest.get(BEST_KEY) if want.which == "best" else None)
+
+
+def chain_result(client: KaggleClient, job: Job) -> result.Result:
+    """What the chain's records say of its result (rebuilt from Kaggle when this laptop has none); an empty
+    Result when Kaggle gives no answer about them: the state version's own summary decides then."""
+    try:
+        return result.of_chain(refresh(client, Ledger(state_dir(job.path)), job.name))
+    except KchainError:
+        return result.Result()
+
+
+def _unpublished(job_file: Path, said: result.Result) -> str:
+    """Why a state version holds nothing yet, and the command that helps."""
+    if said.newest is not None and not said.published:
+        return f"step {said.newest} is only in a session's output; `kchain continue {job_file}` publishes it"
+    return f"the chain's first session has not published; `kchain status {job_file}` says where it is"
+
+
+def _export_from_output(said: result.Result, dest: Path) -> None:
+    """run.export_dir's files from the finishing session's output on this laptop, for a chain whose last
+    session trained nothing past the state it resumed (so the newest version is an earlier session's)."""
+    if not said.output:
+        return
+    src = Path(said.output) / layout.KCHAIN_DIR / layout.EXPORT_DIR
+    for root, dirs, files in os.walk(src):  # links are never followed, nor copied
+        dirs[:] = [d for d in dirs if not (Path(root) / d).is_symlink()]
+        for name in files:
+            path = Path(root) / name
+            if path.is_symlink() or not path.is_file():
+                continue
+            target = dest / path.relative_to(src)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(path, target)
 
 
 def pull_logs(job_file: Path, out: Path | None = None, force: bool = False, echo: Echo = print,
@@ -317,9 +366,12 @@ def _summary(client: KaggleClient, ref: str, version: int, raw: Path, marker: di
     return summary.read(raw / layout.SUMMARY)
 
 
-def choose(job_file: Path, want: Want, marker: dict, ended: summary.Summary | None, ref: str, version: int) -> str:
+def choose(job_file: Path, want: Want, marker: dict, ended: summary.Summary | None, ref: str, version: int,
+           said: result.Result | None = None) -> str:
     """The name prefix of the wanted checkpoint's files in the version ('' the newest, 'best.' the kept
-    best); a wish the version cannot meet is one line saying what it holds."""
+    best); a wish the version cannot meet is one line saying what it holds. --final: the chain has ended (its
+    records say so, `said`, or the version's own summary) and the version holds the step it ended at."""
+    said = said or result.Result()
     newest, best = int(marker["step"]), marker.get("best")
     holds = f"{ref} version {version} holds step {newest} (the newest)" + \
             (f" and step {best['step']} (the best {best['metric']})" if best and best["step"] != newest else "")
@@ -331,10 +383,14 @@ def choose(job_file: Path, want: Want, marker: dict, ended: summary.Summary | No
         return str(best.get("prefix", ""))
     if want.which == "final":
         status = ended.status if ended is not None else None
-        if status != summary.Status.FINISHED:
+        if said.ended is None and status not in ENDED:
             raise KchainError(f"{job_file}: nothing finished yet: {holds}, from a session that ended "
                               f"{status or 'without a summary'}; `kchain continue {job_file}` finishes the chain, "
                               f"or pull --step {newest} for those weights")
+        if said.ended is not None and said.step is not None and newest != said.step:
+            raise KchainError(f"{job_file}: the chain has ended ({said.ended} at step {said.step}), but {holds}: its "
+                              f"final state is in no state version yet; `kchain continue {job_file}` publishes it, "
+                              f"then pull --final")
         return ""
     if want.step == newest:
         return ""
@@ -381,7 +437,7 @@ def gpu_hours(job: Job, sessions: int) -> float | None:
     return round(sum(session_hours(s) for s in chain if s.get("gpu")), 3)
 
 
-def describe(job: Job, manifest: dict, metrics: Path, ended: summary.Summary | None, marker: dict, ref: str,
+def describe(job: Job, manifest: dict, metrics: Path, chain_status: str | None, marker: dict, ref: str,
              version: int, want: Want, weights: dict[str, str]) -> dict[str, Any]:
     """metrics.json: what the weights are, where they came from, and what the chain spent on them."""
     step, sessions = int(manifest["step"]), int(manifest.get("session") or 0)
@@ -397,7 +453,7 @@ def describe(job: Job, manifest: dict, metrics: Path, ended: summary.Summary | N
         "kchain_version": manifest.get("kchain_version"),
         "params": manifest.get("params"),
         "state": f"{ref}/{version}",
-        "chain_status": ended.status if ended is not None else None,
+        "chain_status": chain_status,
         "chain_step": marker.get("step"),
         "weights": weights,
         "left_out": sorted(manifest.get(FROZEN_KEY) or {}),  # modules whose frozen base is not in the weights
@@ -465,6 +521,7 @@ def write_weights(state_file: Path, modules: list[str] | None, folder: Path,
             seen.add(ptr)
         try:
             save_file(plain, str(folder / f"{stem}.safetensors"), metadata={"format": "pt"})
+            atomic.give_usual_mode(folder / f"{stem}.safetensors")  # safetensors writes a 0600 temporary file
             written[name] = f"{stem}.safetensors"
         except (ValueError, TypeError, RuntimeError, KeyError) as e:  # KeyError: a dtype it has no name for
             (folder / f"{stem}.safetensors").unlink(missing_ok=True)

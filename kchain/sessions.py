@@ -7,6 +7,8 @@ summary, log) is downloaded once it ends to `.kchain/sessions/<job>/<n>/`.
 from __future__ import annotations
 
 import json
+import shutil
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -14,17 +16,18 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from kchain import diagnose
-from kchain.common import layout
+from kchain import diagnose, result
+from kchain.common import layout, nextsession
+from kchain.common.checkpoint_files import BEST_KEY
 from kchain.common.heartbeat import duration
 from kchain.common.kernel_states import LIVE, TERMINAL
 from kchain.common.nextkernel import NEXT_KEY
-from kchain.common.relay import RELAY_FILE
 from kchain.common.sessionrecord import SessionRecord
-from kchain.common.summary import Status, Summary, read_working
-from kchain.errors import ChainStop, KaggleError, KchainError
+from kchain.common.summary import Summary, read_working
+from kchain.errors import KaggleError, KchainError
 from kchain.kaggle_api import KaggleClient
-from kchain.ledger import Ledger, iso, now_utc, parse_iso
+from kchain.ledger import Ledger, iso, now_utc, parse_iso, runs_json, runs_lines
+from kchain.names import state_dataset
 from kchain.spec import Job, parse_duration
 
 Echo = Callable[[str], None]
@@ -74,16 +77,35 @@ def _last_heartbeat(text: str) -> str | None:
     return lines[-1] if lines else None
 
 
-def saved_step(output: Path) -> int | None:
-    """The step of the newest complete checkpoint in a session's downloaded output, or None: what
-    the session saved (a checkpoint's manifest is written last; its folder name says the step)."""
-    steps = []
+def _manifests(output: Path) -> dict[int, Path]:
+    """The complete checkpoints in a session's downloaded output, by step: each one's manifest (written
+    last; its folder name says the step)."""
+    found = {}
     for manifest in output.rglob(layout.MANIFEST):
         folder = manifest.parent
         number = folder.name.removeprefix(layout.CHECKPOINT_PREFIX)
         if folder.parent.name == layout.CHECKPOINTS_DIR and folder.name != number and number.isdigit():
-            steps.append(int(number))
-    return max(steps, default=None)
+            found[int(number)] = manifest
+    return found
+
+
+def saved_step(output: Path) -> int | None:
+    """The step of the newest complete checkpoint in a session's downloaded output, or None: what
+    the session saved."""
+    return max(_manifests(output), default=None)
+
+
+def kept_best(output: Path) -> dict[str, Any] | None:
+    """The kept best (train.keep_best: metric, mode, value, step) the newest checkpoint in a session's output
+    records, read from its manifest (nothing is hashed: the relay and pull verify what they send and fetch)."""
+    found = _manifests(output)
+    if not found:
+        return None
+    try:
+        best = json.loads(found[max(found)].read_text(encoding="utf-8")).get(BEST_KEY)
+    except (OSError, ValueError, AttributeError):
+        return None
+    return best if isinstance(best, dict) and isinstance(best.get("step"), int) else None
 
 
 def fetch_output(client: KaggleClient, ledger: Ledger, job: str, record: SessionRecord) -> SessionRecord:
@@ -102,6 +124,7 @@ def fetch_output(client: KaggleClient, ledger: Ledger, job: str, record: Session
         "summary": None if summary is None else summary.to_dict(),
         "heartbeat": _last_heartbeat(body),
         "saved_step": saved_step(dest),
+        "kept_best": kept_best(dest),
         "error": None if failure is None else {"type": failure.type, "message": failure.message, "stage": failure.stage},
     })
     if summary is not None:
@@ -148,44 +171,73 @@ def refresh(client: KaggleClient, ledger: Ledger, job: str, live_log: bool = Fal
         ledger.save_session(job, record)
     if adopt_pushed(ledger, job):
         return refresh(client, ledger, job, live_log)  # the session a kernel pushed: asked about now
-    chain = ledger.sessions(job)
-    if chain and chain[0].get("rebuilt") and (chain[-1].get("version") or 0) < chain[0]["rebuilt"] \
-            and chain[-1]["status"] in TERMINAL:
-        raise ChainStop(f"the records of {job} were rebuilt from Kaggle up to session {chain[-1]['session']} "
-                        f"(kernel version {chain[-1]['version']}), but {chain[0]['kernel']} has version "
-                        f"{chain[0]['rebuilt']}: a laptop pushed the sessions after it, and their records are on "
-                        "that laptop; copy its .kchain/ folder (or KCHAIN_HOME) here before `kchain continue`")
-    return chain
+    return ledger.sessions(job)
 
 
 def rebuild(client: KaggleClient, ledger: Ledger, job: str) -> bool:
-    """An empty ledger (another laptop, a lost state folder): session 1 of an unattended chain from Kaggle
-    alone, as its kernel's version 1 (owner: this user) whose output says it chained itself (`next` in its
-    summary); refresh then adopts each session a kernel pushed (adopt_pushed). True if rebuilt. A chain a
-    laptop pushed, or one still in session 1, is left alone (its records are that laptop's)."""
+    """An empty ledger (another laptop, a lost state folder): the chain's records from Kaggle alone, one
+    session per version of its kernel (owner: this user), whoever pushed it: its status, its output fetched
+    once it ended (summary, checkpoints, log), the step it resumed at and, where the session before it pushed
+    it from its kernel (`next` in its summary), the state version it was pinned to; session 1's `next` says
+    the chain is unattended. Saved only once every version was read (a failure leaves the ledger empty, to
+    be rebuilt at the next look), and only once session 1 ended. True if rebuilt; no credentials: False."""
     try:
         kernel = f"{client.username}/{job}"
-        newest = client.kernel_version(kernel)
-        status, failure = client.status(kernel, 1) if newest else ("", "")
-    except KchainError:  # no credentials, no answer: nothing to rebuild from
+    except KchainError:  # no credentials: nothing to rebuild from
         return False
-    if status not in TERMINAL:
-        return False
-    record: SessionRecord = {"session": 1, "kernel": kernel, "version": 1, "status": status, "gpu": True,
-                             "failure_message": failure or None, "requested": iso(now_utc()), "unattended": True,
-                             "rebuilt": int(newest or 1)}  # as push_job records session 1
+    newest = client.kernel_version(kernel) or 0
+    chain: list[SessionRecord] = []
+    for version in range(1, newest + 1):
+        status, failure = client.status(kernel, version)
+        if version == 1 and status not in TERMINAL:
+            return False  # only session 1's summary says whether its kernel pushes the next: asked once it ended
+        record: SessionRecord = {"session": version, "kernel": kernel, "version": version, "status": status,
+                                 "gpu": True, "failure_message": failure or None, "requested": iso(now_utc()),
+                                 "rebuilt": newest}
+        told = (chain[-1].get("summary") or {}).get(NEXT_KEY) or {} if chain else {}
+        if told.get("session") == version:  # the kernel before pushed it: what it pushed it with
+            record.update({"state_version": told.get("state_version"), "resumes_at": told.get("resumes_at") or 0,
+                           "pushed_by": "kernel"})
+        if status in TERMINAL:
+            record["ended"] = iso(now_utc())
+            try:
+                fetch_output(client, ledger, job, record)
+            except Exception as exc:  # noqa: BLE001 - a missing output is recorded, not fatal (as refresh does)
+                record["output_error"] = f"{type(exc).__name__}: {exc}"
+        summary = summary_of(record)
+        record["fingerprint"] = summary.fingerprint or ""
+        if summary.resumed_from is not None and "resumes_at" not in record:
+            record["resumes_at"] = summary.resumed_from
+        if (span := billed_span(summary)) is not None:
+            record["started"], record["ended"] = span
+        chain.append(record)
+    if chain and NEXT_KEY in summary_of(chain[0]).extra:
+        for record in chain:
+            record["unattended"] = True
+    _note_published(client, kernel, job, chain)
+    for record in chain:
+        ledger.save_session(job, record)
+    return bool(chain)
+
+
+def _note_published(client: KaggleClient, kernel: str, job: str, chain: list[SessionRecord]) -> None:
+    """Rebuilt records have no publish facts: the newest state version's marker names the checkpoint it holds,
+    so the newest session whose output holds that step is recorded as published there (by the laptop that ran
+    the chain, or by its kernel), and nothing relays it again."""
+    ref = state_dataset(kernel.split("/", 1)[0], job)
+    scratch = Path(tempfile.mkdtemp(prefix="kchain-marker-"))
     try:
-        fetch_output(client, ledger, job, record)
-    except Exception:  # noqa: BLE001 - no output: nothing says the chain was unattended
-        return False
-    summary = summary_of(record)
-    if NEXT_KEY not in summary.extra:
-        return False
-    record["fingerprint"] = summary.fingerprint or ""
-    if (span := billed_span(summary)) is not None:
-        record["started"], record["ended"] = span
-    ledger.save_session(job, record)
-    return True
+        version = client.dataset_version_number(ref)
+        marker = json.loads(client.download_dataset_file(ref, version, layout.STATE_MARKER, scratch).read_text())
+    except (KchainError, OSError, ValueError, AttributeError):
+        return  # no state version to read: every state is relayed as a chain's would be
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    step = marker.get("step") if isinstance(marker, dict) else None
+    holder = next((r for r in reversed(chain) if step is not None and r.get("saved_step") == step), None)
+    if holder is not None:
+        holder["publish"] = {"published": marker.get("published"), "step": step, "version": version,
+                             "resumes_at": step}
 
 
 def adopt_pushed(ledger: Ledger, job: str) -> bool:
@@ -231,12 +283,12 @@ def settle_relay(client: KaggleClient, ledger: Ledger, job: str, record: Session
     dest = ledger.root / "relays" / job / str(record["session"])
     try:
         client.output(relay, number, dest)
-        said = json.loads((dest / RELAY_FILE).read_text(encoding="utf-8"))
+        said = json.loads((dest / layout.RELAY_FILE).read_text(encoding="utf-8"))
     except (KchainError, OSError, ValueError):
         said = {}
     del record["relay"]
     record["relay_said"] = str(said.get("why") or f"the relay {relay} version {number} ended {status} and left no "
-                                                  f"{RELAY_FILE}")
+                                                  f"{layout.RELAY_FILE}")
     if said.get("version"):
         record.update({"status": "QUEUED", "version": int(said["version"]),
                        "started": record.get("requested", iso(now_utc()))})
@@ -554,14 +606,17 @@ def _chain_now(job_file: Path) -> tuple[Job, Ledger, list[SessionRecord], dict[i
 
 
 def waiting(chain: list[SessionRecord], job_file: Path | str) -> dict[str, str] | None:
-    """What a chain with nothing running waits for (`for`: continue, or nothing once it ended) and why: an
-    unattended kernel's reason is its summary's `next` record (it could not publish, the time left, the cap,
-    no Secret, the budget); None while a session is live or was pushed. Pure: `kchain status` says it."""
-    last = chain[-1] if chain else None
-    if last is None or last["status"] not in TERMINAL:
+    """What a chain with nothing running waits for (`for`: push before its first session, continue, or nothing
+    once it ended) and why: an unattended kernel's reason is its summary's `next` record (it could not publish,
+    the time left, the cap, no Secret, the budget); None while a session is live or was pushed. Pure: `kchain
+    status` says it."""
+    if not chain:
+        return {"for": "push", "why": f"no session yet: `kchain push {job_file}` starts one"}
+    last = chain[-1]
+    if last["status"] not in TERMINAL:
         return None
     ended = summary_of(last)
-    if ended.status in (Status.FINISHED, Status.STOPPED):
+    if nextsession.ended(last):
         return {"for": "nothing", "why": f"the chain has ended: session {last['session']} {ended.status} at step "
                                          f"{ended.step}/{ended.total}"}
     told = ended.extra.get(NEXT_KEY)
@@ -589,7 +644,26 @@ def status_for(job_file: Path) -> list[str]:
         return [f"{job.name} has no session yet: `kchain push {job_file}` starts one"]
     return [*status_table(chain, ledger.gpu_hours_this_week(), job.budget.weekly_gpu_hours, found),
             *_waiting_line(waiting(chain, job_file), job_file),
+            *result.of_chain(chain).lines(job_file, _state_ref(job, chain)),
             *(judged.message(job_file) for judged in found.values()), *image_drift(chain)]
+
+
+def _state_ref(job: Job, chain: list[SessionRecord]) -> str:
+    """The chain's state dataset: its kernel's owner's (the job's owner, else the pushing account)."""
+    owner = job.kaggle.owner or (chain[0]["kernel"].split("/", 1)[0] if chain else "")
+    return state_dataset(owner, job.name)
+
+
+def records(job: Job, ledger: Ledger) -> list[SessionRecord]:
+    """The chain's records on this laptop; none here (another laptop ran it): rebuilt from Kaggle, as status
+    does (no credentials, or no answer: none, and the command says what it has)."""
+    chain = ledger.sessions(job.name)
+    if chain:
+        return chain
+    try:
+        return refresh(KaggleClient(timeout_s=15, attempts=2), ledger, job.name)  # as budget asks: briefly
+    except KchainError:
+        return []
 
 
 def status_document(job_file: Path) -> dict[str, Any]:
@@ -603,7 +677,36 @@ def status_document(job_file: Path) -> dict[str, Any]:
     return {"job": job.name, "sessions": sessions,
             "gpu_hours": {"used": used_h, "weekly": weekly_h, "left": max(0.0, weekly_h - used_h)},
             "waiting": waiting(chain, job_file),
-            "warnings": [*(judged.message(job_file) for judged in found.values()), *image_drift(chain)]}
+            "warnings": [*(judged.message(job_file) for judged in found.values()), *image_drift(chain)],
+            "kept_best": result.of_chain(chain).best}
+
+
+def runs_for(job_file: Path) -> list[str]:
+    """`kchain runs`: the run log, and the chain's result from its records (rebuilt from Kaggle when this
+    laptop has none): the kept best and final weights status, pull and release name."""
+    job, ledger, chain = _job_records(job_file)
+    said = result.of_chain(chain).lines(job_file, _state_ref(job, chain)) if job is not None else None
+    return runs_lines(ledger, said, job_file)
+
+
+def runs_document(job_file: Path) -> dict[str, Any]:
+    """`kchain runs --json`: the shape README's "Machine-readable output" documents (keys are only added):
+    the rows, the best row's run_id, and `kept_best`, the chain's kept best (the one `pull --best` brings)."""
+    _job, ledger, chain = _job_records(job_file)
+    return {**runs_json(ledger), "kept_best": result.of_chain(chain).best}
+
+
+def _job_records(job_file: Path) -> tuple[Job | None, Ledger, list[SessionRecord]]:
+    """The job, its ledger and its chain's records; no job file (`kchain runs` in a folder of several
+    jobs): the run log of the folder's ledger alone."""
+    from kchain.ledger import state_dir
+    from kchain.spec import load_job
+
+    if not Path(job_file).exists():
+        return None, Ledger(state_dir(job_file)), []
+    job = load_job(job_file)
+    ledger = Ledger(state_dir(job.path))
+    return job, ledger, records(job, ledger)
 
 
 def logs_for(job_file: Path, number: int | None, follow: bool, poll_s: float, echo: Echo) -> None:
@@ -613,7 +716,7 @@ def logs_for(job_file: Path, number: int | None, follow: bool, poll_s: float, ec
 
     job = load_job(job_file)
     ledger = Ledger(state_dir(job.path))
-    chain = [s for s in ledger.sessions(job.name) if s.get("version")]
+    chain = [s for s in records(job, ledger) if s.get("version")]
     if not chain:
         raise KchainError(f"{job.name} has no session yet: `kchain push {job_file}` starts one")
     record = chain[-1] if number is None else next((s for s in chain if s["session"] == number), None)

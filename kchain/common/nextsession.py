@@ -50,6 +50,9 @@ NEEDS_A_PERSON = (Status.CRASHED, Status.HUNG, Status.NO_ACCELERATOR)
 REMOUNTS = 3
 # The kind of a stop: the adapter on the laptop raises ChainStop or NotSmoked for it.
 CHAIN_STOP, NOT_SMOKED = "chain_stop", "not_smoked"
+# The ends no session follows: the chain's finished word, decided here for the table and for every command
+# that says where the result is (kchain/result.py: continue, status, runs, pull and release).
+ENDED = (Status.FINISHED, Status.STOPPED)
 
 
 @dataclass(frozen=True)
@@ -78,6 +81,12 @@ class Chain:
 
 def summary_of(record: Record) -> Summary:
     return Summary.from_dict(record.get("summary"))
+
+
+def ended(record: Record | None) -> str | None:
+    """How the chain ended with this session (Status.FINISHED or Status.STOPPED), None if it goes on."""
+    status = summary_of(record).status if record is not None else None
+    return status if status in ENDED else None
 
 
 def decide(now: Chain, job_file: str, retry: bool = False, skip_smoke: bool = False,

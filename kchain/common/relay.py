@@ -32,7 +32,7 @@ from typing import Any
 from kchain.common import atomic, kernel_states, layout, nextkernel, sendonce, summary
 from kchain.common.kernel_states import TERMINAL
 
-RELAY_FILE = "kchain-relay.json"  # the relay's output: what it did (its `version` is the session it pushed)
+RELAY_FILE = layout.RELAY_FILE  # the relay's output: what it did (its `version` is the session it pushed)
 FORMAT = "kchain-relay/1"
 NEXT_DIR = "next"  # in the relay's payload: the next session's kernel folder, rendered by session N
 SECRET_LABELS = ("KAGGLE_USERNAME", "KAGGLE_KEY")

@@ -58,7 +58,7 @@ class SessionRecord(TypedDict, total=False):
     image_asked: str  # chain.push_next: the image it was pinned to (session 1's, as Kaggle named it)
     unattended: bool  # push --unattended (session 1) and every later one: each session pushes the next itself
     pushed_by: str  # "kernel": adopt_pushed made the record from the previous session's summary (`next`)
-    rebuilt: int  # session 1 of a chain rebuilt from Kaggle alone (rebuild): the kernel's newest version then
+    rebuilt: int  # every session of a chain rebuilt from Kaggle alone (sessions.rebuild): the kernel's newest version then
     relay: str  # adopt_pushed: the CPU relay kernel that pushes this session (common/relay.py), until settle_relay
     relay_version: int  # its version that does; settle_relay reads what it did from that session's output
     relay_said: str  # settle_relay: the relay's own line (what it pushed, or why it did not)
@@ -81,6 +81,7 @@ class SessionRecord(TypedDict, total=False):
     output_files: int  # how many files that output has
     summary: dict[str, Any] | None  # its summary.json (Summary.to_dict()); read it with summary_of
     saved_step: int | None  # the step of the newest complete checkpoint in that output
+    kept_best: dict[str, Any] | None  # the keep_best record (metric, mode, value, step) that checkpoint's manifest carries
     error: dict[str, Any] | None  # {type, message, stage}: the failure its summary or log names
     step: int | None  # the summary's step
     total: int | None  # the summary's total

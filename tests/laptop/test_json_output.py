@@ -9,6 +9,7 @@ from datetime import timedelta
 from helpers import JOBS, invoke
 
 from kchain.ledger import Ledger, iso, now_utc, state_dir, week_start
+from kchain.sessions import waiting
 from kchain.spec import load_job
 
 JOB = JOBS / "tinygpt" / "job.yaml"
@@ -42,7 +43,7 @@ def document(*args: object) -> dict:
 def test_status_json(tmp_path):
     name, _ = a_week_of_sessions()
     status = document("status", JOB)
-    assert list(status) == ["job", "sessions", "gpu_hours", "waiting", "warnings"]
+    assert list(status) == ["job", "sessions", "gpu_hours", "waiting", "warnings", "kept_best"]
     assert status["job"] == name and status["warnings"] == []
     first, second = status["sessions"]
     assert list(first) == ["session", "version", "status", "started", "ended", "duration_s", "step", "total",
@@ -55,6 +56,8 @@ def test_status_json(tmp_path):
     assert abs(status["gpu_hours"]["used"] - 1.5) < 0.01 and status["gpu_hours"]["weekly"] == 30
     assert status["waiting"] == {"for": "continue", "why": "session 2 ended (error), and in a chain the laptop "
                                                            "drives the next session waits for it"}
+    # Before the first session (nothing on Kaggle either): the chain waits for its push, never null.
+    assert waiting([], JOB) == {"for": "push", "why": f"no session yet: `kchain push {JOB}` starts one"}
 
 
 def test_status_says_an_unattended_chain_waits_for_the_laptop_and_the_kernels_reason(tmp_path):
@@ -86,7 +89,7 @@ def test_budget_json(tmp_path):
 
 
 def test_runs_json(tmp_path):
-    assert document("runs", JOB) == {"runs": [], "best": None}
+    assert document("runs", JOB) == {"runs": [], "best": None, "kept_best": None}
     ledger = Ledger(state_dir(JOB))
     ledger.append_run(run_id="r1", channel="smoke", job="j", config="abc", steps=4, val="0.9", checkpoint="c1", note="")
     ledger.append_run(run_id="r2", channel="kaggle", job="j", config="abc", steps=400, val="0.35", checkpoint="c2",

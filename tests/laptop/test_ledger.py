@@ -5,11 +5,12 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import pytest
-from helpers import invoke
+from helpers import JOBS, error_line, invoke
 
 from kchain.errors import KchainError
 from kchain.ledger import Ledger, budget_lines, iso, runs_lines, week_start
 from kchain.plot import plot_chain
+from kchain.result import of_chain
 
 
 def test_the_quota_week_starts_saturday_midnight_utc():
@@ -41,17 +42,33 @@ def test_budget_counts_this_weeks_gpu_sessions_and_estimates_what_is_left(tmp_pa
     assert lines[-1] == "job-a: 6000 steps to go at 0.50 steps/s = 3.33 GPU-h, 1 more session(s)"
 
 
-def test_runs_shows_the_best_row(tmp_path):
+def test_runs_shows_the_best_row_or_the_chains_kept_best(tmp_path):
     ledger = Ledger(tmp_path)
+    assert runs_lines(ledger, job_file="a/job.yaml")[-1] == \
+        "the run log is empty: `kchain smoke a/job.yaml` writes its first line"
     ledger.append_run(run_id="r1", channel="smoke", job="j", config="abc", steps=4, val="0.9", checkpoint="c1", note="")
     ledger.append_run(run_id="r2", channel="kaggle", job="j", config="abc", steps=400, val="0.35", checkpoint="c2",
                       note="died, resumed")
     ledger.append_run(run_id="r3", channel="kaggle", job="j", config="def", steps=400, val="0.5", checkpoint="c3",
                       note="higher lr, worse")
     lines = runs_lines(ledger)
-    # The checkpoint column is each run's last checkpoint, not the best step's: the line names none.
-    assert lines[-1] == "best so far: r2 at val 0.35 (job j); its best step's weights: kchain pull <job.yaml> --best"
+    # Without a chain's kept best, the row with the best value at its own step; no pull names a row's step.
+    assert lines[-1] == "best row by val: r2 at val 0.35 (job j)"
     assert len(lines) == 5
+    # A chain's result (kchain/result.py) replaces it: the kept best the state carries, as pull --best brings it.
+    chain = [{"session": 1, "status": "COMPLETE", "saved_step": 60, "publish": {"published": "relay", "step": 60,
+              "version": 3}, "kept_best": {"metric": "val_loss", "mode": "min", "value": 0.35, "step": 40},
+              "summary": {"status": "finished", "step": 60, "total": 60}}]
+    said = of_chain(chain)
+    assert runs_lines(ledger, said.lines("a/job.yaml", "alice/j-state"))[-2:] == [
+        "best: val_loss 0.35 at step 40 (train.keep_best), in alice/j-state version 3: `kchain pull a/job.yaml --best`",
+        "final: step 60 (finished), in alice/j-state version 3: `kchain pull a/job.yaml --final`"]
+    # Its last state in no state version yet (internet off, before `continue` saw the end): continue publishes it.
+    del chain[0]["publish"]
+    assert of_chain(chain).finished_message("a/job.yaml", "alice/j-state") == (
+        "training is complete: 60/60 steps, best val_loss 0.35 at step 40; final weights (step 60) in session 1's "
+        "output on Kaggle: `kchain continue a/job.yaml` publishes them as a state version, then "
+        "`kchain pull a/job.yaml --final`")
 
 
 def test_plot_marks_the_sessions(tmp_path):
@@ -67,6 +84,8 @@ def test_plot_without_matplotlib_names_the_extra(tmp_path, monkeypatch):
     with pytest.raises(KchainError) as refused:
         plot_chain([{"step": 1, "time": 0.0, "loss": 1.0}], [(1, 0)], tmp_path / "loss.png", "demo")
     assert str(refused.value) == "kchain plot needs matplotlib: pip install 'kchain[plot]'"
+    result = invoke("plot", JOBS / "tinygpt" / "job.yaml")  # said first, before the chain is looked at
+    assert result.exit_code == 1 and error_line(result) == f"Error: {refused.value}"
 
 
 def test_commands_on_a_job_without_sessions(tmp_path):

@@ -13,13 +13,13 @@ from helpers import error_line, invoke
 from safetensors.torch import load_file
 
 from kchain.cli import cli
-from kchain.common import keepbest, layout, statefolder, summary
+from kchain.common import atomic, keepbest, layout, statefolder, summary
 from kchain.common.faults import Faults
 from kchain.common.trace import Trace
 from kchain.datasets import write_dataset_metadata
 from kchain.errors import KchainError
 from kchain.kaggle_api import KaggleClient
-from kchain.pull import Want, pull
+from kchain.pull import PULL_MARK, Want, pull
 from kchain.runtime import ladder
 from kchain.runtime.checkpoint.checkpointer import Checkpointer, Policy, Where
 from kchain.runtime.distributed import Ranks
@@ -92,6 +92,9 @@ def test_pull_best_and_final_bring_the_weights_of_those_steps(emulator, kaggle_a
     assert facts["step"] == 4 and facts["metrics"] == {"loss": 0.25, "val_loss": 0.3} and facts["sessions"] == 1
     assert facts["fingerprint"] == "f" * 64 and facts["keep_best"]["step"] == 4
     assert not (best.folder / "export").exists()  # export/ is the finishing session's: --final only
+    # Each file readable as any file the user writes (safetensors' own write makes a 0600 one).
+    assert {p.name: p.stat().st_mode & 0o777 for p in best.folder.iterdir()} == dict.fromkeys(
+        ["model.safetensors", "metrics.json", PULL_MARK], atomic.usual_mode())
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(layout.TMP_PREFIX)) == []
 
     final = pull(job, Want("final"), tmp_path / "final", echo=said.append)

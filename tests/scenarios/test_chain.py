@@ -124,10 +124,11 @@ def test_the_kernel_publishes_its_own_state_when_it_has_internet_and_a_secret(tm
     assert first["publish"]["uploaded_bytes"] > 0
     # The state version holds the kernel's checkpoint: the next session resumed from it.
     assert result.sessions[1]["resumes_at"] == first["summary"]["published_step"] > 0
-    # The finished chain is one line of the run log, naming the final weights.
+    # The finished chain is one line of the run log, naming the state version its final weights are in.
     last_run = Ledger(result.work / "ledger").runs()[-1]
     assert last_run["note"] == f"finished after {len(result.sessions)} session(s)"
-    assert last_run["steps"] == "50" and "checkpoints/step-00000050" in last_run["checkpoint"]
+    assert last_run["steps"] == "50" and last_run["checkpoint"].endswith(
+        f"-state/{result.sessions[-1]['publish']['version']}") and result.sessions[-1]["publish"]["step"] == 50
     assert float(last_run["val"]) > 0
 
 

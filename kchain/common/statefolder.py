@@ -17,7 +17,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from kchain.common import layout, summary
+from kchain.common import layout, outputfiles, summary
 from kchain.common.checkpoint_files import (
     BEST_KEY,
     CheckpointInvalid,
@@ -78,10 +78,10 @@ def build_state_folder(kchain_dir: Path, dest: Path, published: str, job: str | 
         for name in [*best[1]["files"], layout.MANIFEST]:
             link_or_copy(best[0] / name, dest / (layout.BEST_PREFIX + name))
             best_bytes += (dest / (layout.BEST_PREFIX + name)).stat().st_size
-    export = kchain_dir / layout.EXPORT_DIR
-    exported = attached_names(EXPORT_GROUP, export) if export.is_dir() else {}
-    for flat, rel in exported.items():
-        link_or_copy(export / rel, dest / flat)
+    export = export_files(kchain_dir)
+    exported = {flat: rel for flat, (rel, _) in export.items()}
+    for flat, (_, src) in export.items():
+        link_or_copy(src, dest / flat)
     ended = summary.read(kchain_dir / layout.SUMMARY)
     if ended is not None:
         # The copy that travels says who published it (the kernel itself, or the laptop's relay).
@@ -105,6 +105,26 @@ def build_state_folder(kchain_dir: Path, dest: Path, published: str, job: str | 
         marker["export"] = exported  # {name in this version: path under run.export_dir}
     (dest / STATE_MARKER).write_text(json.dumps(marker, indent=2, sort_keys=True) + "\n")
     return marker
+
+
+def export_files(kchain_dir: Path) -> dict[str, tuple[str, Path]]:
+    """run.export_dir's files as {name in the version: (path under export_dir, the file to copy)}, under the
+    rule of the session's output (outputfiles.problem): a link to a file inside the working folder travels
+    as that file; any other link, a name Kaggle cannot serve, or what is not a plain file is left out, one
+    line each (the session's own tidy at its end has left them out already, so this is seldom said)."""
+    export = kchain_dir / layout.EXPORT_DIR
+    if not export.is_dir():
+        return {}
+    working = kchain_dir.parent
+    files: dict[str, tuple[str, Path]] = {}
+    for flat, rel in attached_names(EXPORT_GROUP, export).items():
+        src = export / rel
+        why = outputfiles.problem(src, working)
+        if why is not None:
+            warn(f"run.export_dir: {str(src)!r} is left out of the state: {why}")
+            continue
+        files[flat] = (rel, src.resolve() if src.is_symlink() else src)  # a link: to a file inside, copied
+    return files
 
 
 def _kept_best(kchain_dir: Path, newest: Path, manifest: dict) -> tuple[Path, dict] | None:

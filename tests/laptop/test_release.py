@@ -4,6 +4,10 @@ connection resets, attachable by a later job's `kaggle.models`; a slug Kaggle re
 from __future__ import annotations
 
 import json
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 from click.testing import CliRunner
@@ -88,3 +92,57 @@ def test_best_and_final_together_are_a_usage_error_naming_both(tmp_path):
     result = CliRunner().invoke(cli, ["release", str(job_file(tmp_path)), "--best", "--final", "--model", INSTANCE])
     assert result.exit_code == 2
     assert result.output.splitlines()[-1] == "Error: --best and --final cannot be given together: choose one"
+
+
+def test_the_chains_own_datasets_are_refused_in_one_line_and_another_dataset_is_sent_once(  # noqa: F811
+        emulator, kaggle_api, tmp_path):  # noqa: F811
+    job = job_file(tmp_path)
+    for suffix, what in (("-state", "state"), ("-cache", "cache"), ("-pip", "pip")):
+        result = CliRunner().invoke(cli, ["release", str(job), "--best", "--dataset", f"{USER}/pulljob{suffix}"])
+        assert result.exit_code == 1
+        assert result.output == (f"Error: --dataset {USER}/pulljob{suffix}: that is the chain's own {what} dataset, "
+                                 f"which pull and continue read; release to another, e.g. --dataset "
+                                 f"{USER}/pulljob-model\n")
+    assert sum(emulator.calls.values()) == 0  # refused before any call to Kaggle
+
+    publish_state(kaggle_api, tmp_path, summary.Status.FINISHED)
+    ref = f"{USER}/pulljob-model"
+    first = CliRunner().invoke(cli, ["release", str(job), "--best", "--dataset", ref])
+    assert first.exit_code == 0 and f"released step 4 as dataset {ref} version 2" in first.output, first.output
+    again = CliRunner().invoke(cli, ["release", str(job), "--best", "--dataset", ref])
+    assert again.exit_code == 0 and (f"step 4 is released already as dataset {ref} version 2, these same weights: "
+                                     "nothing sent (kchain release --new publishes them again)") in again.output
+    assert [v["notes"] for v in emulator.dataset_versions(ref)] == ["Initial release", "kchain release"]
+
+
+def test_a_release_killed_after_its_creating_call_settles_on_the_rerun_and_is_never_sent_twice(
+        emulator, kaggle_api, tmp_path):  # noqa: F811
+    job = job_file(tmp_path)
+    publish_state(kaggle_api, tmp_path, summary.Status.FINISHED)
+    emulator.faults.processing_s = 3600.0  # the new variation stays unlisted: the release waits for it
+    command = [sys.executable, "-c", "from kchain.cli import main; main()", "release", str(job), "--best",
+               "--model", INSTANCE]
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 120
+        while emulator.model_versions(INSTANCE) != [1]:  # its creating call acted (version 1, processing)
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0]
+            time.sleep(0.02)
+    finally:
+        proc.kill()  # SIGKILL: no handler runs, the ledger holds what it recorded before the send
+        out = proc.communicate()[0].decode()
+    assert proc.returncode == -signal.SIGKILL and "released" not in out, out  # killed before it settled
+    emulator.settle(INSTANCE)  # processed now
+
+    said: list[str] = []
+    attach = f"attach it: kaggle.models: [{INSTANCE}/1]   (kernel-metadata.json: \"model_sources\": [\"{INSTANCE}/1\"])"
+    again = [f"step 4 is released already as {INSTANCE}/1 (private), these same weights: nothing sent (kchain "
+             "release --new publishes them again)", attach]
+    assert release(job, Want("best"), INSTANCE, None, False, "Apache 2.0", said.append) == again
+    assert any("was sent and never settled" in line for line in said)
+    assert release(job, Want("best"), INSTANCE, None, False, "Apache 2.0", said.append) == again  # after a finish
+    assert emulator.model_versions(INSTANCE) == [1] and emulator.calls["CreateModelInstance"] == 1
+    assert emulator.calls["CreateModelInstanceVersion"] == 0
+    emulator.faults.processing_s = 0.0
+    lines = release(job, Want("best"), INSTANCE, None, False, "Apache 2.0", said.append, new=True)
+    assert lines[0] == f"released step 4 as {INSTANCE}/2 (private)" and emulator.model_versions(INSTANCE) == [1, 2]

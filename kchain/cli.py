@@ -726,10 +726,13 @@ def _option_kwargs(f: Any, hint: Any, kind: str) -> dict[str, Any]:
               help="Start from the kind switches (404s, no lag, pins honoured, no queue, output kept, secrets "
                    "attached, GPU quota answered, a crashed runner ends, one image); the switch options below "
                    "still override it.")
+@click.option("--catalogue", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None,
+              help="A folder of public kernels, datasets and models to seed, in the files Kaggle's client writes "
+                   "(docs/emulator.md); default: the state folder's catalogue/, if any.")
 @_emulator_fields
 def serve(state_dir: Path, port: int, users: list[tuple[str, str]], tokens: list[tuple[str, str]],
           secrets: list[tuple[str, str]], attached: tuple[str, ...], competitions: list[tuple[str, str]],
-          lenient: bool, **fields: Any) -> None:
+          lenient: bool, catalogue: Path | None, **fields: Any) -> None:
     """Run a local Kaggle for the unmodified `kaggle` client until interrupted; prints the `export`
     lines a shell needs. Switches default to Kaggle's strict behaviour; faults to none
     (docs/emulator.md gives each one's source).
@@ -739,6 +742,7 @@ def serve(state_dir: Path, port: int, users: list[tuple[str, str]], tokens: list
       kchain emulator serve --state /tmp/kaggle --session-limit 60
       kchain emulator serve --state /tmp/kaggle --user alice:0123abcd --missing-status 404
       kchain emulator serve --state /tmp/kaggle --lenient --version-lag 5 --rate-429 0.1
+      kchain emulator serve --state /tmp/kaggle --catalogue tests/fixtures/kaggle-catalogue
       kchain emulator serve --state /tmp/kaggle --user kchain:0123abcd --secret kchain:KAGGLE_USERNAME=kchain \\
         --secret kchain:KAGGLE_KEY=0123abcd --attach-secret kchain/myjob --attach-secret kchain/myjob-doctor \\
         --kernel-may-push --no-secrets-reset-on-push     # what `kchain push --unattended` needs
@@ -762,7 +766,7 @@ def serve(state_dir: Path, port: int, users: list[tuple[str, str]], tokens: list
             said = re.sub(rf"\b{name}\b", f"--{_flag(name)}", said)
         raise click.UsageError(said) from None
     run_emulator(state_dir, port=port, users=dict(users), tokens=dict(tokens), secrets=labels, competitions=accepted,
-                 attached=list(attached), **options)
+                 attached=list(attached), catalogue=catalogue, **options)
 
 
 def _terminated(signum: int, _frame: object) -> None:

@@ -12,13 +12,16 @@ switches (`emu.faults`) and a few read-only views for tests (`sessions()`, `data
 from __future__ import annotations
 
 import errno
+import json
 import secrets as _secrets
 import shutil
 import sys
+import tempfile
 import threading
 import time
 from collections import Counter
 from dataclasses import fields
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -63,11 +66,12 @@ class Emulator:
                  faults: Faults | None = None, switches: Switches | None = None,
                  competitions: dict[str, list[str]] | None = None,
                  start_notebook: StartNotebook = start_process,
-                 max_cpu_sessions: int = 2, attached: list[str] | None = None) -> None:
+                 max_cpu_sessions: int = 2, attached: list[str] | None = None,
+                 quota_week_offset_s: float = 0.0, catalogue: str | Path | None = None) -> None:
         self.state_dir = Path(state_dir)
         self.users = dict(users or {})
         self.tokens = dict(tokens or {})  # token -> user name
-        self.limits = Limits(session_limit_s, gpu_quota_s, max_gpu_sessions, max_cpu_sessions=max_cpu_sessions)
+        self.limits = Limits(session_limit_s, gpu_quota_s, max_gpu_sessions, quota_week_offset_s, max_cpu_sessions)
         self.secrets = dict(secrets or {})
         self.competitions = {slug: list(users) for slug, users in (competitions or {}).items()}  # rules accepted by
         self.port = port
@@ -82,6 +86,8 @@ class Emulator:
         self._thread: threading.Thread | None = None
         for ref in attached or ():
             self.attach_secrets(ref)
+        if catalogue is not None:
+            self.add_catalogue(catalogue)
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -183,10 +189,16 @@ class Emulator:
         self.runner.mount_now(self.session(ref, version)["id"])
 
     def settle(self, ref: str) -> None:
-        """Every version of dataset ref is visible and ready now (a clock control: a test need not wait
-        out a lag or a processing time it made long so that nothing races the machine)."""
+        """Every version of dataset ref (or of model variation owner/model/framework/variation) is visible
+        and ready now (a clock control: a test need not wait out a lag or a processing time it made long so
+        that nothing races the machine)."""
         now = time.time()
         with self.store.lock:
+            if ref.count("/") == 3:
+                pending = self.store.models[model_key(*ref.split("/"))].get("pending", {})
+                pending.update({n: min(at, now) for n, at in pending.items()})
+                self.store.save()
+                return
             for version in self.store.datasets[ref]["versions"]:
                 version["visible_at"] = min(version.get("visible_at", version["created"]), now)
                 version["ready_at"] = min(version["ready_at"], now)
@@ -195,21 +207,37 @@ class Emulator:
     def add_model(self, ref: str, files: dict[str, bytes | str] | Path, private: bool = False) -> None:
         """Model version ref (owner/model/framework/variation/N) with these files (name -> content, or a
         folder to copy) exists now: stands for a model someone published on Kaggle (a public one by
-        default; private: only its owner sees it)."""
-        owner, model, framework, variation, version = ref.split("/")
-        key = model_key(owner, model, framework, variation)
-        dest = self.store.model_files_dir(key, int(version))
-        if isinstance(files, Path):
-            shutil.copytree(files, dest, dirs_exist_ok=True)
-        for name, content in files.items() if isinstance(files, dict) else ():
-            path = dest / name
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_bytes(content if isinstance(content, bytes) else content.encode())
+        default; private: only its owner sees it). Its card and variation are made when missing."""
         with self.store.lock:
-            entry = self.store.models.setdefault(key, {"ref": f"{owner}/{model}/{framework}/{variation}",
-                                                       "owner": owner, "is_private": private, "versions": []})
-            entry["versions"] = sorted({*entry["versions"], int(version)})
+            self.rpcs.seed_model_version(ref, files, private=private)
             self.store.save()
+
+    def add_catalogue(self, folder: str | Path) -> dict[str, int]:
+        """Seed the public objects of a catalogue folder (docs/emulator.md, "A public catalogue"): other users'
+        kernels with their output, datasets with their versions, models with their variations, each in the
+        files Kaggle's own client writes for it. Each is seeded once (its ref is remembered), so a restart adds
+        none twice and one a test deleted stays deleted. Returns how many of each kind it added."""
+        return seed_catalogue(self.rpcs, Path(folder))
+
+    def settled(self) -> bool:
+        """Nothing is in flight: no session queued or running, every dataset version visible and ready, no
+        model version processing."""
+        now = time.time()
+        with self.store.lock:
+            return not (any(s["status"] in LIVE for s in self.store.sessions.values())
+                        or any(not (self.store.version_visible(v, now) and self.store.version_ready(v, now))
+                               for d in self.store.datasets.values() for v in d["versions"])
+                        or any(at > now for m in self.store.models.values() for at in m.get("pending", {}).values()))
+
+    def wait_settled(self, timeout: float) -> bool:
+        """Block until settled() or for timeout seconds; whether it settled. What a fixed wait of a client's
+        ("sleep 10 s: the new dataset stabilises") waits for, ended as soon as it happened."""
+        deadline = time.time() + timeout
+        while not self.settled():
+            if time.time() >= deadline:
+                return False
+            time.sleep(0.05)
+        return True
 
     def model_versions(self, instance: str) -> list[int]:
         """Every version of a model variation (owner/model/framework/variation), processing ones too:
@@ -254,6 +282,115 @@ class Emulator:
         return self.store.session_dir(session_id) / "output"
 
 
+# A catalogue object's time when its files do not say (`"created": "2020-01-01"`): long before any test.
+CATALOGUE_EPOCH = "2020-01-01T00:00:00Z"
+CATALOGUE_DIR = "catalogue"  # `kchain emulator serve --state S` seeds S/catalogue/ when it is there
+
+
+def seed_catalogue(rpcs: Rpcs, folder: Path) -> dict[str, int]:
+    """The objects of a catalogue folder into the store (Emulator.add_catalogue), each once:
+
+        kernels/<owner>/<slug>/kernel-metadata.json     `kaggle kernels pull -m`, plus "totalVotes", "created"
+        kernels/<owner>/<slug>/<its code_file>, output/   `kaggle kernels output` (output/<slug>.log: the log)
+        datasets/<owner>/<slug>/dataset-metadata.json   `kaggle datasets metadata`, plus "bigQuery", "created"
+        datasets/<owner>/<slug>/<N>/                    version N's files (1, 2, ...; none: one empty version)
+        models/<owner>/<slug>/model-metadata.json       `kaggle models get -p`, plus "voteCount", "created"
+        models/<owner>/<slug>/<framework>/<variation>/model-instance-metadata.json, <N>/   a variation, its versions
+    """
+    if not folder.is_dir():
+        raise KchainError(f"{folder}: no such catalogue folder; give a folder laid out as docs/emulator.md says")
+    added = {"kernels": 0, "datasets": 0, "models": 0}
+    store = rpcs.store
+    with store.lock:
+        seeded = store.data.setdefault("catalogue_seeded", [])
+        for kind, pattern in (("kernels", "kernel-metadata.json"), ("datasets", "dataset-metadata.json"),
+                              ("models", "model-metadata.json")):
+            for meta_path in sorted(folder.glob(f"{kind}/*/*/{pattern}")):
+                ref = f"{meta_path.parent.parent.name}/{meta_path.parent.name}"
+                if f"{kind}:{ref}" in seeded:
+                    continue
+                _SEEDERS[kind](rpcs, ref, meta_path.parent, _read_meta(meta_path))
+                seeded.append(f"{kind}:{ref}")
+                added[kind] += 1
+        ids = [k["id"] for k in store.kernels.values()] + [d["id"] for d in store.datasets.values()] + \
+            [c["id"] for c in store.data.get("model_cards", {}).values()] + [m.get("id", 0) for m in store.models.values()]
+        store.data["next_id"] = max([store.data["next_id"], *(i + 1 for i in ids)])
+        store.save()
+    return added
+
+
+def _read_meta(path: Path) -> dict[str, Any]:
+    try:
+        meta = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise KchainError(f"{path}: not a JSON metadata file ({exc}); write it as Kaggle's client does") from None
+    if not isinstance(meta, dict):
+        raise KchainError(f"{path}: a metadata file holds one JSON object")
+    return meta
+
+
+def _created(meta: dict[str, Any], path: Path) -> float:
+    text = str(meta.get("created") or CATALOGUE_EPOCH).replace("Z", "+00:00")
+    try:
+        when = datetime.fromisoformat(text if "T" in text or "+" in text else f"{text}T00:00:00+00:00")
+    except ValueError:
+        raise KchainError(f"{path}: created {meta.get('created')!r} is not an ISO date; write e.g. 2020-01-31") from None
+    return (when if when.tzinfo else when.replace(tzinfo=timezone.utc)).timestamp()
+
+
+def _numbered(folder: Path) -> list[Path]:
+    """The version folders 1, 2, ... of a dataset or variation folder, in order (a gap is an error)."""
+    found = sorted((p for p in folder.iterdir() if p.is_dir() and p.name.isdigit()), key=lambda p: int(p.name))
+    if [int(p.name) for p in found] != list(range(1, len(found) + 1)):
+        raise KchainError(f"{folder}: version folders must be 1, 2, ... without a gap, not "
+                          f"{', '.join(p.name for p in found)}")
+    return found
+
+
+def _seed_kernel(rpcs: Rpcs, ref: str, folder: Path, meta: dict[str, Any]) -> None:
+    code = folder / str(meta.get("code_file") or "")
+    if not meta.get("code_file") or not code.is_file():
+        raise KchainError(f"{folder / 'kernel-metadata.json'}: code_file {meta.get('code_file')!r} is not a file "
+                          "beside it; put the kernel's code there (kaggle kernels pull -m writes both)")
+    output, log = folder / "output", folder / "output" / f"{ref.split('/')[1]}.log"
+    log_text = log.read_text(encoding="utf-8") if log.is_file() else None
+    kept = None
+    if output.is_dir():
+        kept = Path(tempfile.mkdtemp(prefix="catalogue-", dir=rpcs.store.root))
+        shutil.copytree(output, kept, dirs_exist_ok=True)
+        (kept / log.name).unlink(missing_ok=True)
+    try:
+        rpcs.seed_kernel(ref, meta, code.read_text(encoding="utf-8"), kept, log_text, _created(meta, code))
+    finally:
+        if kept is not None:
+            shutil.rmtree(kept, ignore_errors=True)
+
+
+def _seed_dataset(rpcs: Rpcs, ref: str, folder: Path, meta: dict[str, Any]) -> None:
+    versions: list[Path | None] = list(_numbered(folder))
+    rpcs.seed_dataset(ref, meta.get("info") or meta, versions or [None], _created(meta, folder / "dataset-metadata.json"))
+
+
+def _seed_model(rpcs: Rpcs, ref: str, folder: Path, meta: dict[str, Any]) -> None:
+    """The card, then each variation's versions; every file read and checked before the store changes."""
+    created = _created(meta, folder / "model-metadata.json")
+    variations = []
+    for instance_meta in sorted(folder.glob("*/*/model-instance-metadata.json")):
+        versions = _numbered(instance_meta.parent)
+        if not versions:
+            raise KchainError(f"{instance_meta.parent}: a variation needs its version folders 1, 2, ...")
+        variations.append((instance_meta.parent, _read_meta(instance_meta), versions))
+    owner, slug = ref.split("/")
+    rpcs.seed_model(owner, slug, meta, created)
+    for variation, instance, versions in variations:
+        for version in versions:
+            rpcs.seed_model_version(f"{ref}/{variation.parent.name}/{variation.name}/{version.name}", version,
+                                    instance, created)
+
+
+_SEEDERS = {"kernels": _seed_kernel, "datasets": _seed_dataset, "models": _seed_model}
+
+
 def emulator_options(lenient: bool = False, **given: Any) -> dict[str, Any]:
     """Emulator(...) keyword arguments from values named after fields of Limits, Switches and Faults
     (what `kchain emulator serve` was given); the others keep their defaults, the kind ones with lenient."""
@@ -271,12 +408,15 @@ def serve(state_dir: str | Path, port: int = 0, users: dict[str, str] | None = N
           tokens: dict[str, str] | None = None, faults: Faults | None = None, out=None, **options: Any) -> None:
     """Run an emulator in the foreground until interrupted, printing the env lines to export.
 
-    With no users, one user "kchain" with a fresh random key is made up for this run.
+    With no users, one user "kchain" with a fresh random key is made up for this run. A `catalogue/` folder in
+    the state folder is seeded (Emulator.add_catalogue), unless `catalogue` names another.
     """
     out = out or sys.stdout
     users = dict(users or {})
     if not users and not tokens:
         users = {"kchain": _secrets.token_hex(16)}
+    if options.get("catalogue") is None and (Path(state_dir) / CATALOGUE_DIR).is_dir():
+        options["catalogue"] = Path(state_dir) / CATALOGUE_DIR
     emu = Emulator(state_dir, users=users, tokens=tokens, port=port, faults=faults, **options)
     try:
         emu.start()
@@ -286,6 +426,8 @@ def serve(state_dir: str | Path, port: int = 0, users: dict[str, str] | None = N
         raise KchainError(f"port {port} on 127.0.0.1 {what}; pass another --port, or --port 0 for a free one") from None
     user = next(iter(users), None)
     print(f"# Kaggle emulator on {emu.url}, state in {Path(state_dir).resolve()}", file=out)
+    if options.get("catalogue") is not None:
+        print(f"# public catalogue seeded from {Path(options['catalogue']).resolve()}", file=out)
     for name, value in emu.env(user).items():
         print(f"export {name}={value}", file=out)
     out.flush()

@@ -11,6 +11,7 @@ import functools
 import hashlib
 import re
 import shutil
+import tarfile
 import time
 import zipfile
 from collections.abc import Callable
@@ -20,9 +21,10 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from kchain.common.kernel_states import LIVE
+from kchain.common.outputfiles import name_problem
 from kchain.emulator.faults import Faults
 from kchain.emulator.sessions import SessionRunner, remove_tree
-from kchain.emulator.state import Store, iso, model_key, new_secret
+from kchain.emulator.state import Store, framework_enum, iso, model_key, new_secret
 from kchain.emulator.switches import Limits, Switches
 
 GPU_SHAPE_PREFIXES = ("Nvidia",)
@@ -35,11 +37,49 @@ MODEL_SLUG_RE = re.compile(r"[a-z0-9]+(?:-[a-z0-9]+)*")
 MODEL_SLUG_LEN = (3, 50)
 INSTANCE_SLUG_RE = re.compile(r"[a-z0-9]+(?:[._-][a-z0-9]+)*")  # variations such as 2b or 1.1-it exist
 IMAGE_REPOSITORY = "gcr.io/kaggle-images/python"
+# ListKernels' sortBy (the SDK's KernelsListSortType, by name) -> the kernel record's field, newest or most
+# first. HOTNESS (the default) and the rest are Kaggle's own scores, unknown here: by last run (assumption).
+KERNEL_SORTS = {"DATE_CREATED": "created", "DATE_RUN": "last_run", "VOTE_COUNT": "votes", "VIEW_COUNT": "views"}
+VISUAL_SUFFIXES = (".png", ".jpg", ".jpeg", ".gif", ".svg", ".html")  # outputType "visualization" (assumption)
+KERNEL_FILES_PAGE_MAX = 200  # `kaggle kernels files --page-size`: "default: 20, max: 200" (docs/kernels.md)
+# ListModels' sortBy (ListModelsOrderBy without its prefix) -> the card's field, most first (HOTNESS, Kaggle's own
+# score: by votes, assumption).
+MODEL_SORTS = {"HOTNESS": "votes", "VOTE_COUNT": "votes", "DOWNLOAD_COUNT": "downloads", "NOTEBOOK_COUNT": "notebooks",
+               "PUBLISH_TIME": "created", "CREATE_TIME": "created", "UPDATE_TIME": "updated"}
+# A variation's fields as the client sends and reads them (ApiModelInstance), with their defaults.
+INSTANCE_FIELDS: dict[str, Any] = {"overview": "", "usage": "", "fineTunable": False, "trainingData": [],
+                                   "modelInstanceType": "MODEL_INSTANCE_TYPE_UNSPECIFIED", "externalBaseModelUrl": ""}
+# ListDatasets: the groups served (the others, a user's upvotes, bookmarks or collaborations, list nothing:
+# the emulator has none); sortBy (DatasetSortBy without its prefix) -> the field, most first (HOTTEST: the
+# newest); fileType -> the name endings of its files (BIG_QUERY: a catalogue dataset marked bigQuery).
+DATASET_GROUPS = ("", "DATASET_SELECTION_GROUP_PUBLIC", "DATASET_SELECTION_GROUP_MY", "DATASET_SELECTION_GROUP_USER")
+DATASET_SORTS = {"VOTES": "votes", "UPDATED": "updated", "ACTIVE": "updated", "PUBLISHED": "created",
+                 "USABILITY": "usability"}
+FILE_TYPE_SUFFIXES = {"CSV": (".csv",), "SQLITE": (".sqlite", ".sqlite3", ".db"), "JSON": (".json",),
+                      "PARQUET": (".parquet",)}
 
 
 def _image_name(release: int) -> str:
     """The digest of the emulator's release N of Kaggle's image (the same N, the same name)."""
     return f"{IMAGE_REPOSITORY}@sha256:{hashlib.sha256(f'kaggle image release {release}'.encode()).hexdigest()}"
+
+
+def _flag(value: Any) -> bool:
+    """A bool of a metadata file, which the client writes as a bool or as "true"/"false"."""
+    return value is True or str(value).lower() == "true"
+
+
+def license_group(name: str) -> str:
+    """ListDatasets' license group (DatasetLicenseGroup without its prefix) of a license name, over the names the
+    client's docs/datasets_metadata.md lists: Creative Commons, the GNU licenses, Open Data Commons, the rest."""
+    upper = name.upper()
+    if upper.startswith("CC"):
+        return "CC"
+    if "GPL" in upper or upper.startswith("FDL"):
+        return "GPL"
+    if upper.startswith(("ODBL", "DBCL", "ODC", "PDDL")):
+        return "ODB"
+    return "OTHER"
 
 
 class ApiError(Exception):
@@ -86,6 +126,16 @@ def _version_label(body: dict[str, Any]) -> int | None:
 
 
 F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _through_link(output: Path, name: str) -> bool:
+    """Whether the output file `name` is a link, or sits in a linked folder, inside the kept output."""
+    here = output
+    for part in name.split("/"):
+        here = here / part
+        if here.is_symlink():
+            return True
+    return False
 
 
 def _locked(method: F) -> F:
@@ -360,7 +410,7 @@ class Rpcs:
         kernel = save.kernel
         if kernel is None:
             kernel = {"id": self.store.next_id(), "ref": save.ref, "owner": save.owner, "slug": save.slug,
-                      "title": body.get("newTitle") or save.slug, "versions": []}
+                      "title": body.get("newTitle") or save.slug, "versions": [], "created": now}
             self.store.kernels[save.ref] = kernel
         elif body.get("newTitle"):
             kernel["title"] = body["newTitle"]
@@ -520,15 +570,58 @@ class Rpcs:
 
     @_locked
     def ListKernels(self, user: str, body: dict[str, Any]) -> dict[str, Any]:
-        """`kaggle kernels list [--mine] [--user U] [-s TERM]`: the caller's own (group PROFILE) or public ones."""
+        """`kaggle kernels list [--mine] [--user U] [-s TERM] [--language L] [--kernel-type T] [--output-type O]
+        [--dataset D] [--competition C] [--parent P] [--sort-by S]`: the caller's own (group PROFILE) or public
+        ones, filtered and sorted as asked (KERNEL_SORTS), paged."""
         mine = "PROFILE" in str(body.get("group") or "").upper()
         owner, search = body.get("user") or (user if mine else ""), str(body.get("search") or "").lower()
         kernels = [k for k in self.store.kernels.values() if k["versions"]
                    and (not owner or k["owner"] == owner) and (not k["is_private"] or k["owner"] == user)
                    and (not mine or k["owner"] == user)
-                   and (search in k["title"].lower() or search in k["slug"])]
-        kernels.sort(key=lambda k: k["last_run"], reverse=True)
-        return self._page(body, [dict(self._kernel_metadata(k), totalVotes=0) for k in kernels], "kernels")
+                   and (search in k["title"].lower() or search in k["slug"]) and self._kernel_matches(k, body)]
+        order = KERNEL_SORTS.get(str(body.get("sortBy") or ""), "last_run")
+        kernels.sort(key=lambda k: k.get(order) or 0, reverse=True)
+        return self._page(body, [dict(self._kernel_metadata(k), totalVotes=k.get("votes", 0)) for k in kernels],
+                          "kernels")
+
+    def _kernel_matches(self, kernel: dict[str, Any], body: dict[str, Any]) -> bool:
+        """ListKernels' filters: language, kernelType, outputType (data: its newest output has a file;
+        visualization: an image or page), a dataset or competition it reads, a parent it was forked from."""
+        for key, field_ in (("language", "language"), ("kernelType", "kernel_type")):
+            if body.get(key) not in (None, "", "all") and kernel.get(field_) != body[key]:
+                return False
+        output = str(body.get("outputType") or "all")
+        if output != "all":
+            names = [name for name, _ in self._output_files(self.store.session(kernel["versions"][-1]["session"]))]
+            if output == "data" and not names:
+                return False
+            if output == "visualization" and not any(n.lower().endswith(VISUAL_SUFFIXES) for n in names):
+                return False
+        read = {"/".join(source.split("/")[:2]) for source in kernel["dataset_sources"]}
+        if body.get("dataset") and body["dataset"] not in read:
+            return False
+        if body.get("competition") and body["competition"] not in kernel["competition_sources"]:
+            return False
+        return not body.get("parentKernel") or kernel.get("parent") == body["parentKernel"]
+
+    def _output_files(self, session: dict[str, Any]) -> list[tuple[str, int]]:
+        """(name, size) of each file a session's version kept, none while it runs (Kaggle persists the output
+        when the session ends)."""
+        output = self.store.session_dir(session["id"]) / "output"
+        if session["status"] in LIVE or not output.exists():
+            return []
+        return sorted((str(p.relative_to(output)), p.stat().st_size) for p in output.rglob("*") if p.is_file())
+
+    def ListKernelFiles(self, user: str, body: dict[str, Any]) -> dict[str, Any]:
+        """`kaggle kernels files owner/slug[/N]`: the output files of the version (default: the newest), with
+        sizes, paged (20 by default, at most 200 a page: the client's docs/kernels.md)."""
+        with self.store.lock:
+            kernel = self._kernel(user, body)
+            session = dict(self.store.session(self._kernel_version(kernel, _version_label(body))["session"]))
+        created = iso(session.get("ended") or session["queued"])
+        items = [{"name": name, "size": size, "creationDate": created} for name, size in self._output_files(session)]
+        return self._page(dict(body, pageSize=min(int(body.get("pageSize") or 20), KERNEL_FILES_PAGE_MAX)),
+                          items, "files")
 
     def _page(self, body: dict[str, Any], items: list[dict[str, Any]], key: str) -> dict[str, Any]:
         size = int(body.get("pageSize") or 20)
@@ -540,16 +633,32 @@ class Rpcs:
 
     # -- models -------------------------------------------------------------------------------
 
+    def _instance(self, user: str, body: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+        """(key, entry) of the variation a request names (ownerSlug, modelSlug, framework, instanceSlug) that
+        the caller may see; a missing or hidden one answers as a missing dataset does."""
+        parts = [str(body.get(k) or "") for k in ("ownerSlug", "modelSlug", "framework", "instanceSlug")]
+        key = model_key(*parts)
+        model = self._model(user, key)
+        if model is None:
+            raise self._missing(f"model instance {'/'.join(parts)}")
+        return key, model
+
+    def _listed_version(self, model: dict[str, Any], number: int | None) -> int:
+        """The version a request names (default: the newest listed); one still processing reads as missing."""
+        number = int(number or max(model["versions"], default=0))
+        if number not in model["versions"]:
+            raise self._missing(f"version {number} of model instance {model['ref']}")
+        return number
+
     @_locked
     def ListModelInstanceVersions(self, user: str, body: dict[str, Any]) -> dict[str, Any]:
         """`kaggle models variations versions list owner/model/framework/variation`, newest first."""
-        parts = [str(body.get(k) or "") for k in ("ownerSlug", "modelSlug", "framework", "instanceSlug")]
-        model = self._model(user, model_key(*parts))
-        if model is None:
-            raise self._missing(f"model {'/'.join(parts)}")
-        owner, slug, framework, variation = parts
+        _, model = self._instance(user, body)
+        owner, slug, framework, variation = (str(body.get(k) or "") for k in
+                                             ("ownerSlug", "modelSlug", "framework", "instanceSlug"))
         items = [{"versionNumber": n, "ownerSlug": owner, "modelSlug": slug, "variationSlug": variation,
-                  "isPrivate": model["is_private"], "url": f"{self.url()}/models/{model['ref']}/{n}"}
+                  "isPrivate": model["is_private"], "url": f"{self.url()}/models/{model['ref']}/{n}",
+                  "versionNotes": model.get("notes", {}).get(str(n), "")}
                  for n in sorted(model["versions"], reverse=True)]
         if framework:
             for item in items:
@@ -558,7 +667,51 @@ class Rpcs:
         return {"versionList": {"versions": page["versions"]},
                 **({"nextPageToken": page["nextPageToken"]} if "nextPageToken" in page else {})}
 
-    # -- models: publishing (kchain release) -----------------------------------------------------
+    @_locked
+    def ListModelInstanceVersionFiles(self, user: str, body: dict[str, Any]) -> dict[str, Any]:
+        """`kaggle models variations files` (the newest listed version) and `... versions files .../N`: the
+        version's files with sizes, paged (nextPageToken "" on the last page, as the client reads it)."""
+        key, model = self._instance(user, body)
+        number = self._listed_version(model, body.get("versionNumber"))
+        folder, created = self.store.model_files_dir(key, number), iso(self._version_created(model, number))
+        items = [{"name": str(p.relative_to(folder)), "size": p.stat().st_size, "creationDate": created}
+                 for p in sorted(folder.rglob("*")) if p.is_file()]
+        page = self._page(body, items, "files")
+        return {"files": page["files"], "nextPageToken": page.get("nextPageToken", "")}
+
+    @_locked
+    def DownloadModelInstanceVersion(self, user: str, body: dict[str, Any]) -> dict[str, Any]:
+        """`kaggle models variations versions download`: a redirect to the version's files as one .tar.gz
+        (the client saves it as <model>.tar.gz and untars it with --untar)."""
+        key, model = self._instance(user, body)
+        number = self._listed_version(model, body.get("versionNumber"))
+        sig = model.setdefault("sigs", {}).setdefault(str(number), new_secret())
+        self.store.save()
+        raise Redirect(f"{self.url()}/mdl/{sig}/{body.get('modelSlug')}.tar.gz")
+
+    def _version_created(self, model: dict[str, Any], number: int) -> float:
+        return float(model.get("created", {}).get(str(number)) or 0.0)
+
+    def model_archive(self, sig: str) -> tuple[Path, float] | None:
+        """(tar.gz path, version time) for a model download signature; built once (outside the lock), cached."""
+        with self.store.lock:
+            found = next(((key, int(n), m) for key, m in self.store.models.items()
+                          for n, s in m.get("sigs", {}).items() if s == sig and int(n) in m["versions"]), None)
+            if found is None:
+                return None
+            key, number, model = found
+            files, created = self.store.model_files_dir(key, number), self._version_created(model, number)
+        path = files.parent / "download.tar.gz"
+        if not path.exists():
+            tmp = files.parent / f".download.tar.gz.{new_secret()}.tmp"
+            with tarfile.open(tmp, "w:gz") as tar:
+                for item in sorted(files.rglob("*")):
+                    if item.is_file():
+                        tar.add(item, str(item.relative_to(files)))
+            tmp.replace(path)
+        return path, created
+
+    # -- models: the card (kchain release, and Kaggle's own backend tests) -----------------------
 
     def _cards(self) -> dict[str, Any]:
         return self.store.data.setdefault("model_cards", {})
@@ -569,6 +722,10 @@ class Rpcs:
             raise self._missing(f"model {owner}/{slug}")
         return card
 
+    def _instances_of(self, owner: str, slug: str) -> list[tuple[str, dict[str, Any]]]:
+        """(key, entry) of each variation of model owner/slug, in the order they were made."""
+        return [(k, m) for k, m in self.store.models.items() if k.startswith(f"{owner}/{slug}/")]
+
     def CreateModel(self, user: str, body: dict[str, Any]) -> dict[str, Any]:
         """A model (the card instances hang under): a slug taken answers an error, not a second model."""
         owner, slug = body.get("ownerSlug") or user, body.get("slug") or ""
@@ -577,33 +734,101 @@ class Rpcs:
             return {"error": f"Invalid model slug {slug!r}", "errorCode": 400}
         with self.store.lock:
             if f"{owner}/{slug}" in self._cards():
-                return {"error": f'The requested slug "{slug}" is already in use by a model.', "errorCode": 409}
+                # "already used": the words Kaggle's own backend test looks for before it deletes the model
+                # and makes it again (kaggle 2.2.5 sdist, tests/backend/backend_tests.py, test_model_c_create_new).
+                return {"error": f'The model slug "{slug}" is already used by another model of {owner}.',
+                        "errorCode": 409}
+            now = time.time()
             card = {"id": self.store.next_id(), "owner": owner, "slug": slug, "title": body.get("title") or slug,
-                    "is_private": bool(body.get("isPrivate", True)), "description": body.get("description") or "",
-                    "created": time.time()}
+                    "subtitle": body.get("subtitle") or "", "is_private": bool(body.get("isPrivate", True)),
+                    "description": body.get("description") or "", "created": now, "updated": now,
+                    "publish_time": body.get("publishTime") or "",
+                    "provenance_sources": body.get("provenanceSources") or ""}
             self._cards()[f"{owner}/{slug}"] = card
             self.store.save()
         self._maybe_lose_answer()
         return {"id": card["id"], "ref": f"{owner}/{slug}", "url": f"{self.url()}/models/{owner}/{slug}"}
 
+    def _model_info(self, card: dict[str, Any], user: str) -> dict[str, Any]:
+        """ApiModel of a card, with the variations the caller may see."""
+        ref = f"{card['owner']}/{card['slug']}"
+        info = {"id": card["id"], "ref": ref, "title": card["title"], "subtitle": card.get("subtitle", ""),
+                "slug": card["slug"], "author": card["owner"], "isPrivate": card["is_private"],
+                "description": card["description"], "url": f"{self.url()}/models/{ref}",
+                "voteCount": card.get("votes", 0), "updateTime": iso(card.get("updated") or card["created"]),
+                "provenanceSources": card.get("provenance_sources", ""),
+                "instances": [self._instance_info(k, m) for k, m in self._instances_of(card["owner"], card["slug"])
+                              if self._model(user, k) is not None]}
+        if card.get("publish_time"):
+            info["publishTime"] = card["publish_time"]
+        return info
+
     @_locked
     def GetModel(self, user: str, body: dict[str, Any]) -> dict[str, Any]:
-        card = self._card(user, body.get("ownerSlug") or "", body.get("modelSlug") or "")
-        ref = f"{card['owner']}/{card['slug']}"
-        return {"id": card["id"], "ref": ref, "title": card["title"], "slug": card["slug"], "author": card["owner"],
-                "isPrivate": card["is_private"], "description": card["description"],
-                "url": f"{self.url()}/models/{ref}"}
+        return self._model_info(self._card(user, body.get("ownerSlug") or "", body.get("modelSlug") or ""), user)
 
-    def _add_model_version(self, key: str, entry: dict[str, Any], staging: Path) -> int:
-        """The staged files as the variation's next version, processing until its window passes; locked."""
+    @_locked
+    def ListModels(self, user: str, body: dict[str, Any]) -> dict[str, Any]:
+        """`kaggle models list [--owner O] [-s TERM] [--sort-by S]`: the public models (and, with --owner
+        naming the caller, their private ones too), sorted (MODEL_SORTS), paged."""
+        owner, search = str(body.get("owner") or ""), str(body.get("search") or "").lower()
+        cards = [c for c in self._cards().values() if (not owner or c["owner"] == owner)
+                 and (not c["is_private"] or owner == user == c["owner"])
+                 and (search in c["title"].lower() or search in c["slug"])]
+        order = MODEL_SORTS.get(str(body.get("sortBy") or "").removeprefix("LIST_MODELS_ORDER_BY_"), "votes")
+        cards.sort(key=lambda c: (c.get(order) or 0, c["created"]), reverse=True)
+        page = self._page(body, [self._model_info(c, user) for c in cards], "models")
+        return {"models": page["models"], "nextPageToken": page.get("nextPageToken", ""), "totalResults": len(cards)}
+
+    @_locked
+    def UpdateModel(self, user: str, body: dict[str, Any]) -> dict[str, Any]:
+        """`kaggle models update`: the fields its updateMask names (camelCase paths, comma-joined); without a
+        mask nothing changes (assumption: Kaggle's update RPCs are mask-driven). Privacy reaches the variations."""
+        card = self._card(user, body.get("ownerSlug") or "", body.get("modelSlug") or "")
+        self._own(user, card["owner"], "models")
+        paths = {p.strip() for p in str(body.get("updateMask") or "").split(",") if p.strip()}
+        for path, field_ in (("title", "title"), ("subtitle", "subtitle"), ("description", "description"),
+                             ("isPrivate", "is_private"), ("publishTime", "publish_time"),
+                             ("provenanceSources", "provenance_sources")):
+            if path in paths:
+                card[field_] = body.get(path) or (False if field_ == "is_private" else "")
+        for _, entry in self._instances_of(card["owner"], card["slug"]):
+            entry["is_private"] = card["is_private"]
+        card["updated"] = time.time()
+        self.store.save()
+        ref = f"{card['owner']}/{card['slug']}"
+        return {"id": card["id"], "ref": ref, "url": f"{self.url()}/models/{ref}", "error": ""}
+
+    @_locked
+    def DeleteModel(self, user: str, body: dict[str, Any]) -> dict[str, Any]:
+        """`kaggle models delete owner/model`: the card and every variation and version go; the slug is free
+        again (Kaggle's own backend test deletes a model and makes it again under the same slug)."""
+        card = self._card(user, body.get("ownerSlug") or "", body.get("modelSlug") or "")
+        self._own(user, card["owner"], "models")
+        for key, _ in self._instances_of(card["owner"], card["slug"]):
+            del self.store.models[key]
+        del self._cards()[f"{card['owner']}/{card['slug']}"]
+        remove_tree(self.store.root / "models" / card["owner"] / card["slug"])
+        self.store.save()
+        return {"error": ""}
+
+    # -- models: variations and versions ---------------------------------------------------------
+
+    def _add_model_version(self, key: str, entry: dict[str, Any], staging: Path, notes: str = "") -> int:
+        """The staged files as the variation's next version, processing until its window passes; locked. A
+        number is never given twice, not even after its version was deleted."""
         pending = entry.setdefault("pending", {})
-        number = max([*entry["versions"], *(int(n) for n in pending)], default=0) + 1
+        number = max([*entry["versions"], *(int(n) for n in pending), entry.get("last", 0)], default=0) + 1
         dest = self.store.model_files_dir(key, number)
         if dest.exists():
             shutil.rmtree(dest)
         dest.parent.mkdir(parents=True, exist_ok=True)
         staging.replace(dest)
-        pending[str(number)] = time.time() + self.switches.version_lag_s + self.faults.processing_s
+        now = time.time()
+        pending[str(number)] = now + self.switches.version_lag_s + self.faults.processing_s
+        entry["last"] = number
+        entry.setdefault("created", {})[str(number)] = now
+        entry.setdefault("notes", {})[str(number)] = notes
         return number
 
     def CreateModelInstance(self, user: str, body: dict[str, Any]) -> dict[str, Any]:
@@ -627,38 +852,199 @@ class Rpcs:
                 shutil.rmtree(staging, ignore_errors=True)
                 return {"error": f"Instance {variation!r} already exists", "errorCode": 409}
             entry = {"ref": key, "owner": owner, "is_private": card["is_private"], "versions": [], "pending": {},
-                     "license": inner["licenseName"], "overview": inner.get("overview") or ""}
-            self._add_model_version(key, entry, staging)
+                     "id": self.store.next_id(), "model": slug, "slug": variation,
+                     "framework": framework_enum(framework), "license": inner["licenseName"],
+                     **{k: inner.get(k) or d for k, d in INSTANCE_FIELDS.items()}}
+            self._add_model_version(key, entry, staging, "Initial version")
             self.store.models[key] = entry
             self.store.save()
         self._maybe_lose_answer()
-        return {"id": self.store.next_id(), "ref": key, "url": f"{self.url()}/models/{key}/1"}
+        return {"id": entry["id"], "ref": key, "url": f"{self.url()}/models/{key}/1"}
+
+    def _instance_info(self, key: str, model: dict[str, Any]) -> dict[str, Any]:
+        """ApiModelInstance of a variation: its newest listed version, its license and card fields."""
+        newest = max(model["versions"], default=0)
+        folder = self.store.model_files_dir(key, newest)
+        size = sum(p.stat().st_size for p in folder.rglob("*") if p.is_file()) if newest else 0
+        framework, variation = model.get("ref", key).split("/")[2:]
+        return {"id": model.get("id", 0), "slug": model.get("slug", variation),
+                "framework": model.get("framework") or framework_enum(framework), "versionId": newest,
+                "versionNumber": newest, "licenseName": model.get("license", ""),
+                "url": f"{self.url()}/models/{model['ref']}/{newest}", "totalUncompressedBytes": size,
+                **{k: model.get(k, d) for k, d in INSTANCE_FIELDS.items()}}
 
     @_locked
     def GetModelInstance(self, user: str, body: dict[str, Any]) -> dict[str, Any]:
-        parts = [str(body.get(k) or "") for k in ("ownerSlug", "modelSlug", "framework", "instanceSlug")]
-        model = self._model(user, model_key(*parts))
-        if model is None:
-            raise self._missing(f"model instance {'/'.join(parts)}")
-        newest = max(model["versions"], default=0)
-        return {"slug": parts[3], "framework": parts[2], "versionNumber": newest, "licenseName": model.get("license", ""),
-                "overview": model.get("overview", ""), "url": f"{self.url()}/models/{model['ref']}/{newest}"}
+        key, model = self._instance(user, body)
+        return self._instance_info(key, model)
+
+    @_locked
+    def ListModelInstances(self, user: str, body: dict[str, Any]) -> dict[str, Any]:
+        """`kaggle models variations list owner/model`: each variation the caller may see (ModelInstance: its
+        newest listed version, READY), paged."""
+        card = self._card(user, body.get("ownerSlug") or "", body.get("modelSlug") or "")
+        items = []
+        for key, model in self._instances_of(card["owner"], card["slug"]):
+            if self._model(user, key) is None:
+                continue
+            info = self._instance_info(key, model)
+            newest = info["versionNumber"]
+            items.append({**{k: info[k] for k in ("id", "slug", "framework", "versionId", "versionNumber",
+                                                     "totalUncompressedBytes", *INSTANCE_FIELDS)},
+                          "ownerSlug": card["owner"], "modelSlug": card["slug"], "modelId": card["id"],
+                          "versionNotes": model.get("notes", {}).get(str(newest), ""), "status": "READY",
+                          "creationStatus": {"status": "READY", "versionNumber": newest}})
+        page = self._page(body, items, "instances")
+        return {"instances": page["instances"], "nextPageToken": page.get("nextPageToken", "")}
+
+    @_locked
+    def UpdateModelInstance(self, user: str, body: dict[str, Any]) -> dict[str, Any]:
+        """`kaggle models variations update`: the fields its updateMask names, as UpdateModel does."""
+        key, model = self._instance(user, body)
+        self._own(user, model["owner"], "models")
+        paths = {p.strip() for p in str(body.get("updateMask") or "").split(",") if p.strip()}
+        for path in INSTANCE_FIELDS:
+            if path in paths:
+                model[path] = body.get(path) if body.get(path) is not None else INSTANCE_FIELDS[path]
+        if "licenseName" in paths and body.get("licenseName"):
+            model["license"] = body["licenseName"]
+        self.store.save()
+        return {"id": model.get("id", 0), "ref": key, "url": f"{self.url()}/models/{key}", "error": ""}
+
+    @_locked
+    def DeleteModelInstance(self, user: str, body: dict[str, Any]) -> dict[str, Any]:
+        """`kaggle models variations delete`: the variation and every version go."""
+        key, model = self._instance(user, body)
+        self._own(user, model["owner"], "models")
+        del self.store.models[key]
+        remove_tree(self.store.root / "models" / key)
+        self.store.save()
+        return {"error": ""}
+
+    @_locked
+    def DeleteModelInstanceVersion(self, user: str, body: dict[str, Any]) -> dict[str, Any]:
+        """`kaggle models variations versions delete .../N`: that version goes (its number is not given again).
+        Deleting the last one leaves a variation with no version (assumption: Kaggle's rule is not known)."""
+        key, model = self._instance(user, body)
+        self._own(user, model["owner"], "models")
+        number = int(body.get("versionNumber") or 0)
+        if number not in model["versions"] and str(number) not in model.get("pending", {}):
+            raise self._missing(f"version {number} of model instance {model['ref']}")
+        model["versions"] = [n for n in model["versions"] if n != number]
+        model.get("pending", {}).pop(str(number), None)
+        remove_tree(self.store.model_files_dir(key, number).parent)
+        self.store.save()
+        return {"error": ""}
 
     def CreateModelInstanceVersion(self, user: str, body: dict[str, Any]) -> dict[str, Any]:
         parts = [str(body.get(k) or "") for k in ("ownerSlug", "modelSlug", "framework", "instanceSlug")]
         self._own(user, parts[0], "models")
         key = model_key(*parts)
+        inner = body.get("body") or {}
         with self.store.lock:
             entry = self._model(user, key)
             if entry is None:
                 raise self._missing(f"model instance {'/'.join(parts)}")
-            blobs = self._blobs(user, (body.get("body") or {}).get("files", []))
+            blobs = self._blobs(user, inner.get("files", []))
         staging = self._stage(blobs)
         with self.store.lock:
-            number = self._add_model_version(key, entry, staging)
+            number = self._add_model_version(key, entry, staging, inner.get("versionNotes") or "")
             self.store.save()
         self._maybe_lose_answer()
         return {"id": self.store.next_id(), "ref": key, "url": f"{self.url()}/models/{key}/{number}"}
+
+    # -- the public catalogue (Emulator.add_catalogue): objects a workflow reads but does not own -----
+
+    def seed_kernel(self, ref: str, meta: dict[str, Any], source: str, output: Path | None, log: str | None,
+                    created: float) -> None:
+        """Kernel ref with one version that ran on Kaggle: meta as `kaggle kernels pull -m` writes it (plus
+        `totalVotes`), the version's kept output copied from `output`, its log `log`; under the lock."""
+        owner, slug = ref.split("/")
+        sources = {kind: list(meta.get(f"{kind}_sources") or []) for kind in ("dataset", "kernel", "competition", "model")}
+        save = SaveRequest(owner=owner, slug=slug, kernel=None, shape=str(meta.get("machine_shape") or ""),
+                           gpu=_flag(meta.get("enable_gpu")), tpu=_flag(meta.get("enable_tpu")), run=False,
+                           sources={"datasets": sources["dataset"], "valid_datasets": sources["dataset"],
+                                    "valid_kernels": sources["kernel"], "valid_competitions": sources["competition"],
+                                    "valid_models": sources["model"], "invalid_datasets": [], "invalid_kernels": [],
+                                    "invalid_competitions": [], "invalid_models": []})
+        body = {"newTitle": meta.get("title") or slug, "text": source, "language": meta.get("language") or "python",
+                "kernelType": meta.get("kernel_type") or "notebook", "isPrivate": _flag(meta.get("is_private")),
+                "enableGpu": save.gpu, "enableTpu": save.tpu, "enableInternet": _flag(meta.get("enable_internet")),
+                "categoryIds": list(meta.get("keywords") or []), "dockerImage": meta.get("docker_image") or ""}
+        kernel = self._upsert_kernel(save, body, created)
+        kernel.update(id=int(meta.get("id_no") or kernel["id"]), votes=int(meta.get("totalVotes") or 0))
+        _, session_id = self._add_session(save, kernel, body, created)
+        self.store.session(session_id).update(image=body["dockerImage"] or None, pushed_from="catalogue")
+        sdir = self.store.session_dir(session_id)
+        if output is not None:
+            shutil.copytree(output, sdir / "output", dirs_exist_ok=True)
+        if log is not None:
+            (sdir / "log.json").write_text(log, encoding="utf-8")
+
+    def seed_dataset(self, ref: str, info: dict[str, Any], versions: list[Path | None], created: float) -> None:
+        """Public dataset ref: info as `kaggle datasets metadata` writes it (DatasetInfo, plus `bigQuery`),
+        versions 1..N with the files of each folder (None: no files, as a BigQuery dataset has), every one ready
+        long ago; under the lock."""
+        owner, slug = ref.split("/")
+        licenses = info.get("licenses") or [{"name": "unknown"}]
+        dataset: dict[str, Any] = {
+            "id": int(info.get("datasetId") or info.get("id_no") or self.store.next_id()), "ref": ref, "owner": owner,
+            "slug": slug, "title": info.get("title") or slug, "subtitle": info.get("subtitle") or "",
+            "license": licenses[0].get("name") or "unknown", "is_private": _flag(info.get("isPrivate")),
+            "description": info.get("description") or "", "keywords": list(info.get("keywords") or []),
+            "votes": int(info.get("totalVotes") or 0), "views": int(info.get("totalViews") or 0),
+            "downloads": int(info.get("totalDownloads") or 0), "usability": float(info.get("usabilityRating") or 0),
+            "bigquery": _flag(info.get("bigQuery")), "created": created, "updated": created, "versions": []}
+        for number, folder in enumerate(versions, start=1):
+            dest = self.store.version_files_dir(ref, number)
+            if folder is not None:
+                shutil.copytree(folder, dest, dirs_exist_ok=True)
+            dest.mkdir(parents=True, exist_ok=True)
+            listing = [{"name": str(p.relative_to(dest)), "size": p.stat().st_size}
+                       for p in sorted(dest.rglob("*")) if p.is_file()]
+            dataset["versions"].append({"number": number, "created": created, "visible_at": created,
+                                        "ready_at": created, "notes": "", "files": listing, "sig": new_secret()})
+        self.store.datasets[ref] = dataset
+
+    def seed_model(self, owner: str, slug: str, meta: dict[str, Any], created: float) -> None:
+        """Model owner/slug's card: meta as `kaggle models get -p` writes it (plus `voteCount`); under the lock.
+        A card already there (a variation seeded before it) keeps its id unless meta names one."""
+        card = self._cards().setdefault(f"{owner}/{slug}", {"id": self.store.next_id(), "owner": owner, "slug": slug})
+        card.update({"title": meta.get("title") or slug, "subtitle": meta.get("subtitle") or "",
+                     "is_private": _flag(meta.get("isPrivate")), "description": meta.get("description") or "",
+                     "created": created, "updated": created, "publish_time": meta.get("publishTime") or "",
+                     "votes": int(meta.get("voteCount") or 0)})
+        card["id"] = int(meta.get("id") or card["id"])
+        for _, entry in self._instances_of(owner, slug):
+            entry["is_private"] = card["is_private"]
+
+    def seed_model_version(self, ref: str, files: Path | dict[str, bytes | str], meta: dict[str, Any] | None = None,
+                           created: float | None = None, private: bool = False) -> None:
+        """Model version ref (owner/model/framework/variation/N) with these files (a folder, or name -> content),
+        published and processed; its variation (meta as `kaggle models variations get -p` writes it) and card
+        made when missing, private as the card is; under the lock."""
+        owner, model, framework, variation, version = ref.split("/")
+        key, created = model_key(owner, model, framework, variation), created or time.time()
+        dest = self.store.model_files_dir(key, int(version))
+        if isinstance(files, Path):
+            shutil.copytree(files, dest, dirs_exist_ok=True)
+        for name, content in files.items() if isinstance(files, dict) else ():
+            (dest / name).parent.mkdir(parents=True, exist_ok=True)
+            (dest / name).write_bytes(content if isinstance(content, bytes) else content.encode())
+        dest.mkdir(parents=True, exist_ok=True)
+        card = self._cards().setdefault(f"{owner}/{model}", {
+            "id": self.store.next_id(), "owner": owner, "slug": model, "title": model, "subtitle": "",
+            "is_private": private, "description": "", "created": created, "updated": created})
+        entry = self.store.models.setdefault(key, {
+            "ref": f"{owner}/{model}/{framework}/{variation}", "owner": owner, "is_private": card["is_private"],
+            "versions": [], "id": self.store.next_id(), "model": model, "slug": variation,
+            "framework": framework_enum(framework), "license": "Apache 2.0"})
+        meta = meta or {}
+        entry.update({k: meta[k] for k in INSTANCE_FIELDS if k in meta})
+        entry.update({"id": int(meta.get("id") or entry["id"]), "license": meta.get("licenseName") or entry["license"]})
+        entry["versions"] = sorted({*entry["versions"], int(version)})
+        entry["last"] = max(entry.get("last", 0), int(version))
+        entry.setdefault("created", {})[version] = created
 
     # -- blobs --------------------------------------------------------------------------------
 
@@ -696,20 +1082,92 @@ class Rpcs:
                 "ownerName": dataset["owner"], "ownerRef": dataset["owner"], "isPrivate": dataset["is_private"],
                 "licenseName": dataset["license"], "currentVersionNumber": latest["number"],
                 "totalBytes": sum(f["size"] for f in latest["files"]), "lastUpdated": iso(latest["created"]),
-                "downloadCount": 0, "voteCount": 0, "usabilityRating": 0.0}
+                "downloadCount": dataset.get("downloads", 0), "voteCount": dataset.get("votes", 0),
+                "viewCount": dataset.get("views", 0), "usabilityRating": dataset.get("usability", 0.0),
+                "description": dataset.get("description", "")}
 
     @_locked
     def ListDatasets(self, user: str, body: dict[str, Any]) -> dict[str, Any]:
-        """`kaggle datasets list [--mine] [--user U] [-s TERM]`: group MY (the caller's), USER or PUBLIC."""
+        """`kaggle datasets list [--mine] [--user U] [-s TERM] [--file-type T] [--license L] [--sort-by S]
+        [--min-size B] [--max-size B]`: group MY (the caller's), USER or PUBLIC; filtered, sorted, paged."""
         group = str(body.get("group") or "").upper()
         owner = user if group.endswith("_MY") else (body.get("user") or "" if group.endswith("_USER") else "")
         search = str(body.get("search") or "").lower()
         datasets = [d for d in self.store.datasets.values() if self.store.visible_versions(d)
                     and (not owner or d["owner"] == owner) and (not d["is_private"] or d["owner"] == user)
-                    and (owner == user or not d["is_private"])
-                    and (search in d["title"].lower() or search in d["slug"])]
-        datasets.sort(key=lambda d: self.store.visible_versions(d)[-1]["created"], reverse=True)
+                    and (owner == user or not d["is_private"]) and group in DATASET_GROUPS
+                    and (search in d["title"].lower() or search in d["slug"]) and self._dataset_matches(d, body)]
+        order = DATASET_SORTS.get(str(body.get("sortBy") or "").removeprefix("DATASET_SORT_BY_"))
+        if order:
+            datasets.sort(key=lambda d: d.get(order) or 0, reverse=True)
+        else:  # HOTTEST, Kaggle's own score: the newest first (assumption)
+            datasets.sort(key=lambda d: self.store.visible_versions(d)[-1]["created"], reverse=True)
         return self._page(body, [self._dataset_info(d) for d in datasets], "datasets")
+
+    def _dataset_matches(self, dataset: dict[str, Any], body: dict[str, Any]) -> bool:
+        """ListDatasets' filters: fileType (a file of that type in the newest version, or a BigQuery dataset),
+        license (the group its license name is in), minSize and maxSize (its newest version's bytes)."""
+        files = self.store.visible_versions(dataset)[-1]["files"]
+        kind = str(body.get("fileType") or "").removeprefix("DATASET_FILE_TYPE_GROUP_")
+        if kind == "BIG_QUERY" and not dataset.get("bigquery"):
+            return False
+        if kind in FILE_TYPE_SUFFIXES and not any(f["name"].lower().endswith(FILE_TYPE_SUFFIXES[kind]) for f in files):
+            return False
+        wanted = str(body.get("license") or "").removeprefix("DATASET_LICENSE_GROUP_")
+        if wanted not in ("", "ALL") and license_group(dataset["license"]) != wanted:
+            return False
+        size = sum(f["size"] for f in files)
+        return size >= int(body.get("minSize") or 0) and (not body.get("maxSize") or size <= int(body["maxSize"]))
+
+    @_locked
+    def GetDatasetMetadata(self, user: str, body: dict[str, Any]) -> dict[str, Any]:
+        """`kaggle datasets metadata owner/slug`: the dataset's settings and counts (DatasetInfo), which the
+        client writes as dataset-metadata.json."""
+        dataset = self._dataset(user, body.get("ownerSlug"), body.get("datasetSlug"))
+        files, described = self.store.visible_versions(dataset)[-1]["files"], dataset.get("data", {})
+        return {"info": {
+            "datasetId": dataset["id"], "datasetSlug": dataset["slug"], "ownerUser": dataset["owner"],
+            "usabilityRating": dataset.get("usability", 0.0), "totalViews": dataset.get("views", 0),
+            "totalVotes": dataset.get("votes", 0), "totalDownloads": dataset.get("downloads", 0),
+            "title": dataset["title"], "subtitle": dataset.get("subtitle", ""),
+            "description": dataset.get("description", ""), "isPrivate": dataset["is_private"],
+            "keywords": dataset.get("keywords", []), "licenses": [{"name": dataset["license"]}], "collaborators": [],
+            "data": [dict(described.get(f["name"], {}), name=f["name"], totalBytes=f["size"]) for f in files],
+            **{k: dataset[k] for k in ("expectedUpdateFrequency", "userSpecifiedSources") if dataset.get(k)}}}
+
+    @_locked
+    def UpdateDatasetMetadata(self, user: str, body: dict[str, Any]) -> dict[str, Any]:
+        """`kaggle datasets metadata --update`: the owner's new settings. `isPrivate` is a plain bool that the
+        client leaves out when false, so an update that does not say private makes the dataset public
+        (switches.metadata_sets_privacy)."""
+        dataset = self._dataset(user, body.get("ownerSlug"), body.get("datasetSlug"))
+        self._own(user, dataset["owner"], "datasets")
+        settings = body.get("settings") or {}
+        for key in ("title", "subtitle", "description", "expectedUpdateFrequency", "userSpecifiedSources"):
+            if settings.get(key) is not None:
+                dataset[key] = settings[key]
+        if settings.get("keywords"):
+            dataset["keywords"] = list(settings["keywords"])
+        if settings.get("licenses"):
+            dataset["license"] = settings["licenses"][0].get("name") or dataset["license"]
+        if settings.get("data"):
+            dataset["data"] = {f["name"]: {k: f[k] for k in ("description", "columns") if k in f}
+                               for f in settings["data"] if f.get("name")}
+        if self.switches.metadata_sets_privacy or settings.get("isPrivate"):
+            dataset["is_private"] = bool(settings.get("isPrivate"))  # off: only a "true" is heard
+        self.store.save()
+        return {"errors": []}
+
+    @_locked
+    def DeleteDataset(self, user: str, body: dict[str, Any]) -> dict[str, Any]:
+        """`kaggle datasets delete owner/slug`: the owner's dataset and every version go; its slug is free again
+        (kaggle-cli #187 re-creates a deleted one). Sessions that mounted it keep their copies."""
+        dataset = self._dataset(user, body.get("ownerSlug"), body.get("datasetSlug"))
+        self._own(user, dataset["owner"], "datasets")
+        del self.store.datasets[dataset["ref"]]
+        remove_tree(self.store.root / "datasets" / dataset["ref"])
+        self.store.save()
+        return {"error": ""}
 
     def _maybe_lose_answer(self) -> None:
         if self.faults.lose_answer():
@@ -763,6 +1221,8 @@ class Rpcs:
         listing = [{"name": str(p.relative_to(dest)), "size": p.stat().st_size}
                    for p in sorted(dest.rglob("*")) if p.is_file()]
         visible = now + self.switches.version_lag_s
+        dataset.setdefault("created", now)
+        dataset["updated"] = now
         dataset["versions"].append({"number": number, "created": now, "visible_at": visible,
                                     "ready_at": visible + self.faults.processing_s,
                                     "notes": notes, "files": listing, "sig": new_secret()})
@@ -784,6 +1244,7 @@ class Rpcs:
             dataset = {"id": self.store.next_id(), "ref": ref, "owner": owner, "slug": slug,
                        "title": body.get("title") or slug, "subtitle": body.get("subtitle", ""),
                        "license": body.get("licenseName", "unknown"), "is_private": bool(body.get("isPrivate")),
+                       "description": body.get("description") or "", "keywords": list(body.get("categoryIds", [])),
                        "versions": []}
             self._add_version(dataset, staging, "Initial release")
             self.store.datasets[ref] = dataset
@@ -880,7 +1341,10 @@ class Rpcs:
     def output_file(self, sig: str, name: str) -> tuple[Path, float] | None:
         for session in self.store.sessions.values():
             if session["output_sig"] == sig:
-                output = (self.store.session_dir(session["id"]) / "output").resolve()
+                kept = self.store.session_dir(session["id"]) / "output"
+                if self.switches.unservable_output and (name_problem(name) is not None or _through_link(kept, name)):
+                    return None  # listed, never served (switches.unservable_output)
+                output = kept.resolve()
                 path = (output / name).resolve()
                 if path.is_file() and str(path).startswith(str(output) + "/"):
                     return path, session.get("ended") or time.time()

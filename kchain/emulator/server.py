@@ -10,6 +10,7 @@ Routes:
     PUT  /upload/<upload id>                     blob upload, GCS resumable protocol (pre-signed)
     GET  /out/<sig>/<file>                       a session output file (pre-signed)
     GET  /dl/<sig>/<slug>.zip, /dl/<sig>/file/<name>   dataset downloads (pre-signed)
+    GET  /mdl/<sig>/<model>.tar.gz               a model version's download (pre-signed)
 """
 
 from __future__ import annotations
@@ -276,7 +277,8 @@ class Handler(BaseHTTPRequestHandler):
         found, name = self._lookup(path)
         if found is None:
             return self._error(404, f"Not found: {path}")
-        self._file(found[0], found[1], "application/zip" if name.endswith(".zip") else "application/octet-stream")
+        types = {".zip": "application/zip", ".gz": "application/gzip"}
+        self._file(found[0], found[1], types.get(Path(name).suffix, "application/octet-stream"))
 
     def _log_stream(self, owner: str, slug: str, query: str) -> None:
         """kernels_logs_stream: SSE `data:` lines while the session lives, then END_OF_LOG; the
@@ -334,6 +336,8 @@ class Handler(BaseHTTPRequestHandler):
             found, name = rpcs.dataset_file(m[1], m[2]), m[2]
         elif m := re.fullmatch(r"/dl/([\w-]+)/[^/]+\.zip", path):
             found, name = rpcs.dataset_zip(m[1]), "x.zip"
+        elif m := re.fullmatch(r"/mdl/([\w-]+)/[^/]+\.tar\.gz", path):
+            found, name = rpcs.model_archive(m[1]), "x.tar.gz"
         return found, name
 
     do_HEAD = do_GET

@@ -45,6 +45,21 @@ def model_key(owner: str, model: str, framework: str, variation: str) -> str:
     return f"{owner}/{model}/{layout.model_framework_key(framework)}/{variation}"
 
 
+# The SDK's ModelFramework members (kagglesdk 0.1.38 models/types/model_enums.py), without their prefix: an
+# answer names a framework so, since the client parses "pytorch" into no member ("PyTorch" or PY_TORCH it does).
+FRAMEWORKS = ("TENSOR_FLOW_1", "TENSOR_FLOW_2", "TF_LITE", "TF_JS", "PY_TORCH", "JAX", "FLAX", "PAX", "MAX_TEXT",
+              "GEMMA_CPP", "GGML", "GGUF", "CORAL", "SCIKIT_LEARN", "MXNET", "ONNX", "KERAS", "TRANSFORMERS", "API",
+              "OTHER", "TENSOR_RT_LLM", "TRITON", "VLLM")
+
+
+def framework_enum(framework: str) -> str:
+    """A framework however spelt ('pytorch', 'PyTorch', 'MODEL_FRAMEWORK_PY_TORCH') as the SDK's enum name;
+    one the SDK does not know is MODEL_FRAMEWORK_OTHER."""
+    key = layout.model_framework_key(framework.removeprefix(FRAMEWORK_ENUM_PREFIX))
+    name = next((n for n in FRAMEWORKS if layout.model_framework_key(n) == key), "OTHER")
+    return FRAMEWORK_ENUM_PREFIX + name
+
+
 class Store:
     def __init__(self, root: Path) -> None:
         self.root = Path(root)

@@ -88,6 +88,15 @@ class Switches:
     # the user re-attaches after each push of their own (`emu.attach_secrets`, `serve --attach-secret`).
     secrets_reset_on_push: bool = opt(True, "A push resets the kernel's Secrets; a version pushed from inside a kernel "
                                             "sees none.")
+    # A file of a session's output that is a link, or whose name kchain.common.outputfiles.name_problem refuses,
+    # is listed and answers 404 (issue #61: a W&B link; what Kaggle does with either is not known: the worse case).
+    unservable_output: bool = opt(True, "A link in a session's output, or a name the listing cannot serve, is listed "
+                                        "and answers 404.")
+    # UpdateDatasetMetadata sets isPrivate as sent. DatasetSettings.is_private is a plain bool (default false) that
+    # the client leaves out when false, so an update whose metadata does not say "isPrivate": true makes the
+    # dataset public. Whether Kaggle keeps the privacy instead is not known: the worse case. Off: only a true is heard.
+    metadata_sets_privacy: bool = opt(True, "An UpdateDatasetMetadata that does not say isPrivate makes the dataset "
+                                            "public.")
 
     def __post_init__(self) -> None:
         if self.missing_status not in (403, 404) or self.lag_status not in (403, 404):
@@ -104,11 +113,12 @@ class Switches:
     @classmethod
     def lenient(cls, **overrides: Any) -> Switches:
         """The kind emulator: 404s, instant versions, pins honoured, no queue, output kept, secrets
-        attached and kept across pushes, a GPU quota in every answer, a crashed runner ends its session, one image for ever."""
+        attached and kept across pushes, a GPU quota in every answer, a crashed runner ends its session, one image for ever,
+        every output file served as the file system allows, privacy kept by a metadata update."""
         kind = {"missing_status": 404, "version_lag_s": 0.0, "ignore_version_pin": False,
                 "secrets_need_attaching": False, "output_at_limit": KEPT, "queue_s": 0.0, "boot_s": 0.0,
                 "quota_has_gpu": True, "crashed_runner": ERROR, "new_image_every": 0, "mount_lag_s": 0.0, "kernel_may_push": True,
-                "secrets_reset_on_push": False}
+                "secrets_reset_on_push": False, "unservable_output": False, "metadata_sets_privacy": False}
         return cls(**{**kind, **overrides})
 
     def describe(self) -> dict[str, Any]:

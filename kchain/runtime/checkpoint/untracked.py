@@ -79,6 +79,8 @@ class Watch:
 
     def check(self, covered: list[object], excluded: list[object]) -> None:
         """Refuse (the first call) or compare (later calls, with `changes`); UntrackedState when any."""
+        if self._started and not self.changes:
+            return  # a rehearsal: the first step's refusal only (the saves' digests do the rest)
         inside, saved = _scope(covered, excluded)
         if not self._started:
             self._started = True
@@ -91,8 +93,6 @@ class Watch:
                 raise UntrackedState(message(refused, changed=False))
             if self.changes:
                 self._first = {id(o): (_ref(o), _digest(o)) for _, o in _changing(inside, saved)}
-            return
-        if not self.changes:
             return
         changed: list[tuple[str | None, object]] = []
         for name, obj in _changing(inside, saved):

@@ -152,6 +152,11 @@ def _earlier(record: Record, new: bool, newest: Callable[[], int], echo: Echo) -
     return number
 
 
+# Kaggle's licence names are short (Apache 2.0, CC-BY-SA-4.0; docs/datasets_metadata.md lists them) and it
+# documents no bound; 100 is kchain's conservative one, so a pasted file never becomes a model's licence.
+MAX_LICENSE_CHARS = 100
+
+
 def card(metrics: dict, title: str) -> str:
     """The description: what the weights are and what made them."""
     best = metrics.get("keep_best") or {}
@@ -176,6 +181,7 @@ def release(job_file: Path, want: Want, model: str | None, dataset: str | None, 
     already (`new`: publish them again); the lines to print."""
     if (model is None) == (dataset is None):
         raise KchainError("kchain release: give one of --model OWNER/MODEL/FRAMEWORK/VARIATION or --dataset OWNER/SLUG")
+    _check_license(license_name)
     job = load_job(job_file)
     target = _parse_target(model) if model is not None else None
     if dataset is not None:
@@ -208,6 +214,15 @@ def release(job_file: Path, want: Want, model: str | None, dataset: str | None, 
         return [f"released step {pulled.step} as {done}", attach]
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def _check_license(name: str) -> None:
+    """A licence name is a short name from Kaggle's list: refused before anything is pulled or sent."""
+    if not name.strip() or len(name) > MAX_LICENSE_CHARS or not name.isprintable():
+        what = f"is {len(name)} characters" if len(name) > MAX_LICENSE_CHARS else "is not a licence name"
+        raise KchainError(f"--license {name[:40]!r}{'...' if len(name) > 40 else ''}: {what}; a licence name is at "
+                          f"most {MAX_LICENSE_CHARS} characters on one line (kchain's bound: Kaggle publishes none, and "
+                          "its names are short), e.g. --license 'Apache 2.0'")
 
 
 def _send_once(send: Callable[[], None], landed: Callable[[], bool], what: str, echo: Echo) -> None:

@@ -84,7 +84,9 @@ def _check_slug(value: str, what: str, low: int, high: int, pattern: re.Pattern[
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # strict: a value is taken as the type written, never coerced (YAML's `yes` is no count, `1` and `-0.0`
+    # are no switch, `"3"` is no number); _describe turns each refusal into the key and the fix.
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
 
 class KaggleSpec(_Strict):
@@ -261,6 +263,14 @@ class TrainSpec(_Strict):
     precision: Literal["auto", "fp32", "bf16", "fp16"] = settings.PRECISION
     # Ranks (one per GPU) under torchrun; auto: every visible GPU. 2 on the CPU: 2 gloo ranks.
     gpus: Literal["auto", 1, 2] = "auto"
+
+    @field_validator("gpus", mode="before")
+    @classmethod
+    def _gpus(cls, value: Any) -> Any:
+        if isinstance(value, bool):  # a Literal takes True for 1, strict or not
+            raise ValueError(f"{str(value).lower()} is not a GPU count; write auto, 1 or 2")
+        return value
+
     # auto: on out-of-memory at the first step, halve run.loader's batch and double run.optimize's
     # accumulation (the effective batch stays the same); the size that fitted is in the checkpoint.
     micro_batch: Literal["auto", "off"] = "off"
@@ -501,6 +511,15 @@ class _JobLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)
 
 
+class _SetLoader(_JobLoader):
+    """A --set value: as a job file's, and 1e-3 or 1e400 a number, as YAML 1.2 and every shell user reads it
+    (YAML 1.1 wants a dot and a signed exponent: 1.0e-3), so that an overflow is refused, not passed on as text."""
+
+
+_SetLoader.add_implicit_resolver("tag:yaml.org,2002:float", re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+                                 list("-+0123456789"))
+
+
 def _measure(root: yaml.Node) -> None:
     """Refuse a recursive alias or one whose expansion is too big or too deep, before anything is
     built from the nodes. Iterative and memoized: a billion-laughs file costs what its nodes cost."""
@@ -575,9 +594,9 @@ def _json_problem(value: Any, loc: tuple[Any, ...]) -> tuple[tuple[Any, ...], st
     return None
 
 
-def _parse_yaml(text: str) -> Any:
+def _parse_yaml(text: str, loader_class: type[_JobLoader] = _JobLoader) -> Any:
     """YAML text -> plain data with the job file's limits. Raises yaml.YAMLError or _LimitError."""
-    loader = _JobLoader(text)
+    loader = loader_class(text)
     try:
         node = loader.get_single_node()
         if node is None:
@@ -637,18 +656,48 @@ def decode_text(data: bytes) -> str:
 SCALAR_TAGS = ("str", "int", "float")
 
 
-def _annotation_at(loc: tuple[Any, ...]) -> Any:
-    """The annotation of the field that loc names in a Job (through optional sections), or None."""
+def _field_at(loc: tuple[Any, ...]) -> Any:
+    """The pydantic field that loc names in a Job (through optional sections), or None."""
     current: Any = Job
-    annotation = None
+    field = None
     for part in loc:
         fields = getattr(current, "model_fields", None)
         if not fields or not isinstance(part, str) or part not in fields:
             return None
-        annotation = fields[part].annotation
-        members = get_args(annotation) or (annotation,)
+        field = fields[part]
+        members = get_args(field.annotation) or (field.annotation,)
         current = next((m for m in members if isinstance(m, type) and issubclass(m, BaseModel)), None)
-    return annotation
+    return field
+
+
+def _annotation_at(loc: tuple[Any, ...]) -> Any:
+    """The annotation of the field that loc names in a Job (through optional sections), or None."""
+    field = _field_at(loc)
+    return None if field is None else field.annotation
+
+
+# A strict field's refusal of a value of another type (YAML's yes for a count, 1 for a switch): what it
+# is not, and what to write, with the field's default as the example when it has one of that type.
+STRICT_TYPES = {"bool_type": ("true or false", bool, "true or false"),
+                "int_type": ("a whole number", int, "one without quotes"),
+                "float_type": ("a number", float, "one without quotes"),
+                "string_type": ("text", str, "text in quotes")}
+
+
+def _strict_refusal(error: Mapping[str, Any], key: str) -> str:
+    what, kind, fix = STRICT_TYPES[error["type"]]
+    loc = tuple(error["loc"])
+    field = _field_at(loc)
+    default = getattr(field, "default", None)
+    if isinstance(default, kind) and (kind is not int or not isinstance(default, bool)) and default != "":
+        shown_default = str(default).lower() if isinstance(default, bool) else default
+        fix = f"{fix}, e.g. {_key_name(loc[-1])}: {shown_default}"
+    return f"{key}: {_shown_input(error.get('input'))} is not {what}; write {fix}"
+
+
+def _shown_input(value: Any) -> str:
+    """A value as the user wrote it: YAML's yes, on and true are all true."""
+    return str(value).lower() if isinstance(value, bool) else shown(value)
 
 
 def _plain_errors(errors: list[Any]) -> list[dict[str, Any]]:
@@ -671,7 +720,9 @@ def _describe(error: Mapping[str, Any]) -> str:
     key = _key_path(loc)
     if error["type"] == "scalar_union":
         example = {"checkpoint_every": "10m or 500 steps", "mount_wait": "5m or 90s"}.get(loc[-1], "90s, 10m or 12h")
-        return f"{key}: {shown(error.get('input'))} is not a duration; write e.g. {example}"
+        return f"{key}: {_shown_input(error.get('input'))} is not a duration; write e.g. {example}"
+    if error["type"] in STRICT_TYPES:
+        return _strict_refusal(error, key)
     if error["type"] in ("model_type", "dict_type"):
         return f"{key}: {shown(error.get('input'))} is not a mapping; write its keys indented under {_key_name(loc[-1])}:"
     if error["type"] == "extra_forbidden":
@@ -860,10 +911,14 @@ def parse_overrides(values: tuple[str, ...] | list[str], label: str = "--set") -
         if not sep or not key.strip() or not key.isprintable() or len(key) > MAX_SHOWN:
             raise SpecError(f"{label} {shown(value)}: write it as name=value, e.g. {label} steps=300")
         try:
-            parsed = _parse_yaml(raw)
+            parsed = _parse_yaml(raw, _SetLoader)
         except (yaml.YAMLError, _LimitError, ValueError, OverflowError):
             raise SpecError(f"{label} {shown(value)}: the value is not one YAML value; quote it, e.g. "
                             f"{label} '{key}=\"...\"'") from None
+        if isinstance(parsed, float) and not math.isfinite(parsed):
+            what = "is too large for a number" if math.isinf(parsed) and "inf" not in raw.lower() else "is not a finite number"
+            raise SpecError(f"{label} {shown(value)}: {raw.strip()[:20]} {what} (it reads as {parsed}); write a finite "
+                            f"number, or quote it for text: {label} '{key}=\"{raw.strip()[:20]}\"'")
         problem = _json_problem(parsed, ("params", key))
         if problem is not None:
             raise SpecError(f"{label} {shown(value)}: {problem[1]}")

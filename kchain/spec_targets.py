@@ -26,7 +26,7 @@ MAX_SETUP = 4000  # characters of a setup script: a few commands, not a program
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)  # as spec.py's: no value coerced
 
 
 class BucketSpec(_Section):

@@ -146,3 +146,12 @@ def test_a_release_killed_after_its_creating_call_settles_on_the_rerun_and_is_ne
     emulator.faults.processing_s = 0.0
     lines = release(job, Want("best"), INSTANCE, None, False, "Apache 2.0", said.append, new=True)
     assert lines[0] == f"released step 4 as {INSTANCE}/2 (private)" and emulator.model_versions(INSTANCE) == [1, 2]
+
+
+def test_an_over_long_licence_name_is_refused_naming_the_bound_before_anything_is_sent(tmp_path):
+    result = CliRunner().invoke(cli, ["release", str(job_file(tmp_path)), "--model", INSTANCE,
+                                      "--license", "x" * 100_000])
+    assert result.exit_code == 1
+    assert result.output == ("Error: --license '" + "x" * 40 + "'...: is 100000 characters; a licence name is at "
+                             "most 100 characters on one line (kchain's bound: Kaggle publishes none, and its names "
+                             "are short), e.g. --license 'Apache 2.0'\n")

@@ -215,3 +215,38 @@ def test_durations_given_as_numbers_must_be_positive(tmp_path):
     )
     job = load_job(write(tmp_path, GOOD + "train: {margin: 90, heartbeat: 0s, session_limit: 7200.5}\n"))
     assert runtime_config(job).train.margin_s == 90 and runtime_config(job).train.heartbeat_s == 0
+
+
+@pytest.mark.parametrize("section, message", [
+    ("train: {checkpoint_every: true}", "train.checkpoint_every: true is not a duration; write e.g. 10m or 500 steps"),
+    ("train: {keep: yes}", "train.keep: true is not a whole number; write one without quotes, e.g. keep: 2"),
+    ("smoke: {fraction: yes}", "smoke.fraction: true is not a number; write one without quotes, e.g. fraction: 0.02"),
+    ("kaggle: {internet: -0.0}", "kaggle.internet: -0.0 is not true or false; write true or false, e.g. internet: false"),
+    ("kaggle: {internet: 1}", "kaggle.internet: 1 is not true or false; write true or false, e.g. internet: false"),
+    ("train: {gpus: true}", "train.gpus: true is not a GPU count; write auto, 1 or 2"),
+    ("budget: {weekly_gpu_hours: on}", "budget.weekly_gpu_hours: true is not a number; write one without quotes, "
+                                       "e.g. weekly_gpu_hours: 30.0"),
+    ("train: {trackers: {wandb: 1}}", "train.trackers.wandb: 1 is not true or false; write true or false, e.g. "
+                                      "wandb: false"),
+    ("train: {margin: 1.0e+400}", "train.margin: inf is not a JSON number; write a finite number or quote it"),
+    ("target: skypilot\nskypilot: {bucket: {name: my-kchain-state}, use_spot: 0}",
+     "skypilot.use_spot: 0 is not true or false; write true or false, e.g. use_spot: true"),
+])
+def test_no_value_is_coerced_to_another_type(tmp_path, section, message):
+    path = write(tmp_path, GOOD + section + "\n")
+    with pytest.raises(SpecError) as err:
+        load_job(path)
+    assert str(err.value) == f"{path}: {message}"
+
+
+def test_set_values_read_numbers_as_a_shell_user_does_and_refuse_an_overflow():
+    from kchain.spec import parse_overrides
+
+    assert parse_overrides(["lr=1e-3", "steps=300", "tag='1e400'"]) == {"lr": 0.001, "steps": 300, "tag": "1e400"}
+    for given, reads in (("steps=1e400", "is too large for a number (it reads as inf)"),
+                         ("steps=.nan", "is not a finite number (it reads as nan)")):
+        raw = given.split("=")[1]
+        with pytest.raises(SpecError) as err:
+            parse_overrides([given])
+        assert str(err.value) == (f"--set '{given}': {raw} {reads}; write a finite number, or quote it for text: "
+                                  f"--set 'steps=\"{raw}\"'")

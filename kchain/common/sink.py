@@ -92,13 +92,19 @@ def candidates(folder: Path) -> list[Path]:
     return [d for d in reversed(complete(folder)) if (d / layout.MANIFEST).is_file()]
 
 
+def unmounted(folder: str, parent: str) -> str:
+    """Why a run whose sink's folder is missing stops: the runtime's guard and the engines' run scripts
+    (targets/workfolder.py, with shell variables for the paths) say the same."""
+    return (f"the state sink {folder} cannot be there: {parent} does not exist (a bucket that is not "
+            f"mounted, or a wrong name or path); stopping instead of training from nothing: fix the mount or "
+            f"{layout.STATE_SINK_ENV}'s folder")
+
+
 def behind_pointer(folder: Path, found_step: int | None, damaged: list[str], requeued: bool = False) -> str | None:
     """The resume guard: why the run must stop, or None (no pointer, or a checkpoint at or after it). A sink
     whose mount is missing, and an empty sink under a requeued run, are lost state too: never start fresh."""
     if not folder.parent.is_dir():
-        return (f"the state sink {folder} cannot be there: {folder.parent} does not exist (a bucket that is not "
-                f"mounted, or a wrong name or path); stopping instead of training from nothing: fix the mount or "
-                f"{layout.STATE_SINK_ENV}'s folder")
+        return unmounted(str(folder), str(folder.parent))
     pointer = read_pointer(folder)
     if pointer is None and requeued and found_step is None:
         return (f"this run was requeued ({layout.RESTART_COUNT_ENV} > 0) and the state sink {folder} holds no "

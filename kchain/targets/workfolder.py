@@ -14,7 +14,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from kchain.common import atomic, layout
+from kchain.common import atomic, layout, sink
 from kchain.credentials import secret_strings
 from kchain.errors import RenderError
 from kchain.render import Payload
@@ -56,13 +56,21 @@ def run_lines(defaults: dict[str, str], launch: list[str]) -> list[str]:
     engine's value unless already set), then the launch, with SIGTERM and SIGINT passed on to the
     training (a preemption's warning), and the script's exit code the training's own: 75 "saved,
     not done" for the engine to act on (docs/targets.md)."""
+    folder = f"${layout.STATE_SINK_ENV}"
     lines = ["set -u"]
     lines += [f'export {name}="${{{name}:-{value}}}"' for name, value in defaults.items()]
     lines += [
+        # The sink's folder is the bucket's mount (or the shared file system): checked before anything is
+        # made, or the mkdir below would make it on the machine's own disk, and a recovered job would find no
+        # checkpoint there and start fresh (issue 59). The runtime's guard says the same (sink.unmounted).
+        f'sink_parent="$(dirname -- "{folder}")"',
+        f'if [ -n "{folder}" ] && [ ! -d "$sink_parent" ]; then',
+        f'  echo "[kchain] {sink.unmounted(folder, "$sink_parent")}" >&2',
+        "  exit 1",
+        "fi",
         'export PYTHONPATH="$PWD:$PWD/code${PYTHONPATH:+:$PYTHONPATH}"',
         "export PYTHONUNBUFFERED=1",
-        f'mkdir -p "${layout.ROOT_ENV}/{layout.INPUT_DIR}" "${layout.ROOT_ENV}/{layout.WORKING_DIR}" '
-        f'"${layout.STATE_SINK_ENV}"',
+        f'mkdir -p "${layout.ROOT_ENV}/{layout.INPUT_DIR}" "${layout.ROOT_ENV}/{layout.WORKING_DIR}" "{folder}"',
         *launch[:-1],
         f"{launch[-1]} &",
         "child=$!",

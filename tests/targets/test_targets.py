@@ -209,3 +209,41 @@ def test_push_refuses_unsmoked_code_then_sends_the_engine_its_command_lines(tmp_
     record = json.loads((home / "targets.json").read_text())["target-job"]
     assert record["id"] == "5150" and record["smoke"] == "skipped"
     assert slurm.queue_command("5150")[:3] == ["squeue", "--jobs", "5150"]
+
+
+def run_rendered(script: str, tmp_path: Path, sink: Path) -> subprocess.CompletedProcess:
+    """The rendered script under bash, as the engine runs it, with a stand-in `python` that notes its launch."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    (bin_dir / "python").write_text('#!/bin/sh\ntouch "$KCHAIN_ROOT/launched"\n')
+    (bin_dir / "python").chmod(0o755)
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "HOME": str(tmp_path), "KCHAIN_STATE_SINK": str(sink),
+           "KCHAIN_ROOT": str(tmp_path / "root")}
+    return subprocess.run(["bash", "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+
+
+@pytest.mark.parametrize("target", ["skypilot", "slurm"])
+def test_a_missing_mount_stops_the_rendered_script_before_it_creates_anything(tmp_path, target):
+    job = load_job(code_job(tmp_path, target=target, skypilot=SKYPILOT, slurm=SLURM))
+    text = render_for(job, target).engine_text
+    script = yaml.safe_load(text)["run"] if target == "skypilot" else text
+    # The mount point absent under a writable folder, and under a read-only one (which stops a mkdir only when
+    # the test is not root: as root the check alone stops it).
+    read_only = tmp_path / "read-only"
+    read_only.mkdir()
+    read_only.chmod(0o555)
+    try:
+        for mount in (tmp_path / "kchain-state", read_only / "kchain-state"):
+            done = run_rendered(script, tmp_path, mount / "target-job")
+            assert done.returncode == 1, done.stderr
+            assert done.stderr.splitlines() == [
+                f"[kchain] the state sink {mount / 'target-job'} cannot be there: {mount} does not exist (a bucket "
+                "that is not mounted, or a wrong name or path); stopping instead of training from nothing: fix the "
+                "mount or KCHAIN_STATE_SINK's folder"]
+            assert not mount.exists() and not (tmp_path / "root").exists()  # nothing made, nothing launched
+    finally:
+        read_only.chmod(0o755)
+    (tmp_path / "kchain-state").mkdir()  # the mount there: the job's folder in it is made and the run launched
+    done = run_rendered(script, tmp_path, tmp_path / "kchain-state" / "target-job")
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "kchain-state" / "target-job").is_dir() and (tmp_path / "root" / "launched").is_file()

@@ -235,6 +235,16 @@ def _refuse_short_sessions(job: Job, ledger: Ledger) -> None:
         f"{2 * need + margin:.0f}s, or push without --unattended (the laptop relays each session)")
 
 
+def _status_now(client: KaggleClient, record: SessionRecord) -> str:
+    """A live session's status as Kaggle says it now (the ledger's may be older: queued when it runs)."""
+    if record.get("version") is None:
+        return str(record["status"])
+    try:
+        return client.status(record["kernel"], record["version"])[0]
+    except KaggleError:
+        return str(record["status"])
+
+
 def push_job(job: Job, ledger: Ledger, client: KaggleClient, skip_smoke: bool = False, force: bool = False,
              echo: Echo = print, unattended: bool = False) -> SessionRecord:
     """Start session 1 of the job's chain (or the next one, if the last push never landed). unattended:
@@ -248,7 +258,7 @@ def push_job(job: Job, ledger: Ledger, client: KaggleClient, skip_smoke: bool = 
     live = [s for s in chain if s["status"] in LIVE]
     if live:
         raise ChainStop(
-            f"session {live[-1]['session']} of {job.name} is still {live[-1]['status'].lower()}; "
+            f"session {live[-1]['session']} of {job.name} is still {_status_now(client, live[-1]).lower()}; "
             "watch it with `kchain status` or `kchain logs --follow`"
         )
     if [s for s in chain if s.get("version")]:

@@ -625,8 +625,8 @@ def waiting(chain: list[SessionRecord], job_file: Path | str) -> dict[str, str] 
     if isinstance(told, dict):
         why = f"session {last['session']}'s kernel did not push the next session: {told.get('why') or told.get('decision')}"
     else:
-        why = (f"session {last['session']} ended ({ended.status or last['status'].lower()}), and in a chain the "
-               "laptop drives the next session waits for it")
+        why = (f"session {last['session']} ended ({ended.status or last['status'].lower()}); the laptop drives this "
+               "chain, so the next session waits for it")
     return {"for": "continue", "why": why}
 
 

@@ -19,7 +19,6 @@ values are compared like the rest, the excluded ones never.
 from __future__ import annotations
 
 import json
-import re
 import subprocess
 import sys
 from collections.abc import Iterable
@@ -27,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kchain import traces
-from kchain.common import layout
+from kchain.common import layout, statekeys
 
 
 @dataclass(frozen=True)
@@ -164,7 +163,7 @@ def _kept(digests: dict[str, str]) -> dict[str, str]:
 
 def _excluded(digests: dict[str, str]) -> dict[str, str]:
     """{the excluded object's name: the reason} (rank 0's list: the job excludes the same on every rank)."""
-    return {_code_name(k.removeprefix("excluded.")): v for k, v in digests.items() if k.startswith("excluded.")}
+    return {statekeys.code_name(k.removeprefix("excluded.")): v for k, v in digests.items() if k.startswith("excluded.")}
 
 
 def _canonical(digests: dict[str, str]) -> dict[str, str]:
@@ -250,7 +249,7 @@ def name(key: str) -> str:
         return rank + key.removeprefix("tracked.")
     if key.startswith(("untracked.", "excluded.")):
         obj, dot, leaf = key.split(".", 1)[1].partition(".")
-        return rank + _code_name(obj) + dot + leaf
+        return rank + statekeys.code_name(obj) + dot + leaf
     if key.startswith("rng."):
         return f"{rank}global {key.removeprefix('rng.')} RNG state"
     return rank + key
@@ -273,22 +272,8 @@ def _object(key: str) -> str:
     if parts[0] == "rng":
         return "RNGs"
     if parts[0] in ("untracked", "excluded") and len(parts) > 1:
-        return _code_name(parts[1])
+        return statekeys.code_name(parts[1])
     return parts[1] if parts[0] == "tracked" and len(parts) > 1 else parts[0]
-
-
-def _code_name(written: str) -> str:
-    """An untracked object's name from its key (`self/ema` -> `self.ema`: a key's dots separate leaves)."""
-    return written.replace("/", ".")
-
-
-def _track_key(code_name: str) -> str:
-    """The run.track keyword for an object the code names so: its last part that is an identifier
-    (`self.ema` -> ema, `gens[0]` -> gens, `state['ema']` -> ema), as the untracked-state refusal writes it."""
-    for part in reversed(re.split(r"[.\[\]'\"]+", code_name)):
-        if part.isidentifier():
-            return part
-    return "state"
 
 
 def largest(diff: Difference, limit: int = 3) -> dict[str, float | None]:
@@ -336,7 +321,7 @@ def cause(comparison: Comparison, resume_step: int, traces_agree: bool = True) -
     if forgotten is not None:
         obj = _object(forgotten)
         return (f"{obj} is not in run.track, and it differs after the resume (a resume starts it over): add "
-                f"run.track({_track_key(obj)}={obj}) before the loop")
+                f"run.track({statekeys.track_key(obj)}={obj}) before the loop")
     if what == ["files"]:
         return ("the framework's own checkpoint files differ (the Trainer's model, optimizer, scheduler or RNG "
                 f"file: {', '.join(k.removeprefix('files.') for k in diff.keys[:3])}): the training after the "

@@ -42,6 +42,7 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
+from kchain.common import statekeys
 from kchain.runtime import distributed
 from kchain.runtime.checkpoint import statedigest
 
@@ -110,16 +111,16 @@ class Watch:
         inside, saved = _scope(covered, [o for o, _ in excluded])
         out: dict[str, str] = {}
         for name, obj in _reachable(inside, saved):
-            _leaves(_state(obj), f"untracked.{name.replace('.', '/')}", out)
+            _leaves(_state(obj), f"{statekeys.UNTRACKED}.{statekeys.written(name)}", out)
         for obj, reason in excluded:
-            out[f"excluded.{(_name(obj) or type(obj).__name__).replace('.', '/')}"] = reason
+            out[f"{statekeys.EXCLUDED}.{statekeys.written(_name(obj) or type(obj).__name__)}"] = reason
         return out
 
 
 def message(found: list[tuple[str | None, object]], changed: bool) -> str:
     listed = ", ".join(f"{n} ({what(o)})" if n else f"a {what(o)}" for n, o in found)
     one = len(found) == 1
-    fix = ", ".join(f"{_key(n)}={n}" for n, _ in found if n) or "name=obj"
+    fix = ", ".join(f"{statekeys.track_key(n)}={n}" for n, _ in found if n) or "name=obj"
     them = "it" if one else "them"
     does = (f"change{'s' if one else ''} between steps but no checkpoint holds {them}" if changed else
             f"{'is' if one else 'are'} state the training keeps, but no checkpoint holds {them}")
@@ -133,15 +134,6 @@ def what(obj) -> str:
     name = type(obj).__name__
     known = next((EMA_HELPERS[c.__name__] for c in type(obj).__mro__ if c.__name__ in EMA_HELPERS), None)
     return f"an EMA: {known}" if known else name
-
-
-def _key(name: str) -> str:
-    """The run.track keyword for a name: its last part that is an identifier (`self.ema` -> ema,
-    `gens[0]` -> gens, `state['ema']` -> ema)."""
-    for part in reversed(re.split(r"[.\[\]'\"]+", name)):
-        if part.isidentifier():
-            return part
-    return "state"
 
 
 def _ref(obj):

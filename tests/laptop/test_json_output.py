@@ -54,8 +54,8 @@ def test_status_json(tmp_path):
     assert (second["status"], second["note"]) == ("ERROR", "RuntimeError: shape mismatch")
     assert list(status["gpu_hours"]) == ["used", "weekly", "left"]
     assert abs(status["gpu_hours"]["used"] - 1.5) < 0.01 and status["gpu_hours"]["weekly"] == 30
-    assert status["waiting"] == {"for": "continue", "why": "session 2 ended (error), and in a chain the laptop "
-                                                           "drives the next session waits for it"}
+    assert status["waiting"] == {"for": "continue", "why": "session 2 ended (error); the laptop drives this "
+                                                           "chain, so the next session waits for it"}
     # Before the first session (nothing on Kaggle either): the chain waits for its push, never null.
     assert waiting([], JOB) == {"for": "push", "why": f"no session yet: `kchain push {JOB}` starts one"}
 

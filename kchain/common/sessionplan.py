@@ -26,7 +26,7 @@ class SessionPlan:
 
     def ends(self, total: int) -> list[int]:
         """The steps at which a span ends before the total: ceil(i * total / sessions), i < sessions."""
-        return sorted({-(-i * total // self.sessions) for i in range(1, self.sessions)} & set(range(1, total)))
+        return sorted({end for i in range(1, self.sessions) if 0 < (end := -(-i * total // self.sessions)) < total})
 
     def stop_at(self, resumed: int, total: int) -> int | None:
         """The step a session that resumed at `resumed` stops at (None: it runs to the total)."""

@@ -145,7 +145,7 @@ def compare(reference: dict[int, Saved], other: dict[int, Saved]) -> Comparison:
 
 # Loader.state_dict's leaves (kchain/runtime/loader.py), and its seed.
 LOADER = frozenset({"epoch", "position", "batches"})
-_SECTIONS = ("tracked", "untracked")  # the object sections a rank saves its own copy of
+_SECTIONS = ("tracked", statekeys.UNTRACKED)  # the object sections a rank saves its own copy of
 
 
 def _comparable(a: dict[str, str], b: dict[str, str]) -> tuple[dict[str, str], dict[str, str]]:
@@ -158,12 +158,13 @@ def _comparable(a: dict[str, str], b: dict[str, str]) -> tuple[dict[str, str], d
 
 def _kept(digests: dict[str, str]) -> dict[str, str]:
     """The digests without the job's exclusions (`excluded.<name>`: a reason, not a value)."""
-    return {k: v for k, v in digests.items() if _section(k) != "excluded"}
+    return {k: v for k, v in digests.items() if _section(k) != statekeys.EXCLUDED}
 
 
 def _excluded(digests: dict[str, str]) -> dict[str, str]:
     """{the excluded object's name: the reason} (rank 0's list: the job excludes the same on every rank)."""
-    return {statekeys.code_name(k.removeprefix("excluded.")): v for k, v in digests.items() if k.startswith("excluded.")}
+    prefix = f"{statekeys.EXCLUDED}."
+    return {statekeys.code_name(k.removeprefix(prefix)): v for k, v in digests.items() if k.startswith(prefix)}
 
 
 def _canonical(digests: dict[str, str]) -> dict[str, str]:

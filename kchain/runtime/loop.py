@@ -360,13 +360,16 @@ class Loop:
         """A smoke or a rehearsal: stop with UntrackedState when the first step finds state no checkpoint
         holds, or (a smoke) when something untracked changed since the first step."""
         if self._untracked is not None:
-            self._untracked.check([*self.ckpt.tracked.values(), *self.ckpt.covered.values()],
-                                  [obj for obj, _ in self.ckpt.excluded])
+            self._untracked.check(self._held(), [obj for obj, _ in self.ckpt.excluded])
 
     def _untracked_digests(self) -> dict[str, str]:
         """At a save: the digests of the untracked state, beside the checkpoint's own (untracked.py)."""
         assert self._untracked is not None
-        return self._untracked.digests([*self.ckpt.tracked.values(), *self.ckpt.covered.values()], self.ckpt.excluded)
+        return self._untracked.digests(self._held(), self.ckpt.excluded)
+
+    def _held(self) -> list[object]:
+        """What a checkpoint holds: the tracked objects and what a framework's own checkpoint covers."""
+        return [*self.ckpt.tracked.values(), *self.ckpt.covered.values()]
 
     def _heartbeat(self) -> None:
         if not self._planned:

@@ -88,10 +88,10 @@ def _copy_into(live, saved) -> None:
         with torch.no_grad():
             live.copy_(saved)
         return
-    keys = list(live) if isinstance(live, dict) else range(len(live))
-    if (sorted(map(str, keys)) != sorted(map(str, saved)) if isinstance(live, dict) else len(live) != len(saved)):
+    same = set(live) == set(saved) if isinstance(live, dict) else len(live) == len(saved)
+    if not same:
         raise ValueError(f"the checkpoint holds {len(saved)} tensors here, the job now {len(live)}")
-    for k in keys:
+    for k in (live if isinstance(live, dict) else range(len(live))):
         _copy_into(live[k], saved[k])
 
 
@@ -493,33 +493,34 @@ class Checkpointer:
 
     def _rank_state(self) -> dict:
         """What differs between ranks (kchain ddp): the global RNGs and the per-rank tracked objects:
-        PER_RANK ones, and any other whose state differs between the ranks (found at each save)."""
-        self._differ.update(self._differing())
-        self._own_buffers.update(self._buffers_differing())
+        PER_RANK ones, and any other whose state differs between the ranks (found at each save), and the
+        buffers of each tracked module whose buffers differ (BatchNorm without SyncBatchNorm)."""
+        objects, buffers = self._differing()
+        self._differ.update(objects)
+        self._own_buffers.update(buffers)
         private = {n: state_of(o) for n, o in self.tracked.items() if per_rank(o) or n in self._differ}
-        buffers = {n: _buffers(self.tracked[n]) for n in sorted(self._own_buffers)}
-        return {"rank": self.ranks.rank, "rng": rng_state(), "tracked": private, **({BUFFERS_KEY: buffers} if buffers else {})}
+        own = {n: _buffers(self.tracked[n]) for n in sorted(self._own_buffers)}
+        return {"rank": self.ranks.rank, "rng": rng_state(), "tracked": private, **({BUFFERS_KEY: own} if own else {})}
 
-    def _buffers_differing(self) -> set[str]:
-        """The tracked modules whose buffers differ between the ranks (BatchNorm's running statistics under DDP
-        without SyncBatchNorm, or with broadcast_buffers=False): one digest each, gathered (kchain ddp). DDP
-        keeps the parameters equal, not always the buffers; a resume gives each rank its own back."""
-        modules = {n: o for n, o in self.tracked.items() if n not in self._own_buffers and not per_rank(o)
-                   and n not in self._differ and isinstance(distributed.unwrap(o), torch.nn.Module)}
-        mine = {n: "".join(untracked_digest(_buffers(o)).values()) for n, o in modules.items() if _buffers(o)}
+    def _differing(self) -> tuple[set[str], set[str]]:
+        """What differs between the ranks, in one gather of one digest each (kchain ddp): the tracked objects
+        of the user's own (not a model, an optimizer, a scheduler or a scaler, which DDP keeps equal), and the
+        tracked modules' buffers (DDP keeps the parameters equal, not always the buffers: BatchNorm's running
+        statistics without SyncBatchNorm, or with broadcast_buffers=False). Each found is saved per rank from
+        then on, and a resume gives each rank its own back."""
+        mine: dict[str, str] = {}
+        for n, o in self.tracked.items():
+            if per_rank(o) or n in self._differ:
+                continue
+            if not isinstance(distributed.unwrap(o), REPLICATED):
+                mine[f"state:{n}"] = "".join(digest_state({"s": state_of(o)}).values())
+            elif isinstance(distributed.unwrap(o), torch.nn.Module) and n not in self._own_buffers and (b := _buffers(o)):
+                mine[f"buffers:{n}"] = "".join(untracked_digest(b).values())
+        if not mine:  # the same on every rank: the tracked objects and what was found are the same
+            return set(), set()
         every = self.ranks.all_gather(mine)
-        return {n for n in mine if len({d.get(n) for d in every}) > 1}
-
-    def _differing(self) -> set[str]:
-        """The tracked objects of the user's own (not a model, an optimizer, a scheduler or a scaler, which
-        DDP keeps equal) whose state differs between the ranks: one digest each, gathered (kchain ddp)."""
-        own = {n: o for n, o in self.tracked.items() if not per_rank(o) and n not in self._differ
-               and not isinstance(distributed.unwrap(o), REPLICATED)}
-        if not own:
-            return set()
-        mine = {n: "".join(digest_state({"s": state_of(o)}).values()) for n, o in own.items()}
-        every = self.ranks.all_gather(mine)
-        return {n for n in own if len({d.get(n) for d in every}) > 1}
+        differ = [k.split(":", 1) for k in mine if len({d.get(k) for d in every}) > 1]
+        return {n for kind, n in differ if kind == "state"}, {n for kind, n in differ if kind == "buffers"}
 
     def _plan_checkpoints(self, live: dict, attached: int = 0) -> dict:
         """At the first save: the checkpoint's size against the disk and RAM, said in one line.

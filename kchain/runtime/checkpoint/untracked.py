@@ -163,7 +163,7 @@ def _scope(covered, excluded) -> tuple[set[int], set[int]]:
                 inside.update(id(m) for m in o.modules())
                 saved.update(t.data_ptr() for t in o.state_dict().values() if isinstance(t, torch.Tensor))
             elif not isinstance(o, _GENERATORS):
-                inside.update(id(v) for v in (getattr(o, "__dict__", None) or {}).values())
+                inside.update(id(v) for v in (getattr(o, "__dict__", None) or {}).values() if not _atom(v))
     inside.add(id(torch.default_generator))  # the global RNGs: every checkpoint holds them (snapshot.rng_state)
     inside.add(id(random._inst))  # python's global RNG, saved the same way
     return inside, saved
@@ -222,19 +222,20 @@ def _wrapper(value, inside: set[int]) -> bool:
     optimizer and scheduler wrappers). An EMA that holds the live model beside its copy is still state."""
     if _state_by_nature(value) or isinstance(value, torch.nn.Module):
         return False
-    return any(id(v) in inside and not _opaque_atom(v) for v in (getattr(value, "__dict__", None) or {}).values())
+    return any(id(v) in inside for v in (getattr(value, "__dict__", None) or {}).values())
 
 
-def _opaque_atom(value) -> bool:
-    return isinstance(value, (str, bytes, int, float, bool, type(None)))
+def _atom(value) -> bool:
+    """A plain value: its id says nothing of who holds it (small ints and strings are shared)."""
+    return isinstance(value, (str, bytes, int, float, complex, bool, type(None)))
 
 
 def _opaque(value) -> bool:
     """What the walk never enters: code, classes, modules, plain atoms, kchain's own objects (the run,
     its loaders and steppers: what they hold is tracked or kchain's), and a library's objects without
     a state_dict (a Trainer, a tokenizer: a framework's own state is its integration's)."""
-    if isinstance(value, (type, types.ModuleType, types.FunctionType, types.MethodType, types.BuiltinFunctionType,
-                          str, bytes, int, float, complex, bool, type(None), range)):
+    if _atom(value) or isinstance(value, (type, types.ModuleType, types.FunctionType, types.MethodType,
+                                          types.BuiltinFunctionType, range)):
         return True
     module = type(value).__module__ or ""
     if module.startswith("kchain"):
@@ -246,9 +247,13 @@ def _opaque(value) -> bool:
 
 def _users(cls) -> bool:
     """A class of the job's own code (not kchain's, not a library's, not a builtin)."""
-    mod = sys.modules.get(cls.__module__ or "")
-    path = getattr(mod, "__file__", None) or ""
-    return bool(path) and not path.startswith(_HERE) and not path.startswith(_LIBRARIES) and "site-packages" not in path
+    path = getattr(sys.modules.get(cls.__module__ or ""), "__file__", None) or ""
+    return bool(path) and _users_file(path)
+
+
+def _users_file(path: str) -> bool:
+    """A file of the job's own code: not kchain's, not the standard library's, not an installed package's."""
+    return not path.startswith(_HERE) and not path.startswith(_LIBRARIES) and "site-packages" not in path
 
 
 def _stateful(value) -> bool:
@@ -356,8 +361,7 @@ def _user_frames():
     """The frames of the job's own code, innermost first (not kchain's, not a library's)."""
     frame = sys._getframe(1)
     while frame is not None:
-        path = frame.f_code.co_filename
-        if not path.startswith(_HERE) and not path.startswith(_LIBRARIES) and "site-packages" not in path:
+        if _users_file(frame.f_code.co_filename):
             yield frame
         frame = frame.f_back
 

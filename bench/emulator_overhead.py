@@ -6,7 +6,7 @@
    client through the emulator's proxy, and the ratio to the 100 polls/s kchain needs for its
    tests to poll freely. A ratio above 1 means the emulator is not what slows a test down.
 2. Seconds from `kchain push` (the CLI, through the real client) to the session's first training
-   step, against the same notebook run directly with `kchain.local.execute_notebook` to its first
+   step, against the same notebook run directly with `kchain.local.executor.execute_notebook` to its first
    step, and the difference: what the push, the emulator's queue and its session sandbox add.
    The target is a difference within 2 s. The job is the example classifier made small, with a
    heartbeat every step; the first `[kchain] step` line in the live log marks the first step.
@@ -87,9 +87,9 @@ def push_to_first_step(tmp: Path, emu: Emulator) -> float:
 
 
 def direct_to_first_step(tmp: Path) -> float:
-    from kchain.local import execute_notebook
-    from kchain.render import render_job, write_rendered
-    from kchain.spec import load_job
+    from kchain.job.render import render_job, write_rendered
+    from kchain.job.spec import load_job
+    from kchain.local.executor import execute_notebook
 
     job = load_job(copy_job("classifier", tmp / "direct", **JOB))
     notebook = write_rendered(render_job(job, owner="alice"), tmp / "direct-kernel")[0]

@@ -7,7 +7,7 @@
    run, the same run again (is the GPU's arithmetic repeatable at all?), a run SIGKILLed by the
    kill_at_step fault, and its resume. Verdict: the resumed trace (loss, a CUDA generator draw, the
    scaler's scale) equals the reference's value for value, and the state at every step both saved
-   equals it too (kchain.statecheck over the checkpoints' digests: model, optimizer, scaler, loader,
+   equals it too (kchain.local.statecheck over the checkpoints' digests: model, optimizer, scaler, loader,
    RNGs, the CUDA generator's among them).
 2. lora: jobs/finetune (transformers + peft, LoRA on a tiny BERT built from a config) the same way, in
    fp16, with the checkpoint holding only what trains.
@@ -45,8 +45,8 @@ import yaml
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from kchain import statecheck  # noqa: E402
 from kchain.common import layout  # noqa: E402
+from kchain.local import statecheck  # noqa: E402
 
 KILLED = -signal.SIGKILL
 RESULTS: dict = {}
@@ -230,7 +230,7 @@ TEMPLATES = {
 
 
 def check_templates(scratch: Path, cuda: bool, only: list[str]) -> None:
-    from kchain.init import TEMPLATES as FOLDER
+    from kchain.job.init import TEMPLATES as FOLDER
 
     for name, params in TEMPLATES.items():
         if only and name not in only:

@@ -4,7 +4,7 @@ notebook before its code runs.
     python bench/notebook_start.py                 # 10 runs; the median and the spread
     python bench/before_after.py REV notebook_start.py --runs 10 --turns 3
 
-Each run is `python -m kchain.local run` (the executor) on a one-cell notebook (`pass`); its CPU is the
+Each run is `python -m kchain.local.executor run` (the executor) on a one-cell notebook (`pass`); its CPU is the
 rusage of that process and all it waited for: the executor itself and the ipykernel it starts. Nothing
 of torch or the runtime is in it.
 """
@@ -30,7 +30,7 @@ NOTEBOOK = {
 
 def one_run(notebook: Path, root: Path) -> float:
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    subprocess.run([sys.executable, "-m", "kchain.local", "run", str(notebook), "--root", str(root)],
+    subprocess.run([sys.executable, "-m", "kchain.local.executor", "run", str(notebook), "--root", str(root)],
                    check=True, stdout=subprocess.DEVNULL)
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     return (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)

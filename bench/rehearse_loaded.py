@@ -30,7 +30,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from kchain.common import layout  # noqa: E402
-from kchain.init import init_job, templates  # noqa: E402
+from kchain.job.init import init_job, templates  # noqa: E402
 
 
 def _jobs(scratch: Path) -> dict[str, Path]:

@@ -36,8 +36,8 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 from helpers import copy_job  # noqa: E402
 
 from kchain.common import layout  # noqa: E402
-from kchain.rehearse import Rehearsal, rehearse  # noqa: E402
-from kchain.traces import read_trace  # noqa: E402
+from kchain.local.rehearse import Rehearsal, rehearse  # noqa: E402
+from kchain.result.traces import read_trace  # noqa: E402
 
 PARTS = ("end->push", "queue", "boot", "start->step")
 

@@ -2,7 +2,7 @@
 
     python bench/session_driver.py [--sessions 4] [--rounds 2]
 
-The emulator starts each session's notebook through `start_notebook`: by default `python -m kchain.local
+The emulator starts each session's notebook through `start_notebook`: by default `python -m kchain.local.executor
 run`, a process of its own; rehearse and the tests pass `local.start_session`, a thread of the emulator's
 process (the kernel, its training processes and their deaths stay real processes). Each round pushes
 SESSIONS one-cell notebooks (`print`) to a fresh emulator with its modelled waits (queue, boot) at zero,
@@ -31,7 +31,7 @@ from emulator_helpers import write_kernel  # noqa: E402
 
 from kchain.emulator import Emulator, Switches  # noqa: E402
 from kchain.emulator.sessions import StartNotebook, start_process  # noqa: E402
-from kchain.local import start_session  # noqa: E402
+from kchain.local.executor import start_session  # noqa: E402
 
 WAYS: dict[str, StartNotebook] = {"process": start_process, "thread": start_session}
 

@@ -43,9 +43,9 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from kchain.common import layout  # noqa: E402
-from kchain.init import init_job  # noqa: E402
-from kchain.local import execute_notebook  # noqa: E402
-from kchain.smoke import smoke  # noqa: E402
+from kchain.job.init import init_job  # noqa: E402
+from kchain.local.executor import execute_notebook  # noqa: E402
+from kchain.local.smoke import smoke  # noqa: E402
 
 STAGES = ["render", "executor start", "preflight", "steps", "kill and resume"]
 TEMPLATES = ("hf-trainer", "lightning")  # the framework templates, made with `kchain init --template`

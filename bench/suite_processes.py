@@ -30,7 +30,7 @@ TICK = os.sysconf("SC_CLK_TCK")
 # (what the command line holds, the kind), first match wins
 KINDS = [
     ("kchain.runtime.launch", "rank"), ("ipykernel_launcher", "notebook kernel"),
-    ("kchain.local", "notebook executor"), ("exec(eval(sys.stdin.readline()))", "pytest worker"),
+    ("kchain.local.executor", "notebook executor"), ("exec(eval(sys.stdin.readline()))", "pytest worker"),
     ("kchain.common.publish", "state publisher"), ("statedigest", "state digest"),
     ("torch.distributed.run", "torchrun"), ("/bin/kaggle", "kaggle CLI"), ("-m pip", "pip"),
 ]

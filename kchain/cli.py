@@ -46,7 +46,7 @@ TARGET = click.option("--target", type=click.Choice(["skypilot", "slurm"]), defa
 def _params(ctx: click.Context, param: click.Parameter, values: tuple[str, ...]) -> dict[str, Any]:
     """--set NAME=VALUE, each read as one YAML value; a malformed one is a usage error (exit 2), not the job file's."""
     from kchain.errors import SpecError
-    from kchain.spec import parse_overrides
+    from kchain.job.spec import parse_overrides
 
     try:
         return parse_overrides(values)
@@ -64,27 +64,27 @@ def _usage(ctx: click.Context, check: Callable[[str], object], value: str) -> st
 
 
 def _template(ctx: click.Context, param: click.Parameter, value: str) -> str:
-    from kchain.init import check_template
+    from kchain.job.init import check_template
 
     return _usage(ctx, check_template, value)
 
 
 def _template_names(ctx: click.Context, param: click.Parameter, incomplete: str) -> list[str]:
     """`kchain init --template <TAB>`: the template names (the shell's completion, click's shell_complete)."""
-    from kchain.init import templates
+    from kchain.job.init import templates
 
     return [name for name in templates() if name.startswith(incomplete)]
 
 
 def _fault_spec(ctx: click.Context, param: click.Parameter, value: str) -> str:
-    from kchain.rehearse import parse_fault_spec
+    from kchain.local.rehearse import parse_fault_spec
 
     return _usage(ctx, parse_fault_spec, value) if value else value
 
 
 def _job_target(job: Path) -> str:
     """The job file's target (kaggle, skypilot or slurm): push, status, logs and stop act on its engine."""
-    from kchain.spec import load_job
+    from kchain.job.spec import load_job
 
     return load_job(job).target
 
@@ -130,7 +130,7 @@ class TemplatesHelp(click.Command):
     kchain/init_templates/), read when the help is shown: importing cli lists no folder."""
 
     def format_help_text(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
-        from kchain.init import DEFAULT, templates
+        from kchain.job.init import DEFAULT, templates
 
         others = [f"  kchain init --template {name} jobs/my-{name}" for name in templates() if name != DEFAULT]
         formatter.write_paragraph()
@@ -154,7 +154,7 @@ class TemplatesHelp(click.Command):
               shell_complete=_template_names, help="The template to copy (the Example lists them all).")
 def init(folder: Path, template: str) -> None:
     """Write a job folder from a template that passes `kchain smoke` as written (never overwrites)."""
-    from kchain.init import init_job
+    from kchain.job.init import init_job
 
     for path in init_job(folder, template):
         click.echo(f"wrote {path}")
@@ -173,9 +173,9 @@ def render(job: Path, out: Path | None, target: str | None) -> None:
       kchain render myjob/job.yaml -o build/myjob
       kchain render myjob/job.yaml --target skypilot   # with a skypilot: section (docs/targets.md)
     """
-    from kchain.credentials import configured_username
-    from kchain.render import payload_lines, render_job, write_rendered
-    from kchain.spec import load_job
+    from kchain.job.render import payload_lines, render_job, write_rendered
+    from kchain.job.spec import load_job
+    from kchain.kaggle.credentials import configured_username
 
     spec = load_job(job)
     if (target or spec.target) != "kaggle":
@@ -212,7 +212,7 @@ def smoke(job: Path, quiet: bool, download: bool, sets: dict[str, Any], ranks: i
       kchain smoke myjob/job.yaml --set batch=16 --set rows=2000
       kchain smoke myjob/job.yaml --target skypilot   # with a skypilot: section: the task's run, as SkyPilot runs it
     """
-    from kchain.smoke import smoke as run_smoke
+    from kchain.local.smoke import smoke as run_smoke
 
     click.echo(f"kchain smoke {job}" + (f" --target {target}" if target else ""))
     if target:
@@ -239,7 +239,7 @@ def doctor(job: Path, offline: bool, no_probe: bool, probe_timeout: float) -> No
       kchain doctor myjob/job.yaml              # all checks, the probe on a free CPU session
       kchain doctor myjob/job.yaml --offline    # laptop-side checks only
     """
-    from kchain.doctor import run_doctor
+    from kchain.chain.doctor import run_doctor
 
     report = run_doctor(job, offline=offline, probe=not no_probe, echo=click.echo, probe_timeout_s=probe_timeout)
     click.echo(report.verdict())
@@ -260,7 +260,7 @@ def push(job: Path, skip_smoke: bool, force: bool, unattended: bool) -> None:
       kchain smoke myjob/job.yaml && kchain push myjob/job.yaml
       kchain push myjob/job.yaml --unattended   # later sessions push themselves
     """
-    from kchain.push import push as run_push
+    from kchain.chain.push import push as run_push
 
     if _job_target(job) != "kaggle":
         from kchain.targets.commands import push_target
@@ -283,7 +283,7 @@ def status(job: Path, as_json: bool) -> None:
       kchain status myjob/job.yaml
       kchain status myjob/job.yaml --json | jq '.sessions[-1].status'
     """
-    from kchain.sessions import status_document, status_for
+    from kchain.chain.sessions import status_document, status_for
 
     if _job_target(job) != "kaggle":
         from kchain.targets.commands import status_target
@@ -309,7 +309,7 @@ def logs(job: Path, number: int | None, follow: bool, poll: float) -> None:
     Example:
       kchain logs myjob/job.yaml --follow
     """
-    from kchain.sessions import logs_for
+    from kchain.chain.sessions import logs_for
 
     if _job_target(job) != "kaggle":
         from kchain.targets.commands import logs_target
@@ -342,7 +342,7 @@ def continue_(job: Path, retry: bool, watch_chain: bool, force: bool, skip_smoke
       kchain continue myjob/job.yaml --watch --notify 'notify-send kchain "$KCHAIN_EVENT: $KCHAIN_MESSAGE"'
       kchain continue myjob/job.yaml --watch --notify 'echo "$KCHAIN_EVENT $KCHAIN_MESSAGE" >> ~/kchain-events.log'
     """
-    from kchain.chain import continue_chain
+    from kchain.chain.advance import continue_chain
 
     if notify_command and not watch_chain:
         raise click.UsageError("--notify tells of a watched chain's events; give it with --watch")
@@ -373,7 +373,7 @@ def stop(job: Path, wait_s: float, poll_s: float, delete: bool, yes: bool) -> No
       kchain stop myjob/job.yaml
       kchain stop myjob/job.yaml --delete      # a stale session: Kaggle keeps it RUNNING
     """
-    from kchain.chain import stop_chain
+    from kchain.chain.advance import stop_chain
 
     if _job_target(job) != "kaggle":
         from kchain.targets.commands import stop_target
@@ -396,7 +396,7 @@ def budget(job: Path, as_json: bool) -> None:
       kchain budget myjob/job.yaml
       kchain budget myjob/job.yaml --json | jq .left
     """
-    from kchain.budget import budget_document_for, budget_for
+    from kchain.chain.budget import budget_document_for, budget_for
 
     if as_json:
         return click.echo(json.dumps(budget_document_for(job), indent=2))
@@ -415,7 +415,7 @@ def runs(job: Path, as_json: bool) -> None:
       kchain runs myjob/job.yaml
       kchain runs myjob/job.yaml --json | jq -r .best
     """
-    from kchain.sessions import runs_document, runs_for
+    from kchain.chain.sessions import runs_document, runs_for
 
     if as_json:
         return click.echo(json.dumps(runs_document(job), indent=2))
@@ -434,7 +434,7 @@ def plot(job: Path, out: Path | None) -> None:
     Example:
       kchain plot myjob/job.yaml -o loss.png
     """
-    from kchain.plot import plot_for
+    from kchain.result.plot import plot_for
 
     click.echo(f"wrote {plot_for(job, out)}")
 
@@ -469,7 +469,7 @@ def pull(job: Path, best: bool, final: bool, step: int | None, logs: bool, out: 
       kchain pull myjob/job.yaml --step 1200
       kchain pull myjob/job.yaml --logs -o runs/myjob && tensorboard --logdir runs/myjob
     """
-    from kchain.pull import Want, pull_for, pull_logs
+    from kchain.result.pull import Want, pull_for, pull_logs
 
     which = _chosen(best, final, step)
     lines = pull_logs(job, out, force, click.echo) if logs else \
@@ -496,7 +496,7 @@ def sync(job: Path, to: str, folder: Path | None) -> None:
       kchain sync myjob/job.yaml --to tensorboard --dir runs/myjob && tensorboard --logdir runs
       kchain sync myjob/job.yaml --to wandb && wandb sync myjob/.kchain/trackers/myjob/wandb/offline-run-*
     """
-    from kchain.sync import sync_for
+    from kchain.result.sync import sync_for
 
     done = sync_for(job, to, folder)
     click.echo(f"{done.target}: run {done.run_id} in {done.where}: {done.sent} values sent, "
@@ -525,8 +525,8 @@ def release(job: Path, best: bool, final: bool, model: str | None, dataset: str 
       kchain release myjob/job.yaml --best --model alice/tiny-gpt/pytorch/default
       kchain release myjob/job.yaml --dataset alice/tiny-gpt-weights
     """
-    from kchain.pull import Want
-    from kchain.release import release as run_release
+    from kchain.result.pull import Want
+    from kchain.result.release import release as run_release
 
     for line in run_release(job, Want(_chosen(best, final)), model, dataset, public, license_name, click.echo,
                             new=again):
@@ -580,8 +580,8 @@ def rehearse(job: Path, sessions: int, by_time: bool, session_limit: float | Non
       kchain rehearse myjob/job.yaml --target slurm    # with a slurm: section: the sbatch script
     """
     from kchain.errors import KchainError
-    from kchain.rehearse import emulator_switches, parse_fault_spec
-    from kchain.rehearse import rehearse as run_rehearse
+    from kchain.local.rehearse import emulator_switches, parse_fault_spec
+    from kchain.local.rehearse import rehearse as run_rehearse
 
     if busy_gpu and not unattended:
         raise click.UsageError("--busy-gpu is for --unattended: an attended chain pushes each session after the last "

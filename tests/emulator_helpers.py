@@ -22,7 +22,9 @@ import pytest
 
 from kchain.emulator import Emulator
 from kchain.emulator.app import PATIENCE_S
-from kchain.local import start_session  # each session's notebook driven from a thread, as rehearse's are
+from kchain.local.executor import (
+    start_session,  # each session's notebook driven from a thread, as rehearse's are
+)
 
 USER = "alice"
 

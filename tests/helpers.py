@@ -108,7 +108,7 @@ def train_template(root: Path, template: str, params: dict, env: dict | None = N
     import importlib.util
     import json
 
-    from kchain.init import TEMPLATES
+    from kchain.job.init import TEMPLATES
     from kchain.runtime.run import SessionStopped
 
     spec = importlib.util.spec_from_file_location(f"{template}_template", TEMPLATES / template / "train.py")

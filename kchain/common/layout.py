@@ -48,7 +48,7 @@ EXIT_NO_ACCELERATOR = 69  # EX_UNAVAILABLE: the machine lacks the GPUs the job a
 STATE_SINK_ENV = "KCHAIN_STATE_SINK"
 START_OVER_ENV = "KCHAIN_START_OVER"  # "1": a requeued or recovered job may start fresh on an empty state sink
 RESTART_COUNT_ENV = "SLURM_RESTART_COUNT"  # Slurm's: how many times this job was requeued (0 or unset: its first run)
-# What `continue --watch --notify CMD` puts in CMD's environment (kchain/notify.py).
+# What `continue --watch --notify CMD` puts in CMD's environment (kchain/chain/notify.py).
 NOTIFY_EVENT_ENV = "KCHAIN_EVENT"  # session_ended, failed, finished, needs_person
 NOTIFY_JOB_ENV = "KCHAIN_JOB"  # the job's name
 NOTIFY_MESSAGE_ENV = "KCHAIN_MESSAGE"  # the line kchain printed for the event

@@ -2,7 +2,7 @@
 
 `kchain continue` (through `kchain/decide.py`, a thin adapter that turns a stop into its KchainError)
 and a kernel that chains itself (`kchain push --unattended`, `common/nextkernel.py`) decide with this
-same code, over plain records (the session records of `kchain/sessions.py`, JSON objects). No I/O, no
+same code, over plain records (the session records of `kchain/chain/sessions.py`, JSON objects). No I/O, no
 Kaggle call, standard library only (it is embedded into the kernel). The table, first match wins:
 
   no session yet                                  -> stop: push first
@@ -25,7 +25,7 @@ Kaggle call, standard library only (it is embedded into the kernel). The table, 
     (killed: the training alone, or one of its ranks, died by a signal from outside)
 
 The kernel adds what only it must check before it pushes (the laptop's `continue` checks the same
-through `kchain/budget.py`): `afford` (the week's GPU quota from Kaggle's quota_view, else the chain's
+through `kchain/chain/budget.py`): `afford` (the week's GPU quota from Kaggle's quota_view, else the chain's
 own hours this week, `week_used`, against the job's budget).
 """
 
@@ -51,7 +51,7 @@ REMOUNTS = 3
 # The kind of a stop: the adapter on the laptop raises ChainStop or NotSmoked for it.
 CHAIN_STOP, NOT_SMOKED = "chain_stop", "not_smoked"
 # The ends no session follows: the chain's finished word, decided here for the table and for every command
-# that says where the result is (kchain/result.py: continue, status, runs, pull and release).
+# that says where the result is (kchain/chain/outcome.py: continue, status, runs, pull and release).
 ENDED = (Status.FINISHED, Status.STOPPED)
 
 

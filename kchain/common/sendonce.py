@@ -14,7 +14,7 @@ attempts), which re-sends on a connection error even when Kaggle acted before th
 one lost answer, two dataset versions. `sent_once(api.with_retry, ...)` is a drop-in replacement
 that leaves every other call to the client's own retry and sends a creating call once, retrying
 only a 429 in place (Kaggle did nothing); its caller then settles a lost answer by looking at the
-dataset or the kernel. The laptop's client (`kchain/kaggle_api.py`) and the kernel's publish
+dataset or the kernel. The laptop's client (`kchain/kaggle/client.py`) and the kernel's publish
 (`kchain/common/publish.py`) install the same one.
 
 Standard library only (the exception is read by its attributes, not by importing requests): it is

@@ -1,6 +1,6 @@
 """The runtime's settings, parsed once: the job's `train` / `smoke` config and the environment.
 
-Standard library only: `kchain/spec.py` validates job.yaml with the same parsers and defaults, so
+Standard library only: `kchain/job/spec.py` validates job.yaml with the same parsers and defaults, so
 a duration means the same thing on the laptop and in the kernel.
 """
 

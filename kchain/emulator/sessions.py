@@ -2,7 +2,7 @@
 
 Each session is a real process tree: a Jupyter kernel running the notebook (the same executor as
 `kchain smoke`) in its own process group, inside a sandbox laid out like /kaggle. The executor that sends
-the cells is `python -m kchain.local run NOTEBOOK --root ROOT --log-jsonl LOG`, a process that dies with
+the cells is `python -m kchain.local.executor run NOTEBOOK --root ROOT --log-jsonl LOG`, a process that dies with
 the session, or what the laptop's side passes as `start_notebook` (local.start_session: a thread of this
 process; the emulator imports no laptop module). A watcher thread per session enforces the time limit and
 injected kills with SIGKILL on the whole tree, then captures ROOT/working as the version's output and the
@@ -123,7 +123,7 @@ StartNotebook = Callable[[Path, Path, dict[str, str], Path, Path, Path], Noteboo
 
 
 class _Process:
-    """The default executor: `python -m kchain.local run` in a process group of its own; it dies whole."""
+    """The default executor: `python -m kchain.local.executor run` in a process group of its own; it dies whole."""
 
     def __init__(self, proc: subprocess.Popen[bytes]) -> None:
         self.proc = proc
@@ -147,7 +147,7 @@ def start_process(notebook: Path, root: Path, env: dict[str, str], log_jsonl: Pa
     """The emulator's own executor (no laptop module imported): a process per session."""
     with open(stdout, "wb") as out, open(stderr, "wb") as err:
         return _Process(subprocess.Popen(
-            [sys.executable, "-m", "kchain.local", "run", str(notebook), "--root", str(root),
+            [sys.executable, "-m", "kchain.local.executor", "run", str(notebook), "--root", str(root),
              "--log-jsonl", str(log_jsonl)],
             cwd=root / layout.WORKING_DIR, env=env, stdout=out, stderr=err, stdin=subprocess.DEVNULL,
             start_new_session=True))

@@ -30,7 +30,7 @@ PICKLE_EXT = "pt"  # anything else torch.save can pickle: loaded with torch.load
 PICKLE_PROTOCOL = 4  # see _save
 _SAFE_KEY = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,199}")  # a dict key that is also a file name
 MAPPED_MIN_BYTES = 64 * 1024  # a staged numpy array this large comes back memory-mapped (_MappingPickler)
-CACHE_SUFFIX = "-cache"  # the job's cache dataset is <owner>/<job>-cache (kchain/names.py)
+CACHE_SUFFIX = "-cache"  # the job's cache dataset is <owner>/<job>-cache (kchain/store/names.py)
 
 
 def fingerprint(name: str, params) -> str:

@@ -1,4 +1,4 @@
-"""Import rule: as the laptop's kchain (never kchain.runtime); SkyPilot only in skycheck.py, run apart.
+"""Import rule: kchain.local and the folders below it, kchain.common and kchain.errors; SkyPilot only in skycheck.py, run apart.
 
 Targets other than Kaggle: the same job rendered for SkyPilot managed jobs or a Slurm cluster.
 

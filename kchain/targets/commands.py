@@ -18,9 +18,9 @@ from typing import Any
 
 from kchain.common.atomic import write_json
 from kchain.errors import KchainError, NotSmoked, RenderError, StateError
-from kchain.ledger import Ledger, iso, new_run_id, now_utc, state_dir
-from kchain.render import Rendered
-from kchain.spec import Job, load_job, target_problem
+from kchain.job.render import Rendered
+from kchain.job.spec import Job, load_job, target_problem
+from kchain.store.ledger import Ledger, iso, new_run_id, now_utc, state_dir
 from kchain.targets import skypilot, slurm
 from kchain.targets.workfolder import TargetRendered, write_folder
 
@@ -148,7 +148,7 @@ def stop_target(job_file: Path, echo: Echo = print) -> None:
 
 def render_lines(job: Job, target: str, out: Path | None) -> list[str]:
     """`kchain render --target`: write the work folder; what is in it, and what checks it."""
-    from kchain.render import payload_lines
+    from kchain.job.render import payload_lines
 
     problem = target_problem(job, target)
     if problem:

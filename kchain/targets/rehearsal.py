@@ -35,15 +35,15 @@ from typing import Any
 
 import yaml
 
-from kchain import traces
 from kchain.common import layout
 from kchain.common.sink import read_pointer
 from kchain.common.summary import Summary, read_working
 from kchain.errors import KchainError, SmokeFailed
-from kchain.ledger import Ledger, new_run_id, state_dir
-from kchain.local import HASH_SEED_ENV
-from kchain.smoke import threads_each
-from kchain.spec import Job, load_job
+from kchain.job.spec import Job, load_job
+from kchain.local.executor import HASH_SEED_ENV
+from kchain.local.smoke import threads_each
+from kchain.result import traces
+from kchain.store.ledger import Ledger, new_run_id, state_dir
 from kchain.targets import skypilot, slurm
 from kchain.targets.commands import render_for
 from kchain.targets.workfolder import write_folder

@@ -22,8 +22,8 @@ import yaml
 import kchain
 from kchain.common import layout
 from kchain.errors import RenderError
-from kchain.render import render_payload
-from kchain.spec import Job, target_problem
+from kchain.job.render import render_payload
+from kchain.job.spec import Job, target_problem
 from kchain.targets.workfolder import (
     LAUNCH,
     MASTER_PORT,

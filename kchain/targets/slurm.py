@@ -15,8 +15,8 @@ import shlex
 import kchain
 from kchain.common import layout
 from kchain.errors import RenderError
-from kchain.render import render_payload
-from kchain.spec import Job, parse_duration, target_problem
+from kchain.job.render import render_payload
+from kchain.job.spec import Job, parse_duration, target_problem
 from kchain.targets.workfolder import LAUNCH, MASTER_PORT, TargetRendered, folder_files, run_lines
 from kchain.targets.workfolder import saved_not_done_check as after_torchrun
 

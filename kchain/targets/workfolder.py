@@ -15,9 +15,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kchain.common import atomic, layout, sink
-from kchain.credentials import secret_strings
 from kchain.errors import RenderError
-from kchain.render import Payload
+from kchain.job.render import Payload
+from kchain.kaggle.credentials import secret_strings
 
 CONFIG_FILE = "config.json"
 PYTHON = "python"  # the engine's Python: SkyPilot's image and a Slurm job's activated environment

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from kchain.common.config import KaggleConfig, RuntimeConfig
-from kchain.render import render_job
-from kchain.spec import load_job
+from kchain.job.render import render_job
+from kchain.job.spec import load_job
 
 JOBS = Path(__file__).resolve().parents[2] / "jobs"
 

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from kchain.chain import decide, stop_error
+from kchain.chain.advance import decide, stop_error
 from kchain.common.nextsession import Chain
 from kchain.errors import ChainStop, NotSmoked
 
@@ -185,8 +185,8 @@ def test_the_kernels_budget_counts_the_chains_week():
 
 
 def test_the_session_billed_runs_to_the_end_of_its_publish():
+    from kchain.chain.sessions import billed_span
     from kchain.common.summary import Summary
-    from kchain.sessions import billed_span
 
     assert billed_span(Summary(started=0.0, ended=600.0, session_ended=690.0)) == (
         "1970-01-01T00:00:00Z", "1970-01-01T00:11:30Z")

@@ -10,7 +10,7 @@ from kchain.common.settings import Settings
 
 
 def test_cadence_syntax_and_defaults_agree_with_the_spec():
-    from kchain.spec import Job
+    from kchain.job.spec import Job
 
     def every(text):
         return Settings.parse(RuntimeConfig(), {layout.CHECKPOINT_EVERY_ENV: text}).every

@@ -163,7 +163,9 @@ def run(tests: Path, catalogue: Path, state: Path, result: Path) -> None:
     """Serve the emulator (strict defaults, the catalogue seeded), run the suite's in-scope tests against it in
     this process, and write each test's outcome (and each out-of-scope one with its reason) to `result`."""
     from kchain.emulator import Emulator
-    from kchain.local import start_session  # sessions driven from a thread, as the tests' emulator fixture's
+    from kchain.local.executor import (
+        start_session,  # sessions driven from a thread, as the tests' emulator fixture's
+    )
 
     emu = Emulator(state, users={USER: secrets.token_hex(16)}, catalogue=catalogue, start_notebook=start_session)
     emu.start()

@@ -16,7 +16,7 @@ from pathlib import Path
 from emulator_helpers import USER, emulator, kaggle_api, write_kernel  # noqa: F401
 from helpers import copy_job, error_line, invoke
 
-from kchain.ledger import Ledger
+from kchain.store.ledger import Ledger
 
 NAME = "blobs-classifier"
 SLEEPER = ["import time\nprint('up', flush=True)\ntime.sleep(300)"]

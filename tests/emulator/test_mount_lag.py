@@ -20,7 +20,7 @@ from emulator_helpers import emulator  # noqa: F401
 from helpers import copy_job, invoke
 
 from kchain.common import layout
-from kchain.ledger import Ledger
+from kchain.store.ledger import Ledger
 
 NAME = "tinygpt-notes"
 REF = f"alice/{NAME}"

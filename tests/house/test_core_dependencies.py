@@ -15,7 +15,7 @@ from pathlib import Path
 from packaging.requirements import Requirement
 
 REPO = Path(__file__).resolve().parents[2]
-COMMANDS = ("kchain.pull", "kchain.release")  # kchain pull, kchain release (cli.py imports them in the command)
+COMMANDS = ("kchain.result.pull", "kchain.result.release")  # kchain pull, kchain release (cli.py imports them in the command)
 
 
 def _name(distribution: str) -> str:
@@ -90,7 +90,7 @@ def test_pull_and_release_need_only_the_core_install():
 
 
 def test_the_check_sees_imports_inside_functions_and_safetensors_is_core():
-    found = third_party(("kchain.pull",))
-    assert found["safetensors"] == found["torch"] == Path("kchain/pull.py")  # both inside write_weights
+    found = third_party(("kchain.result.pull",))
+    assert found["safetensors"] == found["torch"] == Path("kchain/result/pull.py")  # both inside write_weights
     assert "safetensors" not in core_install([r for r in tomllib.loads((REPO / "pyproject.toml").read_text())[
         "project"]["dependencies"] if not r.startswith("safetensors")])

@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from kchain import notebook_code
-from kchain.codecheck import leftover_saves, refuse_leftover_saves
 from kchain.errors import SmokeFailed
+from kchain.job import notebook_code
+from kchain.job.codecheck import leftover_saves, refuse_leftover_saves
 
 KEEPS = "kchain already checkpoints the whole state (and a resume would ignore this one)"
 

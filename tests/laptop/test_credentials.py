@@ -1,4 +1,4 @@
-"""kchain.credentials follows the official client's credential lookup, and every place that asks agrees.
+"""kchain.kaggle.credentials follows the official client's credential lookup, and every place that asks agrees.
 
 Each case plants a credential where the client would (or would not) look: the real client, asked
 in a subprocess (importing kaggle authenticates and fixes its config folder at import), must pick
@@ -19,10 +19,10 @@ from pathlib import Path
 import pytest
 from helpers import copy_job, error_line, invoke
 
-from kchain import credentials
 from kchain.emulator.app import PATIENCE_S
 from kchain.errors import CredentialsError
-from kchain.kaggle_api import MISSING_CREDENTIALS, KaggleClient
+from kchain.kaggle import credentials
+from kchain.kaggle.client import MISSING_CREDENTIALS, KaggleClient
 
 KEY = "c0ffee" * 4 + "5e1f0a2b"
 DECOY = "decafbad" * 3 + "0b5e55ed"

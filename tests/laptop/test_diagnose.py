@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kchain.diagnose import from_log, hint_for
+from kchain.job.diagnose import from_log, hint_for
 
 
 @pytest.mark.parametrize("module, extra", [

@@ -18,8 +18,8 @@ import pytest
 from emulator_helpers import USER, emulator, fake_key, kaggle_api, wait_dataset_ready, write_dataset  # noqa: F401
 from helpers import copy_job, error_line, invoke
 
+from kchain.chain.doctor import PROBE_FORMAT, parse_probe
 from kchain.common import layout
-from kchain.doctor import PROBE_FORMAT, parse_probe
 from kchain.errors import ProbeFormatError
 
 NAME = "tinygpt-notes"
@@ -164,8 +164,8 @@ def test_doctor_all_ok_probes_a_cpu_session_and_writes_no_credential(emulator, k
         ", pushed from inside the probe, still saw Secrets KAGGLE_USERNAME and KAGGLE_KEY: a kernel-pushed kernel "
         "keeps them, so an unattended chain's relays and sessions can push"), line
     assert doctor_entry()["hop"]["secrets_kept"] is True
-    from kchain.doctor import unattended_note
-    from kchain.spec import load_job
+    from kchain.chain.doctor import unattended_note
+    from kchain.job.spec import load_job
 
     assert unattended_note(load_job(job)) is None
 
@@ -197,7 +197,7 @@ def test_doctor_warns_for_another_torch_and_numpy_and_says_relay_without_secrets
                           f"and the smoke run proved another torch; install torch {major + 1}.0 here")
     from importlib.metadata import version
 
-    from kchain.extras import extra
+    from kchain.job.extras import extra
     hf_floor = extra("transformers").specifier
     assert lines(result, "packages") == [
         "warn  packages     the image has kchain-absent-pkg 1.2.3, this laptop none: the smoke cannot run the code "
@@ -278,7 +278,7 @@ def _probe_of(tmp_path: Path, monkeypatch) -> dict:
     import importlib
     import sys
 
-    from kchain.render import templates_dir
+    from kchain.job.render import templates_dir
 
     (tmp_path / "root" / "input" / "notes-extra").mkdir(parents=True)
     (tmp_path / "root" / "working").mkdir()
@@ -317,8 +317,8 @@ def test_probe_output_is_parsed_strictly(tmp_path, monkeypatch):
 
 
 def test_the_probe_renders_byte_identical_and_never_asks_for_an_accelerator(tmp_path):
-    from kchain.render import render_probe
-    from kchain.spec import load_job
+    from kchain.job.render import render_probe
+    from kchain.job.spec import load_job
 
     job = load_job(job_file(tmp_path, accelerator="gpu", datasets=[DATA], competition="titanic"))
     first = render_probe(job, DOCTOR_REF, [DATA], STATE, ("KAGGLE_KEY",))
@@ -331,9 +331,9 @@ def test_the_probe_renders_byte_identical_and_never_asks_for_an_accelerator(tmp_
 
 
 def test_push_unattended_says_what_the_doctor_saw_of_a_kernel_pushed_kernels_secrets(tmp_path):
+    from kchain.chain.doctor import doctor_file, unattended_note
     from kchain.common import atomic
-    from kchain.doctor import doctor_file, unattended_note
-    from kchain.spec import load_job
+    from kchain.job.spec import load_job
 
     job = load_job(job_file(tmp_path))
     for kept in (True, False, None):
@@ -350,8 +350,8 @@ def test_push_unattended_says_what_the_doctor_saw_of_a_kernel_pushed_kernels_sec
 
 
 def test_each_package_the_code_imports_is_compared_with_the_image_and_a_missing_one_fails():
-    from kchain.doctor import Report, _Checklist, compare_packages
-    from kchain.extras import distribution, extra, imported, install_hint
+    from kchain.chain.doctor import Report, _Checklist, compare_packages
+    from kchain.job.extras import distribution, extra, imported, install_hint
 
     code = {"code/train.py": b"import torch, numpy\nimport json\nfrom peft import LoraConfig\nfrom .util import x\n"
                              b"import util\nimport lightning.pytorch as pl\n",

@@ -24,7 +24,7 @@ from emulator_helpers import emulator  # noqa: F401
 from helpers import copy_job, error_line, invoke
 
 from kchain.emulator.app import PATIENCE_S
-from kchain.ledger import Ledger
+from kchain.store.ledger import Ledger
 
 TRAIN = "def main(run):\n    pass\n"
 JOB = "name: secret-test\ncode: src\nkaggle: {accelerator: none}\ntrain: {session_limit: 10m, margin: 1m}\n"

@@ -10,8 +10,8 @@ from helpers import error_line, invoke
 
 from kchain.cli import cli
 from kchain.errors import SpecError
-from kchain.init import TEMPLATES, init_job, templates
-from kchain.spec import KaggleSpec, load_job
+from kchain.job.init import TEMPLATES, init_job, templates
+from kchain.job.spec import KaggleSpec, load_job
 
 
 def test_init_writes_a_job_that_smoke_passes_and_refuses_to_overwrite(tmp_path):

@@ -8,9 +8,9 @@ from emulator_helpers import emulator, kaggle_api, wait_dataset_ready, write_dat
 from helpers import copy_job, error_line, invoke
 
 from kchain.common import layout
-from kchain.inputs import local_inputs
-from kchain.rehearse import rehearse
-from kchain.spec import load_job
+from kchain.job.inputs import local_inputs
+from kchain.job.spec import load_job
+from kchain.local.rehearse import rehearse
 
 READS_INPUT = (
     "    torch.manual_seed(p.seed)\n",

@@ -8,9 +8,9 @@ from datetime import timedelta
 
 from helpers import JOBS, invoke
 
-from kchain.ledger import Ledger, iso, now_utc, state_dir, week_start
-from kchain.sessions import waiting
-from kchain.spec import load_job
+from kchain.chain.sessions import waiting
+from kchain.job.spec import load_job
+from kchain.store.ledger import Ledger, iso, now_utc, state_dir, week_start
 
 JOB = JOBS / "tinygpt" / "job.yaml"
 

@@ -1,5 +1,5 @@
 # ruff: noqa: F811  (the shared fixtures are imported, then requested by name)
-"""kchain.kaggle_api against the emulator: retries, timeouts and the one-line credential errors."""
+"""kchain.kaggle.client against the emulator: retries, timeouts and the one-line credential errors."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 from emulator_helpers import USER, emulator, fake_key, wait_dataset_ready, write_dataset, write_kernel  # noqa: F401
 
 from kchain.errors import CredentialsError, KaggleError
-from kchain.kaggle_api import MISSING_CREDENTIALS, REJECTED_CREDENTIALS, KaggleClient, OutcomeUnknown
+from kchain.kaggle.client import MISSING_CREDENTIALS, REJECTED_CREDENTIALS, KaggleClient, OutcomeUnknown
 
 
 def _client() -> KaggleClient:
@@ -116,7 +116,7 @@ def test_no_network_and_nothing_listening_are_one_line_at_once(monkeypatch):
 def test_a_long_transfer_says_how_far_it_is_in_lines_of_its_own(tmp_path):
     import time
 
-    from kchain.kaggle_api import transfer_progress
+    from kchain.kaggle.client import transfer_progress
 
     lines: list[str] = []
     dest = tmp_path / "out"

@@ -1,6 +1,6 @@
 """What kchain reaches into in the official client and its SDK is still there, by name.
 
-kchain/kaggle_api.py patches the client's HTTP session (a timeout on every call), replaces its
+kchain/kaggle/client.py patches the client's HTTP session (a timeout on every call), replaces its
 `with_retry` for the calls that create something, builds a kagglesdk request itself and reads the
 SDK's response types. kagglesdk is not meant for direct use (Kaggle/kaggle-sdk-python#51) and moved
 0.1.33 -> 0.1.38 in three months, so both are pinned (pyproject.toml) and this test names each
@@ -17,8 +17,7 @@ from pathlib import Path
 
 import requests
 
-from kchain import kaggle_api
-from kchain.kaggle_api import CREATING_SDK_CALLS, KaggleClient
+from kchain.kaggle.client import CREATING_SDK_CALLS, KaggleClient, _TimeoutAdapter
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -97,7 +96,7 @@ def _missing_in_the_built_client(client: KaggleClient) -> list[str]:
     session = getattr(http, "_session", None)
     if not isinstance(session, requests.Session):
         missing.append("KaggleClient()._http_client._session (a requests.Session after _init_session())")
-    elif not isinstance(session.get_adapter("https://www.kaggle.com"), kaggle_api._TimeoutAdapter):
+    elif not isinstance(session.get_adapter("https://www.kaggle.com"), _TimeoutAdapter):
         missing.append("kchain's timeout adapter on the SDK's HTTP session")
     for path, names in SDK_CLIENTS.items():
         holder = sdk
@@ -135,5 +134,5 @@ def test_every_internal_kchain_reaches_into_is_there(monkeypatch):
     client = KaggleClient()
     missing = (_missing_client_calls(KaggleApi()) + _missing_sdk_types() + _missing_in_the_built_client(client)
                + _creating_calls_not_recognised())
-    assert not missing, ("kaggle / kagglesdk changed under kchain (kchain/kaggle_api.py reaches into these): "
+    assert not missing, ("kaggle / kagglesdk changed under kchain (kchain/kaggle/client.py reaches into these): "
                          + "; ".join(missing))

@@ -1,6 +1,6 @@
 # ruff: noqa: F811  (the shared fixtures are imported, then requested by name)
 """`kaggle.pip`: a package Kaggle's image lacks, installed in an internet-off kernel from a dataset of wheels the
-laptop built once (kchain/kagglepip.py, kchain/common/wheelinstall.py).
+laptop built once (kchain/job/kagglepip.py, kchain/common/wheelinstall.py).
 
 The package here is a wheel made in the test and served to the laptop's pip through PIP_FIND_LINKS with
 PIP_NO_INDEX (nothing is downloaded); it is in no site-packages of the test environment, so the job's code
@@ -21,10 +21,10 @@ import pytest
 from emulator_helpers import USER, emulator, fake_key  # noqa: F401
 from helpers import copy_job, error_line, invoke
 
-from kchain import kagglepip
 from kchain.common import layout, wheelinstall
 from kchain.errors import SpecError
-from kchain.spec import load_job
+from kchain.job import kagglepip
+from kchain.job.spec import load_job
 
 TOY = "kcwheeltoy"
 NAME = "blobs-classifier"
@@ -173,7 +173,7 @@ def test_a_job_importing_a_package_only_its_wheels_hold_smokes_and_trains_on_the
 
     # The same pins again: the newest version already holds them, so nothing is uploaded.
     said: list[str] = []
-    from kchain.kaggle_api import KaggleClient
+    from kchain.kaggle.client import KaggleClient
 
     assert kagglepip.ensure(KaggleClient(), load_job(job), USER, said.append) == ref
     assert said == [] and len(emulator.dataset_versions(ref)) == 2

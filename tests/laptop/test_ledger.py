@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 from helpers import JOBS, error_line, invoke
 
+from kchain.chain.outcome import of_chain
 from kchain.errors import KchainError
-from kchain.ledger import Ledger, budget_lines, iso, runs_lines, week_start
-from kchain.plot import plot_chain
-from kchain.result import of_chain
+from kchain.result.plot import plot_chain
+from kchain.store.ledger import Ledger, budget_lines, iso, runs_lines, week_start
 
 
 def test_the_quota_week_starts_saturday_midnight_utc():
@@ -55,7 +55,7 @@ def test_runs_shows_the_best_row_or_the_chains_kept_best(tmp_path):
     # Without a chain's kept best, the row with the best value at its own step; no pull names a row's step.
     assert lines[-1] == "best row by val: r2 at val 0.35 (job j)"
     assert len(lines) == 5
-    # A chain's result (kchain/result.py) replaces it: the kept best the state carries, as pull --best brings it.
+    # A chain's result (kchain/chain/outcome.py) replaces it: the kept best the state carries, as pull --best brings it.
     chain = [{"session": 1, "status": "COMPLETE", "saved_step": 60, "publish": {"published": "relay", "step": 60,
               "version": 3}, "kept_best": {"metric": "val_loss", "mode": "min", "value": 0.35, "step": 40},
               "summary": {"status": "finished", "step": 60, "total": 60}}]

@@ -1,4 +1,4 @@
-"""kchain/local.py: the executor's kernel listens on unix sockets of its own (no TCP port races), and it is this
+"""kchain/local/executor.py: the executor's kernel listens on unix sockets of its own (no TCP port races), and it is this
 interpreter's ipykernel whatever kernelspecs the machine holds."""
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from pathlib import Path
 import nbformat
 from nbclient import NotebookClient
 
-from kchain import local
-from kchain.local import SOCKET_PATH_MAX, execute_notebook
+from kchain.local import executor
+from kchain.local.executor import SOCKET_PATH_MAX, execute_notebook
 
 CELL = "from ipykernel.kernelapp import IPKernelApp\nprint('transport', IPKernelApp.instance().transport)\n"
 
@@ -125,8 +125,8 @@ def test_the_kernel_is_ipykernels_launcher_less_its_debugger(tmp_path, monkeypat
         return json.loads(next(m["data"] for m in result.log if m["data"].startswith("seen"))[5:])
 
     ours = seen()
-    monkeypatch.setattr(local, "KERNEL_MAIN", "import runpy\nrunpy.run_module('ipykernel_launcher', "
-                                              "run_name='__main__', alter_sys=True)\n")
+    monkeypatch.setattr(executor, "KERNEL_MAIN", "import runpy\nrunpy.run_module('ipykernel_launcher', "
+                                                 "run_name='__main__', alter_sys=True)\n")
     launcher = seen()
     assert ours[3] is False and launcher[3] is True  # ipykernel's own launcher loads debugpy as it starts
     assert ours[:3] + ours[4:] == launcher[:3] + launcher[4:]
@@ -149,7 +149,7 @@ def test_a_notebook_thread_killed_before_its_kernel_started_kills_the_kernel_as_
 
     monkeypatch.setattr(atexit, "register", track)
     monkeypatch.setattr(atexit, "unregister", untrack)
-    run = local.NotebookThread(notebook(tmp_path / "nb.ipynb"), tmp_path / "root", dict(os.environ)).start()
+    run = executor.NotebookThread(notebook(tmp_path / "nb.ipynb"), tmp_path / "root", dict(os.environ)).start()
     run.kill()
     assert run.wait() == 1 and run.error  # no cell ran to its end
     assert run.pid is not None and not _alive(run.pid)
@@ -164,7 +164,7 @@ def test_a_session_on_a_thread_writes_its_streams_its_log_entries_and_its_error(
         del cell["id"]  # as a notebook written by hand or by an older tool: nbformat would warn, an error here
     (tmp_path / "nb.ipynb").write_text(json.dumps(nb))
     files = [tmp_path / name for name in ("log.jsonl", "stdout.txt", "stderr.txt")]
-    run = local.start_session(tmp_path / "nb.ipynb", tmp_path / "root", dict(os.environ), *files)
+    run = executor.start_session(tmp_path / "nb.ipynb", tmp_path / "root", dict(os.environ), *files)
     assert run.wait() == 1
     entries = [json.loads(line) for line in files[0].read_text().splitlines()]
     assert [(e["stream_name"], e["data"]) for e in entries[:2]] == [("stdout", "out line\n"), ("stderr", "err line\n")]

@@ -14,9 +14,9 @@ from emulator_helpers import USER, emulator, kaggle_api, write_kernel  # noqa: F
 from helpers import copy_job, error_line, invoke
 
 from kchain.errors import SpecError
-from kchain.render import render_job
+from kchain.job.render import render_job
+from kchain.job.spec import load_job
 from kchain.runtime import staging
-from kchain.spec import load_job
 
 GEMMA = "google/gemma/transformers/2b/1"
 GOOD = "name: tune-notes\ncode: train.py\n"
@@ -101,9 +101,9 @@ def test_the_local_kaggle_mounts_a_model_and_drops_an_unknown_one(emulator, kagg
 
 
 def test_a_rehearsal_puts_the_stand_in_on_the_local_kaggle_where_the_client_lists_its_versions(emulator, tmp_path):
-    from kchain.inputs import local_inputs
-    from kchain.kaggle_api import KaggleClient
-    from kchain.rehearse import upload_inputs
+    from kchain.job.inputs import local_inputs
+    from kchain.kaggle.client import KaggleClient
+    from kchain.local.rehearse import upload_inputs
 
     for version in (1, 2):
         emulator.add_model(f"google/gemma/transformers/2b/{version}", {"config.json": "{}"})
@@ -148,7 +148,7 @@ def test_push_and_doctor_refuse_a_model_version_that_does_not_exist(emulator, tm
 
 
 def test_the_smoke_mounts_the_stand_in_where_kaggle_mounts_the_model_and_says_so(tmp_path):
-    from kchain.smoke import prepare
+    from kchain.local.smoke import prepare
 
     job = small_job(tmp_path, [GEMMA])
     refused = invoke("smoke", job, "--ranks", "1")

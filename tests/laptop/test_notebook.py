@@ -1,4 +1,4 @@
-"""`code: train.ipynb`: a notebook's code cells become the job's module (kchain/notebook_code.py)."""
+"""`code: train.ipynb`: a notebook's code cells become the job's module (kchain/job/notebook_code.py)."""
 
 from __future__ import annotations
 
@@ -15,11 +15,11 @@ import pytest
 from helpers import error_line, invoke
 from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook, new_output
 
-from kchain import notebook_code
 from kchain.errors import RenderError, SpecError
-from kchain.notebook_code import NotebookError, to_module
-from kchain.render import render_job
-from kchain.spec import load_job
+from kchain.job import notebook_code
+from kchain.job.notebook_code import NotebookError, to_module
+from kchain.job.render import render_job
+from kchain.job.spec import load_job
 
 KEY = "f" * 8 + "0123456789abcdef" + "9" * 8  # a Kaggle key, as test_render writes one
 

@@ -11,12 +11,12 @@ from pathlib import Path
 from emulator_helpers import USER, emulator  # noqa: F401  (fixture)
 from helpers import STALL, copy_job, invoke
 
-from kchain.chain import watch
+from kchain.chain.advance import watch
+from kchain.chain.notify import notifier
 from kchain.common import layout
-from kchain.kaggle_api import KaggleClient
-from kchain.ledger import Ledger
-from kchain.notify import notifier
-from kchain.spec import load_job
+from kchain.job.spec import load_job
+from kchain.kaggle.client import KaggleClient
+from kchain.store.ledger import Ledger
 
 NAME = "tinygpt-notes"
 

@@ -16,10 +16,10 @@ from kchain.cli import cli
 from kchain.common import atomic, keepbest, layout, statefolder, summary
 from kchain.common.faults import Faults
 from kchain.common.trace import Trace
-from kchain.datasets import write_dataset_metadata
 from kchain.errors import KchainError
-from kchain.kaggle_api import KaggleClient
-from kchain.pull import PULL_MARK, Want, pull
+from kchain.kaggle.client import KaggleClient
+from kchain.kaggle.datasets import write_dataset_metadata
+from kchain.result.pull import PULL_MARK, Want, pull
 from kchain.runtime import ladder
 from kchain.runtime.checkpoint.checkpointer import Checkpointer, Policy, Where
 from kchain.runtime.distributed import Ranks
@@ -139,7 +139,7 @@ def test_nothing_finished_and_no_state_are_one_line_and_write_nothing(emulator, 
 
 
 def test_weights_safetensors_cannot_hold_fall_back_to_a_torch_state_dict_and_say_why(tmp_path):
-    from kchain.pull import write_weights
+    from kchain.result.pull import write_weights
 
     odd = torch.tensor([1 + 2j, 3 - 1j], dtype=torch.complex128)  # a dtype safetensors has no name for
     plain = torch.nn.Linear(2, 2).state_dict()
@@ -153,7 +153,7 @@ def test_weights_safetensors_cannot_hold_fall_back_to_a_torch_state_dict_and_say
 
 
 def test_lightnings_tracked_trainer_and_the_hf_trainers_own_files_are_the_weights(tmp_path):
-    from kchain.pull import write_attached, write_weights
+    from kchain.result.pull import write_attached, write_weights
 
     module = torch.nn.Linear(2, 2).state_dict()
     torch.save({"tracked": {"lightning": {"trainer": {"state_dict": module, "epoch": 1}, "data": []}}},

@@ -17,7 +17,7 @@ import psutil
 from emulator_helpers import PATIENCE_S, USER, emulator, fake_key  # noqa: F401
 from helpers import copy_job, error_line, invoke
 
-from kchain.ledger import Ledger
+from kchain.store.ledger import Ledger
 
 NAME = "blobs-classifier"
 REF = f"{USER}/{NAME}"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from helpers import copy_job, error_line, invoke
 
-from kchain.rehearse import parse_fault_spec
+from kchain.local.rehearse import parse_fault_spec
 
 
 def test_the_faults_spec_names_every_fault_the_rehearsal_can_inject(tmp_path):

@@ -17,10 +17,10 @@ from test_pull import job_file, publish_state
 from kchain.cli import cli
 from kchain.common import summary
 from kchain.errors import KaggleError
-from kchain.kaggle_api import KaggleClient, missing
-from kchain.models import model_problem
-from kchain.pull import Want
-from kchain.release import release
+from kchain.kaggle.client import KaggleClient, missing
+from kchain.kaggle.models import model_problem
+from kchain.result.pull import Want
+from kchain.result.release import release
 
 INSTANCE = f"{USER}/tiny-pull/pytorch/default"
 

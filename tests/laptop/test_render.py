@@ -7,8 +7,8 @@ from pathlib import Path
 import nbformat
 from helpers import REPO, copy_job, invoke
 
-from kchain.render import render_job, write_rendered
-from kchain.spec import load_job
+from kchain.job.render import render_job, write_rendered
+from kchain.job.spec import load_job
 
 
 def test_render_is_byte_identical_and_valid(tmp_path):
@@ -77,7 +77,7 @@ def test_templates_ship_inside_the_wheel(tmp_path):
     zipfile.ZipFile(wheel).extractall(site)
     job = copy_job("tinygpt", tmp_path / "job")
     script = (
-        "import kchain.render as r, kchain.spec as s;"
+        "import kchain.job.render as r, kchain.job.spec as s;"
         f"x = r.render_job(s.load_job({str(job)!r}), owner='alice');"
         "print(r.templates_dir()); print(x.fingerprint)"
     )

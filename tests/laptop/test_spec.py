@@ -4,7 +4,7 @@ import pytest
 from helpers import error_line, invoke
 
 from kchain.errors import SpecError
-from kchain.spec import load_job, parse_cadence, parse_duration, runtime_config
+from kchain.job.spec import load_job, parse_cadence, parse_duration, runtime_config
 
 GOOD = """\
 name: tinygpt-notes
@@ -240,7 +240,7 @@ def test_no_value_is_coerced_to_another_type(tmp_path, section, message):
 
 
 def test_set_values_read_numbers_as_a_shell_user_does_and_refuse_an_overflow():
-    from kchain.spec import parse_overrides
+    from kchain.job.spec import parse_overrides
 
     assert parse_overrides(["lr=1e-3", "steps=300", "tag='1e400'"]) == {"lr": 0.001, "steps": 300, "tag": "1e400"}
     for given, reads in (("steps=1e400", "is too large for a number (it reads as inf)"),

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 from helpers import error_line, invoke, runtime_job
 
-from kchain import statecheck
 from kchain.common import layout
-from kchain.rehearse import rehearse
+from kchain.local import statecheck
+from kchain.local.rehearse import rehearse
 
 REPO = Path(__file__).resolve().parents[2]
 JOBS = REPO / "tests" / "runtime_jobs"

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kchain.sessions import waiting
+from kchain.chain.sessions import waiting
 
 
 def test_a_laptop_driven_chain_says_plainly_that_the_next_session_waits_for_continue():

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 from helpers import invoke
 
-from kchain import sync
 from kchain.common import layout, trackers
-from kchain.ledger import Ledger, state_dir
+from kchain.result import sync
+from kchain.store.ledger import Ledger, state_dir
 
 RUN_ID = "0123456789abcdef"
 JOB = "sync-demo"

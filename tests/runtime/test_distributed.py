@@ -21,14 +21,14 @@ import torch
 from emulator_helpers import emulator, kaggle_api  # noqa: F401  (fixtures)
 from helpers import copy_job, invoke
 
-from kchain import diagnose
+from kchain.chain.sessions import session_note
 from kchain.common import layout, nextsession
 from kchain.common.config import RuntimeConfig
 from kchain.common.summary import Summary
 from kchain.emulator.app import PATIENCE_S
+from kchain.job import diagnose
 from kchain.runtime import distributed, forkranks
 from kchain.runtime.checkpoint.state import load_state
-from kchain.sessions import session_note
 
 REPO = Path(__file__).resolve().parents[2]
 JOBS = REPO / "tests" / "runtime_jobs"
@@ -277,7 +277,7 @@ def test_the_emulator_runs_a_two_gpu_job_as_two_ranks_and_stops_a_gpuless_sessio
 
 
 def test_status_shows_the_ranks_of_a_finished_session():
-    from kchain.sessions import status_table
+    from kchain.chain.sessions import status_table
 
     row = {"session": 1, "version": 1, "status": "COMPLETE", "step": 6, "total": 6, "end_status": "finished",
            "ranks": 2}

@@ -28,8 +28,8 @@ def test_smoke_caps_steps_subsets_evenly_and_every_fires_on_the_last_step(tmp_pa
 
 def test_the_heartbeat_of_the_smokes_run_to_kill_names_its_planned_stop(tmp_path, capsys):
     # That run saves only at its deadline stop: its cadence is a placeholder (NO_CADENCE) the heartbeat never shows.
+    from kchain.local.smoke import NO_CADENCE
     from kchain.runtime.run import SessionStopped
-    from kchain.smoke import NO_CADENCE
 
     run = make_run(tmp_path, env={layout.FAULT_ENV: "deadline_at_step=3", layout.CHECKPOINT_EVERY_ENV: NO_CADENCE})
     with pytest.raises(SessionStopped):

@@ -18,11 +18,11 @@ import pytest
 from emulator_helpers import PATIENCE_S, emulator  # noqa: F401  (fixture)
 from helpers import GENEROUS_S, STALL, copy_job, error_line, invoke
 
+from kchain.chain.sessions import StaleRule
 from kchain.common import layout
 from kchain.emulator import Faults, Switches
-from kchain.ledger import Ledger
-from kchain.rehearse import rehearse
-from kchain.sessions import StaleRule
+from kchain.local.rehearse import rehearse
+from kchain.store.ledger import Ledger
 
 ROOMY = {"session_limit": "600s", "margin": "30s"}
 # Stale after 20 s without a new heartbeat (the chain's come every step), 90 s of set-up before the first.

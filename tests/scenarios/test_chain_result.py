@@ -18,13 +18,13 @@ from helpers import STALL, copy_job, invoke
 from safetensors.torch import load_file
 from test_chain import ROOMY
 
-from kchain.chain import watch
+from kchain.chain.advance import watch
+from kchain.chain.outcome import best_words
 from kchain.common import layout
 from kchain.emulator.sessions import CHECKPOINT_KILL
-from kchain.kaggle_api import KaggleClient
-from kchain.ledger import Ledger
-from kchain.result import best_words
-from kchain.spec import load_job
+from kchain.job.spec import load_job
+from kchain.kaggle.client import KaggleClient
+from kchain.store.ledger import Ledger
 
 NAME = "tinygpt-notes"
 KERNEL = f"{USER}/{NAME}"

@@ -72,7 +72,7 @@ def test_batchnorm_buffers_of_each_rank_are_saved_per_rank_and_resumed_exactly(t
 def test_rehearse_fails_forgotten_state_of_no_known_kind_naming_it(tmp_path):
     # A rehearsal's sessions do not watch for change (a smoke does): the digests of the untracked state at
     # each save, compared with the uninterrupted run's, are what see it. 12 steps in 3 planned sessions.
-    from kchain.rehearse import rehearse
+    from kchain.local.rehearse import rehearse
 
     result = rehearse(forgotten(tmp_path, "shadow", steps=12), kills=1, ranks=1, echo=lambda _: None)
     assert not result.passed

@@ -14,9 +14,9 @@ import json
 
 from emulator_helpers import USER, emulator, kaggle_api, write_kernel  # noqa: F401
 
+from kchain.chain.sessions import image_drift, short_image
 from kchain.common.summary import Summary
-from kchain.kaggle_api import KaggleClient
-from kchain.sessions import image_drift, short_image
+from kchain.kaggle.client import KaggleClient
 
 PRINT = ["print('hi')"]
 

@@ -11,8 +11,8 @@ from helpers import invoke
 from safetensors.torch import save_file
 from torch import nn
 
-from kchain.init import init_job
-from kchain.spec import load_job
+from kchain.job.init import init_job
+from kchain.job.spec import load_job
 
 
 def test_the_inference_template_smoke_passes_with_a_pulled_folder_as_the_model(tmp_path):

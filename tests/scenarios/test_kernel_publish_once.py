@@ -20,9 +20,9 @@ from emulator_helpers import USER, emulator  # noqa: F401
 from helpers import copy_job, invoke
 
 from kchain.common import layout
-from kchain.kaggle_api import KaggleClient
-from kchain.ledger import Ledger, iso
-from kchain.names import state_dataset
+from kchain.kaggle.client import KaggleClient
+from kchain.store.ledger import Ledger, iso
+from kchain.store.names import state_dataset
 
 NAME = "blobs-classifier"
 REF = f"{USER}/{NAME}"

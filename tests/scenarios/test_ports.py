@@ -164,7 +164,7 @@ def test_a_finished_loop_that_trained_fewer_steps_than_asked_says_so(tmp_path):
 
 def test_a_leftover_accelerate_save_state_is_refused_at_the_smoke_before_any_training(tmp_path):
     # issue 55: accelerate's own save_state every 500 steps passed the smoke's few steps and would end the
-    # Kaggle session at step 500; the smoke reads the code (kchain/codecheck.py) and stops before training.
+    # Kaggle session at step 500; the smoke reads the code (kchain/job/codecheck.py) and stops before training.
     job = port_job(tmp_path, "epoch_eval")
     (tmp_path / "code" / "accel_loop.py").write_text(
         "import accelerate  # read, never imported: the smoke stops first\n\n\n"

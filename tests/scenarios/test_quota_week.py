@@ -17,12 +17,12 @@ import pytest
 from emulator_helpers import emulator  # noqa: F401
 from helpers import copy_job, invoke
 
-from kchain.budget import check_budget, plan_for
+from kchain.chain.budget import check_budget, plan_for
 from kchain.emulator.rpcs import week_start as emulator_week_start
 from kchain.errors import BudgetExceeded
-from kchain.kaggle_api import KaggleClient
-from kchain.ledger import Ledger, iso
-from kchain.spec import load_job
+from kchain.job.spec import load_job
+from kchain.kaggle.client import KaggleClient
+from kchain.store.ledger import Ledger, iso
 
 WEEK_S = 7 * 86400
 

@@ -20,7 +20,7 @@ import yaml
 from emulator_helpers import USER, emulator  # noqa: F401  (fixture)
 from helpers import GENEROUS_S, REPO, STALL, copy_job, error_line, invoke
 
-from kchain.chain import watch
+from kchain.chain.advance import watch
 from kchain.common import layout
 from kchain.common.nextsession import saved_step
 from kchain.common.summary import Summary
@@ -28,10 +28,10 @@ from kchain.emulator import Faults
 from kchain.emulator.sessions import CHECKPOINT_KILL
 from kchain.emulator.switches import Switches
 from kchain.errors import ChainStop
-from kchain.kaggle_api import KaggleClient
-from kchain.ledger import Ledger
-from kchain.rehearse import rehearse, shortcomings
-from kchain.spec import load_job
+from kchain.job.spec import load_job
+from kchain.kaggle.client import KaggleClient
+from kchain.local.rehearse import rehearse, shortcomings
+from kchain.store.ledger import Ledger
 
 
 def chain_job(tmp_path: Path, shape: str, **params) -> Path:

@@ -4,7 +4,7 @@ own cadence in steps stays, and the chain's kept best is compared with the unint
 import yaml
 from helpers import runtime_job
 
-from kchain.rehearse import best_problem, rehearse
+from kchain.local.rehearse import best_problem, rehearse
 
 
 def test_the_chain_keeps_the_best_the_uninterrupted_run_keeps_at_the_jobs_own_cadence(tmp_path):

@@ -14,9 +14,9 @@ import json
 from emulator_helpers import USER, emulator  # noqa: F401
 from helpers import copy_job, invoke
 
-from kchain.datasets import new_version, write_dataset_metadata
-from kchain.kaggle_api import KaggleClient
-from kchain.names import state_dataset
+from kchain.kaggle.client import KaggleClient
+from kchain.kaggle.datasets import new_version, write_dataset_metadata
+from kchain.store.names import state_dataset
 
 NAME = "blobs-classifier"
 REF = f"{USER}/{NAME}"

@@ -11,10 +11,10 @@ import secrets
 import pytest
 from helpers import GENEROUS_S, STALL
 
+from kchain.chain.sessions import waiting
 from kchain.common import layout
 from kchain.emulator import Faults, Switches
-from kchain.rehearse import rehearse
-from kchain.sessions import waiting
+from kchain.local.rehearse import rehearse
 
 
 def trained_at_once(emulator_sessions: list[dict]) -> int:

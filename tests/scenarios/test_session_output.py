@@ -14,7 +14,7 @@ import yaml
 from emulator_helpers import USER, emulator  # noqa: F401
 from helpers import invoke
 
-from kchain.kaggle_api import KaggleClient
+from kchain.kaggle.client import KaggleClient
 
 NAME = "linky"
 REF = f"{USER}/{NAME}"

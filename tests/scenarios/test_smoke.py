@@ -6,11 +6,11 @@ from pathlib import Path
 import pytest
 from helpers import JOBS, copy_job, error_line, invoke
 
-from kchain import traces
-from kchain.ledger import Ledger
+from kchain.job.spec import load_job
+from kchain.local.smoke import KILLED_LINE, kaggle_ranks, ranks_label
+from kchain.result import traces
 from kchain.runtime.launch import GATE_NOTE
-from kchain.smoke import KILLED_LINE, kaggle_ranks, ranks_label
-from kchain.spec import load_job
+from kchain.store.ledger import Ledger
 
 
 def runs(home: Path) -> list[dict]:
@@ -187,9 +187,9 @@ def test_a_loss_that_is_already_nan_fails_the_smoke(tmp_path):
                                                           (1, "gpu", 1), (2, "none", 2)])
 def test_the_smoke_runs_the_ranks_the_job_gets_on_kaggle(tmp_path, gpus, accelerator, ranks):
     """GPU T4 x2 for gpus: auto; the whole-smoke proof at 2 ranks is the example jobs' (their default)."""
-    from kchain.smoke import kaggle_ranks, ranks_label
-    from kchain.smoke import ranks as smoke_ranks
-    from kchain.spec import load_job
+    from kchain.job.spec import load_job
+    from kchain.local.smoke import kaggle_ranks, ranks_label
+    from kchain.local.smoke import ranks as smoke_ranks
 
     job = load_job(copy_job("classifier", tmp_path, train={"gpus": gpus}, kaggle={"accelerator": accelerator}))
     assert kaggle_ranks(job) == smoke_ranks(job) == ranks and smoke_ranks(job, 1) == 1

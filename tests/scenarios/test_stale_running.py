@@ -22,13 +22,13 @@ from click.testing import CliRunner
 from emulator_helpers import USER, emulator, kaggle_api  # noqa: F401
 from helpers import STALL, copy_job, invoke
 
+from kchain.chain.sessions import StaleRule, stale
 from kchain.cli import cli
 from kchain.common import layout
 from kchain.errors import ChainStop
-from kchain.kaggle_api import KaggleClient
-from kchain.ledger import Ledger
-from kchain.sessions import StaleRule, stale
-from kchain.spec import load_job
+from kchain.job.spec import load_job
+from kchain.kaggle.client import KaggleClient
+from kchain.store.ledger import Ledger
 
 NAME = "tinygpt-notes"
 REF = f"{USER}/{NAME}"
@@ -90,7 +90,7 @@ def test_a_crashed_runner_stays_running_is_flagged_stale_and_deleting_its_kernel
         f"state version)")
 
     # `continue --watch` does not wait for ever on it (here with a rule of seconds, not an hour).
-    from kchain.chain import watch
+    from kchain.chain.advance import watch
 
     client = KaggleClient(backoff_s=0.2, max_backoff_s=2.0)
     job = load_job(path)
@@ -155,7 +155,7 @@ def test_a_state_kaggle_gave_no_answer_about_is_unchecked_not_missing(
     # Before deleting a stale kernel, the state its session resumed from must be a version on Kaggle. When
     # Kaggle answers the check with errors only, that is unknown, not "missing": `kchain stop --delete` refuses
     # (the user runs it again), and the watch that may delete asks again at its next look instead of ending.
-    from kchain.chain import _delete_plan
+    from kchain.chain.advance import _delete_plan
 
     path = copy_job("tinygpt", tmp_path)
     record = {"kernel": REF, "session": 2, "version": 2, "status": "RUNNING", "state_version": 1, "resumes_at": 20}

@@ -19,8 +19,8 @@ import yaml
 from helpers import error_line, invoke
 
 from kchain.errors import RenderError
-from kchain.render import render_job
-from kchain.spec import load_job
+from kchain.job.render import render_job
+from kchain.job.spec import load_job
 from kchain.targets import skypilot, slurm
 from kchain.targets.commands import render_for
 from kchain.targets.workfolder import write_folder

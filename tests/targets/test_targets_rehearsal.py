@@ -12,7 +12,7 @@ import pytest
 from helpers import copy_job, invoke
 from test_targets import SKYPILOT, SLURM, stand_ins
 
-from kchain.ledger import Ledger
+from kchain.store.ledger import Ledger
 
 pytestmark = pytest.mark.slow
 

@@ -5,7 +5,7 @@ what they logged.
 {"tracked.model_ema.module.fc.weight": "float32[10,64]:9f2c...", "rng.torch": "...", "step": "4", ...}:
 each tensor and array hashed over its bytes (with its dtype and shape), each number or string kept as
 its repr. The writer computes it from the host copy it already holds and stores it as digests.json in
-the checkpoint, beside state.pt; the laptop's judge (kchain/statecheck.py) compares two runs' digests
+the checkpoint, beside state.pt; the laptop's judge (kchain/local/statecheck.py) compares two runs' digests
 at every step both saved, with no torch. The logged metrics and the best value are left out: the judge
 compares the trace itself.
 

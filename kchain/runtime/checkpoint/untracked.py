@@ -16,7 +16,7 @@ collector's objects) the loop asks the `Watch` three things:
 - at each save (`digests`): a digest of every untracked object the user's frames reach (modules,
   EMA helpers, optimizers, schedulers, generators, and lists, dicts and attributes holding
   tensors), as `untracked.<name>.<leaf>` keys beside the checkpoint's own digests, and each
-  excluded object as `excluded.<name>` with its reason. The laptop's judge (kchain/statecheck.py)
+  excluded object as `excluded.<name>` with its reason. The laptop's judge (kchain/local/statecheck.py)
   compares them between the uninterrupted and the resumed run like the tracked state, so an
   untracked object that differs after a resume fails the verdict however rarely it changes.
 

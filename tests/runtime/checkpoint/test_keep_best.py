@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from kchain.chain import relay_state
+from kchain.chain.advance import relay_state
 from kchain.common import keepbest, layout, statefolder
 from kchain.common.checkpoint_files import BEST_KEY, complete, find_latest, verify
 from kchain.common.faults import Faults
@@ -133,7 +133,7 @@ def test_the_plan_line_says_the_best_costs_a_whole_checkpoint(tmp_path, capsys):
 ])
 def test_a_bad_keep_best_is_one_line_naming_the_key(tmp_path, value, want):
     from kchain.errors import SpecError
-    from kchain.spec import load_job
+    from kchain.job.spec import load_job
 
     (tmp_path / "train.py").write_text("def main(run):\n    pass\n")
     job = tmp_path / "job.yaml"
@@ -147,7 +147,7 @@ def test_a_bad_keep_best_is_one_line_naming_the_key(tmp_path, value, want):
     ("off", "off"), ("val_acc", "val_acc"), ("{metric: val_acc, mode: max}", {"metric": "val_acc", "mode": "max"}),
 ])
 def test_keep_best_reaches_the_runtime_config(tmp_path, value, want):
-    from kchain.spec import load_job, runtime_config
+    from kchain.job.spec import load_job, runtime_config
 
     (tmp_path / "train.py").write_text("def main(run):\n    pass\n")
     job = tmp_path / "job.yaml"

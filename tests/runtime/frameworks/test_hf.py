@@ -17,11 +17,11 @@ from pathlib import Path
 import pytest
 from helpers import invoke, make_run
 
-from kchain import traces
 from kchain.common import layout
 from kchain.common.checkpoint_files import verify
-from kchain.init import TEMPLATES, init_job
-from kchain.rehearse import rehearse
+from kchain.job.init import TEMPLATES, init_job
+from kchain.local.rehearse import rehearse
+from kchain.result import traces
 
 TEMPLATE = "hf-trainer"
 

@@ -20,8 +20,8 @@ from helpers import STALL, invoke, make_run
 
 from kchain.common import layout
 from kchain.common.summary import read_working
-from kchain.init import init_job
-from kchain.rehearse import rehearse
+from kchain.job.init import init_job
+from kchain.local.rehearse import rehearse
 
 
 def lightning_job(tmp_path: Path, **params) -> Path:

@@ -21,7 +21,7 @@ from helpers import invoke, make_run, train_template
 
 from kchain.common import layout
 from kchain.common.summary import read_working
-from kchain.init import init_job
+from kchain.job.init import init_job
 
 TEMPLATE = "fabric"
 PARAMS = {"epochs": 2, "lr": 2e-3, "seed": 0, "rows": 200, "features": 8, "classes": 3, "hidden": 16,

@@ -116,7 +116,7 @@ LAST="$(ls -td "$WORK"/nodes/* | head -n1)"
 "$PY" - "$WORK/reference" "$LAST" <<'EOF'
 import sys
 from pathlib import Path
-from kchain.traces import compare_traces, read_trace
+from kchain.result.traces import compare_traces, read_trace
 ref, got = (read_trace(Path(root) / "working" / "kchain" / "metrics.jsonl") for root in sys.argv[1:])
 rows, first = compare_traces(ref, got)
 print(f"{len(rows)} values compared; first difference: {first}")

@@ -1,6 +1,6 @@
 """Hypothesis strategies for job files, good and bad, and one way to run a job file through render.
 
-Shared by tests/laptop/test_fuzz_specs.py (a fixed budget in CI) and bench/fuzz_specs.py (thousands).
+Shared by tests/job/test_fuzz_specs.py (a fixed budget in CI) and bench/fuzz_specs.py (thousands).
 A generated job file is bytes: a spec built from the real keys with wrong and right values and
 dumped as YAML, the same with anchors, aliases, tags or a random edit, or plain junk.
 """

@@ -7,7 +7,7 @@ Calls that create something (SaveKernel, CreateDataset, CreateDatasetVersion) ar
 once the request may have reached Kaggle: an ambiguous failure raises `OutcomeUnknown`, and the
 caller checks the kernel's or dataset's current version before trying again. The client's own
 `with_retry`, which would re-send them after a connection reset, is bypassed for them
-(`CREATING_SDK_CALLS`); tests/laptop/test_kaggle_internals.py fails loudly if what this module reaches
+(`CREATING_SDK_CALLS`); tests/kaggle/test_kaggle_internals.py fails loudly if what this module reaches
 into (that method, the SDK's HTTP session, the SDK types it reads) changes shape.
 
 `kaggle` is imported lazily, inside `KaggleClient`, because importing it authenticates and

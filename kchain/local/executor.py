@@ -67,7 +67,7 @@ def _first_line(text: str) -> str:
 # debugpy when it starts, for a front end's breakpoints, which a notebook run to its end never uses: about
 # a fifth of the kernel's start-up CPU, paid by each of the smoke's and each local Kaggle session's
 # notebooks. debugpy is importable again once the kernel is set up, so a notebook's own code imports it as
-# on Kaggle, and sys.argv and sys.path are the launcher's (tests/laptop/test_local_executor.py).
+# on Kaggle, and sys.argv and sys.path are the launcher's (tests/local/test_executor.py).
 KERNEL_MAIN = """\
 import sys  # ipykernel_launcher, without ipykernel's debugger (kchain/local/executor.py)
 if sys.path[0] == "":

@@ -36,8 +36,8 @@ from typing import Any
 
 import kchain
 from kchain.common import atomic
-from kchain.common.kernel_states import TERMINAL
 from kchain.common.sendonce import NotLanded, send_and_settle
+from kchain.common.sessionstate import TERMINAL, SessionState
 from kchain.errors import (
     ChainStop,
     CredentialsError,
@@ -346,7 +346,7 @@ def parse_probe(text: str) -> dict[str, Any]:
     return data
 
 
-def _wait(client: KaggleClient, ref: str, number: int, timeout_s: float) -> tuple[str, str]:
+def _wait(client: KaggleClient, ref: str, number: int, timeout_s: float) -> tuple[SessionState, str]:
     """Poll the probe's session until it ends: quick at first (the emulator), then every 10 s."""
     deadline, delay = time.monotonic() + timeout_s, 0.5
     while True:
@@ -383,7 +383,7 @@ def _run_probe(client: KaggleClient, job: Job, ref: str, sources: list[str], sta
         check("FAIL", "probe", f"the probe's output could not be fetched: {exc}")
         return None
     found = [f for f in files if f.name == PROBE_OUTPUT]
-    if status != "COMPLETE" or not found:
+    if status != SessionState.COMPLETE or not found:
         check("FAIL", "probe", f"the probe session ended {status} without {PROBE_OUTPUT} ({message or 'no message'}); "
                                f"its log is in {dest}")
         return None

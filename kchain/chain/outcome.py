@@ -10,6 +10,9 @@ Pure, over the chain's session records (the ledger's, or rebuilt from Kaggle alo
 - the kept best (train.keep_best): the record the newest checkpoint's manifest carries (`kept_best`, noted by
   sessions.fetch_output), which the state version carries as its `best`, so `pull --best` brings home the
   step and value named here.
+Off Kaggle (a SkyPilot or Slurm target) there are no session records: a state folder (the runs' state sink)
+holds the result, and its newest published checkpoint's manifest says it (`of_state_folder`): the run has
+ended, finished, once that checkpoint is of the loop's last step (its `total`).
 Every line that says what to run next names the job file as the user gave it.
 """
 
@@ -20,8 +23,10 @@ from pathlib import Path
 from typing import Any
 
 from kchain.common import layout
+from kchain.common.checkpoint_files import BEST_KEY
 from kchain.common.nextsession import ended, saved_step, summary_of
 from kchain.common.sessionrecord import SessionRecord
+from kchain.common.sessionstate import SessionState
 from kchain.common.summary import Status
 
 
@@ -94,7 +99,7 @@ def best_words(best: dict[str, Any]) -> str:
 
 def of_chain(chain: list[SessionRecord]) -> Result:
     """The result the records show (FAILED_TO_PUSH records, which never ran, are left out)."""
-    ran = [r for r in chain if r.get("status") != "FAILED_TO_PUSH"]
+    ran = [r for r in chain if r.get("status") != SessionState.FAILED_TO_PUSH]
     if not ran:
         return Result()
     last = ran[-1]
@@ -117,3 +122,12 @@ def of_chain(chain: list[SessionRecord]) -> Result:
     return Result(ended=ended(last), step=summary.step if summary.step is not None else last.get("step"),
                   total=summary.total, newest=newest, published=published, version=version, best=best,
                   session=last["session"], output=last.get("output"))
+
+
+def of_state_folder(manifest: dict[str, Any]) -> Result:
+    """The result a state folder shows, from its newest published checkpoint's manifest: finished when that
+    checkpoint is of the loop's last step (the manifest's `total`), else not ended; the kept best it records."""
+    step, total = int(manifest["step"]), manifest.get("total")
+    done = isinstance(total, int) and step >= total
+    return Result(ended=Status.FINISHED if done else None, step=step, total=total if isinstance(total, int) else None,
+                  newest=step, published=True, best=manifest.get(BEST_KEY))

@@ -17,16 +17,17 @@ from pathlib import Path
 from typing import Any
 
 from kchain.chain import outcome
-from kchain.common import layout, nextsession
+from kchain.common import layout, nextsession, sessionstate
 from kchain.common.checkpoint_files import BEST_KEY
 from kchain.common.heartbeat import duration
-from kchain.common.kernel_states import LIVE, TERMINAL
 from kchain.common.nextkernel import NEXT_KEY
 from kchain.common.sessionrecord import SessionRecord
+from kchain.common.sessionstate import LIVE, TERMINAL, SessionState
 from kchain.common.summary import Summary, read_working
 from kchain.errors import KaggleError, KchainError
 from kchain.job import diagnose
 from kchain.job.spec import Job, parse_duration
+from kchain.kaggle import credentials
 from kchain.kaggle.client import KaggleClient
 from kchain.store.ledger import Ledger, iso, now_utc, parse_iso, runs_json, runs_lines
 from kchain.store.names import state_dataset
@@ -118,7 +119,7 @@ def fetch_output(client: KaggleClient, ledger: Ledger, job: str, record: Session
     (dest / "log.json").write_text(json.dumps(entries))
     summary = read_working(dest, search=True)  # an output may come with an extra folder level
     body = _log_text(entries)
-    failure = diagnose.from_summary(summary) or (diagnose.from_log(body) if record["status"] == "ERROR" else None)
+    failure = diagnose.from_summary(summary) or (diagnose.from_log(body) if record["status"] == SessionState.ERROR else None)
     record.update({
         "output": str(dest),
         "output_files": len(files),
@@ -143,21 +144,21 @@ def refresh(client: KaggleClient, ledger: Ledger, job: str, live_log: bool = Fal
     if not ledger.sessions(job):
         rebuild(client, ledger, job)
     for record in ledger.sessions(job):
-        if record["status"] == "PUSHING" and record.get("relay"):
+        if record["status"] == SessionState.PUSHING and record.get("relay"):
             settle_relay(client, ledger, job, record)
         if record["status"] not in LIVE or record.get("version") is None:
             continue
         status, failure = client.status(record["kernel"], record["version"])
-        changed = status != "QUEUED" and _note_image(client, record)
-        if status == "RUNNING":
+        changed = status != SessionState.QUEUED and _note_image(client, record)
+        if status == SessionState.RUNNING:
             # Whatever log Kaggle has so far: its last heartbeat says how far the session got.
             changed = _read_heartbeat(client, record, live_log) or changed
         if status == record["status"]:
             if changed:
                 ledger.save_session(job, record)
             continue
-        record["status"] = status
-        if status == "RUNNING" and not record.get("running_seen"):
+        sessionstate.seen(record, status)
+        if status == SessionState.RUNNING and not record.get("running_seen"):
             record["running_seen"] = iso(now_utc())
         if status in TERMINAL:
             record["ended"] = iso(now_utc())
@@ -192,9 +193,9 @@ def rebuild(client: KaggleClient, ledger: Ledger, job: str) -> bool:
         status, failure = client.status(kernel, version)
         if version == 1 and status not in TERMINAL:
             return False  # only session 1's summary says whether its kernel pushes the next: asked once it ended
-        record: SessionRecord = {"session": version, "kernel": kernel, "version": version, "status": status,
-                                 "gpu": True, "failure_message": failure or None, "requested": iso(now_utc()),
-                                 "rebuilt": newest}
+        record: SessionRecord = {"session": version, "kernel": kernel, "version": version, "gpu": True,
+                                 "failure_message": failure or None, "requested": iso(now_utc()), "rebuilt": newest}
+        sessionstate.rebuilt(record, status)
         told = (chain[-1].get("summary") or {}).get(NEXT_KEY) or {} if chain else {}
         if told.get("session") == version:  # the kernel before pushed it: what it pushed it with
             record.update({"state_version": told.get("state_version"), "resumes_at": told.get("resumes_at") or 0,
@@ -260,12 +261,14 @@ def adopt_pushed(ledger: Ledger, job: str) -> bool:
         "version_before": pushed.get("version_before"), "unattended": True, "pushed_by": "kernel",
     }
     if pushed.get("version"):
-        record.update({"status": "QUEUED", "version": pushed["version"], "started": record["requested"]})
+        record.update({"version": pushed["version"], "started": record["requested"]})
+        sessionstate.pushed(record)
     elif pushed.get("decision") == "relayed":  # a CPU relay pushes it once `last` has ended: settle_relay
-        record.update({"status": "PUSHING", "version": None, "relay": pushed["relay"],
-                       "relay_version": pushed["relay_version"]})
+        record.update({"version": None, "relay": pushed["relay"], "relay_version": pushed["relay_version"]})
+        sessionstate.pushing(record)
     elif pushed.get("decision") == "outcome unknown":
-        record.update({"status": "PUSHING", "version": None})
+        record["version"] = None
+        sessionstate.pushing(record)
     else:
         return False
     ledger.save_session(job, record)
@@ -291,10 +294,11 @@ def settle_relay(client: KaggleClient, ledger: Ledger, job: str, record: Session
     record["relay_said"] = str(said.get("why") or f"the relay {relay} version {number} ended {status} and left no "
                                                   f"{layout.RELAY_FILE}")
     if said.get("version"):
-        record.update({"status": "QUEUED", "version": int(said["version"]),
-                       "started": record.get("requested", iso(now_utc()))})
+        record.update({"version": int(said["version"]), "started": record.get("requested", iso(now_utc()))})
+        sessionstate.pushed(record)
     elif said and not said.get("unknown"):
-        record.update({"status": "FAILED_TO_PUSH", "failure_message": f"the relay did not push it: {record['relay_said']}"})
+        record["failure_message"] = f"the relay did not push it: {record['relay_said']}"
+        sessionstate.failed_to_push(record)
     ledger.save_session(job, record)
 
 
@@ -310,15 +314,27 @@ def _note_image(client: KaggleClient, record: SessionRecord) -> bool:
 
 
 def _read_heartbeat(client: KaggleClient, record: SessionRecord, live: bool) -> bool:
-    """Fold the newest heartbeat of a running session's log into its record; True if it changed. Kaggle's
-    kept log first; with `live`, the live stream when that log holds no heartbeat."""
-    entries = _parse_log(client.log(record["kernel"], record["version"]))
-    if live and _last_heartbeat(_log_text(entries)) is None:
+    """Fold the newest heartbeat of a running session's log into its record; True if it changed. With `live`
+    (`kchain status`, a watch's look at a quiet session) the live stream first: the log Kaggle keeps while a
+    session runs may lag it (hold its first heartbeat, never its last). Kaggle's kept log without `live`, or
+    when the stream showed no heartbeat (one call fewer when it did)."""
+    if live:
         events = client.log_so_far(record["kernel"], record["version"])
         if events is not None:
-            entries = events
             record["log_seen"] = iso(now_utc())
-    return _note_heartbeat(record, entries)
+            if _last_heartbeat(_log_text(events)) is not None:
+                return _note_heartbeat(record, events)
+    return _note_heartbeat(record, _parse_log(client.log(record["kernel"], record["version"])))
+
+
+def heartbeat_step(line: str | None) -> int | None:
+    """The step a heartbeat line says (`[kchain] step 12/30 | ...`: 12), None when it says none."""
+    if not line:
+        return None
+    try:
+        return int(line.split("step", 1)[1].split("/", 1)[0].strip())
+    except (IndexError, ValueError):
+        return None
 
 
 def _note_heartbeat(record: SessionRecord, entries: list[dict[str, Any]]) -> bool:
@@ -332,6 +348,9 @@ def _note_heartbeat(record: SessionRecord, entries: list[dict[str, Any]]) -> boo
     gap = max((later[0] - earlier[0] for earlier, later in zip(beats, beats[1:], strict=False)), default=0.0)
     if gap > (record.get("heartbeat_gap_s") or 0.0):
         record["heartbeat_gap_s"], changed = round(gap, 3), True
+    newest, before = heartbeat_step(beats[-1][1]), heartbeat_step(record.get("heartbeat"))
+    if newest is not None and before is not None and newest < before:
+        return changed  # a kept log that lags what this laptop has already seen: never a step back
     if beats[-1][1] != record.get("heartbeat"):
         record["heartbeat"], record["heartbeat_seen"], changed = beats[-1][1], iso(now_utc()), True
     return changed
@@ -412,7 +431,7 @@ def stale(record: SessionRecord, rule: StaleRule, now: float) -> Stale | None:
     """Whether a RUNNING session is stale at `now` (epoch seconds), by the laptop's own clock: since this
     laptop first saw its newest heartbeat, or, before any, since it first saw it running (judged only once
     a live log of it was read); None when it is not, or when nothing tells."""
-    if record["status"] != "RUNNING":
+    if record["status"] != SessionState.RUNNING:
         return None
     running, seen = _epoch(record.get("running_seen")), _epoch(record.get("heartbeat_seen"))
     allowed, gpu = rule.allowed_s(record), bool(record.get("gpu"))
@@ -431,7 +450,7 @@ def check_stale(client: KaggleClient, ledger: Ledger, job: str, record: SessionR
     """`continue --watch`'s look at a running session: once it has been quiet for half its allowance,
     its live log is read again (a read waits for the stream to go quiet, so not on every poll), then
     the stale rule is applied."""
-    if record["status"] != "RUNNING":
+    if record["status"] != SessionState.RUNNING:
         return None
     since = _epoch(record.get("heartbeat_seen") if record.get("heartbeat") else record.get("running_seen"))
     if since is not None and now - since > rule.allowed_s(record) / 2:
@@ -496,10 +515,10 @@ def session_note(s: SessionRecord, stale_now: dict[int, Stale] | None = None) ->
     """A session's last words: stale, outcome unknown, dropped sources, a failure, its heartbeat or its end."""
     if s["session"] in (stale_now or {}):
         return (stale_now or {})[s["session"]].note()
-    if s["status"] == "PUSHING" and s.get("relay"):
+    if s["status"] == SessionState.PUSHING and s.get("relay"):
         return (f"handed to the relay {s['relay']} version {s.get('relay_version')} (a CPU session): it pushes this "
                 "session once the one before has ended")
-    if s["status"] == "PUSHING":
+    if s["status"] == SessionState.PUSHING:
         return ("outcome unknown: the push was sent and its answer lost; `kchain continue` checks the "
                 "kernel's versions before pushing again")
     if s.get("invalid_sources"):
@@ -555,8 +574,8 @@ def _show_log(client: KaggleClient, record: SessionRecord, echo: Echo, follow: b
             break
         time.sleep(poll_s)
     echo(f"[kchain] session {record['session']} is {status}")
-    failure = diagnose.from_log(text) if status == "ERROR" else None
-    if status == "ERROR" and failure is None and failure_message:
+    failure = diagnose.from_log(text) if status == SessionState.ERROR else None
+    if status == SessionState.ERROR and failure is None and failure_message:
         # No traceback: nothing in the kernel failed, the session was stopped from outside.
         echo(f"[kchain] session {record['session']} was killed: {failure_message}")
         failure = diagnose.Failure("Killed", failure_message, None, diagnose.hint_for("Killed", failure_message))
@@ -643,16 +662,21 @@ def status_for(job_file: Path) -> list[str]:
     job, ledger, chain, found = _chain_now(job_file)
     if not chain:
         return [f"{job.name} has no session yet: `kchain push {job_file}` starts one"]
-    return [*status_table(chain, ledger.gpu_hours_this_week(), job.budget.weekly_gpu_hours, found),
+    return [*status_table(chain, ledger.gpu_hours_this_week(user=_owner(job, chain) or None), job.budget.weekly_gpu_hours,
+                          found),
             *_waiting_line(waiting(chain, job_file), job_file),
             *outcome.of_chain(chain).lines(job_file, _state_ref(job, chain)),
             *(judged.message(job_file) for judged in found.values()), *image_drift(chain)]
 
 
+def _owner(job: Job, chain: list[SessionRecord]) -> str:
+    """The chain's kernel's owner (the job's owner, else the pushing account): its account's week, its datasets."""
+    return job.kaggle.owner or (chain[0].get("kernel", "").split("/", 1)[0] if chain else "")
+
+
 def _state_ref(job: Job, chain: list[SessionRecord]) -> str:
-    """The chain's state dataset: its kernel's owner's (the job's owner, else the pushing account)."""
-    owner = job.kaggle.owner or (chain[0]["kernel"].split("/", 1)[0] if chain else "")
-    return state_dataset(owner, job.name)
+    """The chain's state dataset: its kernel's owner's."""
+    return state_dataset(_owner(job, chain), job.name)
 
 
 def records(job: Job, ledger: Ledger) -> list[SessionRecord]:
@@ -670,7 +694,8 @@ def records(job: Job, ledger: Ledger) -> list[SessionRecord]:
 def status_document(job_file: Path) -> dict[str, Any]:
     """`kchain status --json`: the shape README's "Machine-readable output" documents (keys are only added)."""
     job, ledger, chain, found = _chain_now(job_file)
-    used_h, weekly_h = ledger.gpu_hours_this_week(), job.budget.weekly_gpu_hours
+    user = _owner(job, chain) or credentials.configured_username()  # no chain yet: the API key's user
+    used_h, weekly_h = ledger.gpu_hours_this_week(user=user), job.budget.weekly_gpu_hours
     sessions = [{"session": s["session"], "version": s.get("version"), "status": s["status"],
                  "started": s.get("started"), "ended": s.get("ended"), "duration_s": _seconds(s),
                  "step": s.get("step"), "total": s.get("total"), "stale": s["session"] in found,

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Any, TypedDict
 
+from kchain.common.sessionstate import SessionState
+
 
 class PendingRelay(TypedDict, total=False):
     """publish["pending"]: a relay from the laptop under way, saved before each upload (chain.relay_state)."""
@@ -32,6 +34,7 @@ class PublishFacts(TypedDict, total=False):
     steps_lost: int | None  # steps the session trained past `step` (None: unknown)
     resumes_at: int  # the step the next session resumes at (`step`, or 0)
     pending: PendingRelay
+    repair: dict[str, Any]  # chain.repair_and_push: {refused_version, from}: the step republished from a copy
 
 
 class SessionRecord(TypedDict, total=False):
@@ -43,7 +46,7 @@ class SessionRecord(TypedDict, total=False):
 
     # Written by push.push_session before the push is sent (the record is saved first):
     session: int  # its number in the chain, 1 first
-    status: str  # Kaggle's word: PUSHING (sent, answer unknown), FAILED_TO_PUSH, QUEUED, RUNNING, COMPLETE, ...
+    status: SessionState  # Kaggle's word or kchain's (PUSHING, FAILED_TO_PUSH); written only by common/sessionstate.py
     kernel: str  # owner/name
     version: int | None  # the kernel version the session runs; None until the push is answered
     version_before: int | None  # the kernel's version before the push (push.reconcile compares)
@@ -52,6 +55,7 @@ class SessionRecord(TypedDict, total=False):
     requested: str  # when the push was sent (ISO UTC)
     # Passed to push_session as `extra`:
     smoke: str  # session 1 (push.push_job): the smoke pass's run id, or "skipped"
+    params: dict[str, Any]  # session 1 (push.push_job): the params the chain runs with (`kchain week` compares runs)
     state_version: int | None  # later sessions (chain.push_next): the state dataset version attached
     resumes_at: int  # chain.push_next: the step that state holds
     cache_attached: list[str] | None  # chain.push_next: the staged-data cache entries attached

@@ -25,7 +25,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from kchain.common.kernel_states import LIVE, TERMINAL
+from kchain.common.sessionstate import LIVE, TERMINAL
 from kchain.emulator.faults import Faults
 from kchain.emulator.rpcs import Rpcs
 from kchain.emulator.server import EmulatorHTTPServer, free_closed_port

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import json
 import re
 import shutil
 import tarfile
@@ -20,10 +21,10 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any, TypeVar
 
-from kchain.common.kernel_states import LIVE
 from kchain.common.outputfiles import name_problem
+from kchain.common.sessionstate import LIVE, SessionState
 from kchain.emulator.faults import Faults
-from kchain.emulator.sessions import SessionRunner, remove_tree
+from kchain.emulator.sessions import SessionRunner, log_entries, remove_tree
 from kchain.emulator.state import Store, framework_enum, iso, model_key, new_secret
 from kchain.emulator.switches import Limits, Switches
 
@@ -126,6 +127,16 @@ def _version_label(body: dict[str, Any]) -> int | None:
 
 
 F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _stale_log(log_jsonl: Path, until: str | None) -> str:
+    """The persisted log of a running session under switches.stale_log_at: its entries up to the first that
+    shows `until` (none before it shows), as Kaggle's JSON log; "" when the switch is unset."""
+    if until is None:
+        return ""
+    entries = log_entries(log_jsonl)
+    first = next((n for n, entry in enumerate(entries) if until in str(entry["data"])), None)
+    return json.dumps(entries[:first + 1]) if first is not None else "[]"
 
 
 def _through_link(output: Path, name: str) -> bool:
@@ -444,7 +455,7 @@ class Rpcs:
             "competition_sources": sources["valid_competitions"],
             "invalid_competition_sources": sources["invalid_competitions"], "model_sources": sources["valid_models"],
             "invalid_model_sources": sources["invalid_models"], "mounted": [], "limit_s": limit,
-            "status": "QUEUED" if run else "COMPLETE", "failure_message": "", "queued": now,
+            "status": SessionState.QUEUED if run else SessionState.COMPLETE, "failure_message": "", "queued": now,
             "started": None, "ended": None if run else now, "output_sig": new_secret(), "run": run,
             # Faults and switches are fixed at push time so a test can change them right after a push.
             "kill_at": faults.kill_at() if run else None, "lose_output": faults.lose_output,
@@ -493,7 +504,8 @@ class Rpcs:
             answer["nextPageToken"] = str(start + size)
         if not body.get("pageToken"):
             log = sdir / "log.json"
-            answer["log"] = log.read_text(encoding="utf-8") if log.exists() and not live else ""
+            answer["log"] = log.read_text(encoding="utf-8") if log.exists() and not live else \
+                _stale_log(sdir / "log.jsonl", self.switches.stale_log_at) if live else ""
         return answer
 
     def GetKernel(self, user: str, body: dict[str, Any]) -> dict[str, Any]:

@@ -28,6 +28,7 @@ from typing import Any, Protocol
 import psutil
 
 from kchain.common import layout, resumecheck
+from kchain.common.sessionstate import SessionState
 from kchain.emulator.state import Store, model_key, new_secret
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -405,7 +406,7 @@ class SessionRunner:
             self._run_session(session_id)
         except Exception as e:  # a bug here must not leave the session RUNNING forever
             if not self._stopping.is_set():
-                self._update(session_id, status="ERROR", ended=time.time(),
+                self._update(session_id, status=SessionState.ERROR, ended=time.time(),
                              failure_message=f"emulator error: {type(e).__name__}: {e}")
         finally:
             self._procs.pop(session_id, None)
@@ -428,7 +429,7 @@ class SessionRunner:
             return self._end_early(session_id, sdir, root)
         # The session's clock starts now: the container boots on the session's time.
         started = time.time()
-        self._update(session_id, status="RUNNING", started=started, mounted=self._mount_inputs(session, root))
+        self._update(session_id, status=SessionState.RUNNING, started=started, mounted=self._mount_inputs(session, root))
         limit, kill_at = session["limit_s"], session["kill_at"]
         limit_reason = f"Session exceeded its time limit of {limit:g} seconds and was stopped"
         deadline, reason = started + limit, limit_reason
@@ -450,12 +451,12 @@ class SessionRunner:
             session["lose_output"] or (killed_by == limit_reason and session.get("output_at_limit") == "lost"))
         self._capture(sdir, root, lose)
         if killed_by is not None:
-            status, message = "ERROR", killed_by
+            status, message = SessionState.ERROR, killed_by
         elif proc is not None and proc.poll() == 0:
-            status, message = "COMPLETE", ""
+            status, message = SessionState.COMPLETE, ""
         else:
             lines = [ln for ln in (sdir / "stderr.txt").read_text(errors="replace").splitlines() if ln.strip()]
-            status, message = "ERROR", (lines[-1].strip() if lines else f"exit code {proc and proc.poll()}")
+            status, message = SessionState.ERROR, (lines[-1].strip() if lines else f"exit code {proc and proc.poll()}")
         self._update(session_id, status=status, failure_message=message, ended=time.time(),
                      returncode=proc.poll() if proc else None, output_lost=lose, **_resumed(sdir))
 
@@ -550,7 +551,7 @@ class SessionRunner:
         now = time.time()
         with self.store.lock:
             was = session["status"]
-            session.update(status="CANCEL_ACKNOWLEDGED", failure_message="", ended=now, output_lost=lose,
+            session.update(status=SessionState.CANCEL_ACKNOWLEDGED, failure_message="", ended=now, output_lost=lose,
                            **_resumed(sdir))
             self.store.cancellations.append({"session": session_id, "kernel": session["kernel"],
                                              "version": session["version"], "by": self._cancels[session_id],

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from kchain.common import atomic, layout
-from kchain.common.kernel_states import LIVE
+from kchain.common.sessionstate import LIVE, SessionState
 
 
 def iso(ts: float) -> str:
@@ -163,7 +163,7 @@ class Store:
         with self.lock:
             for session in self.sessions.values():
                 if session["status"] in LIVE:
-                    session["status"] = "ERROR"
+                    session["status"] = SessionState.ERROR
                     session["failure_message"] = "session lost: emulator restarted"
                     session["ended"] = session.get("ended") or time.time()
                     lost.append(session)

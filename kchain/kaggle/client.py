@@ -37,8 +37,8 @@ from typing import Any, TypeVar
 import requests
 from requests.adapters import HTTPAdapter
 
-from kchain.common.kernel_states import LIVE
 from kchain.common.sendonce import CREATING_SDK_CALLS, sent_once  # noqa: F401 - CREATING_SDK_CALLS: re-exported
+from kchain.common.sessionstate import LIVE, SessionState
 from kchain.common.statefolder import DATASET_METADATA
 from kchain.errors import CredentialsError, KaggleError, KchainError
 from kchain.kaggle import credentials
@@ -500,10 +500,10 @@ class KaggleClient:
             return None
         return {"ref": ref, "version": getattr(kernel, "current_version_number", None), "status": status}
 
-    def status(self, ref: str, version: int | None = None) -> tuple[str, str]:
-        """(status name, failure message) of ref's session at version (default: latest)."""
+    def status(self, ref: str, version: int | None = None) -> tuple[SessionState, str]:
+        """(state, failure message) of ref's session at version (default: latest)."""
         resp = self._call("status", lambda: self.api.kernels_status(self._ref(ref, version)))
-        return resp.status.name, resp.failure_message or ""
+        return SessionState(resp.status.name), resp.failure_message or ""
 
     def output(self, ref: str, version: int | None, dest: str | Path) -> tuple[list[Path], str]:
         """Download a session's output files into dest; return (files, log text)."""

@@ -13,6 +13,7 @@ import pytest
 from helpers import invoke
 
 from kchain.common import layout, trackers
+from kchain.common.sessionstate import SessionState
 from kchain.result import sync
 from kchain.store.ledger import Ledger, state_dir
 
@@ -47,7 +48,7 @@ def chain(tmp_path) -> tuple[Path, Ledger]:
 
 
 def add_session(ledger: Ledger, n: int, output: Path) -> None:
-    ledger.save_session(JOB, {"session": n, "status": "complete", "version": n, "output": str(output)})
+    ledger.save_session(JOB, {"session": n, "status": SessionState.COMPLETE, "version": n, "output": str(output)})
 
 
 def expect(last: int) -> dict[str, list[int]]:

@@ -15,17 +15,20 @@ and numpy versions, and the output says they came from that switch.
 
 from __future__ import annotations
 
+import base64
 import importlib
+import io
 import json
 import os
 import platform
 import shutil
 import sys
 import tempfile
+import zipfile
 from pathlib import Path
 
-# The runtime is embedded next to this file; these two parts of it are standard library only.
-from kchain.common import atomic, layout, wheelinstall
+# The runtime is embedded next to this file; these parts of it are standard library only.
+from kchain.common import atomic, kernelauth, layout, wheelinstall
 
 FORMAT = "kchain-probe/1"
 OUTPUT = "kchain-probe.json"
@@ -143,46 +146,35 @@ def _ram_bytes() -> dict:
     return {"total": meminfo.get("MemTotal"), "available": meminfo.get("MemAvailable")}
 
 
-def _secrets(labels: list[str]) -> dict:
-    """{label: visible?} and why not. The value is dropped at once, never printed or stored."""
-    visible: dict[str, bool] = {}
-    try:
-        from kaggle_secrets import UserSecretsClient
-
-        client = UserSecretsClient()
-    except Exception as exc:  # noqa: BLE001
-        return {"visible": {label: False for label in labels}, "error": type(exc).__name__}
-    error = None
-    for label in labels:
-        try:
-            visible[label] = bool(client.get_secret(label))
-        except Exception as exc:  # noqa: BLE001
-            visible[label], error = False, type(exc).__name__
-    return {"visible": visible, "error": error}
-
-
 HOP_OUTPUT = "kchain-hop.json"
 HOP_FORMAT = "kchain-hop/1"
 # The version this probe pushes of its own kernel: does a kernel-pushed version keep its Secrets? (A report
-# says `kaggle kernels push` resets a kernel's Secrets: kaggle-api.md 6.5.) Standard library only; it keeps
-# whether each label was visible, never a value.
+# says `kaggle kernels push` resets a kernel's Secrets: kaggle-api.md 6.5.) It carries kchain.common as the
+# probe got it (hop_payload) and reads the Secrets through its door (kernelauth.visible): whether each label was
+# visible, never a value.
 HOP_CELL = """# kchain doctor: a version pushed from inside a kernel: are its Secrets still attached?
-import json
-seen = {}
-try:
-    from kaggle_secrets import UserSecretsClient
-    client = UserSecretsClient()
-except Exception:
-    client = None
-for label in ("KAGGLE_USERNAME", "KAGGLE_KEY"):
-    try:
-        seen[label] = bool(client.get_secret(label)) if client is not None else False
-    except Exception:
-        seen[label] = False
+import base64, io, json, sys, tempfile, zipfile
+src = tempfile.mkdtemp(prefix="kchain-hop-")
+zipfile.ZipFile(io.BytesIO(base64.b64decode(@PAYLOAD@))).extractall(src)
+sys.path.insert(0, src)
+from kchain.common import kernelauth
+seen = kernelauth.visible()["visible"]
 with open("@OUTPUT@", "w") as f:
     json.dump({"format": "@FORMAT@", "secrets": {"visible": seen}}, f)
 print("[kchain] hop: Secret labels visible:", seen, flush=True)
 """.replace("@OUTPUT@", HOP_OUTPUT).replace("@FORMAT@", HOP_FORMAT)
+
+
+def hop_payload() -> str:
+    """kchain.common as this probe runs it (its package root and modules), as a base64 zip: what the hop's
+    cell needs to import the door, carried as the probe's own payload carried it."""
+    package = Path(kernelauth.__file__).resolve().parents[1]  # .../kchain
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w", zipfile.ZIP_DEFLATED) as z:
+        z.writestr("kchain/__init__.py", (package / "__init__.py").read_bytes())
+        for path in sorted((package / "common").glob("*.py")):
+            z.writestr(f"kchain/common/{path.name}", path.read_bytes())
+    return base64.b64encode(buffer.getvalue()).decode()
 
 
 def _kernel_push(config: dict, secrets: dict) -> dict:
@@ -193,20 +185,13 @@ def _kernel_push(config: dict, secrets: dict) -> dict:
     ref = config["kernel"] if "kernel" in config else None  # a probe rendered by an older kchain has none
     if not config["internet"] or not ref:
         return {"tried": False, "ok": False, "error": "internet is off for this kernel"}
-    if not all(secrets["visible"].get(label) for label in ("KAGGLE_USERNAME", "KAGGLE_KEY")):
-        return {"tried": False, "ok": False, "error": "no KAGGLE_USERNAME and KAGGLE_KEY in this kernel's Secrets"}
+    if not all(secrets["visible"].get(label) for label in kernelauth.LABELS):
+        return {"tried": False, "ok": False, "error": f"no {' and '.join(kernelauth.LABELS)} in this kernel's Secrets"}
     folder = Path(tempfile.mkdtemp(prefix="kchain-probe-push-"))
     try:
-        from kaggle_secrets import UserSecretsClient
-
-        client = UserSecretsClient()
-        os.environ.pop("KAGGLE_API_V1_TOKEN", None)
-        os.environ.update({label: client.get_secret(label) for label in ("KAGGLE_USERNAME", "KAGGLE_KEY")})
-        from kaggle.api.kaggle_api_extended import KaggleApi
-
-        api = KaggleApi()
-        api.authenticate()
-        cell = {"cell_type": "code", "execution_count": None, "metadata": {}, "outputs": [], "source": HOP_CELL}
+        api = kernelauth.login()
+        source = HOP_CELL.replace("@PAYLOAD@", json.dumps(hop_payload()))
+        cell = {"cell_type": "code", "execution_count": None, "metadata": {}, "outputs": [], "source": source}
         (folder / "probe.ipynb").write_text(json.dumps({"cells": [cell], "metadata": {}, "nbformat": 4,
                                                         "nbformat_minor": 5}))
         (folder / "kernel-metadata.json").write_text(json.dumps({
@@ -257,7 +242,7 @@ def probe(config: dict) -> dict:
         "disk_free_working": shutil.disk_usage(working if working.is_dir() else layout.root(os.environ)).free,
         "ram": _ram_bytes(),
         "kaggle_env": sorted(name for name in os.environ if name.startswith("KAGGLE_")),
-        "secrets": _secrets(list(config["secret_labels"])),
+        "secrets": kernelauth.visible(list(config["secret_labels"])),
         "internet": config["internet"],
         "packages": _packages(list(config.get("packages", []))),
         "platform": {"glibc": platform.libc_ver()[1] or None, "machine": platform.machine()},

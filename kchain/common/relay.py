@@ -29,13 +29,12 @@ import zipfile
 from pathlib import Path
 from typing import Any
 
-from kchain.common import atomic, kernel_states, layout, nextkernel, sendonce, summary
-from kchain.common.kernel_states import TERMINAL
+from kchain.common import atomic, kernelauth, layout, nextkernel, sendonce, sessionstate, summary
+from kchain.common.sessionstate import TERMINAL
 
 RELAY_FILE = layout.RELAY_FILE  # the relay's output: what it did (its `version` is the session it pushed)
 FORMAT = "kchain-relay/1"
 NEXT_DIR = "next"  # in the relay's payload: the next session's kernel folder, rendered by session N
-SECRET_LABELS = ("KAGGLE_USERNAME", "KAGGLE_KEY")
 GRACE_S = 600.0  # how much longer than session N's time left the relay waits for Kaggle to say it ended
 CPU_LIMIT_S = 12 * 3600  # a CPU session's limit (kaggle-api.md 6.1); sessionTimeoutSeconds must stay below it
 POLL_S = 1.0  # between two reads of session N's status
@@ -92,7 +91,7 @@ def sources() -> dict[str, bytes]:
     """The modules the relay runs with (this one and what it imports, standard library only) and their
     packages' `__init__.py`, by path, as this process loaded them: a moved module moves with its import."""
     files: dict[str, bytes] = {}
-    for module in (sys.modules[__name__], atomic, kernel_states, layout, nextkernel, sendonce, summary):
+    for module in (sys.modules[__name__], atomic, kernelauth, layout, nextkernel, sendonce, sessionstate, summary):
         parts = module.__name__.split(".")
         for depth in range(1, len(parts)):
             package = sys.modules[".".join(parts[:depth])]
@@ -143,29 +142,6 @@ def send(api: Any, template: dict[str, Any], src: Path, config: dict[str, Any], 
 # -- the relay's half: wait, then push once ------------------------------------------------------
 
 
-def credential() -> dict[str, str] | None:
-    """KAGGLE_USERNAME and KAGGLE_KEY from the relay kernel's attached Secrets, or None."""
-    try:
-        from kaggle_secrets import UserSecretsClient
-
-        client = UserSecretsClient()
-        found = {label: client.get_secret(label) for label in SECRET_LABELS}
-    except Exception:  # noqa: BLE001 - any failure means "no credential here"
-        return None
-    return found if all(found.values()) else None
-
-
-def client() -> Any:
-    """The official client, authenticated with the Secrets' key, its creating calls sent once."""
-    from kaggle.api.kaggle_api_extended import KaggleApi
-
-    api = KaggleApi()
-    api.authenticate()
-    if callable(getattr(api, "with_retry", None)):
-        api.with_retry = sendonce.sent_once(api.with_retry)
-    return api
-
-
 def status(api: Any, ref: str) -> str:
     """A session's status name (ref: owner/slug/version), or `unknown (...)` when no answer came."""
     try:
@@ -187,13 +163,11 @@ def _wait_ended(api: Any, ref: str, until: float) -> str:
 def relay(config: dict[str, Any], src: Path) -> dict[str, Any]:
     """Wait until the session before has ended, then push the next one once: what was done, for RELAY_FILE."""
     kernel, after = config["kernel"], int(config["after_version"])
-    cred = credential()
-    if cred is None:
-        return {"pushed": False, "why": f"no {' and '.join(SECRET_LABELS)} in this relay's Secrets (not attached, or "
-                                        "reset by the push that started it), so the laptop pushes the next session"}
-    os.environ.pop("KAGGLE_API_V1_TOKEN", None)  # the session token Kaggle mounts would win over the key (1.3)
-    os.environ.update(cred)
-    api = client()
+    try:
+        api = kernelauth.login()
+    except kernelauth.NoCredential:
+        return {"pushed": False, "why": f"no {' and '.join(kernelauth.LABELS)} in this relay's Secrets (not attached, "
+                                        "or reset by the push that started it), so the laptop pushes the next session"}
     ended = _wait_ended(api, f"{kernel}/{after}", time.monotonic() + float(config["wait_s"]))
     if ended not in TERMINAL:
         return {"pushed": False, "why": f"{kernel} version {after} was still {ended} after {config['wait_s']:g}s"}

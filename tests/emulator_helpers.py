@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import secrets
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -82,7 +82,7 @@ def write_kernel(folder: Path, ref: str, cells: list[str], **metadata: Any) -> P
     return folder
 
 
-def write_dataset(folder: Path, ref: str, files: dict[str, bytes | str], title: str | None = None) -> Path:
+def write_dataset(folder: Path, ref: str, files: Mapping[str, bytes | str], title: str | None = None) -> Path:
     """A dataset folder (files + dataset-metadata.json) for dataset_create_new / _version."""
     folder.mkdir(parents=True, exist_ok=True)
     for name, content in files.items():

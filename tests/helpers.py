@@ -54,7 +54,8 @@ def runtime_job(tmp_path: Path, module: str, entry: str, prefix: str, gpus="auto
     return job
 
 
-def invoke(*args: str):
+def invoke(*args: object):
+    """The CLI run in-process on these arguments, each as its text (a path, a number)."""
     return CliRunner().invoke(cli, [str(a) for a in args], catch_exceptions=False)
 
 

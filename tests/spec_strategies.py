@@ -12,6 +12,7 @@ import time
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import yaml
 from click.testing import CliRunner
@@ -27,7 +28,7 @@ SECTIONS = {
     "kaggle": ["owner", "accelerator", "internet", "private", "datasets", "models", "competition", "local"],
     "train": ["checkpoint_every", "keep", "session_limit", "margin", "heartbeat", "precision"],
     "smoke": ["fraction", "steps"],
-    "budget": ["weekly_gpu_hours"],
+    "budget": ["weekly_gpu_hours", "slack"],
 }
 
 texts = st.text(max_size=40)
@@ -48,14 +49,14 @@ values = st.recursive(
 
 
 # Right values for each field, so that a good share of the specs get as far as rendering.
-GOOD = {
+GOOD: dict[str, list[Any]] = {
     "entry": ["train:main"], "params": [{}, {"lr": 0.001, "steps": 10}, {"nested": {"a": [1, 2.5, None, "x"]}}],
     "owner": ["alice", "bob_2", None], "accelerator": ["gpu", "none"], "internet": [True, False],
     "private": [True, False], "datasets": [[], ["carol/delivery-notes"], ["carol/delivery-notes/2"]],
     "models": [[], ["google/gemma/transformers/2b/1"]], "competition": [None, "titanic"], "local": [{}],
     "checkpoint_every": ["10m", "500 steps", 20, 1.5], "keep": [1, 2, 20], "session_limit": ["12h", "2h", 3600],
     "margin": ["15m", 60, "1m30s"], "heartbeat": ["60s", "0s", 5], "precision": ["auto", "fp32", "bf16"],
-    "fraction": [0.02, 1], "steps": [1, 2, 50], "weekly_gpu_hours": [30, 0.5],
+    "fraction": [0.02, 1], "steps": [1, 2, 50], "weekly_gpu_hours": [30, 0.5], "slack": [None, 0, 6.5],
 }
 
 

@@ -1,6 +1,6 @@
 """summary.json: what a session says about how it ended, written in the kernel, read on the laptop.
 
-One typed record (`Summary`), its statuses (`Status`), the one writer (`write`: atomic, with a disk
+One typed record (`Summary`), its statuses (the type `StatusName`, each by name in `Status`), the one writer (`write`: atomic, with a disk
 reserve taken at the start for a disk that fills up) and the one reader (`read`: None for a missing
 or half-written file). The launcher and the Run build it, the in-kernel publish and the state folder
 patch `published`, and the laptop (`kchain continue`, smoke, rehearse, the ledger) reads it back,
@@ -16,45 +16,52 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, Final, Literal, get_args
 
 from kchain.common import atomic, layout
 
 RESERVE_BYTES = 64 * 1024  # held for summary.json from the start, for a disk that fills up
 
 
-class Status:
-    """Every status a session's summary can hold (docs/design.md lists them; a test compares)."""
+# Every status a session's summary can hold, as a type: mypy refuses any other text where a status goes.
+StatusName = Literal["running", "finished", "stopped", "deadline", "interrupted", "crashed", "hung", "killed",
+                     "no_checkpoint", "no_accelerator", "state_not_mounted"]
 
-    RUNNING = "running"  # still training: the Run's state until the loop ends; a summary never ends with it
-    FINISHED = "finished"  # the loop ran to its total (or main returned after a run.save)
-    STOPPED = "stopped"  # the code left run.steps on purpose (early stopping): no further session
-    DEADLINE = "deadline"  # the session clock ran out: saved at the stop, the next session resumes there
-    INTERRUPTED = "interrupted"  # SIGTERM or SIGINT: saved at the stop, like a deadline
-    CRASHED = "crashed"  # an exception ended the run; `error` names it and its stage
-    HUNG = "hung"  # the watchdog saw no step complete for too long; nothing new is saved
+
+class Status:
+    """Every status by name, in StatusName's order (docs/design.md lists them; tests compare all three)."""
+
+    RUNNING: Final = "running"  # still training: the Run's state until the loop ends; a summary never ends with it
+    FINISHED: Final = "finished"  # the loop ran to its total (or main returned after a run.save)
+    STOPPED: Final = "stopped"  # the code left run.steps on purpose (early stopping): no further session
+    DEADLINE: Final = "deadline"  # the session clock ran out: saved at the stop, the next session resumes there
+    INTERRUPTED: Final = "interrupted"  # SIGTERM or SIGINT: saved at the stop, like a deadline
+    CRASHED: Final = "crashed"  # an exception ended the run; `error` names it and its stage
+    HUNG: Final = "hung"  # the watchdog saw no step complete for too long; nothing new is saved
     # a rank died by a signal from outside (the OOM killer, a segfault): its newest verified checkpoint is
     # handed on, as after a deadline; `error` names the rank and the signal
-    KILLED = "killed"
-    NO_CHECKPOINT = "no_checkpoint"  # main returned without a loop kchain drives: nothing to resume
-    NO_ACCELERATOR = "no_accelerator"  # a Kaggle session got fewer GPUs than the job asked for
+    KILLED: Final = "killed"
+    NO_CHECKPOINT: Final = "no_checkpoint"  # main returned without a loop kchain drives: nothing to resume
+    NO_ACCELERATOR: Final = "no_accelerator"  # a Kaggle session got fewer GPUs than the job asked for
     # the state version this session was pushed to resume was not mounted within the wait: push again
-    STATE_NOT_MOUNTED = "state_not_mounted"
+    STATE_NOT_MOUNTED: Final = "state_not_mounted"
 
 
-STATUSES = tuple(v for k, v in vars(Status).items() if k.isupper())
+STATUSES: tuple[StatusName, ...] = get_args(StatusName)
 # Statuses an older kchain wrote under another spelling, read as today's.
-OLD_STATUSES = {"no-accelerator": Status.NO_ACCELERATOR}
+OLD_STATUSES: dict[str, StatusName] = {"no-accelerator": Status.NO_ACCELERATOR}
 
 
 @dataclass
 class Summary:
     """summary.json as a record. `to_dict` is the file's JSON; `from_dict` reads any version of it."""
 
-    status: str | None = None  # a Status; None only in a summary kchain did not write
+    status: StatusName | None = None  # a Status; None only in a summary kchain did not write
     session: int | None = None  # the session's number in its chain (1 + the resumed checkpoint's)
     step: int | None = None  # steps completed, restored ones included
     total: int | None = None  # the loop's total, when known
+    # The total the code asked for, where a cap cut it (a smoke, KCHAIN_TOTAL_STEPS): `kchain plan` sizes a run by it.
+    total_asked: int | None = None
     metrics: dict | None = None  # the last value logged of each metric
     best: dict | None = None  # {name, value, step}: the best validation metric, if any
     checkpoint: str | None = None  # the newest complete checkpoint, relative to the working dir
@@ -94,7 +101,7 @@ class Summary:
         """The JSON of summary.json: every key always, but the publish's only once it published (its end
         once it ended) and the torch and CUDA versions only when known."""
         out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "extra"}
-        for key in (*_PUBLISH_KEYS, *_RUNTIME_KEYS, "session_ended"):
+        for key in (*_PUBLISH_KEYS, *_RUNTIME_KEYS, "session_ended", "total_asked"):
             if out[key] is None:
                 del out[key]
         return {**out, **self.extra}

@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from kchain.common import atomic, faults, layout
 from kchain.common.checkpoint_files import ResumeError
+from kchain.common.summary import StatusName
 from kchain.runtime.torchrun import (  # noqa: F401  (the launcher's half, standard library only; re-exported)
     KAGGLE_SESSION_ENV,
     RANK_ERRORS_DIR,
@@ -40,7 +41,7 @@ from kchain.runtime.torchrun import (  # noqa: F401  (the launcher's half, stand
 )
 
 # Stop reasons in the agreed flag, ordered: the largest one any rank raises wins.
-STOP_CODES = {None: 0, "stopped": 1, "deadline": 2, "interrupted": 3}
+STOP_CODES: dict[StatusName | None, int] = {None: 0, "stopped": 1, "deadline": 2, "interrupted": 3}
 STOP_NAMES = {v: k for k, v in STOP_CODES.items()}
 # A collective that waits longer than this has a dead or stuck peer: fail instead of hanging to the
 # 12-hour kill. Generous: a checkpoint gather of a big model may take minutes on a slow disk.
@@ -124,7 +125,7 @@ class Ranks:
         device = torch.device("cuda", self.local_rank) if self.backend == "nccl" else torch.device("cpu")
         return torch.tensor(values, dtype=dtype, device=device)
 
-    def agree(self, stop: str | None, save: bool) -> tuple[str | None, bool]:
+    def agree(self, stop: StatusName | None, save: bool) -> tuple[StatusName | None, bool]:
         """One small all-reduce per step: (the strongest stop reason of any rank, any rank due to save)."""
         if not self.active:
             return stop, save

@@ -33,7 +33,7 @@ for _knob in ("MKL_DYNAMIC", "OMP_DYNAMIC"):
 
 from kchain.common import faults, layout, summary  # noqa: E402  (after the clock on purpose)
 from kchain.common.config import RuntimeConfig  # noqa: E402
-from kchain.common.summary import Status, Summary  # noqa: E402
+from kchain.common.summary import Status, StatusName, Summary  # noqa: E402
 from kchain.runtime import lazydynamo  # noqa: E402
 
 # The statuses after which another session resumes where this one saved: "saved, not done".
@@ -401,7 +401,7 @@ def _await_state(config: RuntimeConfig) -> int | None:
     resume = config.kaggle.resume
     try:
         resumecheck.await_state(resume, layout.input_root(os.environ), config.kaggle.mount_wait_s,
-                                lambda text: print(f"[kchain] {text}", flush=True))
+                                lambda text: print(f"[kchain] {text}", flush=True), state_slug=config.state_slug)
     except resumecheck.StateNotMounted as e:
         assert resume is not None  # await_state raises it only for an expected state
         print(f"[kchain] state-not-mounted: {e}", flush=True)
@@ -489,7 +489,7 @@ def _without_summary(kdir: Path, n: int, config: RuntimeConfig, why: str) -> Sum
                              checkpoint=str(ckpts[-1].relative_to(kdir.parent)) if ckpts else None, world_size=n)
 
 
-def _launcher_summary(config: RuntimeConfig, status: str, error: dict | None, step: int | None = None,
+def _launcher_summary(config: RuntimeConfig, status: StatusName, error: dict | None, step: int | None = None,
                       checkpoint: str | None = None, world_size: int | None = None) -> Summary:
     """The summary the launcher writes itself, where no Run wrote one (a Run's is run.launcher.summary): it
     never started training, or rank 0 left without one. The session clock's start is this process's."""

@@ -17,7 +17,7 @@ import dis
 import random
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import NoReturn, Protocol
 
 import numpy as np
@@ -235,7 +235,7 @@ class Loader:
         self.batches_per_step = 1  # for the loop's total: batches of an epoch per step (its last one may be short)
         self.place: Callable | None = None  # a batch moved where the step uses it, as it is handed out
         self._on_wait = on_wait
-        self._it = None
+        self._it: Iterator | None = None
         self._skip = 0  # batches of an iterable epoch to drop after a resume
         self._drawn: tuple[int, list] | None = None
         # Its own generator: DataLoader draws a base seed per iterator, which must not come from
@@ -276,9 +276,11 @@ class Loader:
         if self.batch_sampler is not None:
             return len(self.batch_sampler)
         n = len(self.sampler) if self.sampler is not None else len(self.dataset)
+        bs = self.batch_size
+        assert bs is not None  # run.loader refuses a loader with neither batch_size nor batch_sampler
         if self.world_size > 1:  # kchain ddp: global batches; each rank takes one micro-batch of each
-            return distributed.batches_per_rank(n, self.batch_size, self.world_size, self.drop_last)
-        return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
+            return distributed.batches_per_rank(n, bs, self.world_size, self.drop_last)
+        return n // bs if self.drop_last else -(-n // bs)
 
     def order(self, epoch: int) -> torch.Tensor:
         n = len(self.dataset)

@@ -9,6 +9,7 @@ from datetime import timedelta
 from helpers import JOBS, invoke
 
 from kchain.chain.sessions import waiting
+from kchain.common.sessionstate import SessionState
 from kchain.job.spec import load_job
 from kchain.store.ledger import Ledger, iso, now_utc, state_dir, week_start
 
@@ -24,11 +25,11 @@ def a_week_of_sessions() -> tuple[str, Ledger]:
     now = now_utc()
     start = max(now - timedelta(hours=3), week_start(now))
     ledger.save_session(name, {
-        "session": 1, "kernel": f"alice/{name}", "version": 1, "status": "COMPLETE", "gpu": True,
+        "session": 1, "kernel": f"alice/{name}", "version": 1, "status": SessionState.COMPLETE, "gpu": True,
         "started": iso(start), "ended": iso(start + timedelta(hours=1)), "step": 100, "total": 300,
         "end_status": "saved", "summary": {"status": "saved", "step": 100, "total": 300, "steps_per_s": 0.05}})
     ledger.save_session(name, {
-        "session": 2, "kernel": f"alice/{name}", "version": 2, "status": "ERROR", "gpu": True,
+        "session": 2, "kernel": f"alice/{name}", "version": 2, "status": SessionState.ERROR, "gpu": True,
         "started": iso(start + timedelta(hours=1)), "ended": iso(start + timedelta(hours=1, minutes=30)),
         "step": 120, "total": 300, "error": {"type": "RuntimeError", "message": "shape mismatch"}})
     return name, ledger

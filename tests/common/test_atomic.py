@@ -36,8 +36,12 @@ def test_a_failed_write_keeps_the_old_file_and_removes_its_temporary_one(tmp_pat
 def test_concurrent_writers_of_one_file_never_mix_their_bytes(tmp_path):
     path = tmp_path / "sessions.json"
     payloads = [json.dumps({"writer": n, "pad": "x" * 200_000}) for n in range(8)]
-    threads = [threading.Thread(target=lambda text=text: [atomic.write_text(path, text) for _ in range(5)])
-               for text in payloads]
+
+    def write_five_times(text: str) -> None:
+        for _ in range(5):
+            atomic.write_text(path, text)
+
+    threads = [threading.Thread(target=write_five_times, args=(text,)) for text in payloads]
     for t in threads:
         t.start()
     for t in threads:

@@ -32,11 +32,11 @@ def annotation_kind(node: ast.expr | None) -> str | None:
             "PublishFacts": PUBLISH, "Record": RECORD, "list[Record]": CHAIN}.get(text)
 
 
-def functions(tree: ast.Module) -> list[ast.FunctionDef]:
+def functions(tree: ast.Module) -> list[ast.FunctionDef | ast.AsyncFunctionDef]:
     return [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
 
 
-def params(fn: ast.FunctionDef) -> list[ast.arg]:
+def params(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> list[ast.arg]:
     args = [*fn.args.posonlyargs, *fn.args.args]
     return [*(args[1:] if args and args[0].arg in ("self", "cls") else args), *fn.args.kwonlyargs]
 
@@ -55,7 +55,7 @@ def signatures(trees: list[ast.Module]) -> dict[str, tuple[list[str], dict[str, 
 class Scan:
     """The record kinds of one function's names, then every key used on them."""
 
-    def __init__(self, fn: ast.FunctionDef, sigs: dict, where: str) -> None:
+    def __init__(self, fn: ast.FunctionDef | ast.AsyncFunctionDef, sigs: dict, where: str) -> None:
         self.fn, self.sigs, self.where = fn, sigs, where
         self.names: dict[str, str] = {}
         self.keys: list[tuple[str, str, str]] = []  # (where, kind, key)

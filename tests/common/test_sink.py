@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 from helpers import loss_trace as trace
 
@@ -61,7 +62,7 @@ def in_process(root: Path, bucket: Path | None, keep: int = 2) -> Run:
     return run
 
 
-def in_bucket(bucket: Path) -> dict[str, list[str]]:
+def in_bucket(bucket: Path) -> dict[str, Any]:
     """{checkpoint folder: its files} in the bucket, and the pointer's checkpoint under 'latest'."""
     got = {d.name: sorted(p.name for p in d.iterdir()) for d in sorted(bucket.glob("step-*"))}
     pointer = sink.read_pointer(bucket)

@@ -34,6 +34,11 @@ def test_the_design_doc_lists_every_status_and_no_other():
     assert documented_statuses() == list(STATUSES)
 
 
+def test_each_status_has_one_name_in_the_order_of_its_type():
+    # StatusName is what mypy checks a status against; Status names each of its words.
+    assert tuple(v for k, v in vars(Status).items() if k.isupper()) == STATUSES
+
+
 def test_every_status_the_runtime_sets_is_a_status():
     # `x.status = "..."` and the stop reasons that become statuses, anywhere in the runtime.
     found = set()

@@ -184,8 +184,9 @@ def _run_suites(tests: Path, settle: Any) -> dict[str, dict[str, str]]:
     for _, module_name, case in SUITES:
         module = importlib.import_module(module_name)
         if hasattr(module, "time"):
-            module.time = SuiteClock(settle)
+            vars(module)["time"] = SuiteClock(settle)
         for test in unittest.defaultTestLoader.loadTestsFromTestCase(getattr(module, case)):
+            assert isinstance(test, unittest.TestCase)  # a case's suite holds its tests, no nested suite
             why = out_of_scope(test.id().rsplit(".", 1)[1])
             if why:
                 outcomes[test.id()] = {"scope": "out", "outcome": "not run", "why": why}

@@ -41,7 +41,8 @@ def _imports(path: Path) -> set[str]:
 def third_party(starts: tuple[str, ...]) -> dict[str, Path]:
     """Top-level third-party module -> a kchain file importing it, over every kchain module `starts` import,
     transitively."""
-    todo, seen, found = list(starts), set(), {}
+    todo, seen = list(starts), set()
+    found: dict[str, Path] = {}
     while todo:
         module = todo.pop()
         if module in seen or (path := _source(module)) is None:

@@ -21,7 +21,7 @@ READS_INPUT = (
 
 
 def job_reading_an_input(tmp_path: Path, ref: str, local: dict | None) -> Path:
-    kaggle = {"datasets": [ref]}
+    kaggle: dict[str, object] = {"datasets": [ref]}
     if local is not None:
         kaggle["local"] = local
     path = copy_job("classifier", tmp_path, params={"steps": 1500, "num_workers": 0}, kaggle=kaggle)

@@ -36,7 +36,9 @@ def notebook(*cells: str) -> bytes:
 def payload_files(notebook_text: str) -> dict[str, bytes]:
     cells = nbformat.reads(notebook_text, as_version=4).cells
     source = next(c.source for c in cells if "KCHAIN_PAYLOAD = " in c.source)
-    encoded = re.search(r'KCHAIN_PAYLOAD = "([A-Za-z0-9+/=]+)"', source).group(1)
+    found = re.search(r'KCHAIN_PAYLOAD = "([A-Za-z0-9+/=]+)"', source)
+    assert found is not None, "no payload in the notebook"
+    encoded = found.group(1)
     with zipfile.ZipFile(io.BytesIO(base64.b64decode(encoded))) as zf:
         return {name: zf.read(name) for name in zf.namelist() if name.startswith("code/")}
 

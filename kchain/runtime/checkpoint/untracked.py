@@ -359,7 +359,7 @@ def _digest(obj) -> str:
 
 def _user_frames():
     """The frames of the job's own code, innermost first (not kchain's, not a library's)."""
-    frame = sys._getframe(1)
+    frame: types.FrameType | None = sys._getframe(1)
     while frame is not None:
         if _users_file(frame.f_code.co_filename):
             yield frame

@@ -294,6 +294,7 @@ class Bridge:
             if dl.generator is None:
                 dl.generator = torch.Generator().manual_seed(int(self.loop.params.get("seed", 0)))
         trainer, lengths = self.state.trainer, [n for dl in _flat(data) if (n := _length(dl))]
+        assert trainer is not None  # set by setup, which serves this validation data
         if self.fraction is not None and lengths and trainer.limit_val_batches == 1.0 \
                 and isinstance(trainer.limit_val_batches, float):
             trainer.limit_val_batches = max(1, round(max(lengths) * self.fraction))
@@ -309,7 +310,9 @@ class Bridge:
         """The Trainer is about to fetch a training batch: everything of the batches before it has run
         (their validation, an epoch's end) and nothing of this one. After an optimizer step this is a
         step's end (count, cadence save) and the place to stop; inside an accumulation it is neither."""
-        loop, gs = self.loop, self.state.trainer.global_step
+        loop, trainer = self.loop, self.state.trainer
+        assert trainer is not None  # set by setup, before the first batch
+        gs = trainer.global_step
         if self._begun is not None and gs > self._begun:
             self._step_row(gs)
             loop.end(gs)
@@ -321,7 +324,7 @@ class Bridge:
             self._resumed = None
             restore_rng(rng)  # what model.setup / configure_model drew after the restore is undone
             if stepped is not None:
-                self.state.trainer.fit_loop.epoch_loop._batches_that_stepped = stepped
+                trainer.fit_loop.epoch_loop._batches_that_stepped = stepped
         p = loop.progress
         assert p.total is not None  # set before the first batch (on_train_start)
         p.total = max(p.total, p.step + 1)  # the Trainer asks for another step: there is one

@@ -39,6 +39,7 @@ def lightning_job(tmp_path: Path, **params) -> Path:
 def load_template(folder: Path):
     """The template's train.py as a module (its LightningModule and LightningDataModule)."""
     spec = importlib.util.spec_from_file_location("lit_template", folder / "train.py")
+    assert spec is not None and spec.loader is not None  # a .py file always has a spec and a loader
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

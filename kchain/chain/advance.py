@@ -28,11 +28,12 @@ from kchain.chain.budget import check_budget, plan_for
 from kchain.chain.notify import FAILED, FINISHED, NEEDS_PERSON, SESSION_ENDED, Notify, nobody, notifier
 from kchain.chain.push import push_session, reconcile, refuse_unpushable
 from kchain.chain.sessions import StaleRule, summary_of
-from kchain.common import layout, nextsession
-from kchain.common.kernel_states import LIVE
+from kchain.common import layout, nextsession, sessionstate
+from kchain.common.checkpoint_files import CheckpointInvalid, verify
 from kchain.common.nextkernel import resume_for
-from kchain.common.nextsession import Chain, Verdict, final_weights, saved_step
+from kchain.common.nextsession import Chain, Copy, Verdict, final_weights, saved_step
 from kchain.common.sessionrecord import PendingRelay, PublishFacts, SessionRecord
+from kchain.common.sessionstate import LIVE, SessionState
 from kchain.common.statefolder import (
     build_cache_folder,
     build_state_folder,
@@ -79,27 +80,23 @@ def _chain_lock(ledger: Ledger, job: str) -> Iterator[None]:
 
 
 def relay_state(client: KaggleClient, job: Job, owner: str, record: SessionRecord, echo: Echo,
-                save: Callable[[PublishFacts], None]) -> dict[str, Any] | None:
+                save: Callable[[PublishFacts], None], copy: Copy | None = None) -> dict[str, Any] | None:
     """Version the state dataset from the session's downloaded output; None if it holds no checkpoint.
+    copy: a repair, the verified copy of the step the session refused (an earlier session's checkpoint, or
+    a downloaded state version) is published instead, as a new version.
 
     What is about to be uploaded is saved (save) before the upload and before any wait, so a rerun
     after an abort looks at the dataset's versions instead of uploading the same state again."""
-    output = Path(record["output"]) if record.get("output") else None
-    kchain_dir = output / layout.KCHAIN_DIR if output else None
-    if kchain_dir is None or not kchain_dir.is_dir():
-        return None
     work = Path(tempfile.mkdtemp(prefix="kchain-relay-"))
     try:
-        marker = build_state_folder(kchain_dir, work / "state", published="relay", job=job.name)
-        if marker is None:
+        built = _relay_folder(record, work, job, echo) if copy is None else _repair_folder(copy, work, job)
+        if built is None:
             return None
-        if marker["step"] <= (resumed := record.get("resumes_at") or 0):  # e.g. only the kept best it brought along
-            echo(f"  session {record['session']}'s output holds no checkpoint past step {resumed}, where it resumed: "
-                 "nothing to publish")
-            return None
+        folder, marker, kchain_dir = built
         state_ref = state_dataset(owner, job.name)
-        uploaded = sum(p.stat().st_size for p in (work / "state").iterdir() if p.is_file())
-        notes = f"kchain session {record['session']} step {marker['step']}"
+        uploaded = sum(p.stat().st_size for p in folder.iterdir() if p.is_file())
+        notes = f"kchain session {record['session']} step {marker['step']}" if copy is None else \
+            f"kchain step {marker['step']} again: session {record['session']} refused version {record.get('state_version')}"
         pending: PendingRelay = {**((record.get("publish") or {}).get("pending") or {})}
         sent = (record.get("summary") or {}).get(layout.PUBLISH_SENT_KEY) or {}
         by_kernel = not pending and sent.get("step") == marker["step"] and sent.get("before") is not None
@@ -118,24 +115,68 @@ def relay_state(client: KaggleClient, job: Job, owner: str, record: SessionRecor
             pending = {"step": marker["step"], "before": before}
             save({"pending": pending})
             echo(f"  publishing step {marker['step']} to {state_ref} from the laptop ({uploaded / 1e6:.2f} MB)")
-            write_dataset_metadata(work / "state", state_ref, f"{job.name} state")
-            version = new_version(client, work / "state", state_ref, notes, "skip", echo, before=before)
+            write_dataset_metadata(folder, state_ref, f"{job.name} state")
+            version = new_version(client, folder, state_ref, notes, "skip", echo, before=before)
         pending["version"] = version
         save({"pending": pending})
-        entries = cache_entries(kchain_dir)
-        cache_bytes = 0
-        if entries and entries != record.get("cache_attached") and not pending.get("cache_version"):
-            cache_ref = cache_dataset(owner, job.name)
-            cache_bytes = build_cache_folder(kchain_dir, work / "cache")
-            echo(f"  staged-data cache changed: publishing {cache_ref} ({cache_bytes / 1e6:.2f} MB)")
-            ensure_dataset(client, cache_ref, f"{job.name} cache", echo)
-            write_dataset_metadata(work / "cache", cache_ref, f"{job.name} cache")
-            pending["cache_version"] = new_version(client, work / "cache", cache_ref, notes, "zip", echo)
-            save({"pending": pending})
+        entries, cache_bytes = _relay_cache(client, job, owner, record, kchain_dir, work, notes, pending, echo, save)
         return {**marker, "uploaded_bytes": uploaded + cache_bytes, "cache_bytes": cache_bytes, "cache": entries,
                 "version": version}
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def _relay_folder(record: SessionRecord, work: Path, job: Job, echo: Echo) -> tuple[Path, dict, Path | None] | None:
+    """The state folder built from a session's downloaded output (its folder, marker and kchain dir), None
+    when the output holds no checkpoint past the step the session resumed at."""
+    output = Path(record["output"]) if record.get("output") else None
+    kchain_dir = output / layout.KCHAIN_DIR if output else None
+    if kchain_dir is None or not kchain_dir.is_dir():
+        return None
+    marker = build_state_folder(kchain_dir, work / "state", published="relay", job=job.name)
+    if marker is None:
+        return None
+    if marker["step"] <= (resumed := record.get("resumes_at") or 0):  # e.g. only the kept best it brought along
+        echo(f"  session {record['session']}'s output holds no checkpoint past step {resumed}, where it resumed: "
+             "nothing to publish")
+        return None
+    return work / "state", marker, kchain_dir
+
+
+def _repair_folder(copy: Copy, work: Path, job: Job) -> tuple[Path, dict, Path | None] | None:
+    """The state folder of a repair: a downloaded state version as it is (its marker), or one built around a
+    verified checkpoint of an earlier session's output (the kept best, export and summary beside it, as the
+    relay of that session built it); the checkpoint is verified again, since it is what will be sent."""
+    path = Path(copy.path)
+    try:
+        if copy.state_folder:
+            verify(path)
+            return path, json.loads((path / layout.STATE_MARKER).read_text()), None
+        kchain_dir = path.parent.parent
+        marker = build_state_folder(kchain_dir, work / "state", published="relay", job=job.name,
+                                    found=(path, verify(path)))
+    except (CheckpointInvalid, OSError, ValueError):
+        return None
+    return (work / "state", marker, None) if marker is not None else None
+
+
+def _relay_cache(client: KaggleClient, job: Job, owner: str, record: SessionRecord, kchain_dir: Path | None,
+                 work: Path, notes: str, pending: PendingRelay, echo: Echo,
+                 save: Callable[[PublishFacts], None]) -> tuple[list[str], int]:
+    """A changed staged-data cache in the session's output, published beside its state: (entries, bytes)."""
+    if kchain_dir is None:
+        return [], 0
+    entries = cache_entries(kchain_dir)
+    cache_bytes = 0
+    if entries and entries != record.get("cache_attached") and not pending.get("cache_version"):
+        cache_ref = cache_dataset(owner, job.name)
+        cache_bytes = build_cache_folder(kchain_dir, work / "cache")
+        echo(f"  staged-data cache changed: publishing {cache_ref} ({cache_bytes / 1e6:.2f} MB)")
+        ensure_dataset(client, cache_ref, f"{job.name} cache", echo)
+        write_dataset_metadata(work / "cache", cache_ref, f"{job.name} cache")
+        pending["cache_version"] = new_version(client, work / "cache", cache_ref, notes, "zip", echo)
+        save({"pending": pending})
+    return entries, cache_bytes
 
 
 def ready_state(client: KaggleClient, job: Job, owner: str, chain: list[SessionRecord], echo: Echo,
@@ -190,19 +231,10 @@ def steps_lost(record: SessionRecord, saved: int) -> tuple[int | None, str]:
     reached = summary_of(record).step
     if isinstance(reached, int):
         return max(0, reached - saved), f"{max(0, reached - saved)} steps lost"
-    beat = _heartbeat_step(record.get("heartbeat"))
+    beat = sess.heartbeat_step(record.get("heartbeat"))
     if beat is not None:
         return max(0, beat - saved), f"at least {max(0, beat - saved)} steps lost (its last heartbeat: step {beat})"
     return None, "an unknown number of steps lost (no summary or heartbeat says how far it got)"
-
-
-def _heartbeat_step(line: str | None) -> int | None:
-    if not line:
-        return None
-    try:
-        return int(line.split("step", 1)[1].split("/", 1)[0].strip())
-    except (IndexError, ValueError):
-        return None
 
 
 def fetch_or_stop(client: KaggleClient, ledger: Ledger, job: Job, owner: str, chain: list[SessionRecord],
@@ -226,7 +258,7 @@ def fetch_or_stop(client: KaggleClient, ledger: Ledger, job: Job, owner: str, ch
     version = current_version(client, state_ref, echo)
     earlier = [step for s in chain[:-1] if (step := (s.get("publish") or {}).get("step")) is not None]
     step = max(earlier, default=0)
-    reached = last.get("step") or _heartbeat_step(last.get("heartbeat"))
+    reached = last.get("step") or sess.heartbeat_step(last.get("heartbeat"))
     lost = (f"{reached - step} steps (it reached step {reached})" if reached is not None
             else "every step it trained (how many is unknown: no heartbeat was seen)")
     if from_state is None:
@@ -262,15 +294,49 @@ def decide_and_continue(job: Job, ledger: Ledger, client: KaggleClient, retry: b
 def look(client: KaggleClient, ledger: Ledger, job: Job, owner: str) -> Chain:
     """What `decide` reads: the chain's records as Kaggle has them now, and Kaggle's own word on the
     kernel (a session started outside kchain also counts). The code is rendered only when asked."""
-    chain = [s for s in sess.refresh(client, ledger, job.name) if s["status"] != "FAILED_TO_PUSH"]
+    chain = [s for s in sess.refresh(client, ledger, job.name) if s["status"] != SessionState.FAILED_TO_PUSH]
     kernel = f"{owner}/{job.name}"
     on_kaggle = _kernel_status(client, kernel) if chain else None
     fingerprint = functools.cache(lambda: render_job(job, owner=owner).fingerprint)
+    copy_of = functools.partial(verified_copy, client, ledger, job, owner, list(chain))
     return Chain(list(chain), kernel, on_kaggle, fingerprint=fingerprint,
-                     smoked=lambda fingerprint: ledger.smoke_passed(fingerprint) is not None)
+                 smoked=lambda fingerprint: ledger.smoke_passed(fingerprint) is not None, copy_of=copy_of)
 
 
-def _kernel_status(client: KaggleClient, kernel: str) -> str | None:
+def verified_copy(client: KaggleClient, ledger: Ledger, job: Job, owner: str, chain: list[SessionRecord], step: int,
+                  refused: int | None) -> Copy | None:
+    """A copy of `step` that verifies, other than state version `refused`: the checkpoint in a session's
+    output downloaded here (newest session first; nothing asked of Kaggle), else an earlier state version
+    that holds the step (downloaded into the ledger, verified)."""
+    name = layout.checkpoint_name(step)
+    for record in reversed(chain):
+        output = Path(record["output"]) if record.get("output") else None
+        for ckpt in sorted(output.rglob(name)) if output is not None and output.is_dir() else []:
+            try:
+                manifest = verify(ckpt) if ckpt.parent.name == layout.CHECKPOINTS_DIR else None
+            except CheckpointInvalid:
+                continue
+            if manifest is not None and manifest.get("step") == step and manifest.get("job") in (None, job.name):
+                return Copy(str(ckpt), f"session {record['session']}'s output on this laptop")
+    state_ref = state_dataset(owner, job.name)
+    for record in reversed(chain):
+        version = (record.get("publish") or {}).get("version")
+        if (record.get("publish") or {}).get("step") != step or version in (None, refused):
+            continue
+        dest = ledger.root / "repair" / job.name / str(version)
+        shutil.rmtree(dest, ignore_errors=True)
+        try:
+            client.download_dataset(state_ref, version, dest)
+            manifest = verify(dest)
+        except (KaggleError, CheckpointInvalid):
+            shutil.rmtree(dest, ignore_errors=True)
+            continue
+        if manifest.get("step") == step and (dest / layout.STATE_MARKER).is_file():
+            return Copy(str(dest), f"state version {version}", state_folder=True)
+    return None
+
+
+def _kernel_status(client: KaggleClient, kernel: str) -> SessionState | None:
     """Kaggle's status of the kernel's newest session; None once the kernel is gone (`kchain stop --delete`)."""
     try:
         return client.status(kernel, None)[0]
@@ -300,7 +366,39 @@ def act(decision: Verdict, job: Job, ledger: Ledger, client: KaggleClient, owner
         return finish(job, ledger, client, owner, chain, decision, echo)
     if decision.action == "push":
         return push_next(job, ledger, client, owner, chain, force, echo, decision.attempt if decision.again else 1)
+    if decision.action == "repair":
+        return repair_and_push(decision, job, ledger, client, owner, chain, force, echo)
     return decision
+
+
+def repair_and_push(decision: Verdict, job: Job, ledger: Ledger, client: KaggleClient, owner: str,
+                    chain: list[SessionRecord], force: bool, echo: Echo) -> Verdict:
+    """The last session refused its state (damaged): the verified copy of that step (decision.copy) becomes a
+    new state version, through the laptop's relay (sent once: a rerun settles it by the dataset's versions),
+    and the next session is pushed from it, resuming at the same step: nothing is lost."""
+    last, copy = chain[-1], decision.copy
+    assert copy is not None  # nextsession decides a repair with its copy
+
+    def save_publish(progress: PublishFacts) -> None:
+        last["publish"] = progress
+        ledger.save_session(job.name, last)
+
+    echo(f"  {decision.message}")
+    if not (last.get("publish") or {}).get("version"):
+        marker = relay_state(client, job, owner, last, echo, save_publish, copy=copy)
+        if marker is None:
+            raise ChainStop(f"the copy of step {last.get('resumes_at') or 0} in {copy.path} no longer verifies; "
+                            f"run `kchain continue {job.path}` again to look for another")
+        save_publish({"published": "relay", "step": marker["step"], "version": marker["version"],
+                      "uploaded_bytes": marker["uploaded_bytes"], "checkpoint_bytes": marker["checkpoint_bytes"],
+                      "cache_bytes": 0, "steps_lost": 0, "resumes_at": marker["step"],
+                      "repair": {"refused_version": last.get("state_version"), "from": copy.where}})
+    if copy.state_folder:
+        shutil.rmtree(copy.path, ignore_errors=True)  # the download it was sent from
+    pushed = push_next(job, ledger, client, owner, chain, force, echo)
+    return dataclasses.replace(pushed, message=f"{pushed.message}: step {last['publish']['step']} republished from "
+                               f"{copy.where} after session {last['session']} refused state version "
+                               f"{last.get('state_version')}; 0 steps lost")
 
 
 def finish(job: Job, ledger: Ledger, client: KaggleClient, owner: str, chain: list[SessionRecord],
@@ -358,7 +456,8 @@ def push_next(job: Job, ledger: Ledger, client: KaggleClient, owner: str, chain:
         sources.append(cache_ref)
     unattended = bool(chain[0].get("unattended"))  # the kernels push from here on again, as from session 1
     rendered = render_job(job, owner=owner, extra_sources=sources, session=last["session"] + 1,
-                          session_facts=session_facts(ledger, job, facts, last["session"] + 1, attempt, unattended),
+                          session_facts=session_facts(ledger, job, facts, last["session"] + 1, attempt, unattended,
+                                                      owner),
                           unattended=unattended)
     image = chain[0].get("image") if job.kaggle.image == "pin" else None
     record = push_session(
@@ -387,18 +486,18 @@ def _pin_image(rendered: Rendered, image: str) -> Rendered:
 
 
 def session_facts(ledger: Ledger, job: Job, facts: PublishFacts | None = None, session: int = 2,
-                  attempt: int = 1, unattended: bool = False) -> dict[str, Any]:
+                  attempt: int = 1, unattended: bool = False, owner: str | None = None) -> dict[str, Any]:
     """What the rendered config tells the next session besides the job: the state it must resume
     (step and state version, its number in the chain, which try of that state it is), the measured
-    publish figures its deadline guard plans with, and (unattended) the week's GPU time so far, which its
-    kernel counts on. A kernel of an unattended chain writes the same (nextkernel.resume_for,
+    publish figures its deadline guard plans with, and (unattended) the week's GPU time so far (owner's
+    account's, every job folder's), which its kernel counts on. A kernel of an unattended chain writes the same (nextkernel.resume_for,
     nextsession.week_used) for the session it pushes."""
     out: dict[str, Any] = {}
     figures = ledger.publish_figures(job.name)
     if figures:
         out["publish"] = figures
     if unattended:
-        out["week"] = ledger.week_tally()
+        out["week"] = ledger.week_tally(user=owner)
     if facts is not None:
         out["resume"] = resume_for(session, facts.get("resumes_at") or 0, facts.get("version"), attempt)
     return out
@@ -539,7 +638,7 @@ def _stale_session(job: Job, ledger: Ledger, client: KaggleClient, record: Sessi
         raise ChainStop(judged.message(job.path))
     echo(f"[{time.strftime('%H:%M:%S')}] {judged.message(job.path)}: deleting it")
     with _chain_lock(ledger, job.name):
-        chain = [s for s in ledger.sessions(job.name) if s["status"] != "FAILED_TO_PUSH"]
+        chain = [s for s in ledger.sessions(job.name) if s["status"] != SessionState.FAILED_TO_PUSH]
         plan = _delete_plan(client, job, chain, record)
         if plan.unchecked and not plan.blockers:  # no answer is not a no: the watch asks at its next look
             echo(f"  not deleted yet: {'; '.join(plan.unchecked)}; asking Kaggle again at the next look")
@@ -593,7 +692,7 @@ def _delete_plan(client: KaggleClient, job: Job, chain: list[SessionRecord], rec
                 blockers.append(f"{resumes}, which Kaggle does not have ({exc})")
             else:
                 unchecked.append(f"{resumes}, which could not be checked ({exc})")
-    beat = _heartbeat_step(record.get("heartbeat"))
+    beat = sess.heartbeat_step(record.get("heartbeat"))
     lost = [f"session {n}'s work since step {step}" + (f" (it reached step {beat})" if beat else "") + " and its log"]
     if ended:
         lost.append(f"Kaggle's copies of the output of session(s) {', '.join(str(s['session']) for s in ended)} "
@@ -617,8 +716,9 @@ def _delete_kernel_of(ledger: Ledger, client: KaggleClient, job: Job, record: Se
         if s.get("kernel") == plan.kernel and s.get("version") is not None and not s.get("kernel_deleted"):
             s["kernel_deleted"] = when
             if s["status"] in LIVE:
-                s.update({"status": "CANCEL_ACKNOWLEDGED", "ended": when, "stopped_by_user": True,
+                s.update({"ended": when, "stopped_by_user": True,
                           "failure_message": "stopped by `kchain stop --delete`: its kernel was deleted, with its output"})
+                sessionstate.stopped(s)
             ledger.save_session(job.name, s)
     echo(f"deleted {plan.kernel}: session {record['session']} ended with it, and its GPU time with it; "
          f"`kchain continue {plan.job_file}` pushes the next session (a new kernel of the same name) from "
@@ -639,7 +739,8 @@ def stop_chain(job_file: Path, wait_s: float = 3600.0, poll_s: float = 10.0, ech
     ledger, client = Ledger(state_dir(job.path)), KaggleClient()
     with _chain_lock(ledger, job.name):
         reconcile(client, ledger, job)
-        chain = [s for s in sess.refresh(client, ledger, job.name, live_log=delete) if s["status"] != "FAILED_TO_PUSH"]
+        chain = [s for s in sess.refresh(client, ledger, job.name, live_log=delete)
+                 if s["status"] != SessionState.FAILED_TO_PUSH]
         live = [s for s in chain if s["status"] in LIVE and s.get("version")]
         if not live:
             raise ChainStop(f"no session of {job.name} is queued or running; nothing to stop")

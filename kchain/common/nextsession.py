@@ -13,6 +13,12 @@ Kaggle call, standard library only (it is embedded into the kernel). The table, 
   no_checkpoint                                   -> stop: nothing to resume
   deadline without training a step                -> stop: start-up fills the session
   state_not_mounted more than REMOUNTS in a row   -> stop: the state version never appeared in the input
+  the state it was pushed for refused (WrongState) -> repair: publish that copy as a new state version and
+    and a verified copy of that step is at hand        push the next session from it (no step lost; --retry or
+    (a session's output on this laptop, or an          not, unless the code never passed a smoke run)
+    earlier state version)
+  ... and the refused state was such a repair     -> stop: the copy was refused too
+  refused as damaged (DamagedState), no copy      -> stop, --retry or not: sending it again is refused again
   no accelerator                                  -> stop unless --retry
   crashed or hung, the same error as before       -> stop: fix the code
   crashed or hung, the same code, no --retry      -> stop: fix it, or --retry
@@ -32,13 +38,13 @@ own hours this week, `week_used`, against the job's budget).
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import PurePath
-from typing import Any
+from typing import Any, Literal
 
 from kchain.common import layout
-from kchain.common.kernel_states import LIVE, TERMINAL
 from kchain.common.sessionrecord import SessionRecord
+from kchain.common.sessionstate import LIVE, TERMINAL, SessionState
 from kchain.common.summary import Status, Summary
 
 Record = SessionRecord  # a session record (sessions.json), a plain JSON object
@@ -50,22 +56,44 @@ NEEDS_A_PERSON = (Status.CRASHED, Status.HUNG, Status.NO_ACCELERATOR)
 REMOUNTS = 3
 # The kind of a stop: the adapter on the laptop raises ChainStop or NotSmoked for it.
 CHAIN_STOP, NOT_SMOKED = "chain_stop", "not_smoked"
+# The errors of a session that refused the state it was pushed for (common/resumecheck.py): its checkpoint of
+# that step is not in the mounted version, or fails verification there (DAMAGED).
+REFUSED_STATE, DAMAGED = ("WrongState", "DamagedState"), "DamagedState"
 # The ends no session follows: the chain's finished word, decided here for the table and for every command
 # that says where the result is (kchain/chain/outcome.py: continue, status, runs, pull and release).
 ENDED = (Status.FINISHED, Status.STOPPED)
+# What a verdict says comes next (`decide`'s words, and the laptop's `pushed` once it acted on a push): mypy
+# refuses any other text for a verdict's action, made or compared (strict_equality).
+Action = Literal["running", "finished", "stop", "refetch", "repair", "push", "pushed"]
 
 
 @dataclass(frozen=True)
 class Verdict:
-    """What comes next: action running | finished | stop | refetch | push; for a push, `again` is True
-    when it is the same session pushed again (a state not mounted), with `attempt` its number."""
+    """What comes next: action running | finished | stop | refetch | repair | push; for a push, `again` is True
+    when it is the same session pushed again (a state not mounted), with `attempt` its number; a repair
+    publishes `copy` as a new state version, then pushes the next session from it."""
 
-    action: str
+    action: Action
     message: str
     record: Record | None = None  # the session the verdict is about (the chain's last)
     stop: str | None = None  # CHAIN_STOP or NOT_SMOKED for a stop
     again: bool = False
     attempt: int = 1
+    copy: Copy | None = None  # a repair: the verified copy of the refused step to publish
+
+
+@dataclass(frozen=True)
+class Copy:
+    """A verified copy of a step, found where the chain keeps its states: a checkpoint folder (in a session's
+    downloaded output) or a whole state folder (an earlier state version, downloaded)."""
+
+    path: str
+    where: str  # in words: "session 1's output on this laptop", "state version 2"
+    state_folder: bool = False  # path is a state version's folder (uploaded as it is), not a checkpoint
+
+
+def _no_copy(_step: int, _refused: int | None) -> Copy | None:
+    return None
 
 
 @dataclass(frozen=True)
@@ -74,9 +102,12 @@ class Chain:
 
     records: list[Record]
     kernel: str  # owner/name
-    on_kaggle: str | None  # Kaggle's status of the kernel's newest session (None: not asked, or no kernel)
+    on_kaggle: SessionState | None  # Kaggle's state of the kernel's newest session (None: not asked, or no kernel)
     fingerprint: Callable[[], str]  # the code's fingerprint now (asked only when needed)
     smoked: Callable[[str], bool]  # whether code with that fingerprint passed a smoke run
+    # A verified copy of a step other than in the refused state version (asked only when a session refused
+    # its state); a kernel deciding about itself has none.
+    copy_of: Callable[[int, int | None], Copy | None] = field(default=_no_copy)
 
 
 def summary_of(record: Record) -> Summary:
@@ -101,17 +132,23 @@ def decide(now: Chain, job_file: str, retry: bool = False, skip_smoke: bool = Fa
     if verdict is not None:
         return verdict
     fingerprint = now.fingerprint()
-    verdict = _after_crash(chain, fingerprint, job_file, retry)
-    if verdict is not None:
-        return verdict
-    if last["status"] in TERMINAL and not last.get("output") and last.get("output_error") and not output_settled:
-        return Verdict("refetch", f"the output of session {last['session']} could not be fetched", last)
-    verdict = _without_progress(chain, fingerprint, job_file, retry)
-    if verdict is not None:
-        return verdict
+    repair = _refused_state(now, chain, job_file)
+    if repair is not None and repair.action == "stop":
+        return repair
+    if repair is None:
+        verdict = _after_crash(chain, fingerprint, job_file, retry)
+        if verdict is not None:
+            return verdict
+        if last["status"] in TERMINAL and not last.get("output") and last.get("output_error") and not output_settled:
+            return Verdict("refetch", f"the output of session {last['session']} could not be fetched", last)
+        verdict = _without_progress(chain, fingerprint, job_file, retry)
+        if verdict is not None:
+            return verdict
     if not now.smoked(fingerprint) and not skip_smoke:
         return _stop(f"this code has never passed a smoke run: run `kchain smoke {job_file}` first "
                      "(or --skip-smoke, recorded in the run log)", NOT_SMOKED)
+    if repair is not None:
+        return repair
     unmounted = _not_mounted_in_a_row(chain)
     if unmounted:
         state = f"state version {last.get('state_version')} (step {last.get('resumes_at') or 0})"
@@ -182,6 +219,37 @@ def _after_end(chain: list[Record], job_file: str) -> Verdict | None:
     return None
 
 
+def _refused_state(now: Chain, chain: list[Record], job_file: str) -> Verdict | None:
+    """The last session refused the state it was pushed for (resumecheck.WrongState: the step is not in the
+    mounted version, DamagedState: it fails verification there): a repair from a verified copy of that step
+    when one is at hand; a stop when the refused state was such a repair already, or is damaged with no copy
+    (--retry would send the same damaged version again); None otherwise (a plain WrongState without a copy
+    is a crash like any other)."""
+    last = chain[-1]
+    error = crash_of(last) or {}
+    if error.get("type") not in REFUSED_STATE:
+        return None
+    version, step = last.get("state_version"), last.get("resumes_at") or 0
+    refused = f"session {last['session']} refused state version {version} (step {step})"
+    earlier = (chain[-2].get("publish") or {}) if len(chain) > 1 else {}
+    if (earlier.get("repair") or {}) and earlier.get("version") == version:
+        return _stop(f"{refused}, itself a copy of step {step} from {earlier['repair'].get('from')} published "
+                     f"after an earlier refusal: {error.get('message')}; check the state dataset on Kaggle, then "
+                     f"run `kchain continue {job_file}`")
+    copy = now.copy_of(step, version)
+    if copy is not None:
+        return Verdict("repair", f"{refused}: {error.get('message')}; {copy.where} holds a verified copy of step "
+                       f"{step}: publishing it as a new state version and pushing session {last['session'] + 1} "
+                       "from it (no step lost)", last, copy=copy)
+    if error.get("type") != DAMAGED:
+        return None
+    saved = next((f"session {s['session']}'s output" for s in reversed(chain[:-1])
+                  if (s.get("publish") or {}).get("step") == step), "the output of the session that saved it")
+    return _stop(f"{refused} as damaged: {error.get('message')}; no verified copy of step {step} is on this laptop "
+                 "or in an earlier state version, and --retry would send the same damaged version again: run "
+                 f"`kchain continue {job_file}` where {saved} (step {step}) was downloaded")
+
+
 def _after_crash(chain: list[Record], fingerprint: str, job_file: str, retry: bool) -> Verdict | None:
     """A crash, a hang or a missing accelerator: repeated only with --retry, never the same crash twice."""
     last = chain[-1]
@@ -250,7 +318,7 @@ def crash_of(record: Record) -> dict[str, Any] | None:
         return None
     if summary.status in NEEDS_A_PERSON:
         return record.get("error") or summary.error or {"type": summary.status, "message": ""}
-    if record["status"] == "ERROR" and (error := record.get("error")) and error.get("type") not in (
+    if record["status"] == SessionState.ERROR and (error := record.get("error")) and error.get("type") not in (
         "SessionError", "TrainingFailed",
     ):
         return error

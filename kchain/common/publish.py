@@ -27,13 +27,23 @@ from typing import Any
 
 PROCESS_START = time.monotonic()  # the client's start-up (the kaggle import) is measured from here
 
-from kchain.common import layout, nextkernel, nextsession, publishplan, relay, sendonce, summary  # noqa: E402
+from kchain.common import (  # noqa: E402
+    kernelauth,
+    layout,
+    nextkernel,
+    nextsession,
+    publishplan,
+    relay,
+    sendonce,
+    sessionstate,
+    summary,
+)
 from kchain.common.config import RuntimeConfig  # noqa: E402
 from kchain.common.sessionrecord import SessionRecord  # noqa: E402
 
-SECRET_LABELS = ("KAGGLE_USERNAME", "KAGGLE_KEY")
 MISSING = (403, 404)  # Kaggle's answers for a dataset that does not exist, or is not visible yet
-ATTEMPTS = 4  # sends of one version at most, each after the dataset showed the last one did not land
+ATTEMPTS = 4  # sends of one version at most where the session's time is unknown (else: while it allows: Resends)
+RESEND_BACKOFF_MAX = 4  # the backoff before a send again grows to sendonce.retry_delay_s(4): 8-16 s
 SETTLE_S = 600.0  # the longest wait for a dataset to be ready again after a lost answer (hidden, processing)
 APPEAR_S = 30.0  # how long a new dataset may stay hidden after its creation
 RESERVE_S = 10.0  # kept back from the session's limit by a wait or a second send: the summary, the notebook's end
@@ -63,19 +73,6 @@ def _time_left(config: RuntimeConfig) -> float | None:
     return float(start) + float(limit) - time.time()
 
 
-def credential() -> dict[str, str] | None:
-    """KAGGLE_USERNAME and KAGGLE_KEY from the kernel's attached Secrets, or None."""
-    try:
-        from kaggle_secrets import UserSecretsClient
-
-        client = UserSecretsClient()
-        return {label: client.get_secret(label) for label in SECRET_LABELS}
-    except Exception as exc:  # noqa: BLE001 - any failure means "no credential here"
-        say(f"no Kaggle credential in this kernel's Secrets ({type(exc).__name__}); "
-            "attach secrets KAGGLE_USERNAME and KAGGLE_KEY to publish from the kernel")
-        return None
-
-
 def _brief(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {str(exc)[:120]}"
 
@@ -87,16 +84,49 @@ class Clock:
     def __init__(self, config: RuntimeConfig, plan: dict) -> None:
         self.config, self.plan = config, plan
 
-    def room_to_send(self, nbytes: int) -> bool:
+    def room_to_send(self, nbytes: int, after_s: float = 0.0) -> bool:
+        """Whether another upload of nbytes, started after_s from now, ends before the session's reserve."""
         left = _time_left(self.config)
         again = publishplan.seconds(self.plan, nbytes) - self.plan["start_s"]  # the client is up already
-        return left is None or left - RESERVE_S >= again
+        return left is None or left - RESERVE_S - after_s >= again
+
+    def known(self) -> bool:
+        """Whether the session's time left is known (by the notebook's clock)."""
+        return _time_left(self.config) is not None
 
     def until(self, within_s: float) -> float:
         """The monotonic time a wait of at most within_s must end by."""
         left = _time_left(self.config)
         room = within_s if left is None else min(within_s, left - RESERVE_S)
         return time.monotonic() + max(0.0, room)
+
+
+class Resends:
+    """When a creating call whose send did not land (the dataset's state says so) goes again, for
+    sendonce.send_and_settle: while the session's time allows another upload, each after a backoff (a 429's
+    Retry-After when the last send ended in one), as read() asks again, since giving up hands the chain to
+    the laptop; ATTEMPTS sends at most where the session's time is unknown. Each send is settled as before."""
+
+    def __init__(self, clock: Clock, nbytes: int) -> None:
+        self.clock, self.nbytes, self.again = clock, nbytes, 0
+        self.last: BaseException = RuntimeError("no answer")
+        self.attempts = sys.maxsize if clock.known() else ATTEMPTS
+
+    def noting(self, lost: Callable[[BaseException], bool]) -> Callable[[BaseException], bool]:
+        """lost, which also keeps the send's error for the backoff."""
+        def note(exc: BaseException) -> bool:
+            self.last = exc
+            return lost(exc)
+        return note
+
+    def __call__(self) -> bool:
+        wait = sendonce.retry_delay_s(min(self.again, RESEND_BACKOFF_MAX), self.last)
+        if not self.clock.room_to_send(self.nbytes, wait):
+            return False
+        self.again += 1
+        say(f"the send did not land ({_brief(self.last)}); sending it again in {wait:.0f}s (send {self.again + 1})")
+        time.sleep(wait)
+        return True
 
 
 def transient(exc: BaseException) -> bool:
@@ -123,9 +153,9 @@ def read(what: str, call, attempts: int = 6, until: float | None = None):
             attempt += 1
 
 
-def exists(api, ref: str) -> bool:
+def exists(api, ref: str, until: float | None = None) -> bool:
     try:
-        read(f"looking up {ref}", lambda: api.dataset_status(ref))
+        read(f"looking up {ref}", lambda: api.dataset_status(ref), until=until)
     except Exception as exc:  # noqa: BLE001 - 403/404: not there (or not visible to this user)
         if sendonce.status_code(exc) in MISSING:
             return False
@@ -197,11 +227,12 @@ def _version_once(api, folder: Path, ref: str, notes: str, dir_mode: str, clock:
         now = version_number(api, ref, clock.until(SETTLE_S))
         return now if now != before else None
 
+    resends = Resends(clock, publishplan.tree_bytes(folder))
     try:  # whatever broke, the dataset's versions say what happened (a client that cannot read them: no resend)
         result, now = sendonce.send_and_settle(
             lambda: api.dataset_create_version(str(folder), notes, quiet=True, dir_mode=dir_mode), landed,
-            lost=lambda exc: before is not None, attempts=ATTEMPTS, settle_s=0.0,
-            may_resend=lambda: clock.room_to_send(publishplan.tree_bytes(folder)))
+            lost=resends.noting(lambda exc: before is not None), attempts=resends.attempts, settle_s=0.0,
+            may_resend=resends)
     except sendonce.NotLanded as exc:
         raise RuntimeError(f"the upload to {ref} failed ({_brief(exc.last)}), it has no new version after "
                            f"{exc.attempts} sends, and no attempts or no time are left") from exc
@@ -226,10 +257,11 @@ def _create_once(api, folder: Path, ref: str, dir_mode: str, clock: Clock) -> bo
         sends.append(1)
         return api.dataset_create_new(str(folder), public=False, quiet=True, dir_mode=dir_mode)
 
+    resends = Resends(clock, publishplan.tree_bytes(folder))
     try:  # whatever broke, looking the dataset up says what happened
         result, seen = sendonce.send_and_settle(
-            send, lambda: appears(api, ref, clock.until(APPEAR_S)), lost=lambda exc: True, attempts=ATTEMPTS,
-            settle_s=0.0, may_resend=lambda: clock.room_to_send(publishplan.tree_bytes(folder)))
+            send, lambda: appears(api, ref, clock.until(APPEAR_S)), lost=resends.noting(lambda exc: True),
+            attempts=resends.attempts, settle_s=0.0, may_resend=resends)
     except sendonce.NotLanded as exc:
         raise RuntimeError(f"creating {ref} failed ({_brief(exc.last)}), it does not exist after {exc.attempts} "
                            "sends, and no attempts or no time are left") from exc
@@ -245,7 +277,7 @@ def _publish_folder(api, folder: Path, ref: str, title: str, notes: str, dir_mod
     from kchain.common.statefolder import write_dataset_metadata
 
     write_dataset_metadata(folder, ref, title)
-    if not exists(api, ref) and _create_once(api, folder, ref, dir_mode, clock):
+    if not exists(api, ref, clock.until(SETTLE_S)) and _create_once(api, folder, ref, dir_mode, clock):
         return
     _version_once(api, folder, ref, notes, dir_mode, clock, on_send)
 
@@ -288,14 +320,12 @@ def main(config_path: str) -> int:
     if left is not None and left < need:
         return none(f"{left:.0f}s left before the session limit, and publishing "
                     f"{publishplan.size_text(nbytes)} needs about {need:.0f}s", alone)
-    cred = credential()
-    if cred is None:
+    try:
+        cred = kernelauth.credential()
+    except kernelauth.NoCredential as exc:
+        say(f"{exc}; attach secrets {' and '.join(kernelauth.LABELS)} to publish from the kernel")
         return none("no credential in this kernel's Secrets", alone)
-
-    # The session token Kaggle mounts would take precedence over the user's key (kagglesdk 1.3).
-    os.environ.pop("KAGGLE_API_V1_TOKEN", None)
-    os.environ.update(cred)
-    api = client()
+    api = kernelauth.client(cred)
     work = Path(tempfile.mkdtemp(prefix="kchain-publish-"))
     clock = Clock(config, plan)
     try:
@@ -371,9 +401,10 @@ def _chain_records(config: RuntimeConfig, ended: summary.Summary, resume: dict,
     n = int(resume.get("session") or 1)
     found = newest_checkpoint(kchain_dir, config.job)
     own: SessionRecord = {
-        "session": n, "status": "COMPLETE", "fingerprint": config.fingerprint or "", "summary": ended.to_dict(),
+        "session": n, "fingerprint": config.fingerprint or "", "summary": ended.to_dict(),
         "resumes_at": int(resume.get("step") or 0), "state_version": resume.get("state_version"),
         "saved_step": int(found[1].get("step") or 0) if found is not None else None}
+    sessionstate.ending(own)
     attempt = int(resume.get("attempt") or 1)
     # Made before own's publish facts go in: those sessions published nothing.
     unmounted: list[SessionRecord] = [
@@ -437,17 +468,6 @@ def push_next(api, unpacked: tuple[dict, Path], raw: dict, config: RuntimeConfig
         out.update(decision="outcome unknown", why=f"the push's answer was lost ({sent.get('unknown')}); "
                    "`kchain continue` settles it from the kernel's versions")
     return out
-
-
-def client():
-    """The official client, authenticated with the Secrets' key, its creating calls sent once."""
-    from kaggle.api.kaggle_api_extended import KaggleApi
-
-    api = KaggleApi()
-    api.authenticate()
-    if callable(getattr(api, "with_retry", None)):  # kaggle 2.x; a client without it has nothing to bypass
-        api.with_retry = sendonce.sent_once(api.with_retry)
-    return api
 
 
 def publish(api, config: RuntimeConfig, kchain_dir: Path, work: Path, clock: Clock) -> int:

@@ -53,6 +53,11 @@ class Switches:
     # `GET /api/v1/kernels/logs/stream/<owner>/<slug>` (kernels_logs_stream) streams live lines.
     # Off: it answers 404, and the log exists only once the session has ended.
     log_stream: bool = opt(True, 'serve kernels_logs_stream live.')
+    # What Kaggle's persisted log (kernels_logs, ListKernelSessionOutput's `log`) holds while the session runs:
+    # unset, nothing until the end; TEXT, the log up to the first line showing TEXT, never newer until the end (a
+    # persisted blob that lags the live stream). Which Kaggle does is not known.
+    stale_log_at: str | None = opt(None, "while a session runs, its persisted log holds the log up to the first "
+                                         "line showing TEXT and no more (unset: an empty log).", metavar="TEXT")
     # A kernel sees the user's Secrets only after `emu.attach_secrets(ref)` ("attached in the web UI").
     secrets_need_attaching: bool = opt(True, 'Secrets reach a kernel only once attached to it.')
     # What a session killed at its time limit (or cancelled) leaves behind: "kept" or "lost".

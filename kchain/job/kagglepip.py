@@ -1,7 +1,7 @@
 """`kaggle.pip`: packages Kaggle's image lacks, for a kernel with the internet off.
 
 The laptop downloads each pinned package's wheel for the kernel's interpreter (`pip download --no-deps
---only-binary=:all: --platform ... --python-version ...`), once: the wheels are kept under the job's
+--only-binary=:all: --platform ... --python-version ...`, bounded, a progress line per batch), once: the wheels are kept under the job's
 state folder by a fingerprint of the pins and the kernel's Python and platform (`build`). `push` and
 `continue` make the newest version of `<owner>/<name>-pip` hold exactly those wheels, uploading a version
 only when the fingerprint changed (`ensure`); render attaches that dataset, and the notebook installs
@@ -26,6 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 from kchain.common import atomic, layout
 from kchain.common.statefolder import write_dataset_metadata
@@ -73,33 +74,90 @@ def fingerprint(pins: list[str], target: Target) -> str:
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
 
 
-def _download(pin: str, dest: Path, target: Target | None) -> str | None:
-    """pip download of one pin's wheel into dest (for target, or for this interpreter when None); None when
-    it landed, else pip's reason. pip's own settings apply (an index mirror, PIP_FIND_LINKS)."""
+# Every pip call is bounded: each network wait PIP_TIMEOUT_S, PIP_RETRIES more tries of a failed one, and the
+# whole call PIP_CALL_S (a batch of large wheels on a slow line may take long; a pip that hangs does not).
+PIP_TIMEOUT_S, PIP_RETRIES, PIP_CALL_S = 15, 2, 3600
+BATCH = 100  # pins per pip call: one pip start per batch, not per pin, and a progress line per batch
+# pip's words for an index it could not reach (urllib3's errors and pip's own).
+_UNREACHABLE = re.compile(r"NewConnectionError|ConnectTimeoutError|ReadTimeoutError|NameResolutionError|"
+                          r"Max retries exceeded|connection broken by|Could not fetch URL|ProxyError")
+_NO_WHEEL = re.compile(r"No matching distribution found for (\S+)")
+
+
+def pip_command(pins: list[str], dest: Path, target: Target | None) -> list[str]:
+    """pip download of the pins' wheels into dest (for target, or for this interpreter when None), bounded
+    (PIP_TIMEOUT_S, PIP_RETRIES). pip's own settings apply (an index mirror, PIP_FIND_LINKS)."""
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--dest", str(dest),
-           "--disable-pip-version-check", "--no-input", "--quiet"]
+           "--disable-pip-version-check", "--no-input", "--progress-bar", "off",
+           "--timeout", str(PIP_TIMEOUT_S), "--retries", str(PIP_RETRIES)]
     if target is not None:
         cmd += ["--platform", target.platform, "--python-version", target.python, "--implementation", "cp"]
+    return [*cmd, *pins]
+
+
+def _download(pins: list[str], dest: Path, target: Target | None) -> str | None:
+    """Download the pins' wheels; None when they all landed, else the pin pip found no wheel of (pip stops at
+    the first). An index pip could not reach, or any other failure, is a KchainError in one line."""
     try:
-        proc = subprocess.run([*cmd, pin], capture_output=True, text=True)
+        proc = subprocess.run(pip_command(pins, dest, target), capture_output=True, text=True, timeout=PIP_CALL_S)
     except OSError as exc:
         raise KchainError(f"kaggle.pip: cannot run pip ({exc.strerror}); install pip in this environment") from None
+    except subprocess.TimeoutExpired:
+        raise KchainError(f"kaggle.pip: pip took more than {PIP_CALL_S} s to download {len(pins)} wheel(s) "
+                          f"({pins[0]} ...) and was stopped; check the connection and run the command again") from None
     if proc.returncode == 0:
         return None
     said = proc.stderr + proc.stdout
     if "No module named pip" in said:
         raise KchainError(f"kaggle.pip: this environment ({sys.executable}) has no pip; install it "
                           "(python -m ensurepip) and run the command again")
-    if "No matching distribution found" in said:
-        return "no wheel"
-    lines = [line.strip() for line in said.splitlines() if line.strip()]
-    return (lines[-1] if lines else f"pip exited {proc.returncode}")[:300]
+    if _UNREACHABLE.search(said):
+        raise KchainError(f"kaggle.pip: the package index {_indexes(said)} cannot be reached (pip gave up after "
+                          f"{PIP_RETRIES} retries with a {PIP_TIMEOUT_S} s timeout each); check the connection, or "
+                          "pip's index settings (PIP_INDEX_URL, pip.conf), and run the command again")
+    if (found := _NO_WHEEL.search(said)) and (pin := _pin_named(found[1], pins)) is not None:
+        return pin
+    lines = [line.strip() for line in said.splitlines() if line.strip() and not line.startswith(("Looking in",
+                                                                                                   "Collecting"))]
+    why = (lines[-1] if lines else f"pip exited {proc.returncode}")[:300]
+    raise KchainError(f"kaggle.pip: pip could not download {pins[0] if len(pins) == 1 else f'{len(pins)} wheels'}: "
+                      f"{why}; check the connection (or pip's index settings) and run the command again")
+
+
+def _indexes(said: str) -> str:
+    """The network indexes pip says it looked in ("Looking in indexes: ..."), without any user or password; pip
+    names none when it uses its default index alone."""
+    looked = next((line.split(":", 1)[1] for line in said.splitlines() if line.startswith("Looking in indexes:")), "")
+    urls = [urlsplit(u.strip()) for u in looked.split(",") if u.strip().startswith(("http://", "https://"))]
+    named = [urlunsplit(u._replace(netloc=u.hostname + (f":{u.port}" if u.port else "")))
+             for u in urls if u.hostname]
+    return " or ".join(named) if named else "https://pypi.org/simple (pip's default)"
+
+
+def _pin_named(requirement: str, pins: list[str]) -> str | None:
+    """The pin a requirement pip names is ("Foo_Bar==1.0" for foo-bar==1.0)."""
+    def name(text: str) -> str:
+        return re.sub(r"[-_.]+", "-", re.split(r"[=<>!~;\[ ]", text, maxsplit=1)[0]).lower()
+    return next((pin for pin in pins if name(pin) == name(requirement)), None)
+
+
+def _fetch(pins: list[str], dest: Path, target: Target | None) -> list[str]:
+    """Download the pins' wheels in one pip call (again without each pin pip found no wheel of); the pins
+    with no wheel."""
+    left, missing = list(pins), []
+    while left:
+        pin = _download(left, dest, target)
+        if pin is None:
+            break
+        missing.append(pin)
+        left.remove(pin)
+    return missing
 
 
 def build(job: Job, target: Target, cache: Path, echo: Echo) -> Path:
     """The folder of the job's wheels for target: kernel/ (what the dataset holds, with WHEELS_MANIFEST) and
-    here/ (this laptop's own, for a smoke), downloaded once per fingerprint; a pin with no wheel for either is
-    a SpecError naming it."""
+    here/ (this laptop's own, for a smoke), downloaded once per fingerprint, BATCH pins a pip call (a line
+    each when there are more); a pin with no wheel for either is a SpecError naming it."""
     pins = list(job.kaggle.pip)
     done = cache / fingerprint(pins, target)[:16]
     if (done / KERNEL_DIR / layout.WHEELS_MANIFEST).is_file():
@@ -109,14 +167,13 @@ def build(job: Job, target: Target, cache: Path, echo: Echo) -> Path:
     try:
         echo(f"  kaggle.pip downloading {len(pins)} wheel(s) for {target.said()}, once")
         missing: list[str] = []
-        for pin in pins:
+        for first in range(0, len(pins), BATCH):
+            batch = pins[first:first + BATCH]
+            if len(pins) > BATCH:
+                echo(f"  kaggle.pip: wheels {first + 1}-{first + len(batch)} of {len(pins)} (for the kernel, then "
+                     "this laptop)")
             for where, dest in ((target, work / KERNEL_DIR), (None, work / HERE_DIR)):
-                why = _download(pin, dest, where)
-                if why == "no wheel":
-                    missing.append(f"{pin} ({'the kernel' if where else 'this laptop'})")
-                elif why is not None:
-                    raise KchainError(f"kaggle.pip: pip could not download {pin}: {why}; check the connection (or "
-                                      "pip's index settings) and run the command again")
+                missing += [f"{pin} ({'the kernel' if where else 'this laptop'})" for pin in _fetch(batch, dest, where)]
         if missing:
             raise SpecError(f"{job.path}: kaggle.pip: no wheel of {', '.join(missing)} for {target.said()} or this "
                             "laptop; pin a version that ships a wheel (pip cannot build one in a kernel with the "

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from kchain.chain.advance import decide, stop_error
-from kchain.common.nextsession import Chain
+from kchain.common.nextsession import Chain, Copy
 from kchain.errors import ChainStop, NotSmoked
 
 JOB = Path("jobs/x/job.yaml")
@@ -148,6 +148,59 @@ def test_a_state_not_mounted_is_pushed_again_three_times_at_most(tail, action, s
     assert decision.again == (action == "push") and decision.attempt == (tail + 1 if action == "push" else 1)
     if action == "stop":
         assert decision.stop == "chain_stop"
+
+
+DAMAGED = {"type": "DamagedState", "message": "this session was pushed to resume step 40 from state version 3, but "
+           "the attached input holds no checkpoint that verifies: state.pt: 5 bytes, manifest says 9 (truncated?); "
+           "stopping before training from a damaged state", "stage": "build"}
+WRONG = {**DAMAGED, "type": "WrongState", "message": "... the attached input holds no checkpoint; stopping ..."}
+LAPTOP = Copy("/out/1/kchain/checkpoints/step-00000040", "session 1's output on this laptop")
+
+
+def refused(error: dict, **extra) -> dict:
+    """Session 2, pushed to resume step 40 from state version 3 (session 1's relay), refused that state."""
+    return session(2, "ERROR", "crashed", **{"error": error, "resumes_at": 40, "state_version": 3, **extra})
+
+
+PUBLISHED = session(1, publish={"published": "relay", "step": 40, "version": 3})
+
+
+@pytest.mark.parametrize(("tail", "copy", "options", "action", "says"), [
+    ([refused(DAMAGED)], LAPTOP, {}, "repair",
+     f"session 2 refused state version 3 (step 40): {DAMAGED['message']}; session 1's output on this laptop holds a "
+     "verified copy of step 40: publishing it as a new state version and pushing session 3 from it (no step lost)"),
+    ([refused(WRONG)], LAPTOP, {}, "repair", "session 2 refused state version 3 (step 40): ... the attached input"),
+    ([refused(DAMAGED)], None, {}, "stop",
+     f"session 2 refused state version 3 (step 40) as damaged: {DAMAGED['message']}; no verified copy of step 40 is "
+     "on this laptop or in an earlier state version, and --retry would send the same damaged version again: run "
+     "`kchain continue jobs/x/job.yaml` where session 1's output (step 40) was downloaded"),
+    ([refused(DAMAGED)], None, {"retry": True}, "stop", "session 2 refused state version 3 (step 40) as damaged"),
+    ([refused(WRONG)], None, {}, "stop", "session 2 crashed: WrongState: ... the attached input holds no checkpoint"),
+    ([refused(WRONG)], None, {"retry": True}, "push", "push session 3 from the newest state"),
+    ([refused(DAMAGED, publish={"published": "relay", "step": 40, "version": 4, "repair": {
+        "refused_version": 3, "from": "session 1's output on this laptop"}}), {**refused(DAMAGED, state_version=4), "session": 3}],
+     LAPTOP, {}, "stop", "session 3 refused state version 4 (step 40), itself a copy of step 40 from session 1's "
+                         "output on this laptop published after an earlier refusal"),
+    ([refused(DAMAGED)], LAPTOP, {"smoked": False}, "stop", "this code has never passed a smoke run"),
+], ids=["damaged: repaired", "wrong state: repaired", "damaged, no copy: stop", "damaged, no copy, --retry: stop",
+        "wrong state, no copy: a crash", "wrong state, no copy, --retry", "the repair refused too: stop",
+        "a repair is a push: never smoked code stops"])
+def test_a_refused_state_is_repaired_from_a_verified_copy_and_never_sent_again(tail, copy, options, action, says):
+    options = dict(options)
+    smoked = options.pop("smoked", True)
+    asked: list[tuple[int, int | None]] = []
+
+    def copy_of(step: int, refused: int | None) -> Copy | None:
+        asked.append((step, refused))
+        return copy
+
+    now = Chain([PUBLISHED, *tail], "alice/x", "ERROR", fingerprint=lambda: CODE, smoked=lambda fp: smoked,
+                copy_of=copy_of)
+    decision = decide(now, JOB, **options)
+    assert decision.action == action and decision.message.startswith(says), decision.message
+    assert decision.copy == (copy if action == "repair" else None)
+    if "itself a copy" not in says:
+        assert asked == [(40, tail[-1]["state_version"])]  # the copy asked for: that step, not in the refused version
 
 
 def test_the_session_after_an_unmounted_one_is_judged_against_the_one_that_trained():

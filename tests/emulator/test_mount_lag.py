@@ -16,11 +16,13 @@ from pathlib import Path
 
 import pytest
 import yaml
-from emulator_helpers import emulator  # noqa: F401
+from emulator_helpers import USER, emulator  # noqa: F401
 from helpers import copy_job, invoke
 
 from kchain.common import layout
+from kchain.kaggle.client import KaggleClient
 from kchain.store.ledger import Ledger
+from kchain.store.names import state_dataset
 
 NAME = "tinygpt-notes"
 REF = f"alice/{NAME}"
@@ -74,3 +76,51 @@ def test_a_late_mount_is_waited_for_and_a_missing_one_is_pushed_again(tmp_path, 
     assert "[kchain] state version" in log_of(3) and "mounted after" in log_of(3)
     assert emulator.session(REF, 3)["resumed_from"] == 10
     assert chain[2]["summary"]["step"] == 20
+
+
+def kernel_log(version: int) -> str:
+    """A session's log as the client reads it from the local Kaggle (the laptop may not have fetched it yet)."""
+    return "".join(chunk.get("data", "") for chunk in json.loads(KaggleClient().log(REF, version) or "[]"))
+
+
+def _mounted_from(emulator, version: int, session: int, damage) -> None:
+    """Once session `session` waits for its lagging state version, that version is changed on the local Kaggle
+    (as a user editing the dataset would) and then mounted."""
+    emulator.wait_output(REF, "[kchain] waiting for state version", version=session)
+    damage(emulator.store.version_files_dir(state_dataset(USER, NAME), version))
+    emulator.mount_now(REF, session)
+
+
+@pytest.mark.slow
+def test_a_mounted_version_without_its_pointer_resumes_by_its_manifest_and_a_damaged_one_stops_at_once(
+        tmp_path, emulator, monkeypatch):
+    monkeypatch.setenv(layout.FAULT_ENV, "stall_step=0.05,deadline_after_steps=10")
+    path = copy_job("tinygpt", tmp_path, params={"steps": 30, "eval_every": 10, "batch": 8, "accumulate": 1},
+                    train={"session_limit": "600s", "margin": "30s"})
+    set_mount_wait(path, "5m")  # far past the test's patience: a wait would show as a session that never ends
+    assert invoke("push", path, "--skip-smoke").exit_code == 0
+    emulator.wait_session(REF, 1)
+    emulator.switches.mount_lag_s = 1000.0  # every state version mounts only when the test says (mount_now)
+    ledger = Ledger(Path(os.environ["KCHAIN_HOME"]))
+
+    # Session 2's state version loses its pointer: the session reads the step from the checkpoint's manifest.
+    assert invoke("continue", path, "--skip-smoke").exit_code == 0
+    _mounted_from(emulator, ledger.sessions(NAME)[1]["state_version"], 2,
+                  lambda files: (files / layout.STATE_MARKER).unlink())
+    emulator.wait_session(REF, 2)
+    assert f"[kchain] state version {ledger.sessions(NAME)[1]['state_version']} has no {layout.STATE_MARKER}: " \
+           "step 10 read from its checkpoint's manifest.json" in kernel_log(2)
+    assert emulator.session(REF, 2)["resumed_from"] == 10
+
+    # Session 3's loses its pointer and its checkpoint is cut short: refused at once, the fix said, not waited on.
+    assert invoke("continue", path, "--skip-smoke").exit_code == 0
+    _mounted_from(emulator, ledger.sessions(NAME)[2]["state_version"], 3, lambda files: (
+        (files / layout.STATE_MARKER).unlink(), (files / layout.STATE_FILE).write_bytes(b"cut")))
+    third = emulator.wait_session(REF, 3)
+    assert emulator.session(REF, 2)["summary"]["step"] == 20
+    said = kernel_log(3)
+    assert "but holds neither its kchain-state.json nor a checkpoint whose manifest.json holds together: not " \
+           "waiting for it, the session stops; fix: " in said, said
+    # Stopped by the check of what it resumes, in its first minute: never the mount wait's end.
+    assert "was not mounted within" not in said and "stopping before training from" in said, said
+    assert third["summary"]["status"] != "state_not_mounted" and third["summary"]["step"] is None

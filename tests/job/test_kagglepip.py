@@ -14,6 +14,8 @@ import base64
 import hashlib
 import importlib.util
 import json
+import os
+import socket
 import zipfile
 from pathlib import Path
 
@@ -148,6 +150,37 @@ def test_a_pin_with_no_wheel_fails_the_smoke_in_one_line_before_anything_runs(tm
         f"Error: {job}: kaggle.pip: no wheel of kcwheelmissing==2.0 (the kernel), kcwheelmissing==2.0 (this laptop) "
         "for CPython 3.11 on manylinux_2_35_x86_64 (Kaggle's image as assumed; `kchain doctor` reads the real one) "
         "or this laptop; pin a version that ships a wheel (pip cannot build one in a kernel with the internet off)")
+
+
+def test_an_unreachable_index_is_one_bounded_line_naming_it_after_a_progress_line(tmp_path, monkeypatch):
+    # 101 pins: two batches, a progress line before each; the first pip call meets a refused connection and
+    # gives up within its bound (--timeout, --retries, whatever PIP_DEFAULT_TIMEOUT says), naming the index.
+    pins = [f"kcnowhere{i}==1.0" for i in range(kagglepip.BATCH + 1)]
+    job = toy_job(tmp_path, pins)
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))  # bound, never listening: every connection to it is refused
+        index = f"http://127.0.0.1:{closed.getsockname()[1]}/simple"
+        monkeypatch.setenv("PIP_CONFIG_FILE", os.devnull)  # no pip.conf of this machine's
+        monkeypatch.setenv("PIP_INDEX_URL", index.replace("http://", "http://someone:secret@"))
+        for name in ("PIP_FIND_LINKS", "PIP_NO_INDEX", "PIP_EXTRA_INDEX_URL"):
+            monkeypatch.delenv(name, raising=False)
+        result = invoke("smoke", job, "--quiet")
+    assert result.exit_code != 0
+    lines = result.output.splitlines()
+    assert f"  kaggle.pip downloading {len(pins)} wheel(s) for CPython 3.11 on manylinux_2_35_x86_64 (Kaggle's " \
+           "image as assumed; `kchain doctor` reads the real one), once" in lines, lines
+    assert f"  kaggle.pip: wheels 1-{kagglepip.BATCH} of {len(pins)} (for the kernel, then this laptop)" in lines, lines
+    assert error_line(result) == (
+        f"Error: kaggle.pip: the package index {index} cannot be reached (pip gave up after {kagglepip.PIP_RETRIES} "
+        f"retries with a {kagglepip.PIP_TIMEOUT_S} s timeout each); check the connection, or pip's index settings "
+        "(PIP_INDEX_URL, pip.conf), and run the command again")
+    assert "secret" not in result.output
+    # What pip was run with: the bound, for the kernel's interpreter and for this one.
+    for target in (kagglepip.kernel_target(None), None):
+        command = kagglepip.pip_command(pins[:kagglepip.BATCH], tmp_path, target)
+        assert command[command.index("--timeout") + 1] == str(kagglepip.PIP_TIMEOUT_S) == "15"
+        assert command[command.index("--retries") + 1] == str(kagglepip.PIP_RETRIES) == "2"
+        assert command[-kagglepip.BATCH:] == pins[:kagglepip.BATCH]  # one pip call a batch
 
 
 @pytest.mark.slow

@@ -9,9 +9,11 @@ a Python of its own: .venv/sky in CI), with the small catalog copy in tests/fixt
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import stat
 import subprocess
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -211,39 +213,60 @@ def test_push_refuses_unsmoked_code_then_sends_the_engine_its_command_lines(tmp_
     assert slurm.queue_command("5150")[:3] == ["squeue", "--jobs", "5150"]
 
 
-def run_rendered(script: str, tmp_path: Path, sink: Path) -> subprocess.CompletedProcess:
-    """The rendered script under bash, as the engine runs it, with a stand-in `python` that notes its launch."""
+NOBODY = 65534  # the unprivileged user and group a root test runs the script as too (setpriv, util-linux)
+
+
+def run_rendered(script: str, tmp_path: Path, sink: Path, as_user: int | None = None) -> subprocess.CompletedProcess:
+    """The rendered script under bash, as the engine runs it, with a stand-in `python` that notes its launch;
+    as_user: run as that uid and gid instead (only root can)."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(exist_ok=True)
     (bin_dir / "python").write_text('#!/bin/sh\ntouch "$KCHAIN_ROOT/launched"\n')
     (bin_dir / "python").chmod(0o755)
     env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "HOME": str(tmp_path), "KCHAIN_STATE_SINK": str(sink),
            "KCHAIN_ROOT": str(tmp_path / "root")}
-    return subprocess.run(["bash", "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    drop = [] if as_user is None else ["setpriv", f"--reuid={as_user}", f"--regid={as_user}", "--clear-groups"]
+    return subprocess.run([*drop, "bash", "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=60)
+
+
+def users() -> list[int | None]:
+    """Who runs the rendered script: this user; and, when this is root (CI here is), an unprivileged one too,
+    for whom a read-only parent also refuses the mkdir (issue 59 item 3: root and not)."""
+    return [None, NOBODY] if os.geteuid() == 0 and shutil.which("setpriv") else [None]
 
 
 @pytest.mark.parametrize("target", ["skypilot", "slurm"])
-def test_a_missing_mount_stops_the_rendered_script_before_it_creates_anything(tmp_path, target):
+@pytest.mark.parametrize("as_user", users(), ids=lambda uid: "this-user" if uid is None else f"uid-{uid}")
+def test_a_missing_mount_stops_the_rendered_script_before_it_creates_anything(target, as_user):
+    # For the unprivileged run, a folder every user reaches: pytest's and this suite's temporary folders are
+    # root's alone (0700), so a path under them "does not exist" for another user.
+    tmp_path = Path(tempfile.mkdtemp(prefix="kchain-sink-", dir=None if as_user is None else "/tmp"))
+    tmp_path.chmod(0o777)
     job = load_job(code_job(tmp_path, target=target, skypilot=SKYPILOT, slurm=SLURM))
     text = render_for(job, target).engine_text
     script = yaml.safe_load(text)["run"] if target == "skypilot" else text
     # The mount point absent under a writable folder, and under a read-only one (which stops a mkdir only when
-    # the test is not root: as root the check alone stops it).
+    # the user is not root: as root the check alone stops it).
     read_only = tmp_path / "read-only"
     read_only.mkdir()
     read_only.chmod(0o555)
     try:
         for mount in (tmp_path / "kchain-state", read_only / "kchain-state"):
-            done = run_rendered(script, tmp_path, mount / "target-job")
+            done = run_rendered(script, tmp_path, mount / "target-job", as_user)
             assert done.returncode == 1, done.stderr
             assert done.stderr.splitlines() == [
                 f"[kchain] the state sink {mount / 'target-job'} cannot be there: {mount} does not exist (a bucket "
                 "that is not mounted, or a wrong name or path); stopping instead of training from nothing: fix the "
                 "mount or KCHAIN_STATE_SINK's folder"]
             assert not mount.exists() and not (tmp_path / "root").exists()  # nothing made, nothing launched
+        (tmp_path / "kchain-state").mkdir(mode=0o777)  # the mount there: the job's folder in it is made, run launched
+        (tmp_path / "kchain-state").chmod(0o777)
+        done = run_rendered(script, tmp_path, tmp_path / "kchain-state" / "target-job", as_user)
+        assert done.returncode == 0, done.stderr
+        assert (tmp_path / "kchain-state" / "target-job").is_dir() and (tmp_path / "root" / "launched").is_file()
+        if as_user is not None:
+            assert (tmp_path / "kchain-state" / "target-job").stat().st_uid == as_user  # it really ran as them
     finally:
         read_only.chmod(0o755)
-    (tmp_path / "kchain-state").mkdir()  # the mount there: the job's folder in it is made and the run launched
-    done = run_rendered(script, tmp_path, tmp_path / "kchain-state" / "target-job")
-    assert done.returncode == 0, done.stderr
-    assert (tmp_path / "kchain-state" / "target-job").is_dir() and (tmp_path / "root" / "launched").is_file()
+        shutil.rmtree(tmp_path, ignore_errors=True)

@@ -14,6 +14,12 @@ class KchainError(Exception):
     exit_code = 1
 
 
+class UsageError(KchainError):
+    """A value given on the command line that kchain's own check refuses: exit 2, as click's usage errors."""
+
+    exit_code = 2
+
+
 class SpecError(KchainError):
     """The job file is missing, unreadable or invalid; the message names the file, the key and the fix."""
 

@@ -15,11 +15,11 @@ from pathlib import Path
 from kchain.chain.budget import check_budget, plan_for
 from kchain.chain.doctor import refuse_unattended, suggest_doctor, unattended_note
 from kchain.chain.sessions import rebuild
-from kchain.common import publishplan
+from kchain.common import publishplan, sessionstate
 from kchain.common.config import KaggleConfig
-from kchain.common.kernel_states import LIVE
 from kchain.common.sendonce import NotLanded, send_and_settle
 from kchain.common.sessionrecord import SessionRecord
+from kchain.common.sessionstate import LIVE, SessionState
 from kchain.errors import ChainStop, KaggleError, NotSmoked, SpecError
 from kchain.job import kagglepip
 from kchain.job.render import Rendered, render_job, write_rendered
@@ -154,7 +154,6 @@ def push_session(
     _refuse_a_second_session(client, ref, before, again)
     record: SessionRecord = {
         "session": session,
-        "status": "PUSHING",
         "kernel": ref,
         "version": None,
         "version_before": before,
@@ -163,6 +162,7 @@ def push_session(
         "requested": iso(now_utc()),
         **(extra or {}),
     }
+    sessionstate.pushing(record)
     metadata = json.loads(rendered.metadata)
     if job.kaggle.pip:  # the newest version of <owner>/<name>-pip holds these pins' wheels before the push
         kagglepip.ensure(client, job, ref.split("/")[0], echo)
@@ -179,23 +179,24 @@ def push_session(
     except InvalidSources as exc:
         # Kaggle started the session anyway, without the source. It cannot be cancelled through the
         # API; its runtime stops it in its first minute (the attached state is not the expected one).
-        ledger.save_session(job.name, {**record, "status": "QUEUED", "version": exc.version, "url": exc.url,
-                                       "started": iso(now_utc()), "invalid_sources": exc.dropped})
+        record.update({"version": exc.version, "url": exc.url, "started": iso(now_utc()),
+                       "invalid_sources": exc.dropped})
+        ledger.save_session(job.name, sessionstate.pushed(record))
         raise ChainStop(
             f"{exc}: Kaggle started that session without them (a session pushed to resume a state stops "
             f"itself in its first minute without it); stop it at {exc.url} (Kaggle's API cannot), fix the "
             "source, then run `kchain continue`"
         ) from exc
     except SessionCapReached as exc:
-        ledger.save_session(job.name, {**record, "status": "FAILED_TO_PUSH"})  # Kaggle created no version
+        ledger.save_session(job.name, sessionstate.failed_to_push(record))  # Kaggle created no version
         raise _explain_cap(client, exc, again) from exc
     except KaggleError:
-        ledger.save_session(job.name, {**record, "status": "FAILED_TO_PUSH"})
+        ledger.save_session(job.name, sessionstate.failed_to_push(record))
         raise
     finally:
         shutil.rmtree(folder, ignore_errors=True)
-    record.update({"status": "QUEUED", "version": version, "url": url, "started": iso(now_utc())})
-    ledger.save_session(job.name, record)
+    record.update({"version": version, "url": url, "started": iso(now_utc())})
+    ledger.save_session(job.name, sessionstate.pushed(record))
     return record
 
 
@@ -235,14 +236,14 @@ def _refuse_short_sessions(job: Job, ledger: Ledger) -> None:
         f"{2 * need + margin:.0f}s, or push without --unattended (the laptop relays each session)")
 
 
-def _status_now(client: KaggleClient, record: SessionRecord) -> str:
+def _status_now(client: KaggleClient, record: SessionRecord) -> SessionState:
     """A live session's status as Kaggle says it now (the ledger's may be older: queued when it runs)."""
     if record.get("version") is None:
-        return str(record["status"])
+        return record["status"]
     try:
         return client.status(record["kernel"], record["version"])[0]
     except KaggleError:
-        return str(record["status"])
+        return record["status"]
 
 
 def push_job(job: Job, ledger: Ledger, client: KaggleClient, skip_smoke: bool = False, force: bool = False,
@@ -270,7 +271,7 @@ def push_job(job: Job, ledger: Ledger, client: KaggleClient, skip_smoke: bool = 
     if unattended and not job.kaggle.internet:
         raise SpecError(f"{job.path}: kaggle.internet: an unattended chain needs it true (each session pushes the "
                         "next over the internet, with your key attached as Secrets); set kaggle.internet: true")
-    facts = {**({"publish": figures} if figures else {}), **({"week": ledger.week_tally()} if unattended else {})}
+    facts = {**({"publish": figures} if figures else {}), **({"week": ledger.week_tally(user=owner)} if unattended else {})}
     rendered = render_job(job, owner=owner, session_facts=facts or None, unattended=unattended)
     smoked = ledger.smoke_passed(rendered.fingerprint)
     if smoked is None and not skip_smoke:
@@ -283,6 +284,7 @@ def push_job(job: Job, ledger: Ledger, client: KaggleClient, skip_smoke: bool = 
     ensure_state_dataset(client, owner, job.name, echo)
     record = push_session(client, job, rendered, ledger, 1, echo,
                           extra={"smoke": smoked["run_id"] if smoked else "skipped",
+                                 "params": rendered.config.get("params") or {},
                                  **({"unattended": True} if unattended else {})})
     note = "session 1 pushed" + ("" if smoked else " (--skip-smoke: never smoke-tested)")
     ledger.append_run(
@@ -306,21 +308,22 @@ def _unrecorded_chain(client: KaggleClient, ledger: Ledger, job: Job) -> list[Se
     unattended chain is rebuilt from Kaggle's records (sessions.rebuild), so that the refusal below names
     it; a session live on the kernel is refused at the push itself (_refuse_a_second_session)."""
     rebuild(client, ledger, job.name)
-    return [s for s in ledger.sessions(job.name) if s["status"] != "FAILED_TO_PUSH"]
+    return [s for s in ledger.sessions(job.name) if s["status"] != SessionState.FAILED_TO_PUSH]
 
 
 def reconcile(client: KaggleClient, ledger: Ledger, job: Job) -> list[SessionRecord]:
     """Settle a push that an earlier kchain run sent but never heard back from."""
     for record in ledger.sessions(job.name):
-        if record["status"] != "PUSHING" or record.get("relay"):
+        if record["status"] != SessionState.PUSHING or record.get("relay"):
             continue  # a relay's push is settled from what the relay did, once it ended (sessions.settle_relay)
         version = client.kernel_version(record["kernel"])
         if version and version != record.get("version_before"):
             url = client.kernel_url(record["kernel"])
-            record.update({"status": "QUEUED", "version": version, "url": url})
+            record.update({"version": version, "url": url})
             if "requested" in record:  # always: push_session and adopt_pushed write it first
                 record["started"] = record["requested"]
+            sessionstate.pushed(record)
         else:
-            record["status"] = "FAILED_TO_PUSH"
+            sessionstate.failed_to_push(record)
         ledger.save_session(job.name, record)
-    return [s for s in ledger.sessions(job.name) if s["status"] != "FAILED_TO_PUSH"]
+    return [s for s in ledger.sessions(job.name) if s["status"] != SessionState.FAILED_TO_PUSH]

@@ -40,6 +40,8 @@ TEST_IMAGE_NUMPY_ENV = "KCHAIN_TEST_IMAGE_NUMPY"
 TEST_IMAGE_PACKAGES_ENV = "KCHAIN_TEST_IMAGE_PACKAGES"
 # The laptop's, never the kernel's: the state folder (run log, sessions, smoke passes), else .kchain/.
 HOME_ENV = "KCHAIN_HOME"
+# The laptop's: kchain's config home (the account's week across job folders, store/account.py).
+CONFIG_HOME_ENV = "KCHAIN_CONFIG_HOME"
 
 # Exit codes a supervisor (SkyPilot's recover_on_exit_codes, Slurm --requeue, a shell loop) acts on.
 EXIT_SAVED_NOT_DONE = 75  # EX_TEMPFAIL: the state is saved and training is not finished (deadline, SIGTERM)

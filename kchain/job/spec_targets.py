@@ -108,6 +108,12 @@ class SlurmSpec(_Section):
     # Shell lines before the run (module load, activate a venv).
     setup: str = ""
 
+    def sink(self, job_name: str) -> str:
+        """The job's state folder: its runs publish each verified checkpoint there (KCHAIN_STATE_SINK), and
+        `kchain pull` reads the result from it."""
+        assert self.state_dir is not None  # load_job refused a Slurm job without one (target_problem)
+        return f"{self.state_dir.rstrip('/')}/{job_name}"
+
     @field_validator("partition", "account")
     @classmethod
     def _slurm_name(cls, value: str | None) -> str | None:

@@ -30,11 +30,12 @@ from typing import Any
 
 from kchain.chain import sessions as sess
 from kchain.chain.advance import decide_and_continue, watch
+from kchain.chain.notify import FAILED, FINISHED, NEEDS_PERSON, nobody, notifier
 from kchain.chain.push import push_job
 from kchain.chain.sessions import StaleRule
 from kchain.common import layout, sessionplan
 from kchain.common.checkpoint_files import BEST_KEY, CheckpointInvalid, complete, read_manifest
-from kchain.common.kernel_states import TERMINAL
+from kchain.common.sessionstate import TERMINAL
 from kchain.common.statefolder import write_dataset_metadata
 from kchain.common.summary import Status, Summary, read_working
 from kchain.emulator import Emulator, Faults
@@ -52,6 +53,7 @@ from kchain.local.smoke import kaggle_ranks, ranks_env, threads_each
 from kchain.local.smoke import ranks as local_ranks
 from kchain.result.plot import newest_trace
 from kchain.result.traces import compare_traces, read_trace, sandbox_trace
+from kchain.store import account
 from kchain.store.ledger import Ledger, new_run_id, state_dir
 from kchain.store.names import doctor_kernel, state_dataset
 
@@ -80,6 +82,16 @@ class Rehearsal:
     rebuilt: list[dict[str, Any]] | str | None = None
     # unattended: what the local Kaggle's records count (Unattended.counted); None for an attended chain
     unattended: Unattended | None = None
+    stopped: bool = False  # the chain stopped for a decision a person makes (a crash, no progress)
+
+    def line(self) -> str:
+        """The rehearsal's end in one line (a failure's `Error:` line, and what --notify is told)."""
+        return f"rehearsal: the chained run {self.verdict}"
+
+    def event(self) -> str:
+        """Its end as a --notify event (chain/notify.py): finished (passed), needs_person (the chain stopped
+        for a decision), failed (any other verdict)."""
+        return FINISHED if self.passed else NEEDS_PERSON if self.stopped else FAILED
 
 
 @dataclass(frozen=True)
@@ -303,7 +315,21 @@ def rehearse(job_file: Path, sessions: int | None = SESSIONS, session_limit_s: f
     if unattended:  # the verdict's rules, then the unattended chain's own
         counts, passed, verdict = _judge_unattended(ours, versions, no_secret_in, passed, verdict, echo)
     return Rehearsal(identical, verdict, chain, trace, chained, emu.sessions(), versions, work, sorted(kill.killed),
-                     passed, n, rebuilt, counts)
+                     passed, n, rebuilt, counts, stopped=stop is not None)
+
+
+def rehearse_told(job_file: Path, notify_command: str | None, echo: Echo = print, **options: Any) -> Rehearsal:
+    """`kchain rehearse --notify CMD`: rehearse(job_file, echo=echo, **options), its end told to the command
+    once (chain/notify.py): finished, needs_person or failed with Rehearsal.line(), or failed with the error
+    that ended it. A job file that does not load fails before anything runs, untold."""
+    notify = notifier(notify_command, load_job(job_file).name, echo) if notify_command else nobody
+    try:
+        result = rehearse(job_file, echo=echo, **options)
+    except Exception as exc:
+        notify(FAILED, str(exc) if isinstance(exc, KchainError) else f"{type(exc).__name__}: {exc}", None)
+        raise
+    notify(result.event(), result.line(), len(result.sessions) or None)
+    return result
 
 
 def _session_env(emu: Emulator, n: int, sessions: int | None) -> dict[str, str]:
@@ -460,7 +486,7 @@ def _run_chain(emu: Emulator, job: Job, ledger: Ledger, kill: Killer, session_li
     stop that ended the chain before it finished, if any (a crash, sessions without progress).
     session_limit_s: sessions by time, sized from session 1's speed (their limit may grow); None: the
     sessions are planned in steps, and nothing is sized."""
-    with _env({**emu.env(USER), "KCHAIN_HOME": str(ledger.root)}):
+    with _env({**emu.env(USER), "KCHAIN_HOME": str(ledger.root), **_account_home(ledger)}):
         client = KaggleClient(backoff_s=0.2, max_backoff_s=2.0)
         if job.kaggle.internet:
             # The user attached their Kaggle key to the kernel in the web UI once (no API can).
@@ -493,7 +519,7 @@ def _run_unattended(emu: Emulator, job: Job, ledger: Ledger, kill: Killer, poll_
     from Kaggle) and act; its pushes after session 1 are counted in `ledger`'s records (pushed_by).
     Returns the stop, if any, and, once finished, the chain rebuilt from Kaggle alone (_rebuilt_from_kaggle)."""
     ref = f"{USER}/{job.name}"
-    with _env({**emu.env(USER), "KCHAIN_HOME": str(ledger.root)}):
+    with _env({**emu.env(USER), "KCHAIN_HOME": str(ledger.root), **_account_home(ledger)}):
         client = KaggleClient(backoff_s=0.2, max_backoff_s=2.0)
         emu.attach_secrets(ref)
         emu.attach_secrets(doctor_kernel(USER, job.name))  # the relay's kernel, as `kchain doctor` asked
@@ -525,6 +551,11 @@ def _run_unattended(emu: Emulator, job: Job, ledger: Ledger, kill: Killer, poll_
                 echo(f"  the laptop took over: {decision.message}")
                 emu.attach_secrets(ref)  # the user attached them again
             time.sleep(poll_s)
+
+
+def _account_home(ledger: Ledger) -> dict[str, str]:
+    """The local Kaggle's account week kept beside the rehearsal's ledger, never in the user's config home."""
+    return {account.CONFIG_HOME_ENV: str(ledger.root.parent / "config")}
 
 
 def occupy_gpu(client: KaggleClient, folder: Path, echo: Echo) -> None:

@@ -13,6 +13,12 @@ checkpoint's files (--best: its `best.*` files, or the newest's when the newest 
 --final the `export.*` files of run.export_dir. Another folder of the same version (logs, later) is one
 more list of names fetched the same way.
 
+Off Kaggle (a SkyPilot or Slurm target) the result is in the runs' state folder, the state sink their
+runtime publishes each verified checkpoint to (common/sink.py: `step-*/` copies and the `latest` pointer):
+a Slurm job's `slurm.state_dir/<name>`, or any such folder given with `--from` (a SkyPilot bucket's
+`<name>/` folder, mounted or copied here). It is read in place, its newest published copy's manifest says
+the result (outcome.of_state_folder), and the chosen copy is verified like any checkpoint.
+
 The folder written:
     model.safetensors          the tracked module's weights (one file per module, named for it, when
                                several are tracked); state_dict.pt when safetensors cannot hold a dtype
@@ -49,10 +55,12 @@ from kchain.common.checkpoint_files import (
     MODULES_KEY,
     CheckpointInvalid,
     check_sha256,
+    read_manifest,
     verify,
 )
 from kchain.common.nextsession import ENDED
 from kchain.common.say import gb
+from kchain.common.sink import read_pointer
 from kchain.common.statefolder import STATE_MARKER
 from kchain.errors import KchainError
 from kchain.job.spec import Job, load_job
@@ -83,6 +91,10 @@ class Want:
     def label(self) -> str:
         return f"step-{self.step}" if self.which == "step" else self.which
 
+    def flag(self) -> str:
+        """As the command line says it: --best, --final, --step N."""
+        return f"--step {self.step}" if self.which == "step" else f"--{self.which}"
+
 
 @dataclass
 class Fetch:
@@ -103,10 +115,9 @@ class Pulled:
     """What `pull` wrote: the folder, its weight files, the step, the bytes fetched."""
 
     folder: Path
-    ref: str  # the state dataset
+    source: str  # the state version ("owner/slug-state version N") or the state folder read
     weights: dict[str, str]  # tracked name -> file in the folder
     step: int
-    version: int
     fetched_bytes: int
     note: str | None  # why the weights are not safetensors, or what they leave out
     best: dict | None = None  # --best: the kept best these weights are (metric, mode, value, step)
@@ -114,8 +125,8 @@ class Pulled:
     def lines(self) -> list[str]:
         files = ", ".join([*self.weights.values(), METRICS_FILE])
         which = f" (the kept best: {outcome.best_words(self.best)})" if self.best else ""
-        out = [f"pulled step {self.step}{which} from {self.ref} version {self.version} ({gb(self.fetched_bytes)} "
-               f"fetched): {self.folder} ({files})"]
+        out = [f"pulled step {self.step}{which} from {self.source} ({gb(self.fetched_bytes)} fetched): "
+               f"{self.folder} ({files})"]
         if self.note:
             out.append(self.note)
         return out
@@ -127,12 +138,19 @@ def begin(job_file: Path, out: Path | None, label: str, force: bool, client: Kag
     when it holds something unless --force, before any download), the client, the state dataset and its
     newest version, and the scratch folder the pull is written in."""
     job = load_job(job_file)
-    out = Path(out) if out is not None else job.path.parent / f"{job.name}-{label}"
-    _check_out(out, force)
-    _clear_scratch(out)
+    out = _out_for(job, out, label, force)
     client = client or KaggleClient()
     ref, version = _newest_state(job_file, job, client, echo)
     return job, out, client, ref, version, _scratch_beside(out)
+
+
+def _out_for(job: Job, out: Path | None, label: str, force: bool) -> Path:
+    """The folder to write (default <name>-<label> beside the job file), refused when it holds something
+    unless --force; the scratch folders killed pulls left beside it cleaned."""
+    out = Path(out) if out is not None else job.path.parent / f"{job.name}-{label}"
+    _check_out(out, force)
+    _clear_scratch(out)
+    return out
 
 
 def _newest_state(job_file: Path, job: Job, client: KaggleClient, echo: Echo) -> tuple[str, int]:
@@ -234,58 +252,175 @@ def _names(names: list[str]) -> str:
     return shown + (f" and {len(names) - SHOWN} more" if len(names) > SHOWN else "")
 
 
-def _mark(folder: Path, ref: str, version: int) -> None:
+def _mark(folder: Path, state: str) -> None:
     """The mark of a folder a pull wrote: every file in it, so that a later --force replaces only those."""
     files = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file())
     atomic.write_json(folder / PULL_MARK, {"written_by": f"kchain {kchain.__version__} pull",
-                                           "state": f"{ref}/{version}", "files": files})
+                                           "state": state, "files": files})
 
 
 def pull(job_file: Path, want: Want, out: Path | None = None, force: bool = False, echo: Echo = print,
-         client: KaggleClient | None = None) -> Pulled:
-    """Fetch the wanted checkpoint from the newest state version, verify it, write the plain folder."""
+         client: KaggleClient | None = None, source: Path | None = None) -> Pulled:
+    """Fetch the wanted checkpoint from the newest state version, verify it, write the plain folder; a
+    target's from its state folder instead (`source`, --from; a Slurm job's state_dir by default)."""
+    folder = state_folder(job_file, load_job(job_file), source, want)
+    if folder is not None:
+        return pull_folder(job_file, folder, want, out, force, given=source is not None)
     job, out, client, ref, version, work = begin(job_file, out, want.label(), force, client, echo)
+    where = f"{ref} version {version}"
     try:
         said = chain_result(client, job)
         raw = work / "fetched"
         Fetch([STATE_MARKER]).run(client, ref, version, raw)
         marker = json.loads((raw / STATE_MARKER).read_text())
         if not marker.get("session") or marker.get("step") is None:
-            raise KchainError(f"{job_file}: nothing to pull, {ref} version {version} holds no checkpoint yet: "
+            raise KchainError(f"{job_file}: nothing to pull, {where} holds no checkpoint yet: "
                               + _unpublished(job_file, said))
         ended = _summary(client, ref, version, raw, marker)
-        prefix = choose(job_file, want, marker, ended, ref, version, said)
+        prefix = choose(job_file, want, marker, ended, where, said)
         Fetch([prefix + layout.MANIFEST]).run(client, ref, version, raw)
         listed = json.loads((raw / (prefix + layout.MANIFEST)).read_text()).get("files") or {}
         by_version = ended is not None and ended.status in ENDED  # the finishing session published this version
         exported = (marker.get("export") or {}) if want.which == "final" and by_version else {}
         Fetch([prefix + name for name in listed] + list(exported)).run(client, ref, version, raw)
-        try:
-            manifest = verify(raw, prefix)
-        except CheckpointInvalid as e:
-            raise KchainError(f"{ref} version {version}: {e}; pull again (a download cut short), or pull "
-                              "another checkpoint") from None
-        folder = work / "out"
-        folder.mkdir()
-        groups = write_attached(raw, prefix, manifest, folder)
-        weights, note = write_weights(raw / (prefix + layout.STATE_FILE), manifest.get(MODULES_KEY), folder, groups)
-        for flat, rel in exported.items():
-            dest = folder / EXPORT_SUBDIR / rel
-            dest.parent.mkdir(parents=True, exist_ok=True)
-            os.replace(raw / flat, dest)
-        if want.which == "final" and not by_version:
-            _export_from_output(said, folder / EXPORT_SUBDIR)
-        chain_status = said.ended or (ended.status if ended is not None else None)
-        metrics = describe(job, manifest, raw / (prefix + layout.METRICS), chain_status, marker, ref, version, want,
-                           weights)
-        (folder / METRICS_FILE).write_text(json.dumps(metrics, indent=2, sort_keys=True) + "\n")
+        manifest = _verified(raw, prefix, where)
+        about = About(job, want, f"{ref}/{version}", marker.get("step"),
+                      said.ended or (ended.status if ended is not None else None))
+        weights, note = _write_out(about, raw, prefix, manifest, work, out, force, exported,
+                                   said.output if want.which == "final" and not by_version else None)
         fetched = sum(p.stat().st_size for p in raw.rglob("*") if p.is_file())
-        _mark(folder, ref, version)
-        _replace(folder, out, work, force)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    return Pulled(out, ref, weights, int(manifest["step"]), version, fetched, note,
+    return Pulled(out, where, weights, int(manifest["step"]), fetched, note,
                   manifest.get(BEST_KEY) if want.which == "best" else None)
+
+
+@dataclass(frozen=True)
+class About:
+    """What metrics.json says of pulled weights beyond their checkpoint: which, where from, the chain's word."""
+
+    job: Job
+    want: Want
+    state: str  # "owner/slug-state/N", or the state folder
+    chain_step: int | None  # the newest step the state holds
+    chain_status: str | None  # finished or stopped once the chain ended, else the newest session's end
+
+
+def _verified(raw: Path, prefix: str, where: str,
+              fix: str = "pull again (a download cut short), or pull another checkpoint") -> dict:
+    """The checkpoint's manifest once every file it lists has its size and sha256; one line otherwise."""
+    try:
+        return verify(raw, prefix)
+    except CheckpointInvalid as e:
+        raise KchainError(f"{where}: {e}; {fix}") from None
+
+
+def _write_out(about: About, raw: Path, prefix: str, manifest: dict, work: Path, out: Path, force: bool,
+               exported: dict[str, str], output: str | None) -> tuple[dict[str, str], str | None]:
+    """The plain folder from a verified checkpoint's files (in `raw`, each name `prefix`ed), written in the
+    scratch folder `work` and renamed into `out`: its weights, attached files, run.export_dir's files (from
+    the state, `exported`, or from the finishing session's output here) and metrics.json."""
+    folder = work / "out"
+    folder.mkdir()
+    groups = write_attached(raw, prefix, manifest, folder)
+    weights, note = write_weights(raw / (prefix + layout.STATE_FILE), manifest.get(MODULES_KEY), folder, groups)
+    for flat, rel in exported.items():
+        dest = folder / EXPORT_SUBDIR / rel
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(raw / flat, dest)
+    if output:
+        _export_from_output(output, folder / EXPORT_SUBDIR)
+    metrics = describe(about, manifest, raw / (prefix + layout.METRICS), weights)
+    (folder / METRICS_FILE).write_text(json.dumps(metrics, indent=2, sort_keys=True) + "\n")
+    _mark(folder, about.state)
+    _replace(folder, out, work, force)
+    return weights, note
+
+
+def state_folder(job_file: Path, job: Job, source: Path | None, want: Want) -> Path | None:
+    """The state folder a pull reads, or None for a Kaggle job's state dataset: `source` (--from) when given,
+    else a Slurm job's state_dir/<name> (where its runs publish); a SkyPilot job's is in its bucket, which
+    this laptop has no path to: one line saying how to bring it here."""
+    if source is not None:
+        return Path(source)
+    if job.target == "slurm":
+        return Path(job.slurm.sink(job.name))
+    if job.target == "skypilot":
+        bucket = job.skypilot.bucket
+        assert bucket is not None  # load_job refused a SkyPilot job without one (target_problem)
+        copy = {"s3": f"aws s3 sync s3://{bucket.name}/{job.name} {job.name}-state",
+                "gcs": f"gcloud storage rsync -r gs://{bucket.name}/{job.name} {job.name}-state"}.get(bucket.store)
+        how = f"`{copy}`" if copy else f"with the {bucket.store} store's own copy tool, into {job.name}-state"
+        raise KchainError(f"{job_file}: a SkyPilot job's state is in its bucket ({bucket.store} bucket {bucket.name}, "
+                          f"folder {job.name}/), which pull reads as a folder: copy it here {how}, or mount it, then "
+                          f"`kchain pull {job_file} {want.flag()} --from {job.name}-state`")
+    return None
+
+
+def pull_folder(job_file: Path, folder: Path, want: Want, out: Path | None, force: bool,
+                given: bool = True) -> Pulled:
+    """`pull` from a state folder (a target's state sink), read in place: its newest published copy says the
+    result (outcome.of_state_folder); `given`: the folder came with --from (the commands it names repeat it)."""
+    job = load_job(job_file)
+    out = _out_for(job, out, want.label(), force)
+    again = f" --from {folder}" if given else ""
+    newest, manifest = _newest_in(job_file, folder, want, again, f"{job.name}-state")
+    said = outcome.of_state_folder(manifest)
+    ckpt = _chosen_in(job_file, folder, newest, want, said, again)
+    manifest = _verified(ckpt, "", str(folder), "copy the folder again, or pull another checkpoint")
+    work = _scratch_beside(out)
+    try:
+        about = About(job, want, str(folder), said.newest, said.ended)
+        weights, note = _write_out(about, ckpt, "", manifest, work, out, force, {}, None)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    read = sum(int(f["size"]) for f in manifest["files"].values())
+    return Pulled(out, str(folder), weights, int(manifest["step"]), read, note,
+                  manifest.get(BEST_KEY) if want.which == "best" else None)
+
+
+def _newest_in(job_file: Path, folder: Path, want: Want, again: str, copy: str) -> tuple[Path, dict]:
+    """The state folder's newest published copy (the one its `latest` pointer names) and its manifest; `copy`:
+    the folder a copy of it here is named in the command said when there is none."""
+    pointer = read_pointer(folder) if folder.is_dir() else None
+    if pointer is None:
+        what = "holds no published checkpoint" if folder.is_dir() else "does not exist"
+        raise KchainError(f"{job_file}: nothing to pull, {folder} {what} (no run of the job published state there "
+                          f"yet, or not on this machine): `kchain status {job_file}` says where the run is; pull "
+                          f"where the folder is (the cluster's shared file system), or copy it here as {copy} (scp -r, "
+                          f"rsync) and `kchain pull {job_file} {want.flag()} --from {copy}`")
+    ckpt = folder / str(pointer.get("checkpoint"))
+    try:
+        return ckpt, read_manifest(ckpt)
+    except CheckpointInvalid as e:
+        raise KchainError(f"{job_file}: {folder}'s newest published checkpoint (step {pointer['step']}) is not whole "
+                          f"here: {e}; copy the folder again, or pull an older step (`kchain pull {job_file} --step "
+                          f"N{again}`)") from None
+
+
+def _chosen_in(job_file: Path, folder: Path, newest: Path, want: Want, said: outcome.Result, again: str) -> Path:
+    """The copy in the state folder the wish names: the newest once the run finished (--final), the kept best
+    the newest records (--best), or step N's while the folder keeps it (--step); one line when it cannot."""
+    holds = f"{folder} holds step {said.newest} (the newest published" + \
+        (f", of {said.total})" if said.total else ")")
+    if want.which == "final":
+        if not said.final:
+            why = "the run goes on" if said.total else "its manifest names no total (an older kchain's run)"
+            raise KchainError(f"{job_file}: nothing finished yet: {holds}; {why}: `kchain status {job_file}` asks its "
+                              f"engine, or `kchain pull {job_file} --step {said.newest}{again}` pulls those weights")
+        return newest
+    if want.which == "best":
+        if not said.best:
+            raise KchainError(f"{job_file}: train.keep_best: {holds} and no best checkpoint (keep_best is off, or its "
+                              "metric was never logged at a checkpoint step): log it with run.log at the steps you "
+                              f"checkpoint, or `kchain pull {job_file} --step {said.newest}{again}`")
+        return folder / layout.checkpoint_name(int(said.best["step"]))
+    assert want.step is not None
+    named = folder / layout.checkpoint_name(want.step)
+    if not (named / layout.MANIFEST).is_file():
+        raise KchainError(f"{job_file}: step {want.step} is not in the state folder: {holds}; older checkpoints were "
+                          "pruned (train.keep)")
+    return named
 
 
 def chain_result(client: KaggleClient, job: Job) -> outcome.Result:
@@ -304,12 +439,10 @@ def _unpublished(job_file: Path, said: outcome.Result) -> str:
     return f"the chain's first session has not published; `kchain status {job_file}` says where it is"
 
 
-def _export_from_output(said: outcome.Result, dest: Path) -> None:
+def _export_from_output(output: str, dest: Path) -> None:
     """run.export_dir's files from the finishing session's output on this laptop, for a chain whose last
     session trained nothing past the state it resumed (so the newest version is an earlier session's)."""
-    if not said.output:
-        return
-    src = Path(said.output) / layout.KCHAIN_DIR / layout.EXPORT_DIR
+    src = Path(output) / layout.KCHAIN_DIR / layout.EXPORT_DIR
     for root, dirs, files in os.walk(src):  # links are never followed, nor copied
         dirs[:] = [d for d in dirs if not (Path(root) / d).is_symlink()]
         for name in files:
@@ -343,7 +476,7 @@ def pull_logs(job_file: Path, out: Path | None = None, force: bool = False, echo
             raise KchainError(f"{ref} version {version}: {e}; pull again (a download cut short)") from None
         eventfiles.state_dir(raw, work / "out")
         fetched = sum((raw / flat).stat().st_size for flat in names)
-        _mark(work / "out", ref, version)
+        _mark(work / "out", f"{ref}/{version}")
         _replace(work / "out", out, work, force)
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -351,10 +484,11 @@ def pull_logs(job_file: Path, out: Path | None = None, force: bool = False, echo
             f"({gb(fetched)}, {len(names)} file{'s' if len(names) != 1 else ''}): tensorboard --logdir {out}"]
 
 
-def pull_for(job_file: Path, want: Want, out: Path | None, force: bool, echo: Echo) -> list[str]:
+def pull_for(job_file: Path, want: Want, out: Path | None, force: bool, echo: Echo,
+             source: Path | None = None) -> list[str]:
     """`kchain pull`'s lines: what was fetched, where it went, and any note."""
     client = KaggleClient(progress=True)  # a checkpoint can be gigabytes: kchain says how far the download is
-    return pull(job_file, want, out, force, echo, client).lines()
+    return pull(job_file, want, out, force, echo, client, source).lines()
 
 
 def _summary(client: KaggleClient, ref: str, version: int, raw: Path, marker: dict) -> summary.Summary | None:
@@ -366,31 +500,31 @@ def _summary(client: KaggleClient, ref: str, version: int, raw: Path, marker: di
     return summary.read(raw / layout.SUMMARY)
 
 
-def choose(job_file: Path, want: Want, marker: dict, ended: summary.Summary | None, ref: str, version: int,
+def choose(job_file: Path, want: Want, marker: dict, ended: summary.Summary | None, where: str,
            said: outcome.Result | None = None) -> str:
     """The name prefix of the wanted checkpoint's files in the version ('' the newest, 'best.' the kept
     best); a wish the version cannot meet is one line saying what it holds. --final: the chain has ended (its
     records say so, `said`, or the version's own summary) and the version holds the step it ended at."""
     said = said or outcome.Result()
     newest, best = int(marker["step"]), marker.get("best")
-    holds = f"{ref} version {version} holds step {newest} (the newest)" + \
+    holds = f"{where} holds step {newest} (the newest)" + \
             (f" and step {best['step']} (the best {best['metric']})" if best and best["step"] != newest else "")
     if want.which == "best":
         if not best:
             raise KchainError(f"{job_file}: train.keep_best: {holds} and no best checkpoint (keep_best is off, or "
                               "its metric was never logged at a checkpoint step): log it with run.log at the "
-                              "steps you checkpoint, or pull --final")
+                              f"steps you checkpoint, or `kchain pull {job_file} --step {newest}` pulls the newest")
         return str(best.get("prefix", ""))
     if want.which == "final":
         status = ended.status if ended is not None else None
         if said.ended is None and status not in ENDED:
             raise KchainError(f"{job_file}: nothing finished yet: {holds}, from a session that ended "
                               f"{status or 'without a summary'}; `kchain continue {job_file}` finishes the chain, "
-                              f"or pull --step {newest} for those weights")
+                              f"or `kchain pull {job_file} --step {newest}` pulls those weights")
         if said.ended is not None and said.step is not None and newest != said.step:
             raise KchainError(f"{job_file}: the chain has ended ({said.ended} at step {said.step}), but {holds}: its "
                               f"final state is in no state version yet; `kchain continue {job_file}` publishes it, "
-                              f"then pull --final")
+                              f"then `kchain pull {job_file} --final`")
         return ""
     if want.step == newest:
         return ""
@@ -437,24 +571,23 @@ def gpu_hours(job: Job, sessions: int) -> float | None:
     return round(sum(session_hours(s) for s in chain if s.get("gpu")), 3)
 
 
-def describe(job: Job, manifest: dict, metrics: Path, chain_status: str | None, marker: dict, ref: str,
-             version: int, want: Want, weights: dict[str, str]) -> dict[str, Any]:
+def describe(about: About, manifest: dict, metrics: Path, weights: dict[str, str]) -> dict[str, Any]:
     """metrics.json: what the weights are, where they came from, and what the chain spent on them."""
     step, sessions = int(manifest["step"]), int(manifest.get("session") or 0)
     return {
-        "job": job.name,
-        "which": want.label(),
+        "job": about.job.name,
+        "which": about.want.label(),
         "step": step,
         "metrics": _rows_at(metrics, step),
         "keep_best": manifest.get(BEST_KEY),
         "sessions": sessions,
-        "gpu_hours": gpu_hours(job, sessions),
+        "gpu_hours": gpu_hours(about.job, sessions),
         "fingerprint": manifest.get("fingerprint"),
         "kchain_version": manifest.get("kchain_version"),
         "params": manifest.get("params"),
-        "state": f"{ref}/{version}",
-        "chain_status": chain_status,
-        "chain_step": marker.get("step"),
+        "state": about.state,
+        "chain_status": about.chain_status,
+        "chain_step": about.chain_step,
         "weights": weights,
         "left_out": sorted(manifest.get(FROZEN_KEY) or {}),  # modules whose frozen base is not in the weights
     }

@@ -32,7 +32,7 @@ from kchain.common import layout
 from kchain.common.checkpoint_files import sha256_of
 from kchain.common.sendonce import NotLanded, send_and_settle, settle
 from kchain.common.statefolder import write_dataset_metadata
-from kchain.errors import KaggleError, KchainError
+from kchain.errors import KaggleError, UsageError
 from kchain.job.spec import MODEL_SLUG_RE, OWNER_RE, SLUG_RE, load_job
 from kchain.kaggle.client import KaggleClient, lost_answer, missing
 from kchain.kaggle.datasets import current_version, ensure_dataset, new_version
@@ -66,18 +66,18 @@ def _parse_target(text: str) -> Target:
     parts = text.split("/")
     example = "e.g. --model alice/tiny-gpt/pytorch/default"
     if len(parts) != 4 or not all(parts):
-        raise KchainError(f"--model {text!r}: write OWNER/MODEL/FRAMEWORK/VARIATION, {example}")
+        raise UsageError(f"--model {text!r}: write OWNER/MODEL/FRAMEWORK/VARIATION, {example}")
     owner, model, framework, variation = parts
     if not OWNER_RE.fullmatch(owner):
-        raise KchainError(f"--model {text!r}: {owner!r} is not a Kaggle username, {example}")
+        raise UsageError(f"--model {text!r}: {owner!r} is not a Kaggle username, {example}")
     if not SLUG_RE.fullmatch(model) or not MODEL_SLUG_LEN[0] <= len(model) <= MODEL_SLUG_LEN[1]:
-        raise KchainError(f"--model {text!r}: Kaggle refuses the model slug {model!r}; use {MODEL_SLUG_LEN[0]}-"
+        raise UsageError(f"--model {text!r}: Kaggle refuses the model slug {model!r}; use {MODEL_SLUG_LEN[0]}-"
                           f"{MODEL_SLUG_LEN[1]} lowercase letters, digits and single dashes inside, {example}")
     if layout.model_framework_key(framework) not in layout.MODEL_FRAMEWORKS:
-        raise KchainError(f"--model {text!r}: {framework!r} is not a Kaggle model framework; use one of "
+        raise UsageError(f"--model {text!r}: {framework!r} is not a Kaggle model framework; use one of "
                           f"{', '.join(layout.MODEL_FRAMEWORKS)}")
     if not MODEL_SLUG_RE.fullmatch(variation) or len(variation) > MODEL_SLUG_LEN[1]:
-        raise KchainError(f"--model {text!r}: {variation!r} is not a variation slug; use lowercase letters, "
+        raise UsageError(f"--model {text!r}: {variation!r} is not a variation slug; use lowercase letters, "
                           f"digits and single . _ - inside, {example}")
     return Target(owner, model, framework, variation)
 
@@ -87,11 +87,11 @@ def _parse_dataset(ref: str, job: str) -> str:
     parts = ref.split("/")
     if len(parts) != 2 or not OWNER_RE.fullmatch(parts[0]) or not SLUG_RE.fullmatch(parts[1]) \
             or not 6 <= len(parts[1]) <= 50:
-        raise KchainError(f"--dataset {ref!r}: write OWNER/SLUG, the slug 6-50 lowercase letters, digits and dashes")
+        raise UsageError(f"--dataset {ref!r}: write OWNER/SLUG, the slug 6-50 lowercase letters, digits and dashes")
     owner = parts[0]
     for what, of in (("state", state_dataset), ("cache", cache_dataset), ("pip", pip_dataset)):
         if ref == of(owner, job):
-            raise KchainError(f"--dataset {ref}: that is the chain's own {what} dataset, which pull and continue "
+            raise UsageError(f"--dataset {ref}: that is the chain's own {what} dataset, which pull and continue "
                               f"read; release to another, e.g. --dataset {owner}/{job}-model")
     return ref
 
@@ -180,10 +180,10 @@ def release(job_file: Path, want: Want, model: str | None, dataset: str | None, 
     """Pull, then publish as a model version (or a dataset version) unless a version holds these weights
     already (`new`: publish them again); the lines to print."""
     if (model is None) == (dataset is None):
-        raise KchainError("kchain release: give one of --model OWNER/MODEL/FRAMEWORK/VARIATION or --dataset OWNER/SLUG")
+        raise UsageError("kchain release: give one of --model OWNER/MODEL/FRAMEWORK/VARIATION or --dataset OWNER/SLUG")
     _check_license(license_name)
-    job = load_job(job_file)
     target = _parse_target(model) if model is not None else None
+    job = load_job(job_file)
     if dataset is not None:
         _parse_dataset(dataset, job.name)
     client = client or KaggleClient(progress=True)
@@ -209,8 +209,9 @@ def release(job_file: Path, want: Want, model: str | None, dataset: str | None, 
                       f"[\"{dataset}\"])")
             done = f"dataset {dataset} version {number}"
         if already:
+            where = f"--model {target.instance}" if target is not None else f"--dataset {dataset}"
             return [f"step {pulled.step} is released already as {done}, these same weights: nothing sent "
-                    f"(kchain release --new publishes them again)", attach]
+                    f"(`kchain release {job_file} --{want.which} {where} --new` publishes them again)", attach]
         return [f"released step {pulled.step} as {done}", attach]
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -220,7 +221,7 @@ def _check_license(name: str) -> None:
     """A licence name is a short name from Kaggle's list: refused before anything is pulled or sent."""
     if not name.strip() or len(name) > MAX_LICENSE_CHARS or not name.isprintable():
         what = f"is {len(name)} characters" if len(name) > MAX_LICENSE_CHARS else "is not a licence name"
-        raise KchainError(f"--license {name[:40]!r}{'...' if len(name) > 40 else ''}: {what}; a licence name is at "
+        raise UsageError(f"--license {name[:40]!r}{'...' if len(name) > 40 else ''}: {what}; a licence name is at "
                           f"most {MAX_LICENSE_CHARS} characters on one line (kchain's bound: Kaggle publishes none, and "
                           "its names are short), e.g. --license 'Apache 2.0'")
 

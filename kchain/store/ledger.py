@@ -10,17 +10,20 @@ import csv
 import io
 import json
 import os
+import re
 import uuid
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
 
+from kchain.common import sessionstate
 from kchain.common.atomic import write_json as atomic_write_json
 from kchain.common.atomic import write_text as atomic_write_text
 from kchain.common.sessionrecord import SessionRecord
 from kchain.common.summary import Summary
 from kchain.errors import StateError
+from kchain.store import account
 
 RUNS_FILE = "runs.csv"
 DOCTOR_FILE = "doctor.json"  # what `kchain doctor` learned, by job (doctor.py writes it)
@@ -28,6 +31,7 @@ PUBLISH_FILE = "publish.json"
 SMOKE_FILE = "smoke-passes.json"
 SESSIONS_FILE = "sessions.json"
 RELEASES_FILE = "releases.json"  # what `kchain release` sent, by target and weights (release.py)
+PLAN_FILE = "plan.json"  # the week's runs as `kchain plan` planned them (kchain/chain/plan.py)
 RUN_FIELDS = ["run_id", "date", "channel", "job", "config", "steps", "val", "checkpoint", "note"]
 
 
@@ -131,10 +135,24 @@ class Ledger:
         return record
 
     # -- smoke passes -----------------------------------------------------------------------
-    def record_smoke_pass(self, fingerprint: str, run_id: str, job: str) -> None:
+    def record_smoke_pass(self, fingerprint: str, run_id: str, job: str,
+                          measured: dict[str, Any] | None = None) -> None:
+        """The pass push looks for; `measured`: what the smoke's reference run measured (`steps_per_s`, the
+        laptop's pace; `total`, the loop's total as the code asked for it; `sets`, the --set it ran with)."""
         passes = _read_state_json(self.root / SMOKE_FILE)
-        passes[fingerprint] = {"run_id": run_id, "job": job, "date": iso(now_utc())}
+        passes[fingerprint] = {"run_id": run_id, "job": job, "date": iso(now_utc()), **(measured or {})}
         atomic_write_json(self.root / SMOKE_FILE, passes)
+
+    def smoke_measured(self, job: str, fingerprint: str | None = None) -> dict[str, Any] | None:
+        """The smoke pass of `fingerprint` if it measured a pace, else the job's newest one that did (an older
+        code's), with its fingerprint added; None when no smoke of the job measured one."""
+        passes = _read_state_json(self.root / SMOKE_FILE)
+        timed = {fp: p for fp, p in passes.items() if isinstance(p, dict) and p.get("job") == job
+                 and isinstance(p.get("steps_per_s"), (int, float)) and p["steps_per_s"] > 0}
+        if fingerprint in timed:
+            return {**timed[fingerprint], "fingerprint": fingerprint}
+        newest = max(timed, key=lambda fp: str(timed[fp].get("date")), default=None)
+        return None if newest is None else {**timed[newest], "fingerprint": newest}
 
     def smoke_passed(self, fingerprint: str) -> dict[str, Any] | None:
         return _read_state_json(self.root / SMOKE_FILE).get(fingerprint)
@@ -151,6 +169,19 @@ class Ledger:
         chain.sort(key=lambda s: s["session"])
         data[job] = chain
         atomic_write_json(self.root / SESSIONS_FILE, data)
+        self._note_account(job, session)
+
+    def _note_account(self, job: str, session: SessionRecord) -> None:
+        """A GPU session Kaggle started is noted in its account's week too (store/account.py), by its kernel's
+        owner and version, so the account's other job folders count its hours."""
+        kernel, version = session.get("kernel") or "", session.get("version")
+        owner = kernel.split("/")[0]
+        if not session.get("gpu") or not session.get("started") or not version or not ACCOUNT_NAME.fullmatch(owner):
+            return
+        fields: dict[str, Any] = dict(session)
+        entry = {key: fields[key] for key in account.FIELDS if fields.get(key) is not None}
+        account.note(owner, f"{kernel}/{version}", {**entry, "job": job, "folder": str(Path(self.root).resolve())},
+                     since=iso(now_utc() - account.KEEP))
 
     def publish_figures(self, job: str) -> dict[str, Any] | None:
         """How long the in-kernel publish takes, as last measured: by a session of the chain (its
@@ -190,23 +221,38 @@ class Ledger:
                 problem = _session_problem(record)
                 if problem:
                     raise StateError(f"{path}: {job[:60]!r} entry {i + 1}: {problem}; {_FIX}")
+                sessionstate.typed(record)
         return data
 
     # -- the GPU-hour week ------------------------------------------------------------------
-    def week_tally(self, moment: datetime | None = None) -> dict[str, float]:
+    def week_tally(self, moment: datetime | None = None, user: str | None = None) -> dict[str, float]:
         """An unattended chain's week as its kernels count it on when Kaggle reports no GPU figures
         (config.kaggle.week, nextsession.week_used): the quota week's start (epoch seconds, kchain's
-        assumption) and the GPU seconds this ledger holds for it, every job's."""
+        assumption) and the GPU seconds this ledger holds for it, every job's (with user, the account's)."""
         moment = moment or now_utc()
         start = week_start(moment)
-        return {"start": start.timestamp(), "used_s": round(self.gpu_hours_this_week(moment, start) * 3600, 1)}
+        used_h = self.gpu_hours_this_week(moment, start, user)
+        return {"start": start.timestamp(), "used_s": round(used_h * 3600, 1)}
 
-    def gpu_hours_this_week(self, moment: datetime | None = None, start: datetime | None = None) -> float:
+    def elsewhere(self, user: str | None, moment: datetime | None = None,
+                  start: datetime | None = None) -> list[dict[str, Any]]:
+        """The account's GPU sessions this quota week that this ledger does not hold: those its other job
+        folders noted (store/account.py), oldest first, each {job, session, status, started, ended, folder}."""
+        if not user:
+            return []
+        start = start or week_start(moment or now_utc())
+        ours = {f"{s.get('kernel')}/{s.get('version')}" for chain in self.all_sessions().values() for s in chain}
+        noted = sorted(account.noted(user).items(), key=lambda item: str(item[1].get("started")))
+        return [e for key, e in noted if key not in ours and (began := _time(e.get("started"))) and began >= start]
+
+    def gpu_hours_this_week(self, moment: datetime | None = None, start: datetime | None = None,
+                            user: str | None = None) -> float:
         """GPU-hours of every GPU session (all jobs) that started in the current quota week (from start,
-        e.g. the week Kaggle reports; default: week_start's assumption)."""
+        e.g. the week Kaggle reports; default: week_start's assumption); with user, the account's sessions
+        its other job folders noted too (elsewhere)."""
         moment = moment or now_utc()
         start = start or week_start(moment)
-        total = 0.0
+        total = sum(noted_hours(e, moment) for e in self.elsewhere(user, moment, start))
         for chain in self.all_sessions().values():
             for s in chain:
                 if not s.get("gpu") or not s.get("started"):
@@ -258,8 +304,8 @@ def _session_problem(record: Any) -> str | None:
         return "not an object"
     if not isinstance(record.get("session"), int) or isinstance(record.get("session"), bool):
         return "'session' is not a number"
-    if not isinstance(record.get("status"), str):
-        return "'status' is not text"
+    if problem := sessionstate.problem(record.get("status")):
+        return problem
     for key in ("started", "ended"):
         value = record.get(key)
         if value is None:
@@ -282,6 +328,30 @@ def _session_problem(record: Any) -> str | None:
 # -- what `kchain budget` and `kchain runs` print --------------------------------------------------
 
 
+# A session another job folder last saw running counts up to now, but never past Kaggle's longest (12 h,
+# kaggle-api.md 6.1): that folder may never look again.
+LONGEST_SESSION_H = 12.0
+ACCOUNT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]*")  # a Kaggle username: a file name under accounts/
+
+
+def _time(text: Any) -> datetime | None:
+    """parse_iso of a time a file holds; None when it is none."""
+    try:
+        return parse_iso(text)
+    except (TypeError, ValueError):
+        return None
+
+
+def noted_hours(entry: dict[str, Any], moment: datetime | None = None) -> float:
+    """The GPU-hours of a session another job folder noted (Ledger.elsewhere)."""
+    began, ended = _time(entry.get("started")), _time(entry.get("ended"))
+    if began is None:
+        return 0.0
+    if ended is None:
+        return min(LONGEST_SESSION_H, max(0.0, ((moment or now_utc()) - began).total_seconds() / 3600))
+    return max(0.0, (ended - began).total_seconds()) / 3600
+
+
 def session_hours(session: SessionRecord, moment: datetime | None = None) -> float:
     if not session.get("started"):
         return 0.0
@@ -289,13 +359,19 @@ def session_hours(session: SessionRecord, moment: datetime | None = None) -> flo
     return max(0.0, (end - parse_iso(session["started"])).total_seconds()) / 3600
 
 
+def sessions_needed(hours: float, usable_session_h: float) -> int:
+    """The sessions `hours` of training take at `usable_session_h` each (the session limit less its margin)."""
+    return int(-(-hours // usable_session_h)) if hours > 0 else 0
+
+
 def budget_document(ledger: Ledger, weekly_h: float, job: str | None = None,
                     usable_session_h: float = 11.75, start: datetime | None = None,
-                    kaggle_used_h: float | None = None) -> dict[str, Any]:
+                    kaggle_used_h: float | None = None, elsewhere: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """`kchain budget --json`: this quota week's GPU sessions, what is left, and what the job's remaining
     steps need at its measured pace (the shape README's "Machine-readable output" documents). weekly_h is
     the week's allowance (the smaller of the job's budget and Kaggle's), start the week Kaggle reports, and
-    kaggle_used_h Kaggle's own count, which wins where it is higher (GPU time spent outside kchain)."""
+    kaggle_used_h Kaggle's own count, which wins where it is higher (GPU time spent outside kchain); elsewhere:
+    the account's sessions its other job folders noted (Ledger.elsewhere), listed after this ledger's."""
     moment = now_utc()
     start = start or week_start(moment)
     sessions, left = [], weekly_h
@@ -311,6 +387,12 @@ def budget_document(ledger: Ledger, weekly_h: float, job: str | None = None,
                 outcome += f" at step {summary.step}"
             sessions.append({"job": name, "session": s["session"], "gpu_hours": hours, "left_after": left,
                              "outcome": outcome})
+    for noted in elsewhere or []:
+        hours = noted_hours(noted, moment)
+        left -= hours
+        sessions.append({"job": noted.get("job"), "session": noted.get("session"), "gpu_hours": hours,
+                         "left_after": left, "outcome": f"{str(noted.get('status') or '').lower()} (another job "
+                         f"folder's ledger: {noted.get('folder')})", "folder": noted.get("folder")})
     remaining = None
     done = [Summary.from_dict(s.get("summary")) for s in (ledger.sessions(job) if job else []) if s.get("summary")]
     if done and done[-1].total and done[-1].steps_per_s:
@@ -318,7 +400,7 @@ def budget_document(ledger: Ledger, weekly_h: float, job: str | None = None,
         steps = max(0, (last.total or 0) - (last.step or 0))
         hours = steps / (last.steps_per_s or 1.0) / 3600
         remaining = {"steps": steps, "steps_per_s": last.steps_per_s, "gpu_hours": hours,
-                     "sessions": int(-(-hours // usable_session_h)) if steps else 0}
+                     "sessions": sessions_needed(hours, usable_session_h) if steps else 0}
     if kaggle_used_h is not None:
         left = min(left, weekly_h - kaggle_used_h)
     return {"job": job, "week_start": iso(start), "weekly_gpu_hours": weekly_h, "sessions": sessions,

@@ -49,8 +49,7 @@ def run_script(job: Job) -> list[str]:
     """The script's body: the runtime's variables, the launch (one per node under srun and an outer
     torchrun for nodes > 1), and the requeue on 75."""
     spec = job.slurm
-    assert spec.state_dir is not None  # load_job refused the job without one (target_problem)
-    defaults = {layout.ROOT_ENV: ROOT, layout.STATE_SINK_ENV: f"{spec.state_dir.rstrip('/')}/{job.name}",
+    defaults = {layout.ROOT_ENV: ROOT, layout.STATE_SINK_ENV: spec.sink(job.name),
                 layout.SESSION_LIMIT_ENV: str(int(parse_duration(spec.time)))}
     if spec.nodes == 1:
         lines = run_lines(defaults, [LAUNCH])

@@ -37,7 +37,7 @@ def job_file(tmp_path):
     return folder / "job.yaml"
 
 
-def publish_state(api, tmp_path, status: str, logs: bool = False) -> dict[int, torch.Tensor]:
+def publish_state(api, tmp_path, status: summary.StatusName, logs: bool = False) -> dict[int, torch.Tensor]:
     """A session that checkpoints steps 2-8 (best val_loss at 4, keep 1), exports, ends `status`; its end
     state uploaded as version 1 of alice/pulljob-state. Returns the model's weight at each step."""
     paths = layout.Paths.of({layout.ROOT_ENV: str(tmp_path / "session")})
@@ -131,7 +131,7 @@ def test_nothing_finished_and_no_state_are_one_line_and_write_nothing(emulator, 
     last = result.output.splitlines()[-1]  # after the client's transfer bars (marker, summary)
     assert result.exit_code == 1 and last.startswith("Error: ")
     assert "nothing finished yet: alice/pulljob-state version 1 holds step 8 (the newest) and step 4" in result.output
-    assert "ended deadline" in last and "pull --step 8" in last
+    assert "ended deadline" in last and f"`kchain pull {job} --step 8` pulls those weights" in last
     assert not (tmp_path / "out").exists()
     assert [p for p in tmp_path.iterdir() if p.name.startswith(layout.TMP_PREFIX)] == []
     # The best so far is there whatever the chain's state.

@@ -59,7 +59,7 @@ def test_a_release_under_resets_and_lost_answers_leaves_one_version_each_time(em
 def test_a_model_slug_kaggle_refuses_is_one_line_and_creates_nothing(emulator, kaggle_api, tmp_path):  # noqa: F811
     job = job_file(tmp_path)
     result = CliRunner().invoke(cli, ["release", str(job), "--model", f"{USER}/Tiny_GPT/pytorch/default"])
-    assert result.exit_code == 1
+    assert result.exit_code == 2
     assert result.output == (f"Error: --model '{USER}/Tiny_GPT/pytorch/default': Kaggle refuses the model slug "
                              "'Tiny_GPT'; use 3-50 lowercase letters, digits and single dashes inside, e.g. --model "
                              "alice/tiny-gpt/pytorch/default\n")
@@ -99,7 +99,7 @@ def test_the_chains_own_datasets_are_refused_in_one_line_and_another_dataset_is_
     job = job_file(tmp_path)
     for suffix, what in (("-state", "state"), ("-cache", "cache"), ("-pip", "pip")):
         result = CliRunner().invoke(cli, ["release", str(job), "--best", "--dataset", f"{USER}/pulljob{suffix}"])
-        assert result.exit_code == 1
+        assert result.exit_code == 2
         assert result.output == (f"Error: --dataset {USER}/pulljob{suffix}: that is the chain's own {what} dataset, "
                                  f"which pull and continue read; release to another, e.g. --dataset "
                                  f"{USER}/pulljob-model\n")
@@ -111,7 +111,8 @@ def test_the_chains_own_datasets_are_refused_in_one_line_and_another_dataset_is_
     assert first.exit_code == 0 and f"released step 4 as dataset {ref} version 2" in first.output, first.output
     again = CliRunner().invoke(cli, ["release", str(job), "--best", "--dataset", ref])
     assert again.exit_code == 0 and (f"step 4 is released already as dataset {ref} version 2, these same weights: "
-                                     "nothing sent (kchain release --new publishes them again)") in again.output
+                                     f"nothing sent (`kchain release {job} --best --dataset {ref} --new` publishes "
+                                     "them again)") in again.output
     assert [v["notes"] for v in emulator.dataset_versions(ref)] == ["Initial release", "kchain release"]
 
 
@@ -136,8 +137,8 @@ def test_a_release_killed_after_its_creating_call_settles_on_the_rerun_and_is_ne
 
     said: list[str] = []
     attach = f"attach it: kaggle.models: [{INSTANCE}/1]   (kernel-metadata.json: \"model_sources\": [\"{INSTANCE}/1\"])"
-    again = [f"step 4 is released already as {INSTANCE}/1 (private), these same weights: nothing sent (kchain "
-             "release --new publishes them again)", attach]
+    again = [f"step 4 is released already as {INSTANCE}/1 (private), these same weights: nothing sent (`kchain "
+             f"release {job} --best --model {INSTANCE} --new` publishes them again)", attach]
     assert release(job, Want("best"), INSTANCE, None, False, "Apache 2.0", said.append) == again
     assert any("was sent and never settled" in line for line in said)
     assert release(job, Want("best"), INSTANCE, None, False, "Apache 2.0", said.append) == again  # after a finish
@@ -151,7 +152,7 @@ def test_a_release_killed_after_its_creating_call_settles_on_the_rerun_and_is_ne
 def test_an_over_long_licence_name_is_refused_naming_the_bound_before_anything_is_sent(tmp_path):
     result = CliRunner().invoke(cli, ["release", str(job_file(tmp_path)), "--model", INSTANCE,
                                       "--license", "x" * 100_000])
-    assert result.exit_code == 1
+    assert result.exit_code == 2
     assert result.output == ("Error: --license '" + "x" * 40 + "'...: is 100000 characters; a licence name is at "
                              "most 100 characters on one line (kchain's bound: Kaggle publishes none, and its names "
                              "are short), e.g. --license 'Apache 2.0'\n")

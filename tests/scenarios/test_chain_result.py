@@ -17,6 +17,7 @@ from emulator_helpers import USER, emulator  # noqa: F401  (fixture)
 from helpers import STALL, copy_job, invoke
 from safetensors.torch import load_file
 from test_chain import ROOMY
+from test_chain_shapes import hints, run_each
 
 from kchain.chain.advance import watch
 from kchain.chain.outcome import best_words
@@ -38,9 +39,10 @@ def tiny_job(tmp_path: Path) -> Path:
     return copy_job("tinygpt", tmp_path, params=TINY, train=CADENCE)
 
 
-def chain_to_the_end(path: Path, before_each=None) -> str:
-    """`continue --watch` on this laptop (in-process, polling fast) until the chain ends; its last line."""
-    lines: list[str] = []
+def chain_to_the_end(path: Path, before_each=None, lines: list[str] | None = None) -> str:
+    """`continue --watch` on this laptop (in-process, polling fast) until the chain ends; its last line (every
+    line it said in `lines`, when given)."""
+    lines = [] if lines is None else lines
     done = watch(load_job(path), Ledger(Path(os.environ["KCHAIN_HOME"])), KaggleClient(), skip_smoke=True,
                  echo=lines.append, poll_s=0.2, max_poll_s=1.0, before_each=before_each)
     assert done.action == "finished", lines
@@ -81,8 +83,10 @@ def best_named(path: Path) -> str:
 def test_a_chain_of_one_session_publishes_its_end_and_pulls_it(tmp_path, emulator, monkeypatch):
     monkeypatch.setenv(layout.FAULT_ENV, STALL)
     path = tiny_job(tmp_path)
-    assert invoke("push", path, "--skip-smoke").exit_code == 0
-    said = chain_to_the_end(path)
+    pushed = invoke("push", path, "--skip-smoke")
+    assert pushed.exit_code == 0
+    watched: list[str] = []
+    said = chain_to_the_end(path, lines=watched)
     # Internet off: the laptop published the end state (version 2) before saying the chain is complete.
     assert said.startswith("training is complete: 20/20 steps, best val_loss ")
     assert said.endswith(f"final weights (step 20) in {STATE} version 2: `kchain pull {path} --final`"), said
@@ -97,6 +101,9 @@ def test_a_chain_of_one_session_publishes_its_end_and_pulls_it(tmp_path, emulato
     assert best_words({**metrics["keep_best"]}) == best and metrics["step"] == metrics["keep_best"]["step"]
     final = pulled(path, "final", tmp_path / "final", emulator)
     assert final["step"] == 20 and final["chain_status"] == "finished"
+    # Item 7: each command these messages tell the user to run works from here.
+    told = hints(pushed.output, *watched, again.output, invoke("status", path).output, invoke("runs", path).output)
+    assert len(told) >= 2 and run_each(told, tmp_path), told
 
 
 def test_a_chain_killed_right_after_its_final_checkpoint_is_complete_for_pull_final(tmp_path, emulator, monkeypatch):
@@ -163,3 +170,5 @@ def test_a_chain_continued_and_pulled_on_laptops_that_never_saw_it(tmp_path, emu
     best = best_named(third)
     assert best_words(pulled(third, "best", tmp_path / "best", emulator)["keep_best"]) == best
     assert pulled(third, "final", tmp_path / "final", emulator)["step"] == 20
+    told = hints(status.output, done.output, invoke("runs", third).output)  # laptop C's, naming its job file
+    assert told and all(str(third) in command for command in told) and run_each(told, tmp_path), told

@@ -465,6 +465,7 @@ class Checkpointer:
             say(pruned)
         trace.flush()
         manifest = {"job": self.policy.job, "step": progress.step, "time": time.time(), "session": progress.session,
+                    "total": progress.total,  # the loop's: a state folder's newest at its total is the final one
                     **self.policy.manifest, **added, ladder.MANIFEST_KEY: self.rung.halvings,
                     MODULES_KEY: [n for n, o in self.tracked.items() if isinstance(distributed.unwrap(o), torch.nn.Module)]}
         left_out = self.frozen.record()

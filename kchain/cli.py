@@ -230,7 +230,7 @@ def smoke(job: Path, quiet: bool, download: bool, sets: dict[str, Any], ranks: i
 @JOB
 @click.option("--offline", is_flag=True, help="Only the laptop-side checks; no Kaggle call.")
 @click.option("--no-probe", is_flag=True, help="Skip the probe's CPU session (account, sources and metadata only).")
-@click.option("--probe-timeout", type=float, default=900.0, show_default=True, help="Seconds to wait for the probe.")
+@click.option("--probe-timeout", type=Seconds(1.0, 24 * 3600.0), default=900.0, show_default=True, help="Seconds to wait for the probe.")
 def doctor(job: Path, offline: bool, no_probe: bool, probe_timeout: float) -> None:
     """Check the account, the sources and the kernel image before the first GPU-hour, for free.
 
@@ -324,7 +324,7 @@ def logs(job: Path, number: int | None, follow: bool, poll: float) -> None:
 @click.option("--watch", "watch_chain", is_flag=True, help="Keep chaining until done, out of budget, or a crash.")
 @click.option("--force", is_flag=True, help="Push even if the week's GPU quota cannot cover the session.")
 @click.option("--skip-smoke", is_flag=True, help="Allow code that never passed a smoke run.")
-@click.option("--from-state", type=int, default=None, metavar="N",
+@click.option("--from-state", type=click.IntRange(min=1), default=None, metavar="N",
               help="Resume from state version N when the last session's output cannot be fetched (loses its steps).")
 @click.option("--delete-stale", is_flag=True,
               help="With --watch: delete a stale session's kernel (Kaggle keeps it RUNNING) once the chain's "
@@ -355,9 +355,9 @@ def continue_(job: Path, retry: bool, watch_chain: bool, force: bool, skip_smoke
 
 @cli.command()
 @JOB
-@click.option("--wait", "wait_s", type=float, default=3600.0, show_default=True,
+@click.option("--wait", "wait_s", type=Seconds(0.0, 7 * 24 * 3600.0), default=3600.0, show_default=True,
               help="Seconds to wait for the session to end once you stopped it on its page.")
-@click.option("--poll", "poll_s", type=float, default=10.0, show_default=True, help="Seconds between status checks.")
+@click.option("--poll", "poll_s", type=Seconds(0.1, 3600.0), default=10.0, show_default=True, help="Seconds between status checks.")
 @click.option("--delete", is_flag=True,
               help="Delete the kernel instead: the stop Kaggle honours, also for a session it keeps RUNNING "
                    "(`kchain status` says stale); only when the chain's state is safe, and it asks first.")
@@ -423,6 +423,94 @@ def runs(job: Path, as_json: bool) -> None:
         click.echo(line)
 
 
+JOBS = click.argument("jobs", nargs=-1, type=click.Path(path_type=Path))
+
+
+def _variant_sets(ctx: click.Context, param: click.Parameter, values: tuple[str, ...]) -> list[tuple[str, Any]]:
+    """--set NAME=VALUE, each kept (a key given twice is two variants), each read as one YAML value."""
+    from kchain.errors import SpecError
+    from kchain.job.spec import parse_overrides
+
+    try:
+        return [next(iter(parse_overrides([value]).items())) for value in values]
+    except SpecError as exc:
+        raise click.UsageError(str(exc), ctx) from None
+
+
+def _seeds(ctx: click.Context, param: click.Parameter, value: str | None) -> list[int]:
+    try:
+        return [int(part) for part in value.split(",")] if value else []
+    except ValueError:
+        raise click.BadParameter(f"{value!r}: write whole numbers with commas, e.g. --seeds 1,2,3") from None
+
+
+def _factor(ctx: click.Context, param: click.Parameter, value: float | None) -> float | None:
+    if value is not None and not (math.isfinite(value) and value > 0):
+        raise click.BadParameter(f"{value!r}: write a positive number, e.g. --factor 0.05 (Kaggle's seconds per "
+                                 "step over this laptop's)")
+    return value
+
+
+@cli.command()
+@JOBS
+@click.option("--set", "sets", multiple=True, metavar="NAME=VALUE", callback=_variant_sets,
+              help="A param for the runs; a name given again is another run (--set lr=3e-4 --set lr=1e-3: two).")
+@click.option("--seeds", callback=_seeds, metavar="1,2,3", help="Repeat each run with each params.seed.")
+@click.option("--steps", type=click.IntRange(min=1), default=None,
+              help="Each run's steps, where the measured loop total does not say them.")
+@click.option("--factor", type=float, default=None, callback=_factor,
+              help="Kaggle's seconds per step over this laptop's smoke (default: measured by a chain, else 1).")
+@click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Folder for plan.json (default: the first job's .kchain/).")
+@AS_JSON
+def plan(jobs: tuple[Path, ...], sets: list[tuple[str, Any]], seeds: list[int], steps: int | None,
+         factor: float | None, out: Path | None, as_json: bool) -> None:
+    """The week's runs sized from measured speed on Kaggle's two GPU slots, a slack held back.
+
+    Each run's seconds per step (its chain's Kaggle pace, else the smoke's times a device factor), its
+    sessions, GPU-hours, slot and end, against this quota week's allowance; budget.slack (default one
+    session) is never planned into. A plan that does not fit is refused (exit 5), naming the run to drop
+    or shorten; one that fits is written to plan.json.
+
+    \b
+    Example:
+      kchain plan myjob/job.yaml --set lr=3e-4 --set lr=1e-3 --seeds 1,2
+      kchain init wide && kchain plan myjob/job.yaml wide/job.yaml --json | jq .spare
+    """
+    from kchain.chain.plan import plan_jobs
+
+    if seeds and any(key == "seed" for key, _ in sets):
+        raise click.UsageError("--seeds and --set seed=... both give the seed; give one of them")
+    doc, lines, path = plan_jobs(list(jobs or (Path("job.yaml"),)), sets, seeds, steps, factor, out)
+    if as_json:
+        return click.echo(json.dumps(doc, indent=2))
+    for line in lines:
+        click.echo(line)
+    click.echo(f"written {path}")
+
+
+@cli.command()
+@JOBS
+@click.option("--plan", "plan_file", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="The plan.json to compare with (default: the first job's .kchain/plan.json).")
+@AS_JSON
+def week(jobs: tuple[Path, ...], plan_file: Path | None, as_json: bool) -> None:
+    """The week's run log: one row per run, what it changed, its best, GPU-hours planned and spent.
+
+    \b
+    Example:
+      kchain week myjob/job.yaml
+      kchain week myjob/job.yaml --json | jq .spare_after_plan
+    """
+    from kchain.result.week import document, table, week_of
+
+    rows, totals = week_of(list(jobs or (Path("job.yaml"),)), plan_file)
+    if as_json:
+        return click.echo(json.dumps(document(rows, totals), indent=2))
+    for line in table(rows, totals):
+        click.echo(line)
+
+
 @cli.command()
 @JOB
 @click.option("-o", "--out", type=click.Path(path_type=Path), default=None, help="PNG path (default: .kchain/<name>-loss.png).")
@@ -459,21 +547,30 @@ def _chosen(best: bool, final: bool, step: int | None = None) -> str:
                    "one an earlier pull wrote.")
 @click.option("--logs", is_flag=True, help="The chain's TensorBoard run instead of the weights (run.tensorboard_dir).")
 @click.option("--force", is_flag=True, help="Replace an earlier pull's folder (never a job's folder or other files).")
-def pull(job: Path, best: bool, final: bool, step: int | None, logs: bool, out: Path | None, force: bool) -> None:
+@click.option("--from", "source", type=click.Path(path_type=Path), default=None, metavar="FOLDER",
+              help="A SkyPilot or Slurm job's state folder to read instead (the bucket's <name>/ folder, mounted or "
+                   "copied here; a Slurm job's state_dir/<name> is the default).")
+def pull(job: Path, best: bool, final: bool, step: int | None, logs: bool, out: Path | None, force: bool,
+         source: Path | None) -> None:
     """Bring the chain's weights home from its newest state version, verified, as a plain folder:
     model.safetensors, metrics.json, and (--final) what the last session wrote under run.export_dir.
+    A SkyPilot or Slurm job's come from its state folder (--from; Slurm's state_dir by default).
 
     \b
     Example:
       kchain pull myjob/job.yaml --best -o myjob-best
       kchain pull myjob/job.yaml --step 1200
       kchain pull myjob/job.yaml --logs -o runs/myjob && tensorboard --logdir runs/myjob
+      kchain pull myjob/job.yaml --best --from my-state   # a SkyPilot job's bucket folder, copied here
     """
     from kchain.result.pull import Want, pull_for, pull_logs
 
     which = _chosen(best, final, step)
+    if logs and source is not None:
+        raise click.UsageError("--logs reads the chain's Kaggle state, not a state folder: leave out --from",
+                               click.get_current_context())
     lines = pull_logs(job, out, force, click.echo) if logs else \
-        pull_for(job, Want(which, step), out, force, click.echo)
+        pull_for(job, Want(which, step), out, force, click.echo, source)
     for line in lines:
         click.echo(line)
 
@@ -560,10 +657,13 @@ def release(job: Path, best: bool, final: bool, model: str | None, dataset: str 
               help="A flaky Kaggle, rates per call: e.g. 429=0.15,500=0.10,lost_answer=0.1,reset_after_acting=0.1,drop_upload=0.1.")
 @click.option("--strict/--lenient", default=True, show_default=True,
               help="Kaggle's strict behaviour (403s, lagging versions, ignored pins, lost output) or a kind one.")
+@click.option("--notify", "notify_command", metavar="CMD",
+              help="Run CMD in the shell when the rehearsal ends (finished: passed; needs_person: the chain stopped "
+                   "for a decision; failed), with KCHAIN_EVENT, KCHAIN_JOB, KCHAIN_MESSAGE and KCHAIN_SESSION set.")
 @TARGET
 def rehearse(job: Path, sessions: int, by_time: bool, session_limit: float | None, kills: int, unattended: bool,
              busy_gpu: bool, ranks: int | None, seed: int, sets: dict[str, Any], fault_spec: str, strict: bool,
-             target: str | None) -> None:
+             notify_command: str | None, target: str | None) -> None:
     """The whole chain on this machine against a local Kaggle, compared with one uninterrupted run.
 
     Sessions are planned in steps, so a slow or busy machine gives the same chain and verdict. It
@@ -578,10 +678,10 @@ def rehearse(job: Path, sessions: int, by_time: bool, session_limit: float | Non
       kchain rehearse myjob/job.yaml --unattended --busy-gpu   # beside another GPU session
       kchain rehearse myjob/job.yaml --by-time --session-limit 60 --set steps=300
       kchain rehearse myjob/job.yaml --target slurm    # with a slurm: section: the sbatch script
+      kchain rehearse myjob/job.yaml --notify 'notify-send kchain "$KCHAIN_EVENT: $KCHAIN_MESSAGE"'
     """
     from kchain.errors import KchainError
-    from kchain.local.rehearse import emulator_switches, parse_fault_spec
-    from kchain.local.rehearse import rehearse as run_rehearse
+    from kchain.local.rehearse import emulator_switches, parse_fault_spec, rehearse_told
 
     if busy_gpu and not unattended:
         raise click.UsageError("--busy-gpu is for --unattended: an attended chain pushes each session after the last "
@@ -589,15 +689,17 @@ def rehearse(job: Path, sessions: int, by_time: bool, session_limit: float | Non
     if target:
         from kchain.targets.rehearsal import rehearse_target
 
+        if notify_command:
+            raise click.UsageError("--notify tells of a rehearsal against the local Kaggle; leave out --target")
         rehearse_target(job, target, smoke=False, params=sets, echo=click.echo)
         return
 
-    result = run_rehearse(job, sessions=None if by_time else sessions, session_limit_s=session_limit, kills=kills,
-                          seed=seed, params=sets, faults=parse_fault_spec(fault_spec, seed),
-                          switches=emulator_switches(strict), echo=click.echo, ranks=ranks, unattended=unattended,
-                          busy_gpu=busy_gpu)
+    result = rehearse_told(job, notify_command, echo=click.echo, sessions=None if by_time else sessions,
+                           session_limit_s=session_limit, kills=kills, seed=seed, params=sets,
+                           faults=parse_fault_spec(fault_spec, seed), switches=emulator_switches(strict),
+                           ranks=ranks, unattended=unattended, busy_gpu=busy_gpu)
     if not result.passed:
-        raise KchainError(f"rehearsal: the chained run {result.verdict}")
+        raise KchainError(result.line())
 
 
 @cli.group()

@@ -1,5 +1,6 @@
 """The week's GPU budget against a session: what it may cost (`plan_for`) and the refusal when the
-quota left cannot cover it (`check_budget`). The ledger counts the hours; this plans with them.
+quota left cannot cover it (`check_budget`). The ledger counts the hours, the account's across its job
+folders (store/account.py, keyed by the kernels' owner: `account_of`); this plans with them.
 
 Kaggle's own quota answer wins where it speaks: its refresh time fixes the week (else Saturday
 00:00 UTC is assumed), its used time counts when it is higher than the ledger's (GPU time spent
@@ -16,6 +17,7 @@ from typing import Any
 from kchain.chain.sessions import records
 from kchain.errors import BudgetExceeded, CredentialsError, KaggleError
 from kchain.job.spec import Job, load_job
+from kchain.kaggle import credentials
 from kchain.kaggle.client import KaggleClient, Quota
 from kchain.store.ledger import (
     WEEK,
@@ -24,6 +26,7 @@ from kchain.store.ledger import (
     budget_lines,
     iso,
     now_utc,
+    sessions_needed,
     state_dir,
     week_start,
 )
@@ -40,10 +43,28 @@ class Plan:
     kaggle_h: float | None = None  # the allowance Kaggle reports for this account, if it does
     week_start: datetime | None = None
     refresh_reported: bool = False  # the week comes from Kaggle's refresh time, not the assumption
+    margin_h: float = 0.25  # train.margin: the end of each session kept for its save and upload
+    account: str | None = None  # the Kaggle account whose week used_h counts, every job folder's (account_of)
 
     @property
     def left_h(self) -> float:
         return max(0.0, self.weekly_h - self.used_h)
+
+    @property
+    def usable_h(self) -> float:
+        """The training a session holds: its limit less the margin."""
+        return self.session_limit_h - self.margin_h
+
+    def sessions_for(self, train_h: float) -> int:
+        """The sessions of a chain that trains `train_h` hours."""
+        return sessions_needed(train_h, self.usable_h)
+
+    def gpu_hours_for(self, train_h: float) -> float:
+        """What such a chain spends of the week: its training, and each session's margin (a session that stops
+        at its deadline runs to the limit; the last one ends with its final save and upload)."""
+        if self.expected_gpu_h == 0:
+            return 0.0
+        return train_h + self.sessions_for(train_h) * self.margin_h
 
     @property
     def refresh(self) -> str:
@@ -64,7 +85,8 @@ class Plan:
             f"  accelerator    {self.accelerator}",
             f"  session limit  {self.session_limit_h:.2f} h",
             f"  expected       {self.expected_gpu_h:.2f} GPU-h this session",
-            f"  this week      {self.used_h:.2f} GPU-h used, {self.left_h:.2f} of {self.weekly_h:g} left",
+            f"  this week      {self.used_h:.2f} GPU-h used, {self.left_h:.2f} of {self.weekly_h:g} left"
+            + (f" (account {self.account}, every job folder on this laptop)" if self.account else ""),
         ]
         if self.kaggle_h is not None and self.budget_h is not None and self.kaggle_h != self.budget_h:
             lines.append(f"  weekly quota   Kaggle allows this account {self.kaggle_h:g} h, budget.weekly_gpu_hours "
@@ -84,14 +106,29 @@ def _kaggle_quota(client: KaggleClient | None) -> Quota | None:
         return None  # the quota view is a second opinion; the ledger still counts
 
 
+def account_of(job: Job, client: KaggleClient | None) -> str | None:
+    """The Kaggle account whose week the job's sessions spend: its kernels' owner (kaggle.owner, else the
+    credential's user, as the client knows it; offline, the configured API key's); None without one."""
+    if job.kaggle.owner:
+        return job.kaggle.owner
+    if client is None:
+        return credentials.configured_username()
+    try:
+        return client.username
+    except CredentialsError:
+        return None
+
+
 def plan_for(job: Job, ledger: Ledger, client: KaggleClient | None = None) -> Plan:
-    """The session's cost against the week: kchain's ledger over the week Kaggle reports, or Kaggle's
-    own count when it is higher; the week's total is the smaller of the job's budget and Kaggle's."""
+    """The session's cost against the week: the account's hours (the ledger's, and those the account's other
+    job folders noted, store/account.py) over the week Kaggle reports, or Kaggle's own count when it is
+    higher; the week's total is the smaller of the job's budget and Kaggle's."""
     limit_h = job.train.session_limit_s / 3600
     answer = _kaggle_quota(client)
     refresh = datetime.fromtimestamp(answer.refresh, timezone.utc) if answer and answer.refresh else None
     start = week_start(now_utc(), refresh)
-    used_h = ledger.gpu_hours_this_week(start=start)
+    user = account_of(job, client)
+    used_h = ledger.gpu_hours_this_week(start=start, user=user)
     if answer is not None and answer.used_s is not None:
         used_h = max(used_h, answer.used_s / 3600)
     budget_h = job.budget.weekly_gpu_hours
@@ -107,6 +144,8 @@ def plan_for(job: Job, ledger: Ledger, client: KaggleClient | None = None) -> Pl
         kaggle_h=kaggle_h,
         week_start=start,
         refresh_reported=refresh is not None,
+        margin_h=job.train.margin_s / 3600,
+        account=user,
     )
 
 
@@ -131,10 +170,14 @@ def _week(job_file: Path) -> tuple[Plan, dict[str, Any], Ledger, Job]:
     job = load_job(job_file)
     ledger = Ledger(state_dir(job.path))
     records(job, ledger)  # a chain another laptop ran: its sessions rebuilt from Kaggle, so their hours count
-    plan = plan_for(job, ledger, KaggleClient(timeout_s=15, attempts=2))
-    kaggle_used_h = plan.used_h if plan.used_h > ledger.gpu_hours_this_week(start=plan.week_start) else None
-    return plan, budget_document(ledger, plan.weekly_h, job.name, start=plan.week_start,
-                                 kaggle_used_h=kaggle_used_h), ledger, job
+    client = KaggleClient(timeout_s=15, attempts=2)
+    plan = plan_for(job, ledger, client)
+    user = plan.account
+    counted_h = ledger.gpu_hours_this_week(start=plan.week_start, user=user)
+    kaggle_used_h = plan.used_h if plan.used_h > counted_h else None
+    return plan, budget_document(ledger, plan.weekly_h, job.name, usable_session_h=plan.usable_h, start=plan.week_start,
+                                 kaggle_used_h=kaggle_used_h,
+                                 elsewhere=ledger.elsewhere(user, start=plan.week_start)), ledger, job
 
 
 def budget_for(job_file: Path) -> list[str]:

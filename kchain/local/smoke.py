@@ -184,6 +184,7 @@ class SmokeReport:
     failure: diagnose.Failure | None = None
     verdict: str = ""
     checkpoint: str | None = None
+    measured: dict[str, Any] = field(default_factory=dict)  # the reference run's pace and asked total (record)
 
 
 @dataclass
@@ -425,6 +426,7 @@ def judge(prep: Prepared, reference: Child, killed: Child, resumed: Child | None
     if report.failure is None:
         report.failure = _judge_keep_best(prep, report)
     report.passed = report.failure is None
+    report.measured = _measured(reference.summary, prep.env)
     summary = (resumed.summary if resumed else None) or killed.summary or Summary()
     report.checkpoint = summary.checkpoint
     if report.passed and not any("[kchain] check" in line for _, line in killed.lines):
@@ -489,7 +491,7 @@ def record(prep: Prepared, report: SmokeReport, killed: Child, resumed: Child | 
     job, failure = prep.job, report.failure
     val = traces.last_val(report.resumed or report.reference)
     if failure is None:
-        prep.ledger.record_smoke_pass(report.fingerprint, report.run_id, job.name)
+        prep.ledger.record_smoke_pass(report.fingerprint, report.run_id, job.name, report.measured)
         echo(f"  verdict    {report.verdict}")
         total_s = time.time() - prep.t_start
         echo(f"  total      {total_s:.1f}s  ({', '.join(f'{k} {v:.1f}s' for k, v in report.timings.items())})")
@@ -509,6 +511,15 @@ def record(prep: Prepared, report: SmokeReport, killed: Child, resumed: Child | 
     echo(f"  hint: {failure.hint}")
     echo(f"  logs: {prep.work}")
     raise SmokeFailed(f"smoke failed{where}: {failure.type}: {failure.message}")
+
+
+def _measured(summary: Summary | None, env: dict[str, str]) -> dict[str, Any]:
+    """What `kchain plan` sizes a run from: the uninterrupted reference's pace on this laptop (its steps
+    alone, beside the other runs of the smoke) and the total the code asked for before the smoke's cap."""
+    if summary is None or not summary.steps_per_s:
+        return {}
+    return {"steps_per_s": summary.steps_per_s, "total": summary.total_asked or summary.total,
+            "sets": json.loads(env.get(layout.SMOKE_PARAMS_ENV) or "{}")}
 
 
 def _timings(render_s: float, killed: Child, resumed: Child) -> dict[str, float]:

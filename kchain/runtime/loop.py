@@ -154,6 +154,7 @@ class Loop:
             self.clock.sized(path)
 
     def capped(self, total: int) -> int:
+        self.progress.asked = total
         return total if self.cap is None else min(total, self.cap)
 
     # --- StepHooks: the loader's batches under run.epochs -------------------------------------------

@@ -10,18 +10,21 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from kchain.common.summary import StatusName
+
 
 @dataclass
 class Progress:
     step: int = 0  # steps completed, restored ones included
     total: int | None = None  # the loop's total after the caps (smoke, KCHAIN_TOTAL_STEPS)
+    asked: int | None = None  # the loop's total as the code asked for it, before the caps
     current: int = 0  # the step whose body is running (run.every and run.log read it)
     loop_steps: int = 0  # steps this process ran (not restored ones)
     saved_step: int | None = None  # the step of the newest checkpoint this process wrote or restored
     session: int = 1  # 1 + the resumed checkpoint's session
     resumed_from: int | None = None  # the restored checkpoint's step
-    status: str = "running"  # summary.Status: set when the loop ends, or by the launcher
-    stop_reason: str | None = None  # deadline, interrupted or stopped, once the loop must end
+    status: StatusName = "running"  # summary.Status: set when the loop ends, or by the launcher
+    stop_reason: StatusName | None = None  # deadline, interrupted or stopped, once the loop must end
     stopped: bool = False  # a deadline or signal stop was saved and SessionStopped raised
     note: str | None = None  # one line for the summary when the status needs a why
     phase: str = "build"  # what the code is doing, for a crash report

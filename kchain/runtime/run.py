@@ -141,9 +141,9 @@ class Run:
         if not st.smoke and self._ranks.is_main and resumecheck.expected(st.resume):
             # The chain said which step this session resumes: check it now, in the session's first
             # minute, not after the data is staged (resumecheck.WrongState ends the run).
-            found, _ = self._ckpt.find()
+            found, damaged = self._ckpt.find()
             resumecheck.check(st.resume, int(found[0][1]["step"]) if found else None,
-                              str(found[0][0]) if found else None)
+                              str(found[0][0]) if found else None, damaged)
 
     def _manifest_fields(self) -> dict:
         """What every checkpoint's manifest says about the run besides its step (checkpointer.py)."""
@@ -822,7 +822,7 @@ class Launched:
     def enter(self, phase: str) -> None:
         self._progress.phase = phase
 
-    def mark(self, status: str) -> None:
+    def mark(self, status: summary.StatusName) -> None:
         """The run's status, as the launcher knows it (interrupted, crashed)."""
         self._progress.status = status
 
@@ -864,6 +864,7 @@ def _build_summary(progress: Progress, trace: Trace, ckpt: Checkpointer, st: Set
     p = progress
     return summary.Summary(
         status=p.status, session=p.session, step=p.step, total=p.total, metrics=trace.metrics, best=trace.best,
+        total_asked=p.asked if p.asked is not None and p.asked != p.total else None,
         checkpoint=ckpt.newest_rel(), error=error, started=st.started, ended=time.time(),
         steps_per_s=p.steps_per_s(), fingerprint=st.fingerprint, resumed_from=p.resumed_from, note=p.note,
         not_exact=p.not_exact, world_size=world_size,

@@ -9,6 +9,7 @@ import re
 import subprocess
 from pathlib import Path
 
+import click
 from cli_tree import command_paths, helps
 from click.testing import CliRunner
 
@@ -22,8 +23,9 @@ TIMEOUT_S = 300  # a hung child fails the test instead of hanging CI; never a sp
 
 
 def leaf(path: tuple[str, ...]) -> bool:
-    command = cli
+    command: click.Command = cli
     for name in path:
+        assert isinstance(command, click.Group), path  # only a group has subcommands
         command = command.commands[name]
     return not hasattr(command, "commands")
 

@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 
 from kchain.common import layout
@@ -22,7 +23,8 @@ CHILD_TIMEOUT_S = 120  # a hung child fails the test instead of hanging CI
 PARAMS = {"d_model": 16, "steps": 4, "workers": 0, "accumulate": 2, "dropout": 0.2, "lr": 0.01}
 
 
-def start(root: Path, code_dir: Path = JOBS, entry: str = "tiny_job:main", **env: str) -> subprocess.Popen:
+def start(root: Path, code_dir: Path = JOBS, entry: str = "tiny_job:main",
+          env: Mapping[str, str] | None = None) -> subprocess.Popen:
     root.mkdir(parents=True, exist_ok=True)
     cfg = root / "cfg.json"
     cfg.write_text(json.dumps({
@@ -31,14 +33,14 @@ def start(root: Path, code_dir: Path = JOBS, entry: str = "tiny_job:main", **env
     }))
     child_env = {k: v for k, v in os.environ.items() if not k.startswith("KCHAIN_")}
     child_env.update(KCHAIN_ROOT=str(root), PYTHONPATH=os.pathsep.join([str(REPO), str(code_dir)]),
-                     PYTHONUNBUFFERED="1", **env)
+                     PYTHONUNBUFFERED="1", **(env or {}))
     return subprocess.Popen([sys.executable, "-m", "kchain.runtime.launch", str(cfg)], env=child_env, cwd=root,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
 def killed_at_its_checkpoint(root: Path) -> dict[str, bytes]:
     """Run the tiny job until the SIGKILL after its step-2 checkpoint; every file it left, by content."""
-    with start(root, KCHAIN_FAULT="kill_after_checkpoint=1") as child:
+    with start(root, env={"KCHAIN_FAULT": "kill_after_checkpoint=1"}) as child:
         child.communicate(timeout=CHILD_TIMEOUT_S)
     assert child.returncode == -signal.SIGKILL
     return snapshot(root)
@@ -49,9 +51,10 @@ def snapshot(root: Path) -> dict[str, bytes]:
     return {str(p.relative_to(kdir)): p.read_bytes() for p in sorted(kdir.rglob("*")) if p.is_file()}
 
 
-def held(root: Path, gate: Path, pid: int | None = None, **env: str) -> tuple[subprocess.Popen, str]:
+def held(root: Path, gate: Path, pid: int | None = None,
+         env: Mapping[str, str] | None = None) -> tuple[subprocess.Popen, str]:
     """A fresh process at the gate, once it says it is waiting (what it printed so far)."""
-    child = start(root, KCHAIN_GATE=f"{pid or os.getpid()}:{gate}", **env)
+    child = start(root, env={"KCHAIN_GATE": f"{pid or os.getpid()}:{gate}", **(env or {})})
     assert child.stdout is not None
     seen = ""
     for line in child.stdout:
@@ -67,7 +70,7 @@ def test_a_held_resume_reads_nothing_until_go_then_resumes_from_the_checkpoint(t
     gate = tmp_path / "gate"
     # The notebook's clock started long before the gate (a 90 s session that began at the epoch): the session
     # counts from the release, so the resume trains to its end instead of stopping at a deadline at once.
-    child, _ = held(tmp_path, gate, **{layout.SESSION_START_ENV: "1.0", layout.SESSION_LIMIT_ENV: "90"})
+    child, _ = held(tmp_path, gate, env={layout.SESSION_START_ENV: "1.0", layout.SESSION_LIMIT_ENV: "90"})
     with child:
         assert snapshot(tmp_path) == before  # metrics, checkpoints, no summary: as the kill left them
         gate.write_text("go")
@@ -123,7 +126,7 @@ def run_source(tmp_path: Path, module: str, source: str, **env: str) -> str:
     """Run `source` as the job's module to its end (not gated); its output, after it exited 0."""
     (tmp_path / "code").mkdir()
     (tmp_path / "code" / f"{module}.py").write_text(source)
-    with start(tmp_path / "root", code_dir=tmp_path / "code", entry=f"{module}:main", **env) as child:
+    with start(tmp_path / "root", code_dir=tmp_path / "code", entry=f"{module}:main", env=env) as child:
         out, _ = child.communicate(timeout=CHILD_TIMEOUT_S)
     assert child.returncode == 0, out
     return out

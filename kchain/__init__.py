@@ -8,4 +8,4 @@ verdict), targets/ (SkyPilot, Slurm). emulator/ is the local Kaggle; common/ is 
 runtime/ is the training process.
 """
 
-__version__ = "0.1.0"
+__version__ = "0.5.0.dev0"

@@ -610,8 +610,10 @@ def sync(job: Path, to: str, folder: Path | None) -> None:
 @click.option("--license", "license_name", default="Apache 2.0", show_default=True, help="A new variation's licence.")
 @click.option("--new", "again", is_flag=True,
               help="Publish a new version even where an earlier release made one of these same weights.")
+@click.option("--from", "source", type=click.Path(path_type=Path), default=None, metavar="FOLDER",
+              help="A SkyPilot or Slurm job's state folder to release from (as pull --from).")
 def release(job: Path, best: bool, final: bool, model: str | None, dataset: str | None, public: bool,
-            license_name: str, again: bool) -> None:
+            license_name: str, again: bool, source: Path | None) -> None:
     """Publish the pulled weights (model.safetensors, metrics.json, export/) as a new Kaggle Model
     version, sent exactly once, with a card in its description; prints the model_sources line. Run
     again (after a kill or a finish), it names the version that holds these weights instead of sending
@@ -621,12 +623,13 @@ def release(job: Path, best: bool, final: bool, model: str | None, dataset: str 
     Example:
       kchain release myjob/job.yaml --best --model alice/tiny-gpt/pytorch/default
       kchain release myjob/job.yaml --dataset alice/tiny-gpt-weights
+      kchain release myjob/job.yaml --best --model alice/tiny-gpt/pytorch/default --from my-state  # SkyPilot's
     """
     from kchain.result.pull import Want
     from kchain.result.release import release as run_release
 
     for line in run_release(job, Want(_chosen(best, final)), model, dataset, public, license_name, click.echo,
-                            new=again):
+                            new=again, source=source):
         click.echo(line)
 
 

@@ -260,12 +260,13 @@ def _mark(folder: Path, state: str) -> None:
 
 
 def pull(job_file: Path, want: Want, out: Path | None = None, force: bool = False, echo: Echo = print,
-         client: KaggleClient | None = None, source: Path | None = None) -> Pulled:
+         client: KaggleClient | None = None, source: Path | None = None, verb: str = "pull") -> Pulled:
     """Fetch the wanted checkpoint from the newest state version, verify it, write the plain folder; a
-    target's from its state folder instead (`source`, --from; a Slurm job's state_dir by default)."""
-    folder = state_folder(job_file, load_job(job_file), source, want)
+    target's from its state folder instead (`source`, --from; a Slurm job's state_dir by default). verb: the
+    kchain command the messages of a state folder name again (release pulls too)."""
+    folder = state_folder(job_file, load_job(job_file), source, want, verb)
     if folder is not None:
-        return pull_folder(job_file, folder, want, out, force, given=source is not None)
+        return pull_folder(job_file, folder, want, out, force, given=source is not None, verb=verb)
     job, out, client, ref, version, work = begin(job_file, out, want.label(), force, client, echo)
     where = f"{ref} version {version}"
     try:
@@ -337,7 +338,7 @@ def _write_out(about: About, raw: Path, prefix: str, manifest: dict, work: Path,
     return weights, note
 
 
-def state_folder(job_file: Path, job: Job, source: Path | None, want: Want) -> Path | None:
+def state_folder(job_file: Path, job: Job, source: Path | None, want: Want, verb: str = "pull") -> Path | None:
     """The state folder a pull reads, or None for a Kaggle job's state dataset: `source` (--from) when given,
     else a Slurm job's state_dir/<name> (where its runs publish); a SkyPilot job's is in its bucket, which
     this laptop has no path to: one line saying how to bring it here."""
@@ -353,18 +354,19 @@ def state_folder(job_file: Path, job: Job, source: Path | None, want: Want) -> P
         how = f"`{copy}`" if copy else f"with the {bucket.store} store's own copy tool, into {job.name}-state"
         raise KchainError(f"{job_file}: a SkyPilot job's state is in its bucket ({bucket.store} bucket {bucket.name}, "
                           f"folder {job.name}/), which pull reads as a folder: copy it here {how}, or mount it, then "
-                          f"`kchain pull {job_file} {want.flag()} --from {job.name}-state`")
+                          f"`kchain {verb} {job_file} {want.flag()} --from {job.name}-state`")
     return None
 
 
 def pull_folder(job_file: Path, folder: Path, want: Want, out: Path | None, force: bool,
-                given: bool = True) -> Pulled:
+                given: bool = True, verb: str = "pull") -> Pulled:
     """`pull` from a state folder (a target's state sink), read in place: its newest published copy says the
-    result (outcome.of_state_folder); `given`: the folder came with --from (the commands it names repeat it)."""
+    result (outcome.of_state_folder); `given`: the folder came with --from (the commands it names repeat it);
+    verb: the command that asked (pull, or release), named again where a copy of the folder is to be read."""
     job = load_job(job_file)
     out = _out_for(job, out, want.label(), force)
     again = f" --from {folder}" if given else ""
-    newest, manifest = _newest_in(job_file, folder, want, again, f"{job.name}-state")
+    newest, manifest = _newest_in(job_file, folder, want, again, f"{job.name}-state", verb)
     said = outcome.of_state_folder(manifest)
     ckpt = _chosen_in(job_file, folder, newest, want, said, again)
     manifest = _verified(ckpt, "", str(folder), "copy the folder again, or pull another checkpoint")
@@ -379,7 +381,7 @@ def pull_folder(job_file: Path, folder: Path, want: Want, out: Path | None, forc
                   manifest.get(BEST_KEY) if want.which == "best" else None)
 
 
-def _newest_in(job_file: Path, folder: Path, want: Want, again: str, copy: str) -> tuple[Path, dict]:
+def _newest_in(job_file: Path, folder: Path, want: Want, again: str, copy: str, verb: str) -> tuple[Path, dict]:
     """The state folder's newest published copy (the one its `latest` pointer names) and its manifest; `copy`:
     the folder a copy of it here is named in the command said when there is none."""
     pointer = read_pointer(folder) if folder.is_dir() else None
@@ -388,7 +390,7 @@ def _newest_in(job_file: Path, folder: Path, want: Want, again: str, copy: str) 
         raise KchainError(f"{job_file}: nothing to pull, {folder} {what} (no run of the job published state there "
                           f"yet, or not on this machine): `kchain status {job_file}` says where the run is; pull "
                           f"where the folder is (the cluster's shared file system), or copy it here as {copy} (scp -r, "
-                          f"rsync) and `kchain pull {job_file} {want.flag()} --from {copy}`")
+                          f"rsync) and `kchain {verb} {job_file} {want.flag()} --from {copy}`")
     ckpt = folder / str(pointer.get("checkpoint"))
     try:
         return ckpt, read_manifest(ckpt)

@@ -176,9 +176,10 @@ def card(metrics: dict, title: str) -> str:
 
 
 def release(job_file: Path, want: Want, model: str | None, dataset: str | None, public: bool, license_name: str,
-            echo: Echo, client: KaggleClient | None = None, new: bool = False) -> list[str]:
-    """Pull, then publish as a model version (or a dataset version) unless a version holds these weights
-    already (`new`: publish them again); the lines to print."""
+            echo: Echo, client: KaggleClient | None = None, new: bool = False, source: Path | None = None) -> list[str]:
+    """Pull (a target's from its state folder: `source`, --from, as pull's), then publish as a model version (or
+    a dataset version) unless a version holds these weights already (`new`: publish them again); the lines to
+    print."""
     if (model is None) == (dataset is None):
         raise UsageError("kchain release: give one of --model OWNER/MODEL/FRAMEWORK/VARIATION or --dataset OWNER/SLUG")
     _check_license(license_name)
@@ -190,7 +191,7 @@ def release(job_file: Path, want: Want, model: str | None, dataset: str | None, 
     work = Path(tempfile.mkdtemp(prefix="kchain-release-"))
     try:
         folder = work / "release"
-        pulled = pull(job_file, want, folder, echo=echo, client=client)
+        pulled = pull(job_file, want, folder, echo=echo, client=client, source=source, verb="release")
         (folder / PULL_MARK).unlink()  # the laptop's note of what a pull wrote, not part of the release
         metrics = json.loads((folder / METRICS_FILE).read_text())
         record = Record(Ledger(state_dir(job.path)), target.instance if target is not None else str(dataset),
@@ -210,6 +211,7 @@ def release(job_file: Path, want: Want, model: str | None, dataset: str | None, 
             done = f"dataset {dataset} version {number}"
         if already:
             where = f"--model {target.instance}" if target is not None else f"--dataset {dataset}"
+            where += f" --from {source}" if source is not None else ""
             return [f"step {pulled.step} is released already as {done}, these same weights: nothing sent "
                     f"(`kchain release {job_file} --{want.which} {where} --new` publishes them again)", attach]
         return [f"released step {pulled.step} as {done}", attach]

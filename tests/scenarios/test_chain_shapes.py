@@ -6,7 +6,7 @@ pushes the next, the laptop only looks) of `kchain init --template notebook`'s j
 by tensor with one uninterrupted run's checkpoints of the same steps (a module-scoped reference), and
 the released model version, downloaded as a user would, is what `kchain init --template inference`'s
 notebook smoke-passes with. A SkyPilot and a Slurm job's state folders, after the target's own rehearsal,
-pull the best and final weights of its uninterrupted run. Every command the messages tell the user to run
+pull the best and final weights of its uninterrupted run, and release the best to the local Kaggle. Every command the messages tell the user to run
 next parses with kchain's CLI and names a job file that exists; the quick read-only ones are run.
 """
 
@@ -188,7 +188,8 @@ def test_an_unattended_chain_pulls_releases_and_serves_the_uninterrupted_runs_we
 
 
 @pytest.mark.parametrize("target", ["slurm", "skypilot"])
-def test_a_targets_state_folder_pulls_the_uninterrupted_runs_best_and_final(tmp_path, monkeypatch, target):
+def test_a_targets_state_folder_pulls_and_releases_the_uninterrupted_runs_best_and_final(tmp_path, monkeypatch,
+                                                                                         emulator, target):
     # The target's own rehearsal: a SIGTERM (exit 75), a SIGKILL between a save and its publish, a fresh machine
     # to the end, beside an uninterrupted run on a bucket of its own; 12 steps, a checkpoint and a validation
     # every 4, the best at step 8 (a high learning rate: the loss rises after it).
@@ -230,6 +231,24 @@ def test_a_targets_state_folder_pulls_the_uninterrupted_runs_best_and_final(tmp_
     same_as_copy(tmp_path / "final" / "model.safetensors", alone / layout.checkpoint_name(12))
     gone = invoke("pull", path, "--step", "4", "-o", tmp_path / "four", *extra)  # pruned (train.keep: 2)
     assert gone.exit_code == 1 and "step 4 is not in the state folder" in gone.output, gone.output
+
+    # Released from the same folder to the local Kaggle: the version holds the uninterrupted run's best.
+    model = f"{USER}/{target}-notes-model/pytorch/default"
+    if target == "skypilot":  # without --from, the one line names release's own command, whole
+        refused = invoke("release", path, "--best", "--model", model)
+        assert refused.exit_code == 1 and f"`kchain release {path} --best --from {NAME}-state`" in refused.output
+    released = invoke("release", path, "--best", "--model", model, *extra)
+    assert released.exit_code == 0, released.output
+    assert released.output.splitlines()[-2] == f"released step 8 as {model}/1 (private)", released.output
+    again = invoke("release", path, "--best", "--model", model, *extra)
+    assert again.exit_code == 0 and emulator.model_versions(model) == [1], again.output
+    assert f"--best --model {model}{' --from ' + extra[1] if extra else ''} --new" in again.output, again.output
+    from kaggle.api.kaggle_api_extended import KaggleApi
+
+    api = KaggleApi()
+    api.authenticate()
+    api.model_instance_version_download(f"{model}/1", str(tmp_path / "released"), untar=True)
+    same_as_copy(tmp_path / "released" / "model.safetensors", alone / layout.checkpoint_name(8))
 
 
 def same_as_copy(weights: Path, ckpt: Path) -> None:

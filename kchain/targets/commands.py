@@ -16,7 +16,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from kchain.chain import outcome
 from kchain.common.atomic import write_json
+from kchain.common.checkpoint_files import CheckpointInvalid, read_manifest
+from kchain.common.sink import read_pointer
 from kchain.errors import KchainError, NotSmoked, RenderError, StateError
 from kchain.job.render import Rendered
 from kchain.job.spec import Job, load_job, target_problem
@@ -110,6 +113,7 @@ def push_target(job_file: Path, skip_smoke: bool = False, echo: Echo = print) ->
 
 
 def status_target(job_file: Path, echo: Echo = print) -> None:
+    """The engine's word on the job, then what its state folder says of the result."""
     job = load_job(job_file)
     record = pushed(Ledger(state_dir(job.path)), job)
     echo(f"{job.name}: {record['target']} job {record['id']}, pushed {record['pushed']} (fingerprint "
@@ -118,6 +122,27 @@ def status_target(job_file: Path, echo: Echo = print) -> None:
         _run_engine(skypilot.queue_command(), echo=echo)
     else:
         _run_engine(slurm.accounting_command(record["id"]), echo=echo)
+    for line in result_lines(job_file, job):
+        echo(line)
+
+
+def result_lines(job_file: Path, job: Job) -> list[str]:
+    """Where the result is, as `kchain status` says it of a Kaggle chain (outcome.Result.lines), from the
+    newest checkpoint the runs published: a Slurm job's state_dir/<name> where this machine reaches it; a
+    SkyPilot job's bucket is no folder here, so the line says how to read it."""
+    if job.target == "skypilot":
+        return [f"the result is in the bucket's {job.name}/ folder, which is no folder here: copy or mount it, then "
+                f"`kchain pull {job_file} --best --from FOLDER` (or --final) reads it (docs/targets.md)"]
+    folder = Path(job.slurm.sink(job.name))
+    pointer = read_pointer(folder) if folder.is_dir() else None
+    if pointer is None:
+        return [f"no checkpoint published to {folder} yet (or that folder is not on this machine)"]
+    try:
+        said = outcome.of_state_folder(read_manifest(folder / str(pointer.get("checkpoint"))))
+    except CheckpointInvalid as e:
+        return [f"{folder}'s newest published checkpoint (step {pointer.get('step')}) is not whole here: {e}"]
+    of = f" of {said.total}" if said.total else ""
+    return [f"newest published: step {said.newest}{of}, in {folder}", *said.lines(job_file, str(folder))]
 
 
 def logs_target(job_file: Path, follow: bool = False, echo: Echo = print) -> None:

@@ -103,7 +103,9 @@ def test_find_latest_takes_the_newest_complete_one(tmp_path, capsys):
     # A newer one still being written (or killed while it was): complete inside, but never loaded.
     by_hand(ckpts, 9, name=f"{layout.TMP_PREFIX}{layout.checkpoint_name(9)}-1234")
 
-    path, manifest = find_latest(ckpts, tmp_path / "no-input", tmp_path / "scratch", "unit")
+    latest = find_latest(ckpts, tmp_path / "no-input", tmp_path / "scratch", "unit")
+    assert latest is not None
+    path, manifest = latest
     assert (path, manifest["step"]) == (want, 7)
     assert f"WARNING: skipping checkpoint {damaged}: {damaged / layout.STATE_FILE}: sha256" in capsys.readouterr().out
     # The damaged one is set aside, so neither the next start nor a prune counts it.

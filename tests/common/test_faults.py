@@ -36,9 +36,11 @@ def test_a_fault_this_runtime_does_not_know_is_an_error_not_a_silent_no_op(text,
 def test_the_deadline_clocks_of_a_test_fall_where_they_say():
     at = Faults.parse("deadline_at_step=4,deadline_rank=1")
     assert at.deadline_line(3, 3, 1) is None and at.deadline_line(4, 1, 0) is None  # rank 0's clock runs on
-    assert "at step 4" in at.deadline_line(4, 1, 1)
+    line = at.deadline_line(4, 1, 1)
+    assert line is not None and "at step 4" in line
     after = Faults.parse("deadline_after_steps=2")
-    assert after.deadline_line(50, 1, 0) is None and "deadline_after_steps=2" in after.deadline_line(51, 2, 0)
+    assert after.deadline_line(50, 1, 0) is None and (line := after.deadline_line(51, 2, 0)) is not None
+    assert "deadline_after_steps=2" in line
 
 
 def test_docs_runtime_md_lists_every_fault_and_no_other():

@@ -2,11 +2,14 @@
 records: no emulator, no Kaggle, no render. The chains under test run in test_chain.py."""
 
 from pathlib import Path
+from typing import cast
 
 import pytest
 
 from kchain.chain.advance import decide, stop_error
 from kchain.common.nextsession import Chain, Copy
+from kchain.common.sessionrecord import SessionRecord
+from kchain.common.sessionstate import SessionState
 from kchain.errors import ChainStop, NotSmoked
 
 JOB = Path("jobs/x/job.yaml")
@@ -15,13 +18,13 @@ OTHER = "e" * 64  # an earlier version of the code
 BOOM = {"type": "ValueError", "message": "boom at step 25", "stage": "train"}
 
 
-def session(n: int = 1, status: str = "ERROR", end: str | None = "deadline", **extra) -> dict:
+def session(n: int = 1, status: str = "ERROR", end: str | None = "deadline", **extra) -> SessionRecord:
     """A session record as `sessions.refresh` leaves it once the session ended (output fetched)."""
-    record = {"session": n, "status": status, "kernel": "alice/x", "version": n, "fingerprint": CODE,
+    record: dict[str, object] = {"session": n, "status": status, "kernel": "alice/x", "version": n, "fingerprint": CODE,
               "output": f"/out/{n}", "resumes_at": 0}
     if end is not None:
         record["summary"] = {"status": end, "step": 40 * n, "total": 100, "checkpoint": f"checkpoints/step-{40 * n}"}
-    return {**record, **extra}
+    return cast(SessionRecord, {**record, **extra})
 
 
 def summary(end: str, **extra) -> dict:
@@ -128,7 +131,7 @@ def test_continue_decides_row_by_row(chain, on_kaggle, options, action, says):
     assert rendered == ([] if early else [CODE])
 
 
-def unmounted(n: int) -> dict:
+def unmounted(n: int) -> SessionRecord:
     """A session that did not see its state version mounted in time (it trained nothing)."""
     return session(n, "COMPLETE", summary=summary("state_not_mounted", step=40), resumes_at=40, state_version=3,
                    saved_step=None)
@@ -143,7 +146,7 @@ def unmounted(n: int) -> dict:
 ], ids=["once", "three times", "four times: stop"])
 def test_a_state_not_mounted_is_pushed_again_three_times_at_most(tail, action, says):
     chain = [session(1)] + [unmounted(n) for n in range(2, 2 + tail)]
-    decision = decide(Chain(chain, "alice/x", "COMPLETE", fingerprint=lambda: CODE, smoked=lambda fp: True), JOB)
+    decision = decide(Chain(chain, "alice/x", SessionState.COMPLETE, fingerprint=lambda: CODE, smoked=lambda fp: True), JOB)
     assert decision.action == action and decision.message.startswith(says), decision.message
     assert decision.again == (action == "push") and decision.attempt == (tail + 1 if action == "push" else 1)
     if action == "stop":
@@ -157,7 +160,7 @@ WRONG = {**DAMAGED, "type": "WrongState", "message": "... the attached input hol
 LAPTOP = Copy("/out/1/kchain/checkpoints/step-00000040", "session 1's output on this laptop")
 
 
-def refused(error: dict, **extra) -> dict:
+def refused(error: dict, **extra) -> SessionRecord:
     """Session 2, pushed to resume step 40 from state version 3 (session 1's relay), refused that state."""
     return session(2, "ERROR", "crashed", **{"error": error, "resumes_at": 40, "state_version": 3, **extra})
 
@@ -194,7 +197,7 @@ def test_a_refused_state_is_repaired_from_a_verified_copy_and_never_sent_again(t
         asked.append((step, refused))
         return copy
 
-    now = Chain([PUBLISHED, *tail], "alice/x", "ERROR", fingerprint=lambda: CODE, smoked=lambda fp: smoked,
+    now = Chain([PUBLISHED, *tail], "alice/x", SessionState.ERROR, fingerprint=lambda: CODE, smoked=lambda fp: smoked,
                 copy_of=copy_of)
     decision = decide(now, JOB, **options)
     assert decision.action == action and decision.message.startswith(says), decision.message
@@ -207,7 +210,7 @@ def test_the_session_after_an_unmounted_one_is_judged_against_the_one_that_train
     # Session 2 trained nothing (not mounted); session 3, pushed again, trained and saved past 40: no
     # "no progress" from comparing 3 with 2; the next push is a plain one.
     chain = [session(1), unmounted(2), session(3, resumes_at=40, saved_step=60)]
-    decision = decide(Chain(chain, "alice/x", "ERROR", fingerprint=lambda: CODE, smoked=lambda fp: True), JOB)
+    decision = decide(Chain(chain, "alice/x", SessionState.ERROR, fingerprint=lambda: CODE, smoked=lambda fp: True), JOB)
     assert decision.action == "push" and not decision.again and decision.message == "push session 4 from the newest state"
 
 
@@ -218,7 +221,7 @@ def test_the_final_weights_are_where_the_output_has_them():
 
     old = session(1, "COMPLETE", summary=summary("finished", checkpoint="checkpoints/step-00000100"))
     assert str(final_weights(FINISHED)) == str(final_weights(old)) == "/out/1/kchain/checkpoints/step-00000100"
-    kernel = {**FINISHED, "output": None}
+    kernel = cast(SessionRecord, {**FINISHED, "output": None})
     assert decide(Chain([kernel], "alice/x", None, lambda: CODE, lambda _: True), JOB).message.endswith(
         "final weights in kchain/checkpoints/step-00000100 of session 1's output")
 

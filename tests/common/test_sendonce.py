@@ -100,7 +100,7 @@ def test_no_second_send_when_the_caller_has_no_room_for_it():
 def test_settle_reads_at_least_once_and_for_its_time_at_most():
     clock = Clock()
     reads: list[float] = []
-    assert settle(lambda: reads.append(clock.now) or None, 0.0, 1.0, clock.sleep, clock.monotonic) is None
+    assert settle(lambda: reads.append(clock.now), 0.0, 1.0, clock.sleep, clock.monotonic) is None
     assert len(reads) == 1
     answers = iter([None, None, 7])
     assert settle(lambda: next(answers), 10.0, 1.0, clock.sleep, clock.monotonic) == 7

@@ -32,7 +32,8 @@ def test_the_total_is_cut_into_spans_stopped_at_their_ends_and_saved_in_their_mi
 def test_a_session_stops_at_the_first_span_end_past_where_it_resumed():
     plan = SessionPlan(3)
     assert [plan.stop_at(resumed, 30) for resumed in (0, 10, 15, 20, 25)] == [10, 20, 20, None, None]
-    assert plan.deadline_line(9, 0, 30) is None and "at step 10" in plan.deadline_line(10, 0, 30)
+    assert plan.deadline_line(9, 0, 30) is None and (line := plan.deadline_line(10, 0, 30)) is not None
+    assert "at step 10" in line
     assert plan.deadline_line(10, 0, None) is None  # a loop with no total has no plan: its clock decides
 
 

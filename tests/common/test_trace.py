@@ -25,7 +25,7 @@ def test_rows_the_last_values_and_the_best_of_the_first_val_metric(tmp_path):
     higher.log(1, {"val_acc": 0.5})
     higher.log(2, {"val_acc": 0.4})
     higher.close()
-    assert higher.best["value"] == 0.5  # an accuracy: higher is better
+    assert higher.best is not None and higher.best["value"] == 0.5  # an accuracy: higher is better
 
 
 def test_another_rank_keeps_values_but_writes_nothing(tmp_path):

@@ -73,7 +73,7 @@ def test_a_catalogue_serves_others_kernels_datasets_and_models_and_is_seeded_onc
         assert emu.add_catalogue(FIXTURE) == {"kernels": 0, "datasets": 0, "models": 0}  # deleted stays deleted
         with pytest.raises(requests.HTTPError) as info:
             api.dataset_status(f"{USER}/most-voted-dataset")
-        assert info.value.response.status_code == 403
+        assert info.value.response is not None and info.value.response.status_code == 403
 
 
 def test_a_model_of_the_catalogue_is_not_anyone_elses_to_delete(tmp_path, monkeypatch):
@@ -81,7 +81,7 @@ def test_a_model_of_the_catalogue_is_not_anyone_elses_to_delete(tmp_path, monkey
         api = _client(monkeypatch, emu, "alice")
         with pytest.raises(requests.HTTPError) as info:
             api.model_delete("keras/bert", no_confirm=True)
-        assert info.value.response.status_code == 403
+        assert info.value.response is not None and info.value.response.status_code == 403
         assert api.model_get("keras/bert").id == 2819
 
 

@@ -120,7 +120,7 @@ def test_bad_or_missing_credentials_get_401(emulator, monkeypatch):
     api.authenticate()
     with pytest.raises(requests.HTTPError) as info:
         api.dataset_status("alice/whatever-data")
-    assert info.value.response.status_code == 401
+    assert info.value.response is not None and info.value.response.status_code == 401
     answer = requests.post("http://localhost/api/v1/datasets.DatasetApiService/GetDatasetStatus", json={},
                            proxies={"http": emulator.url})
     assert answer.status_code == 401 and answer.json()["code"] == 401
@@ -136,10 +136,10 @@ def test_dataset_processing_then_ready_download_and_list(emulator, kaggle_api, t
     assert kaggle_api.dataset_status("alice/chain-state") == "blobs_received"
     with pytest.raises(requests.HTTPError) as info:
         kaggle_api.dataset_create_version(str(folder), "too early", quiet=True, dir_mode="zip")
-    assert info.value.response.status_code == 403
+    assert info.value.response is not None and info.value.response.status_code == 403
     with pytest.raises(requests.HTTPError) as info:
         kaggle_api.dataset_list_files("alice/chain-state/1")
-    assert info.value.response.status_code == 404
+    assert info.value.response is not None and info.value.response.status_code == 404
 
     emulator.settle("alice/chain-state")
     assert kaggle_api.dataset_status("alice/chain-state") == "ready"
@@ -164,7 +164,7 @@ def test_dataset_processing_then_ready_download_and_list(emulator, kaggle_api, t
     assert [v["notes"] for v in emulator.dataset_versions("alice/chain-state")] == ["Initial release", "session 2"]
     with pytest.raises(requests.HTTPError) as info:
         kaggle_api.dataset_status("alice/no-such-data")
-    assert info.value.response.status_code == 403
+    assert info.value.response is not None and info.value.response.status_code == 403
 
 
 def test_upload_resumes_after_a_dropped_connection(emulator, kaggle_api, tmp_path):
@@ -200,11 +200,11 @@ def test_api_faults_reach_the_client(emulator, kaggle_api, tmp_path):
     emulator.faults.rate_429 = 1.0
     with pytest.raises(requests.HTTPError) as info:
         kaggle_api.kernels_status("alice/any-kernel")
-    assert info.value.response.status_code == 429 and info.value.response.headers["Retry-After"] == "1"
+    assert info.value.response is not None and info.value.response.status_code == 429 and info.value.response.headers["Retry-After"] == "1"
     emulator.faults.rate_429, emulator.faults.rate_500 = 0.0, 1.0
     with pytest.raises(requests.HTTPError) as info:
         kaggle_api.dataset_status("alice/any-dataset")
-    assert info.value.response.status_code == 500
+    assert info.value.response is not None and info.value.response.status_code == 500
 
     # The client retries 429 on the create RPCs (honouring Retry-After) and gets through.
     folder = write_dataset(tmp_path / "ds", "alice/flaky-create", {"a.txt": "a"})
@@ -309,7 +309,7 @@ def test_token_auth_uses_introspection(tmp_path, monkeypatch):
         api.authenticate()
         with pytest.raises(requests.HTTPError) as info:
             api.dataset_status("alice/any-dataset")
-        assert info.value.response.status_code == 401
+        assert info.value.response is not None and info.value.response.status_code == 401
 
 
 def test_internet_secrets_and_offline_sessions(tmp_path, monkeypatch):
@@ -348,7 +348,7 @@ def test_a_lost_answer_after_a_creating_call_has_acted(emulator, kaggle_api, tmp
     folder = write_dataset(tmp_path / "ds", "alice/lost-answer", {"a.txt": "a"})
     with pytest.raises(requests.HTTPError) as info:
         kaggle_api.dataset_create_new(str(folder), quiet=True)
-    assert info.value.response.status_code == 500
+    assert info.value.response is not None and info.value.response.status_code == 500
     assert len(emulator.dataset_versions("alice/lost-answer")) == 1  # it was created all the same
     with pytest.raises(requests.HTTPError):
         kaggle_api.dataset_create_version(str(folder), "v2", quiet=True)

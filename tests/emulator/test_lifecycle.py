@@ -78,7 +78,7 @@ def test_a_model_is_updated_listed_and_deleted_down_to_its_versions(emulator, ka
     assert kaggle_api.model_instance_delete(instance, no_confirm=True).error == ""
     with pytest.raises(requests.HTTPError) as gone:
         kaggle_api.model_instance_get(instance)
-    assert gone.value.response.status_code == 403
+    assert gone.value.response is not None and gone.value.response.status_code == 403
     assert kaggle_api.model_delete(f"{USER}/toy-model", no_confirm=True).error == ""
     with pytest.raises(requests.HTTPError):
         kaggle_api.model_get(f"{USER}/toy-model")
@@ -105,7 +105,7 @@ def test_a_metadata_update_that_does_not_say_private_makes_the_dataset_public(em
     assert [d.title for d in bob.dataset_list(user=USER)] == ["Secret data"]  # public now
     with pytest.raises(requests.HTTPError) as refused:
         bob.dataset_metadata_update(f"{USER}/secret-data", str(tmp_path / "meta"))
-    assert refused.value.response.status_code == 403
+    assert refused.value.response is not None and refused.value.response.status_code == 403
     with pytest.raises(requests.HTTPError):
         bob.dataset_delete(USER, "secret-data", no_confirm=True)
 
@@ -135,4 +135,4 @@ def test_a_kernels_files_are_its_output_listed_once_its_session_ended(emulator, 
     assert [f.name for f in rest.files] == ["out-2.txt"] and not rest.next_page_token
     with pytest.raises(requests.HTTPError) as missing:
         kaggle_api.kernels_list_files(f"{USER}/three-files/2")
-    assert missing.value.response.status_code == 403
+    assert missing.value.response is not None and missing.value.response.status_code == 403

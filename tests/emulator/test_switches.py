@@ -80,7 +80,7 @@ def test_missing_or_invisible_answers_403_and_404_is_a_switch(emulator, kaggle_a
     for ref in ("alice/no-such-data", "bob/bobs-private"):
         with pytest.raises(requests.HTTPError) as info:
             alice.dataset_status(ref)
-        assert info.value.response.status_code == 403
+        assert info.value.response is not None and info.value.response.status_code == 403
     for ref in ("alice/no-such-kernel", "bob/bobs-kernel"):
         with pytest.raises(ValueError, match="Permission 'kernels.get' was denied"):  # the client's words for 403
             alice.kernels_status(ref)
@@ -89,10 +89,10 @@ def test_missing_or_invisible_answers_403_and_404_is_a_switch(emulator, kaggle_a
     for ref in ("alice/no-such-data", "bob/bobs-private"):
         with pytest.raises(requests.HTTPError) as info:
             alice.dataset_status(ref)
-        assert info.value.response.status_code == 404
+        assert info.value.response is not None and info.value.response.status_code == 404
     with pytest.raises(requests.HTTPError) as info:
         alice.kernels_status("bob/bobs-kernel")
-    assert info.value.response.status_code == 404
+    assert info.value.response is not None and info.value.response.status_code == 404
 
 
 def test_a_new_version_is_invisible_for_a_while_then_ready(emulator, kaggle_api, tmp_path):
@@ -100,7 +100,7 @@ def test_a_new_version_is_invisible_for_a_while_then_ready(emulator, kaggle_api,
     folder = _dataset(kaggle_api, tmp_path, "alice/lagging-data", {"s.txt": "1"}, ready=False)
     with pytest.raises(requests.HTTPError) as info:
         kaggle_api.dataset_status("alice/lagging-data")
-    assert info.value.response.status_code == 404
+    assert info.value.response is not None and info.value.response.status_code == 404
     emulator.settle("alice/lagging-data")
     assert kaggle_api.dataset_status("alice/lagging-data") == "ready"
 
@@ -109,7 +109,7 @@ def test_a_new_version_is_invisible_for_a_while_then_ready(emulator, kaggle_api,
     assert kaggle_api.dataset_create_version(str(folder), "v2", quiet=True).status == "ok"
     with pytest.raises(requests.HTTPError) as info:
         kaggle_api.dataset_status("alice/lagging-data")
-    assert info.value.response.status_code == 403
+    assert info.value.response is not None and info.value.response.status_code == 403
     lagging = json.loads(kaggle_api.dataset_status("alice/lagging-data", format="json(current_version_number)"))
     assert lagging == {"current_version_number": 1}  # the number lags too
     assert [v["visible"] for v in emulator.dataset_versions("alice/lagging-data")] == [True, False]
@@ -183,7 +183,7 @@ def test_logs_come_at_the_end_and_the_stream_is_live(emulator, kaggle_api, tmp_p
     emulator.switches.log_stream = False
     with pytest.raises(requests.HTTPError) as info:
         list(kaggle_api.kernels_logs_stream("alice/chatty-kernel"))
-    assert info.value.response.status_code == 404
+    assert info.value.response is not None and info.value.response.status_code == 404
     info.value.response.close()  # the client leaves a refused stream's response open
 
 
@@ -301,7 +301,7 @@ def test_cancel_and_the_mine_lists(emulator, kaggle_api, tmp_path):
 
     with pytest.raises(requests.HTTPError) as info:
         cancel(1)  # the version number is not a session id (Kaggle exposes no session id)
-    assert info.value.response.status_code == 403
+    assert info.value.response is not None and info.value.response.status_code == 403
     session_id = int(emulator.session("alice/long-runner")["id"])
     assert cancel(session_id).error_message == ""
     session = emulator.wait_session("alice/long-runner")

@@ -50,6 +50,7 @@ def test_the_wheel_and_sdist_build_without_warnings_with_their_metadata_template
     assert metadata["License-Expression"] == "Apache-2.0"
     assert metadata.get_all("Provides-Extra") == ["hf", "lightning", "accelerate", "plot", "trackers", "dev"]
     requires = metadata.get_all("Requires-Dist")
+    assert requires is not None
     assert [r for r in requires if r.startswith("matplotlib")] == ['matplotlib>=3.7; extra == "plot"',
                                                                   'matplotlib>=3.7; extra == "dev"']
     assert not [r for r in requires if "skypilot" in r]

@@ -25,4 +25,5 @@ def test_lightning_itself_is_no_extra_of_kchains():
 def test_another_missing_module_is_the_code_folders():
     assert hint_for("ModuleNotFoundError", "No module named 'transformers_utils'").startswith("a missing module: ")
     log = "Traceback (most recent call last):\n  File \"train.py\", line 1\nModuleNotFoundError: No module named 'mylib'\n"
-    assert from_log(log).hint.endswith("put your own modules in the code folder")
+    failure = from_log(log)
+    assert failure is not None and failure.hint.endswith("put your own modules in the code folder")

@@ -42,7 +42,8 @@ def test_calls_succeed_when_30_percent_of_them_fail(emulator, tmp_path):
     assert client.dataset_exists("alice/flaky-state") and not client.dataset_exists("alice/not-there")
     client.download_dataset("alice/flaky-state", 1, tmp_path / "dl")
     assert (tmp_path / "dl/ckpt/last.pt").read_bytes() == b"\1" * 100
-    assert client.quota()["total_s"] == 30 * 3600
+    quota = client.quota()
+    assert quota is not None and quota["total_s"] == 30 * 3600
     assert sum(emulator.calls.values()) - calls_before > 9  # some calls were answered with faults and retried
 
 

@@ -15,7 +15,8 @@ def test_the_deadline_is_the_limit_less_the_margin_and_the_guard_stops_when_a_st
     assert abs(clock.deadline() - (now + 60)) < 1e-6 and clock.reserve_s() == 40
     clock.step_took(10.0)
     assert clock.too_late(step=5, total=100, save_s=5.0) is None  # 60 s left > 10 + 5
-    assert "stopping at step 5" in clock.too_late(step=5, total=100, save_s=55.0)
+    line = clock.too_late(step=5, total=100, save_s=55.0)
+    assert line is not None and "stopping at step 5" in line
 
 
 def test_an_evaluation_step_is_planned_with_even_after_it_left_the_window_of_recent_steps():
@@ -41,12 +42,16 @@ def test_a_publish_that_needs_more_than_the_margin_moves_the_deadline_earlier_an
     (ckpt / "state.pt").write_bytes(b"x" * 2_000_000)
     clock.sized(ckpt)
     # The publish, and the hand-over before the publisher's own check (teardown, its start, the sha256 check).
+    assert plan is not None
     need = publishplan.seconds(plan, 2_000_000) + publishplan.handoff_s(2_000_000)
     assert need > 60 and clock.reserve_s() == need and clock.deadline() == 12 * 3600 - need
-    assert "for save + publish of" in clock.plan(lambda: 0)
+    said = clock.plan(lambda: 0)
+    assert said is not None and "for save + publish of" in said
     short = SessionClock(started=0.0, limit_s=2 * need, margin_s=60, publish=plan)  # the publish needs half of it
     short.sized(ckpt)
-    assert short.reserve_s() == 60 and "relays the state from the laptop" in short.plan(lambda: 0)
+    assert short.reserve_s() == 60
+    short_said = short.plan(lambda: 0)
+    assert short_said is not None and "relays the state from the laptop" in short_said
     assert SessionClock(0.0, 100, 10, publish=None).plan(lambda: 0) is None
 
 
@@ -66,6 +71,6 @@ def test_the_plan_of_a_measured_publish_is_what_the_session_took():
                                   processing_s=1.5, push_s=0.75)
     plan = publishplan.figures(KaggleConfig(internet=True, state_dataset="me/job-state", unattended=True,
                                             publish=timing))
-    assert plan["measured"] and publishplan.seconds(plan, 2_000_000) == 2.0 + 2.0 + 1.5 + 0.75
+    assert plan is not None and plan["measured"] and publishplan.seconds(plan, 2_000_000) == 2.0 + 2.0 + 1.5 + 0.75
     assumed = publishplan.figures(KaggleConfig(internet=True, state_dataset="me/job-state", unattended=True))
-    assert publishplan.seconds(assumed, 0) == 30 + 15 + 30 + 20
+    assert assumed is not None and publishplan.seconds(assumed, 0) == 30 + 15 + 30 + 20

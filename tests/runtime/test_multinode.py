@@ -113,5 +113,6 @@ def test_two_nodes_under_an_outer_torchrun_resume_from_the_sink_bit_exact(tmp_pa
     got = json.loads((kdir(resumed, 0) / layout.SUMMARY).read_text())
     assert (got["status"], got["resumed_from"]) == ("finished", published)
     assert (got["world_size"], trace(resumed)) == (2, ref)
-    assert sink.read_pointer(bucket)["step"] == TOTAL
+    pointer = sink.read_pointer(bucket)
+    assert pointer is not None and pointer["step"] == TOTAL
     assert not (kdir(resumed, 1) / layout.CHECKPOINTS_DIR).exists()  # rank 0 alone writes, on its node

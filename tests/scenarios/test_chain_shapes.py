@@ -33,6 +33,7 @@ from kchain.common.sessionstate import TERMINAL
 from kchain.job.init import init_job
 from kchain.job.spec import load_job
 from kchain.local.rehearse import ReferenceRun
+from kchain.targets.commands import result_lines
 from kchain.targets.rehearsal import rehearse_target
 
 NAME = "shape-notes"
@@ -210,8 +211,14 @@ def test_a_targets_state_folder_pulls_and_releases_the_uninterrupted_runs_best_a
         assert elsewhere.exit_code == 1 and f"{shared / NAME} does not exist" in elsewhere.output, elsewhere.output
         run_each(hints(elsewhere.output), tmp_path, run=False)
         shutil.copytree(bucket, shared / NAME)
+        said = result_lines(path, load_job(path))  # what `kchain status` says after the engine's word
+        assert said[0] == f"newest published: step 12 of 12, in {shared / NAME}", said
+        assert said[1].startswith("best: val_loss ") and said[1].endswith(f"at step 8 (train.keep_best), in "
+                                                                         f"{shared / NAME}: `kchain pull {path} --best`")
+        assert said[2] == f"final: step 12 (finished), in {shared / NAME}: `kchain pull {path} --final`", said
         asked = invoke("pull", path, "--best", "-o", tmp_path / "best")
     else:  # the bucket is not a folder here: one line says how to bring it, and the command then
+        assert f"`kchain pull {path} --best --from FOLDER`" in result_lines(path, load_job(path))[0]
         refused = invoke("pull", path, "--best", "-o", tmp_path / "best")
         assert refused.exit_code == 1 and refused.output.count("\n") == 1, refused.output
         [copy] = [c for c in re.findall(r"`([^`]+)`", refused.output) if c.startswith("aws ")]

@@ -15,6 +15,8 @@ import json
 from emulator_helpers import USER, emulator, kaggle_api, write_kernel  # noqa: F401
 
 from kchain.chain.sessions import image_drift, short_image
+from kchain.common.sessionrecord import SessionRecord
+from kchain.common.sessionstate import SessionState
 from kchain.common.summary import Summary
 from kchain.kaggle.client import KaggleClient
 
@@ -52,12 +54,12 @@ def test_each_version_runs_on_an_image_pull_names_and_pins_hold_unless_ignored(e
     assert drifted == emulator.store.images[-1] not in (first, second)
 
     # `kchain status`'s warning, from the records a chain keeps (the image, the summary's torch and CUDA).
-    records = [
-        {"session": 1, "status": "COMPLETE", "version": 1, "image": first,
+    records: list[SessionRecord] = [
+        {"session": 1, "status": SessionState.COMPLETE, "version": 1, "image": first,
          "summary": {"status": "deadline", "torch": "2.6.0+cu124", "cuda": "12.4"}},
-        {"session": 2, "status": "COMPLETE", "version": 3, "image": first, "image_asked": first,
+        {"session": 2, "status": SessionState.COMPLETE, "version": 3, "image": first, "image_asked": first,
          "summary": {"status": "deadline", "torch": "2.6.0+cu124", "cuda": "12.4"}},
-        {"session": 3, "status": "RUNNING", "version": 5, "image": drifted, "image_asked": first},
+        {"session": 3, "status": SessionState.RUNNING, "version": 5, "image": drifted, "image_asked": first},
     ]
     assert image_drift(records[:2]) == []
     assert image_drift(records) == [

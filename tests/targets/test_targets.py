@@ -198,7 +198,9 @@ def test_push_refuses_unsmoked_code_then_sends_the_engine_its_command_lines(tmp_
     folder = home / "targets" / "target-job-slurm"
     assert f"submitted Slurm job 5150; its log: {folder / 'slurm-5150.out'}" in result.output
     (folder / "slurm-5150.out").write_text("[kchain] step 1\n")
-    assert invoke("status", path).exit_code == 0
+    status = invoke("status", path)
+    assert status.exit_code == 0
+    assert status.output.splitlines()[-1].startswith("no checkpoint published to "), status.output  # nothing yet
     assert invoke("logs", path).output == "[kchain] step 1\n"
     assert invoke("stop", path).exit_code == 0
     assert (bin_dir / "calls").read_text().splitlines() == [

@@ -76,6 +76,7 @@ def test_sigterm_75_resume_0_guard_1_no_gpu_69(tmp_path):
     with subprocess.Popen(prepared(first), env=env_for(first, KCHAIN_FAULT="stall_step=0.2",
                                                        KCHAIN_STATE_SINK=str(bucket), KCHAIN_ACCELERATOR_CHECK="off"),
                           stdout=subprocess.PIPE, text=True, cwd=first) as child:
+        assert child.stdout is not None
         for line in child.stdout:
             if line.startswith("[kchain] step 2/"):
                 child.send_signal(signal.SIGTERM)
@@ -84,7 +85,8 @@ def test_sigterm_75_resume_0_guard_1_no_gpu_69(tmp_path):
         assert child.wait(timeout=TIMEOUT_S) == layout.EXIT_SAVED_NOT_DONE, rest
     stopped = summary(first)
     assert stopped["status"] == "interrupted" and 2 <= stopped["step"] < 60
-    assert sink.read_pointer(bucket)["step"] == stopped["step"]
+    pointer = sink.read_pointer(bucket)
+    assert pointer is not None and pointer["step"] == stopped["step"]
     # After an outer torchrun (which returns 0 or 1): the node of rank 0 exits with its summary's code,
     # another node (no summary) with torchrun's.
     for root, launcher, want in ((first, 1, layout.EXIT_SAVED_NOT_DONE), (tmp_path / "node1", 0, 0)):
@@ -97,7 +99,8 @@ def test_sigterm_75_resume_0_guard_1_no_gpu_69(tmp_path):
     done = launch(second, KCHAIN_STATE_SINK=str(bucket), KCHAIN_ACCELERATOR_CHECK="off")
     assert done.returncode == 0, done.stdout + done.stderr
     assert (summary(second)["status"], summary(second)["resumed_from"]) == ("finished", stopped["step"])
-    assert sink.read_pointer(bucket)["step"] == 60
+    pointer = sink.read_pointer(bucket)
+    assert pointer is not None and pointer["step"] == 60
 
     # 1: the sink's newest copy is damaged; the older one verifies, but the pointer says 60: stop, never resume older.
     state = bucket / layout.checkpoint_name(60) / layout.STATE_FILE

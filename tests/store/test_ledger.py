@@ -8,6 +8,8 @@ import pytest
 from helpers import JOBS, error_line, invoke
 
 from kchain.chain.outcome import of_chain
+from kchain.common.sessionrecord import SessionRecord
+from kchain.common.sessionstate import SessionState
 from kchain.errors import KchainError
 from kchain.result.plot import plot_chain
 from kchain.store.ledger import Ledger, budget_lines, iso, runs_lines, week_start
@@ -26,12 +28,12 @@ def test_budget_counts_this_weeks_gpu_sessions_and_estimates_what_is_left(tmp_pa
     ledger = Ledger(tmp_path)
     now = datetime.now(timezone.utc)
     start = week_start(now)
-    ledger.save_session("job-a", {"session": 1, "status": "COMPLETE", "gpu": True,
+    ledger.save_session("job-a", {"session": 1, "status": SessionState.COMPLETE, "gpu": True,
                                   "started": iso(start.replace(hour=1)), "ended": iso(start.replace(hour=4)),
                                   "summary": {"status": "deadline", "step": 3000, "total": 9000, "steps_per_s": 0.5}})
-    ledger.save_session("job-a", {"session": 2, "status": "COMPLETE", "gpu": False,
+    ledger.save_session("job-a", {"session": 2, "status": SessionState.COMPLETE, "gpu": False,
                                   "started": iso(start.replace(hour=5)), "ended": iso(start.replace(hour=9))})
-    ledger.save_session("job-b", {"session": 1, "status": "COMPLETE", "gpu": True,
+    ledger.save_session("job-b", {"session": 1, "status": SessionState.COMPLETE, "gpu": True,
                                   "started": iso(start),
                                   "ended": iso(start.replace(hour=2))})
     assert abs(ledger.gpu_hours_this_week(now) - 5.0) < 1e-6
@@ -56,7 +58,7 @@ def test_runs_shows_the_best_row_or_the_chains_kept_best(tmp_path):
     assert lines[-1] == "best row by val: r2 at val 0.35 (job j)"
     assert len(lines) == 5
     # A chain's result (kchain/chain/outcome.py) replaces it: the kept best the state carries, as pull --best brings it.
-    chain = [{"session": 1, "status": "COMPLETE", "saved_step": 60, "publish": {"published": "relay", "step": 60,
+    chain: list[SessionRecord] = [{"session": 1, "status": SessionState.COMPLETE, "saved_step": 60, "publish": {"published": "relay", "step": 60,
               "version": 3}, "kept_best": {"metric": "val_loss", "mode": "min", "value": 0.35, "step": 40},
               "summary": {"status": "finished", "step": 60, "total": 60}}]
     said = of_chain(chain)

@@ -291,8 +291,17 @@ def status(job: Path, as_json: bool) -> None:
         if as_json:
             raise click.UsageError("--json is for Kaggle jobs; this job's target is another engine")
         return status_target(job, echo=click.echo)
+    from kchain.chain import queue as queued
+
+    held = queued.read(queued.queue_path(job))  # `kchain queue` of this job: its runs, each its own chain
     if as_json:
-        return click.echo(json.dumps(status_document(job), indent=2))
+        doc = status_document(job)
+        return click.echo(json.dumps({**doc, **({"queue": held.document()} if held else {})}, indent=2))
+    if held is not None:  # the queue first; the job's own chain after it, where it has one
+        for line in queued.lines(held):
+            click.echo(line)
+        if not queued.has_chain(job):
+            return None
     for line in status_for(job):
         click.echo(line)
 
@@ -487,6 +496,66 @@ def plan(jobs: tuple[Path, ...], sets: list[tuple[str, Any]], seeds: list[int], 
     for line in lines:
         click.echo(line)
     click.echo(f"written {path}")
+
+
+@cli.command()
+@JOBS
+@click.option("--set", "sets", multiple=True, metavar="NAME=VALUE", callback=_variant_sets,
+              help="A param for the runs; a name given again is another run (as for `kchain plan`).")
+@click.option("--seeds", callback=_seeds, metavar="1,2,3", help="Repeat each run with each params.seed.")
+@click.option("--steps", type=click.IntRange(min=1), default=None,
+              help="Each run's steps, where the measured loop total does not say them.")
+@click.option("--factor", type=float, default=None, callback=_factor,
+              help="Kaggle's seconds per step over this laptop's smoke (default: measured by a chain, else 1).")
+@click.option("--use-slack", is_flag=True, help="Let the runs spend the slack (budget.slack) the plan holds back.")
+@click.option("--skip-smoke", is_flag=True, help="Push runs whose code and params never passed a smoke run.")
+@click.option("--unattended", is_flag=True,
+              help="Each run's sessions push the next themselves (as `push --unattended`); the queue starts the runs.")
+@click.option("--poll", type=Seconds(1.0, 3600.0), default=30.0, show_default=True, help="Seconds between looks.")
+@click.option("--notify", "notify_command", metavar="CMD",
+              help="Run CMD in the shell at each event (session_ended, finished and needs_person of a run, with "
+                   "KCHAIN_JOB its chain; queue_ended once), as `continue --watch --notify` does.")
+def queue(jobs: tuple[Path, ...], sets: list[tuple[str, Any]], seeds: list[int], steps: int | None,
+          factor: float | None, use_slack: bool, skip_smoke: bool, unattended: bool, poll: float,
+          notify_command: str | None) -> None:
+    """Run the week's plan unattended: each run its own chain, on Kaggle's two GPU slots.
+
+    The plan is `kchain plan`'s (refused before any push when the week cannot hold it). Runs start in
+    order in the free slots while their planned hours fit beside the slack; a session that ends is
+    followed by the next of its run in the same slot; a run that crashes is stopped (never pushed
+    again as it is) and its hours go back to the queue. Every run is smoked first (its own kernel).
+    Stopped, the queue goes on where it was when run again with the same jobs and --set.
+
+    \b
+    Example:
+      kchain queue myjob/job.yaml --set lr=3e-4 --set lr=1e-3 --seeds 1,2 --notify 'notify-send "$KCHAIN_MESSAGE"'
+      kchain status myjob/job.yaml   # the queue's runs, slots and hours
+    """
+    from kchain.chain import queue as queued
+    from kchain.chain.notify import Notify, nobody, notifier
+    from kchain.errors import SmokeFailed
+    from kchain.kaggle.client import KaggleClient
+    from kchain.local.smoke import smoke
+
+    if seeds and any(key == "seed" for key, _ in sets):
+        raise click.UsageError("--seeds and --set seed=... both give the seed; give one of them")
+    job_files = list(jobs or (Path("job.yaml"),))
+    held, path, lines = queued.open_queue(job_files, sets, seeds, steps, factor, use_slack)
+    for line in lines:
+        click.echo(line)
+    for run, job in ([] if skip_smoke else queued.unsmoked(held)):
+        click.echo(f"queue: smoke of {run.label} ({run.chain}) before any push")
+        try:
+            smoke(Path(run.job_file), echo=click.echo, quiet_training=True, job=job)
+        except SmokeFailed as exc:
+            raise SmokeFailed(f"{run.label} ({run.chain}): {exc}; nothing was pushed: fix it and run `kchain queue` "
+                              "again") from None
+
+    def notify_for(chain: str) -> Notify:
+        return notifier(notify_command, chain, click.echo) if notify_command else nobody
+
+    loop = queued.Loop(path, KaggleClient(progress=True), click.echo, notify_for, skip_smoke, unattended, poll)
+    queued.run(held, loop)
 
 
 @cli.command()

@@ -24,7 +24,7 @@ from typing import Any
 
 from kchain.chain import outcome
 from kchain.chain import sessions as sess
-from kchain.chain.budget import check_budget, plan_for
+from kchain.chain.budget import Held, check_budget, plan_for
 from kchain.chain.notify import FAILED, FINISHED, NEEDS_PERSON, SESSION_ENDED, Notify, nobody, notifier
 from kchain.chain.push import push_session, reconcile, refuse_unpushable
 from kchain.chain.sessions import StaleRule, summary_of
@@ -129,7 +129,7 @@ def relay_state(client: KaggleClient, job: Job, owner: str, record: SessionRecor
 def _relay_folder(record: SessionRecord, work: Path, job: Job, echo: Echo) -> tuple[Path, dict, Path | None] | None:
     """The state folder built from a session's downloaded output (its folder, marker and kchain dir), None
     when the output holds no checkpoint past the step the session resumed at."""
-    output = Path(record["output"]) if record.get("output") else None
+    output = Path(out) if (out := record.get("output")) else None
     kchain_dir = output / layout.KCHAIN_DIR if output else None
     if kchain_dir is None or not kchain_dir.is_dir():
         return None
@@ -276,8 +276,9 @@ def fetch_or_stop(client: KaggleClient, ledger: Ledger, job: Job, owner: str, ch
 
 def decide_and_continue(job: Job, ledger: Ledger, client: KaggleClient, retry: bool = False,
                         force: bool = False, skip_smoke: bool = False, echo: Echo = print,
-                        from_state: int | None = None) -> Verdict:
-    """One step of the chain: look at it, decide (kchain/common/nextsession.py), act."""
+                        from_state: int | None = None, held: Held | None = None) -> Verdict:
+    """One step of the chain: look at it, decide (kchain/common/nextsession.py), act. held: the hours a next
+    session must leave (`kchain queue`'s slack and other runs), refused past them even with force."""
     refuse_unpushable(job)
     owner = job.kaggle.owner or client.username
     with _chain_lock(ledger, job.name):
@@ -288,7 +289,7 @@ def decide_and_continue(job: Job, ledger: Ledger, client: KaggleClient, retry: b
             fetch_or_stop(client, ledger, job, owner, now.records, from_state, echo)
             # A fetch that worked filled in the last record: decide again on its summary.
             decision = decide(now, job.path, retry=retry, skip_smoke=skip_smoke, output_settled=True)
-        return act(decision, job, ledger, client, owner, now.records, force, echo)
+        return act(decision, job, ledger, client, owner, now.records, force, echo, held)
 
 
 def look(client: KaggleClient, ledger: Ledger, job: Job, owner: str) -> Chain:
@@ -310,7 +311,7 @@ def verified_copy(client: KaggleClient, ledger: Ledger, job: Job, owner: str, ch
     that holds the step (downloaded into the ledger, verified)."""
     name = layout.checkpoint_name(step)
     for record in reversed(chain):
-        output = Path(record["output"]) if record.get("output") else None
+        output = Path(out) if (out := record.get("output")) else None
         for ckpt in sorted(output.rglob(name)) if output is not None and output.is_dir() else []:
             try:
                 manifest = verify(ckpt) if ckpt.parent.name == layout.CHECKPOINTS_DIR else None
@@ -358,21 +359,22 @@ def stop_error(verdict: Verdict, job_file: Path) -> KchainError:
 
 
 def act(decision: Verdict, job: Job, ledger: Ledger, client: KaggleClient, owner: str,
-        chain: list[SessionRecord], force: bool, echo: Echo) -> Verdict:
+        chain: list[SessionRecord], force: bool, echo: Echo, held: Held | None = None) -> Verdict:
     """Perform a decision: raise its stop, publish and record a finished chain's end, or push the next session."""
     if decision.stop is not None:
         raise stop_error(decision, job.path)
     if decision.action == "finished":
         return finish(job, ledger, client, owner, chain, decision, echo)
     if decision.action == "push":
-        return push_next(job, ledger, client, owner, chain, force, echo, decision.attempt if decision.again else 1)
+        return push_next(job, ledger, client, owner, chain, force, echo, decision.attempt if decision.again else 1,
+                         held)
     if decision.action == "repair":
-        return repair_and_push(decision, job, ledger, client, owner, chain, force, echo)
+        return repair_and_push(decision, job, ledger, client, owner, chain, force, echo, held)
     return decision
 
 
 def repair_and_push(decision: Verdict, job: Job, ledger: Ledger, client: KaggleClient, owner: str,
-                    chain: list[SessionRecord], force: bool, echo: Echo) -> Verdict:
+                    chain: list[SessionRecord], force: bool, echo: Echo, held: Held | None = None) -> Verdict:
     """The last session refused its state (damaged): the verified copy of that step (decision.copy) becomes a
     new state version, through the laptop's relay (sent once: a rerun settles it by the dataset's versions),
     and the next session is pushed from it, resuming at the same step: nothing is lost."""
@@ -395,7 +397,7 @@ def repair_and_push(decision: Verdict, job: Job, ledger: Ledger, client: KaggleC
                       "repair": {"refused_version": last.get("state_version"), "from": copy.where}})
     if copy.state_folder:
         shutil.rmtree(copy.path, ignore_errors=True)  # the download it was sent from
-    pushed = push_next(job, ledger, client, owner, chain, force, echo)
+    pushed = push_next(job, ledger, client, owner, chain, force, echo, held=held)
     return dataclasses.replace(pushed, message=f"{pushed.message}: step {last['publish']['step']} republished from "
                                f"{copy.where} after session {last['session']} refused state version "
                                f"{last.get('state_version')}; 0 steps lost")
@@ -435,7 +437,7 @@ def record_finished(ledger: Ledger, job: Job, chain: list[SessionRecord], said: 
 
 
 def push_next(job: Job, ledger: Ledger, client: KaggleClient, owner: str, chain: list[SessionRecord],
-              force: bool, echo: Echo, attempt: int = 1) -> Verdict:
+              force: bool, echo: Echo, attempt: int = 1, held: Held | None = None) -> Verdict:
     """The newest checkpoint as a ready state version, the budget, then the next session pinned to it
     (attempt: which try of the same state this is, after sessions that did not see it mounted)."""
     last = chain[-1]
@@ -446,7 +448,7 @@ def push_next(job: Job, ledger: Ledger, client: KaggleClient, owner: str, chain:
 
     facts = ready_state(client, job, owner, chain, echo, save_publish)
     save_publish(facts)
-    check_budget(job, plan_for(job, ledger, client), force, job.path)
+    check_budget(job, plan_for(job, ledger, client), force, job.path, held)
     ensure_state_dataset(client, owner, job.name, echo)
     state = f"{state_dataset(owner, job.name)}/{facts['version']}"
     sources = [state]
@@ -700,7 +702,7 @@ def _delete_plan(client: KaggleClient, job: Job, chain: list[SessionRecord], rec
     if job.kaggle.internet:
         lost.append(f"the Secrets attached to {ref}: attach them again after the next push, or the laptop relays")
     kept = [resumes if version else f"nothing to resume yet: session {n} started fresh"]
-    downloads = [Path(s["output"]).parent for s in ended if s.get("output")]
+    downloads = [Path(out).parent for s in ended if (out := s.get("output"))]
     if downloads:
         kept.append(f"every ended session's output and log, downloaded to {downloads[-1]}")
     return DeletePlan(ref, job.path, kept, lost, blockers, resumes, unchecked)

@@ -154,7 +154,22 @@ def _ranks(job: Job) -> str:
     return "1 rank" if job.train.gpus == 1 else "2 ranks"
 
 
-def check_budget(job: Job, plan: Plan, force: bool, job_file: Path) -> None:
+@dataclass(frozen=True)
+class Held:
+    """GPU-hours of the week a push must leave alone (`kchain queue`: the slack, and what the queue's other
+    running runs still have planned), and what they are, in words."""
+
+    hours: float
+    what: str
+    fix: str  # how to let the session have them
+
+
+def check_budget(job: Job, plan: Plan, force: bool, job_file: Path, held: Held | None = None) -> None:
+    if job.gpu and held is not None and held.hours > 0 and plan.expected_gpu_h > plan.left_h - held.hours:
+        raise BudgetExceeded(
+            f"{job_file}: this session may use {plan.expected_gpu_h:.2f} GPU-h but {plan.left_h:.2f} are left this "
+            f"week ({plan.weekly_source}) and {held.hours:.2f} of them are held back ({held.what}); {held.fix}"
+        )
     if job.gpu and plan.expected_gpu_h > plan.left_h and not force:
         raise BudgetExceeded(
             f"{job_file}: this session may use {plan.expected_gpu_h:.2f} GPU-h but only {plan.left_h:.2f} "

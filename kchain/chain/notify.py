@@ -1,4 +1,4 @@
-"""`kchain continue --watch --notify CMD`: a shell command run at each event of a watched chain, with
+"""`kchain continue --watch --notify CMD` (and `kchain queue --notify`, `kchain rehearse --notify`): a shell command run at each event of a watched chain, with
 the event in its environment, so that a user wires it to whatever they read (a desktop notification,
 a chat webhook, a mail).
 
@@ -24,7 +24,8 @@ SESSION_ENDED = "session_ended"  # a session ended and the watch pushed the next
 FINISHED = "finished"  # training is complete: the watch ends
 NEEDS_PERSON = "needs_person"  # the chain stopped for a decision that needs you (a crash, no progress, the quota)
 FAILED = "failed"  # the watch itself failed (Kaggle unreachable past its retries, credentials, an error)
-EVENTS = (SESSION_ENDED, FINISHED, NEEDS_PERSON, FAILED)
+QUEUE_ENDED = "queue_ended"  # `kchain queue`: every run of the queue finished, stopped or was skipped
+EVENTS = (SESSION_ENDED, FINISHED, NEEDS_PERSON, FAILED, QUEUE_ENDED)
 TIMEOUT_S = 60  # a notifier is a quick call; one that hangs must not hold the chain
 
 

@@ -216,12 +216,13 @@ class Prepared:
 
 
 def smoke(job_path: Path, echo: Echo = print, quiet_training: bool = False, download: bool = False,
-          sets: dict[str, Any] | None = None, ranks_asked: int | None = None) -> SmokeReport:
+          sets: dict[str, Any] | None = None, ranks_asked: int | None = None, job: Job | None = None) -> SmokeReport:
     """Run the smoke; raise SmokeFailed (after logging the run) unless it passes.
 
     `sets` are params over the job's and its smoke.params (--set), `ranks_asked` the rank count
-    instead of the one the job gets on Kaggle (--ranks)."""
-    prep = prepare(job_path, echo, download, sets or {}, ranks_asked)
+    instead of the one the job gets on Kaggle (--ranks); `job`: the job as it will be pushed, when it is not
+    job_path's as written (a run of `kchain queue`: its chain's name, its --set in its params)."""
+    prep = prepare(job_path, echo, download, sets or {}, ranks_asked, job)
     show = None if quiet_training else echo
     try:
         reference, killed, held = train(prep, echo, show)
@@ -240,12 +241,12 @@ def smoke(job_path: Path, echo: Echo = print, quiet_training: bool = False, down
 
 
 def prepare(job_path: Path, echo: Echo, download: bool, sets: dict[str, Any] | None = None,
-            ranks_asked: int | None = None) -> Prepared:
+            ranks_asked: int | None = None, job: Job | None = None) -> Prepared:
     """Load and render the job, lay out three /kaggle-like sandboxes with the inputs mounted: the
     reference, the run to stop and kill, and the resume (an empty working dir, as a new session's).
     Code that saves a framework's own checkpoint is refused first, before anything is laid out (codecheck.py)."""
     t_start = time.time()
-    job = load_job(job_path)
+    job = job or load_job(job_path)
     codecheck.refuse_leftover_saves(code_files(job)[0])
     ledger = Ledger(state_dir(job.path))
     run_id = new_run_id("smoke")

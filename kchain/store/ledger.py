@@ -32,6 +32,7 @@ SMOKE_FILE = "smoke-passes.json"
 SESSIONS_FILE = "sessions.json"
 RELEASES_FILE = "releases.json"  # what `kchain release` sent, by target and weights (release.py)
 PLAN_FILE = "plan.json"  # the week's runs as `kchain plan` planned them (kchain/chain/plan.py)
+QUEUE_FILE = "queue.json"  # the plan `kchain queue` runs, each run's state in it (kchain/chain/queue.py)
 RUN_FIELDS = ["run_id", "date", "channel", "job", "config", "steps", "val", "checkpoint", "note"]
 
 

@@ -1,0 +1,107 @@
+# ruff: noqa: F811  (the shared fixtures are imported, then requested by name)
+"""`kchain queue` against the local Kaggle (strict defaults, two GPU slots, real sessions): three runs of
+one job on two slots, the second crashing; and a week that cannot hold the plan, refused before any push."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import yaml
+from emulator_helpers import emulator  # noqa: F401
+from helpers import error_line, invoke, runtime_job
+
+from kchain.chain.budget import plan_for
+from kchain.common import layout
+from kchain.common.sessionstate import SessionState
+from kchain.job.spec import load_job
+from kchain.kaggle.client import KaggleClient
+from kchain.store.ledger import QUEUE_FILE, Ledger
+
+
+def _job(tmp_path: Path, weekly_h: float) -> Path:
+    """tiny_job's classifier, 12 steps, whose run with params.seed 2 crashes at step 3 (a bug one variant
+    meets), a week of `weekly_h` GPU-hours and a slack of 2."""
+    path = runtime_job(tmp_path, "tiny_job", "main", "q", params={"d_model": 8, "steps": 12, "rows": 64})
+    code = path.parent / "code" / "tiny_job.py"
+    code.write_text(code.read_text().replace(
+        "        trainer.step()\n",
+        "        trainer.step()\n        if step == 3 and p.get('seed') == 2:\n"
+        "            raise ValueError('boom in the seed 2 run')\n"))
+    data = yaml.safe_load(path.read_text())
+    data["budget"] = {"weekly_gpu_hours": weekly_h, "slack": 2}
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def _most_at_once(sessions: list[dict]) -> int:
+    """The most GPU sessions the local Kaggle ran at one moment (from each one's start to its end)."""
+    edges = sorted([(s["started"], 1) for s in sessions if s.get("gpu") and s.get("started")]
+                   + [(s["ended"], -1) for s in sessions if s.get("gpu") and s.get("started")])
+    most = now = 0
+    for _, change in edges:
+        now += change
+        most = max(most, now)
+    return most
+
+
+def test_three_runs_on_two_slots_a_crash_stops_its_run_alone(tmp_path, emulator, monkeypatch):
+    path = _job(tmp_path, weekly_h=30)
+    assert invoke("smoke", path).exit_code == 0  # the pace the plan sizes the runs from
+    # Each session stops (its deadline) after 8 steps: a run of 12 steps is a chain of two sessions.
+    monkeypatch.setenv(layout.FAULT_ENV, "deadline_after_steps=8")
+    events = tmp_path / "events.txt"
+    told = f'echo "$KCHAIN_EVENT $KCHAIN_JOB $KCHAIN_SESSION" >> {events}'
+    result = invoke("queue", path, "--seeds", "1,2,3", "--steps", "12", "--skip-smoke", "--poll", "1",
+                    "--notify", told)
+    assert result.exit_code == 0, result.output
+
+    queue = json.loads((Path(os.environ["KCHAIN_HOME"]) / QUEUE_FILE).read_text())
+    r1, r2, r3 = queue["runs"]
+    assert [(r["chain"], r["sets"], r["state"]) for r in queue["runs"]] == [
+        ("q-main-1", {"seed": 1}, "finished"), ("q-main-2", {"seed": 2}, "stopped"),
+        ("q-main-3", {"seed": 3}, "finished")]
+    assert "ValueError: boom in the seed 2 run" in r2["said"]
+    assert r3["started"] >= r2["ended"]  # run 3 took the slot run 2's crash gave back
+    assert r3["slot"] is None and r1["slot"] is None  # every slot given back at the end
+
+    ledger = Ledger(Path(os.environ["KCHAIN_HOME"]))
+    chains = {name: ledger.sessions(name) for name in ("q-main-1", "q-main-2", "q-main-3")}
+    assert [len(c) for c in chains.values()] == [2, 1, 2]  # the crashed run never got a second session
+    assert not [s for c in ledger.all_sessions().values() for s in c if s["status"] == SessionState.FAILED_TO_PUSH]
+    ours = [s for s in emulator.sessions() if s["kernel"].startswith("alice/q-main-")]
+    assert len(ours) == 5 and _most_at_once(ours) <= 2  # no third session ever live, none refused at the cap
+
+    job = load_job(path)
+    week = plan_for(job, ledger, KaggleClient(timeout_s=10))
+    assert week.used_h <= week.weekly_h - 2  # the slack unspent
+    assert sum(r["spent_h"] for r in queue["runs"]) <= sum(r["planned_h"] for r in queue["runs"])
+
+    said = events.read_text().splitlines()
+    assert "needs_person q-main-2 1" in said and "finished q-main-1 2" in said and "finished q-main-3 2" in said
+    assert said[-1] == "queue_ended q-main "  # the queue's end, once, last
+    assert {line for line in said if line.startswith("session_ended")} == {"session_ended q-main-1 2",
+                                                                          "session_ended q-main-3 2"}
+
+    status = invoke("status", path)
+    assert "queue of 3 run(s) on Kaggle's 2 GPU slots" in status.output
+    assert "3 run(s): 2 finished, 1 stopped" in status.output
+    assert "q-main has no session yet" not in status.output  # the job's runs are the queue's chains
+    week_log = invoke("week", path)  # the run log of the week: one row per run, what it changed
+    rows = [line for line in week_log.output.splitlines() if line.startswith(("r1 ", "r2 ", "r3 "))]
+    assert len(rows) == 3 and rows[1].endswith("seed 1 -> 2") and rows[2].endswith("seed 2 -> 3")
+    assert "failed: ValueError: boom in the seed 2 run" in week_log.output
+
+    again = invoke("queue", path, "--seeds", "1,2,3", "--steps", "12", "--skip-smoke")  # a queue that is done
+    assert again.exit_code == 0 and "queue: 3 run(s) kept in" in again.output  # a new one: every chain has ended
+    assert len([s for s in emulator.sessions() if s["kernel"].startswith("alice/q-main-")]) == 5, again.output
+
+
+def test_a_week_that_cannot_hold_the_plan_is_refused_before_any_push(tmp_path, emulator):
+    path = _job(tmp_path, weekly_h=2.5)  # 0.5 GPU-h plannable beside the slack of 2
+    assert invoke("smoke", path).exit_code == 0
+    result = invoke("queue", path, "--seeds", "1,2,3", "--steps", "12", "--skip-smoke", "--poll", "1")
+    assert result.exit_code == 5
+    assert "can be planned this week" in error_line(result) and "drop r" in error_line(result)
+    assert emulator.sessions() == [] and not (Path(os.environ["KCHAIN_HOME"]) / QUEUE_FILE).exists()

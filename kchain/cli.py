@@ -515,9 +515,15 @@ def plan(jobs: tuple[Path, ...], sets: list[tuple[str, Any]], seeds: list[int], 
 @click.option("--notify", "notify_command", metavar="CMD",
               help="Run CMD in the shell at each event (session_ended, finished and needs_person of a run, with "
                    "KCHAIN_JOB its chain; queue_ended once), as `continue --watch --notify` does.")
+@click.option("--rehearse", is_flag=True,
+              help="Run the queue here, against a private local Kaggle with two GPU slots, before any quota.")
+@click.option("--crash", metavar="RUN", default=None,
+              help="With --rehearse: that run (r2) crashes at its first step, to see the queue stop it alone.")
+@click.option("--sessions", "spans", type=click.IntRange(min=1, max=20), default=2, show_default=True,
+              help="With --rehearse: each run's total in this many sessions (planned in steps).")
 def queue(jobs: tuple[Path, ...], sets: list[tuple[str, Any]], seeds: list[int], steps: int | None,
           factor: float | None, use_slack: bool, skip_smoke: bool, unattended: bool, poll: float,
-          notify_command: str | None) -> None:
+          notify_command: str | None, rehearse: bool, crash: str | None, spans: int) -> None:
     """Run the week's plan unattended: each run its own chain, on Kaggle's two GPU slots.
 
     The plan is `kchain plan`'s (refused before any push when the week cannot hold it). Runs start in
@@ -529,6 +535,7 @@ def queue(jobs: tuple[Path, ...], sets: list[tuple[str, Any]], seeds: list[int],
     \b
     Example:
       kchain queue myjob/job.yaml --set lr=3e-4 --set lr=1e-3 --seeds 1,2 --notify 'notify-send "$KCHAIN_MESSAGE"'
+      kchain queue myjob/job.yaml --seeds 1,2,3 --rehearse --crash r2   # the week seen first, here
       kchain status myjob/job.yaml   # the queue's runs, slots and hours
     """
     from kchain.chain import queue as queued
@@ -540,6 +547,19 @@ def queue(jobs: tuple[Path, ...], sets: list[tuple[str, Any]], seeds: list[int],
     if seeds and any(key == "seed" for key, _ in sets):
         raise click.UsageError("--seeds and --set seed=... both give the seed; give one of them")
     job_files = list(jobs or (Path("job.yaml"),))
+    if crash is not None and not rehearse:
+        raise click.UsageError("--crash is for --rehearse: a real queue's crashes are the code's own")
+    if rehearse:
+        from kchain.errors import KchainError
+        from kchain.local.rehearse import rehearse_queue
+
+        if unattended or notify_command:
+            raise click.UsageError("--unattended and --notify are for the real queue; leave them out with --rehearse")
+        result = rehearse_queue(job_files, sets, seeds, steps, factor, use_slack, crash, spans, click.echo,
+                                min(poll, 0.5))
+        if not result.passed:
+            raise KchainError(result.line())
+        return None
     held, path, lines = queued.open_queue(job_files, sets, seeds, steps, factor, use_slack)
     for line in lines:
         click.echo(line)

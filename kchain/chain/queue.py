@@ -231,12 +231,26 @@ class Loop:
     unattended: bool = False
     poll_s: float = 30.0
     max_failures: int = 8
+    job_of: Callable[[QueuedRun], Job] = run_job  # the job a run pushes (a rehearsal's: its short sessions)
 
 
 def _spent(ledger: Ledger, run: QueuedRun, since: str) -> float:
     """The GPU-hours the run's chain spent in sessions that started since the queue began."""
     return sum(session_hours(s) for s in ledger.sessions(run.chain)
                if s.get("gpu") and s.get("started") and parse_iso(s["started"]) >= parse_iso(since))
+
+
+def most_at_once(sessions: list[dict[str, Any]]) -> int:
+    """The most GPU sessions that ran at one moment, from the local Kaggle's records (`started` and `ended`,
+    epoch seconds; one not ended yet counts as running still)."""
+    edges = sorted([(float(s["started"]), 1) for s in sessions if s.get("gpu") and s.get("started")]
+                   + [(float(s.get("ended") or "inf"), -1) for s in sessions if s.get("gpu") and s.get("started")],
+                   key=lambda e: (e[0], e[1]))  # an end before a start at the same moment
+    most = now = 0
+    for _, change in edges:
+        now += change
+        most = max(most, now)
+    return most
 
 
 def _busy_elsewhere(ledger: Ledger, queue: Queue, user: str | None) -> int:
@@ -266,7 +280,7 @@ def _end(queue: Queue, loop: Loop, run: QueuedRun, state: RunState, said: str) -
 
 def _advance(queue: Queue, loop: Loop, run: QueuedRun, ledger: Ledger) -> None:
     """One step of a running run's chain (advance.decide_and_continue), its end recorded."""
-    job = run_job(run)
+    job = loop.job_of(run)
     held = Held(held_h(queue.runs, run, queue.slack_h, queue.use_slack),
                 "the queue's slack and its other runs' planned hours",
                 "the run stops here with its state saved: `kchain queue --use-slack` lets it spend the slack")
@@ -291,7 +305,7 @@ def _advance(queue: Queue, loop: Loop, run: QueuedRun, ledger: Ledger) -> None:
 def _start(queue: Queue, loop: Loop, run: QueuedRun, slot: int, ledger: Ledger) -> bool:
     """Push session 1 of the run's chain in `slot` (or take up a chain it already has: a queue run again);
     False when Kaggle refused it at the account's cap (the run waits)."""
-    job = run_job(run)
+    job = loop.job_of(run)
     if not [s for s in ledger.sessions(run.chain) if s.get("version")]:
         try:
             push_job(job, ledger, loop.client, skip_smoke=loop.skip_smoke, echo=lambda s: loop.echo(f"  {run.label}: {s}"),

@@ -67,6 +67,9 @@ class Faults:
     # the first checkpoint at a step >= N is complete, in a process that started below N (so a chain, which
     # resumes from that checkpoint, is killed there once). An unattended chain publishes and pushes on.
     kill_training_at_step: int | None = None
+    # Step N raises an error at its end, as a bug in the job's code would (`kchain queue --rehearse --crash RUN`):
+    # the session ends crashed, and the chain's same-crash guard must stop it.
+    raise_at_step: int | None = None
     # After each save this process makes, it waits there until it is killed: the local Kaggle's kill after a
     # checkpoint (its kill_after_checkpoint sets this in the session) then lands right after that checkpoint,
     # whatever the machine's speed, never after a later one.
@@ -114,7 +117,7 @@ class Faults:
         return None
 
     def at_step_end(self, step: int, kill_all) -> None:
-        """The faults of a step's end, in order: a stall, a kill (of every rank), a hang."""
+        """The faults of a step's end, in order: a stall, a kill (of every rank), a hang, a crash."""
         _FIRST_STEP.setdefault("step", step)  # where this process started (kill_training_at_step)
         if self.stall_step:
             time.sleep(self.stall_step)
@@ -122,6 +125,8 @@ class Faults:
             kill_all()  # a real death: nothing after this runs
         if step == self.hang_at_step:
             time.sleep(10**9)  # a step that never returns: the watchdog ends the run
+        if step == self.raise_at_step:
+            raise RuntimeError(f"a crash injected at step {step} (fault raise_at_step={step})")
 
     def hold(self) -> None:
         """hold_after_save: wait to be killed (the session's limit ends a wait no kill comes to)."""

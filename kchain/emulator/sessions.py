@@ -266,6 +266,9 @@ class SessionRunner:
         # Test switch: extra environment for every session, standing for another kernel image (the doctor's
         # probe reads layout.TEST_IMAGE_TORCH_ENV / TEST_IMAGE_NUMPY_ENV as the image's versions).
         self.image_env: dict[str, str] = {}
+        # Test switch: extra environment for the sessions of one kernel (owner/slug), after image_env: a fault
+        # one run of a rehearsed queue meets (KCHAIN_FAULT), where the others run clean.
+        self.kernel_env: dict[str, dict[str, str]] = {}
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -353,6 +356,7 @@ class SessionRunner:
                                                 "http_proxy", "https_proxy", "all_proxy")})
             env.pop("KAGGLE_API_ENVIRONMENT", None)
         env.update(self.image_env)
+        env.update(self.kernel_env.get(session["kernel"], {}))
         if session.get("kill_after_checkpoint"):
             # The kill follows the session's first checkpoint past its resume: the kernel waits after each
             # save, so the kill lands right after that checkpoint however fast it trains (never a later one).

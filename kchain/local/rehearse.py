@@ -589,7 +589,7 @@ def _compare_state(reference_root: Path, chain: list[sess.SessionRecord],
     saved (statecheck.py), and the best each kept."""
     return statecheck.compare(
         statecheck.saved([statecheck.checkpoints_of(reference_root / layout.WORKING_DIR)]),
-        statecheck.saved(statecheck.checkpoints_of(Path(s["output"])) for s in chain if s.get("output")),
+        statecheck.saved(statecheck.checkpoints_of(Path(out)) for s in chain if (out := s.get("output"))),
     ), _kept_bests(reference_root, chain)
 
 
@@ -605,7 +605,7 @@ def _kept_bests(reference_root: Path, chain: list[sess.SessionRecord]) -> tuple[
                     continue
         return None
 
-    ran = [statecheck.checkpoints_of(Path(s["output"])) for s in chain if s.get("output")]
+    ran = [statecheck.checkpoints_of(Path(out)) for s in chain if (out := s.get("output"))]
     return newest([statecheck.checkpoints_of(reference_root / layout.WORKING_DIR)]), newest(ran)
 
 
@@ -768,3 +768,98 @@ def parse_fault_spec(text: str, seed: int = 0) -> Faults:
         else:
             setattr(faults, attr, rate)
     return faults
+
+
+# -- a queue rehearsed: `kchain queue --rehearse` ---------------------------------------------------
+
+
+@dataclass
+class QueueRehearsal:
+    """A week's queue (chain/queue.py) run against a private local Kaggle: its runs' ends and what must hold."""
+
+    queue: Any  # chain.queue.Queue, each run's end
+    most_at_once: int  # the most GPU sessions the local Kaggle ran at once
+    refused_at_cap: int  # pushes Kaggle refused at the account's cap (the queue should never send one)
+    sessions: dict[str, int]  # each run's chain: its sessions
+    passed: bool
+    verdict: str
+    work: Path
+
+    def line(self) -> str:
+        return f"rehearsal of the queue: {self.verdict}"
+
+
+def rehearse_queue(job_files: list[Path], sets: list[tuple[str, Any]], seeds: list[int], steps: int | None,
+                   factor: float | None, use_slack: bool, crash: str | None = None, sessions: int = 2,
+                   echo: Echo = print, poll_s: float = 0.5) -> QueueRehearsal:
+    """The plan `kchain queue` would run (refused as it would be), run against a private local Kaggle with
+    Kaggle's two GPU slots and its cap: each run's total in `sessions` spans (planned in steps, as `kchain
+    rehearse` plans them), against what the quota week has left on this laptop's ledger; `crash`: that run's
+    code raises at its first step (a bug one variant meets), so the queue's stop of that run is seen. It passes
+    when no third session was ever live, no push met the cap, the crashed run stopped after one session and
+    every other run finished."""
+    from kchain.chain import queue as queued
+    from kchain.chain.plan import GPU_SLOTS, advice, document, make_plan, refusal
+    from kchain.errors import BudgetExceeded
+
+    placed, week = make_plan(job_files, sets, seeds, steps, factor, None)  # the ledger's week: no Kaggle here
+    runs = [p.run for p in placed]
+    said = advice(runs, week)
+    if said is not None:
+        raise BudgetExceeded(refusal(runs, week, said, str(job_files[0])))
+    queue = queued.from_plan(document(placed, week), use_slack)
+    labels = [r.label for r in queue.runs]
+    if crash is not None and crash not in labels:
+        raise KchainError(f"--crash {crash}: the plan's runs are {', '.join(labels)}; name one of them")
+    base = load_job(job_files[0])
+    work = state_dir(base.path) / "rehearse" / new_run_id("queue")
+    ledger = Ledger(work / "ledger")
+
+    def job_of(run: Any) -> Job:
+        job = _rehearsal_job(queued.run_job(run), Path(run.job_file), SAFETY_LIMIT_S, {}, None, by_time=False)
+        return job.model_copy(update={"budget": job.budget.model_copy(update={"weekly_gpu_hours": week.left_h})})
+
+    first = job_of(queue.runs[0])
+    sources = local_inputs(first, state_dir(base.path) / "inputs", echo=echo)
+    emu = _start_local_kaggle(first, work, sources, SAFETY_LIMIT_S, Faults(), None, None, echo)
+    _session_env(emu, local_ranks(first), sessions)
+    for run in queue.runs:
+        if run.label == crash:
+            emu.runner.kernel_env[f"{USER}/{run.chain}"] = {layout.FAULT_ENV: "raise_at_step=1"}
+    echo(f"kchain queue --rehearse: {len(queue.runs)} run(s), each in {sessions} session(s) planned in steps, on a "
+         f"local Kaggle at {emu.url} with {GPU_SLOTS} GPU slots" + (f"; {crash} crashes at its first step" if crash else ""))
+    try:
+        with _env({**emu.env(USER), "KCHAIN_HOME": str(ledger.root), **_account_home(ledger)}):
+            loop = queued.Loop(work / "queue.json", KaggleClient(backoff_s=0.2, max_backoff_s=2.0), echo,
+                               skip_smoke=True, poll_s=poll_s, job_of=job_of)
+            queued.run(queue, loop)
+    finally:
+        emu.stop()
+    return judge_queue(queue, emu.sessions(), ledger, crash, work, echo)
+
+
+def judge_queue(queue: Any, emulated: list[dict[str, Any]], ledger: Ledger, crash: str | None, work: Path,
+                echo: Echo) -> QueueRehearsal:
+    """What the rehearsed queue must show, the first problem its verdict."""
+    from kchain.chain import queue as queued
+    from kchain.common.sessionstate import SessionState
+
+    ours = [s for s in emulated if s["kernel"] in {f"{USER}/{r.chain}" for r in queue.runs}]
+    most = queued.most_at_once(ours)
+    refused = sum(1 for chain in ledger.all_sessions().values() for s in chain
+                  if s["status"] == SessionState.FAILED_TO_PUSH)
+    counts = {r.chain: len(ledger.sessions(r.chain)) for r in queue.runs}
+    problems = [f"{most} GPU sessions ran at once, more than Kaggle's 2"] if most > 2 else []
+    problems += [f"{refused} push(es) met the account's cap"] if refused else []
+    for run in queue.runs:
+        if run.label == crash and (run.state != queued.RunState.STOPPED or counts[run.chain] != 1):
+            problems.append(f"{run.label}, which crashed, is {run.state} after {counts[run.chain]} session(s)")
+        elif run.label != crash and run.state != queued.RunState.FINISHED:
+            problems.append(f"{run.label} is {run.state}: {run.said.splitlines()[0] if run.said else ''}")
+    for line in queued.lines(queue):
+        echo(line)
+    verdict = problems[0] if problems else (
+        f"the queue ran as planned: {', '.join(f'{r.label} {r.state} in {counts[r.chain]} session(s)' for r in queue.runs)}"
+        f"; at most {most} GPU session(s) at once, none refused at the cap")
+    echo(f"verdict: {verdict}")
+    return QueueRehearsal(queue, most, refused, counts, not problems, verdict, work)

@@ -105,3 +105,17 @@ def test_a_week_that_cannot_hold_the_plan_is_refused_before_any_push(tmp_path, e
     assert result.exit_code == 5
     assert "can be planned this week" in error_line(result) and "drop r" in error_line(result)
     assert emulator.sessions() == [] and not (Path(os.environ["KCHAIN_HOME"]) / QUEUE_FILE).exists()
+
+
+def test_a_rehearsed_queue_shows_the_week_with_a_crash_in_one_run(tmp_path):
+    """`kchain queue --rehearse`: no Kaggle of the test's own, the plan's runs on a private local Kaggle."""
+    path = runtime_job(tmp_path, "tiny_job", "main", "q", params={"d_model": 8, "steps": 12, "rows": 64})
+    assert invoke("smoke", path).exit_code == 0
+    result = invoke("queue", path, "--seeds", "1,2,3", "--steps", "12", "--rehearse", "--crash", "r2")
+    assert result.exit_code == 0, result.output
+    assert ("verdict: the queue ran as planned: r1 finished in 2 session(s), r2 stopped in 1 session(s), r3 finished "
+            "in 2 session(s); at most 2 GPU session(s) at once, none refused at the cap") in result.output
+    assert "a crash injected at step 1 (fault raise_at_step=1)" in result.output
+    assert not (Path(os.environ["KCHAIN_HOME"]) / QUEUE_FILE).exists()  # the rehearsal's queue is its own
+    wrong = invoke("queue", path, "--seeds", "1,2,3", "--steps", "12", "--rehearse", "--crash", "r9")
+    assert wrong.exit_code != 0 and "--crash r9: the plan's runs are r1, r2, r3; name one of them" in error_line(wrong)

@@ -639,8 +639,10 @@ def _chosen(best: bool, final: bool, step: int | None = None) -> str:
 @click.option("--from", "source", type=click.Path(path_type=Path), default=None, metavar="FOLDER",
               help="A SkyPilot or Slurm job's state folder to read instead (the bucket's <name>/ folder, mounted or "
                    "copied here; a Slurm job's state_dir/<name> is the default).")
+@click.option("--run", "run_label", metavar="RUN", default=None,
+              help="A run of the job's `kchain queue` (r2): that run's chain instead of the job's own.")
 def pull(job: Path, best: bool, final: bool, step: int | None, logs: bool, out: Path | None, force: bool,
-         source: Path | None) -> None:
+         source: Path | None, run_label: str | None) -> None:
     """Bring the chain's weights home from its newest state version, verified, as a plain folder:
     model.safetensors, metrics.json, and (--final) what the last session wrote under run.export_dir.
     A SkyPilot or Slurm job's come from its state folder (--from; Slurm's state_dir by default).
@@ -658,8 +660,15 @@ def pull(job: Path, best: bool, final: bool, step: int | None, logs: bool, out: 
     if logs and source is not None:
         raise click.UsageError("--logs reads the chain's Kaggle state, not a state folder: leave out --from",
                                click.get_current_context())
-    lines = pull_logs(job, out, force, click.echo) if logs else \
-        pull_for(job, Want(which, step), out, force, click.echo, source)
+    if run_label is not None and (logs or source is not None):
+        raise click.UsageError("--run pulls a queued run's weights from Kaggle: leave out --logs and --from")
+    if run_label is not None:
+        from kchain.chain.queue import job_of_run
+
+        lines = pull_for(job, Want(which, step), out, force, click.echo, None, job_of_run(job, run_label))
+    else:
+        lines = pull_logs(job, out, force, click.echo) if logs else \
+            pull_for(job, Want(which, step), out, force, click.echo, source)
     for line in lines:
         click.echo(line)
 

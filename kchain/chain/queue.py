@@ -203,6 +203,23 @@ def run_job(run: QueuedRun) -> Job:
     return job.model_copy(update={"name": run.chain, "params": {**job.params, **run.sets}})
 
 
+def job_of_run(job_file: Path, label: str) -> Job:
+    """The job of run `label` of the job's queue (`kchain pull --run r2`); SpecError naming the runs there are."""
+    path = queue_path(job_file)
+    queue = read(path)
+    if queue is None:
+        raise SpecError(f"{job_file}: --run {label}: this job has no queue ({path}); `kchain queue {job_file}` runs one")
+    found = [r for r in queue.runs if r.label == label]
+    if not found:
+        raise SpecError(f"{path}: --run {label}: the queue's runs are {', '.join(r.label for r in queue.runs)}")
+    return run_job(found[0])
+
+
+def for_run(text: str, run: QueuedRun) -> str:
+    """A line that names `kchain pull JOB` names the run's own pull (`kchain pull JOB --run r2`)."""
+    return text.replace(f"kchain pull {run.job_file} ", f"kchain pull {run.job_file} --run {run.label} ")
+
+
 def unsmoked(queue: Queue) -> list[tuple[QueuedRun, Job]]:
     """The waiting runs whose code with their params never passed a smoke run (each is its own kernel)."""
     out = []
@@ -293,7 +310,7 @@ def _advance(queue: Queue, loop: Loop, run: QueuedRun, ledger: Ledger) -> None:
         run.said = f"its next session waits for a slot: {exc}"
         return
     if verdict.action == "finished":
-        _end(queue, loop, run, RunState.FINISHED, verdict.message)
+        _end(queue, loop, run, RunState.FINISHED, for_run(verdict.message, run))
     elif verdict.action == "pushed":
         _say(queue, loop, f"{run.label} ({run.chain}) in slot {run.slot}: {verdict.message}")
         session = verdict.record["session"] if verdict.record else None

@@ -133,11 +133,12 @@ class Pulled:
 
 
 def begin(job_file: Path, out: Path | None, label: str, force: bool, client: KaggleClient | None,
-          echo: Echo) -> tuple[Job, Path, KaggleClient, str, int, Path]:
+          echo: Echo, job: Job | None = None) -> tuple[Job, Path, KaggleClient, str, int, Path]:
     """A pull's start: the job, the folder to write (default <name>-<label> beside the job file, refused
     when it holds something unless --force, before any download), the client, the state dataset and its
-    newest version, and the scratch folder the pull is written in."""
-    job = load_job(job_file)
+    newest version, and the scratch folder the pull is written in. job: the job as its chain ran it, when it is
+    not job_file's as written (a queued run's, chain/queue.py)."""
+    job = job or load_job(job_file)
     out = _out_for(job, out, label, force)
     client = client or KaggleClient()
     ref, version = _newest_state(job_file, job, client, echo)
@@ -260,14 +261,15 @@ def _mark(folder: Path, state: str) -> None:
 
 
 def pull(job_file: Path, want: Want, out: Path | None = None, force: bool = False, echo: Echo = print,
-         client: KaggleClient | None = None, source: Path | None = None, verb: str = "pull") -> Pulled:
+         client: KaggleClient | None = None, source: Path | None = None, verb: str = "pull",
+         job: Job | None = None) -> Pulled:
     """Fetch the wanted checkpoint from the newest state version, verify it, write the plain folder; a
     target's from its state folder instead (`source`, --from; a Slurm job's state_dir by default). verb: the
-    kchain command the messages of a state folder name again (release pulls too)."""
-    folder = state_folder(job_file, load_job(job_file), source, want, verb)
+    kchain command the messages of a state folder name again (release pulls too); job: a queued run's (begin)."""
+    folder = state_folder(job_file, job or load_job(job_file), source, want, verb)
     if folder is not None:
         return pull_folder(job_file, folder, want, out, force, given=source is not None, verb=verb)
-    job, out, client, ref, version, work = begin(job_file, out, want.label(), force, client, echo)
+    job, out, client, ref, version, work = begin(job_file, out, want.label(), force, client, echo, job)
     where = f"{ref} version {version}"
     try:
         said = chain_result(client, job)
@@ -487,10 +489,10 @@ def pull_logs(job_file: Path, out: Path | None = None, force: bool = False, echo
 
 
 def pull_for(job_file: Path, want: Want, out: Path | None, force: bool, echo: Echo,
-             source: Path | None = None) -> list[str]:
-    """`kchain pull`'s lines: what was fetched, where it went, and any note."""
+             source: Path | None = None, job: Job | None = None) -> list[str]:
+    """`kchain pull`'s lines: what was fetched, where it went, and any note (job: a queued run's)."""
     client = KaggleClient(progress=True)  # a checkpoint can be gigabytes: kchain says how far the download is
-    return pull(job_file, want, out, force, echo, client, source).lines()
+    return pull(job_file, want, out, force, echo, client, source, job=job).lines()
 
 
 def _summary(client: KaggleClient, ref: str, version: int, raw: Path, marker: dict) -> summary.Summary | None:

@@ -93,6 +93,14 @@ def test_three_runs_on_two_slots_a_crash_stops_its_run_alone(tmp_path, emulator,
     assert len(rows) == 3 and rows[1].endswith("seed 1 -> 2") and rows[2].endswith("seed 2 -> 3")
     assert "failed: ValueError: boom in the seed 2 run" in week_log.output
 
+    assert f"`kchain pull {path} --run r1 --final`" in r1["said"]  # the run's own pull, as its line names it
+    pulled = invoke("pull", path, "--run", "r1", "--final", "-o", tmp_path / "r1-final")
+    assert pulled.exit_code == 0, pulled.output
+    assert (tmp_path / "r1-final" / "model.safetensors").is_file()
+    assert json.loads((tmp_path / "r1-final" / "metrics.json").read_text())["step"] == 12
+    wrong = invoke("pull", path, "--run", "r9")
+    assert wrong.exit_code != 0 and error_line(wrong).endswith("--run r9: the queue's runs are r1, r2, r3")
+
     again = invoke("queue", path, "--seeds", "1,2,3", "--steps", "12", "--skip-smoke")  # a queue that is done
     assert again.exit_code == 0 and "queue: 3 run(s) kept in" in again.output  # a new one: every chain has ended
     assert len([s for s in emulator.sessions() if s["kernel"].startswith("alice/q-main-")]) == 5, again.output

@@ -509,8 +509,6 @@ def plan(jobs: tuple[Path, ...], sets: list[tuple[str, Any]], seeds: list[int], 
               help="Kaggle's seconds per step over this laptop's smoke (default: measured by a chain, else 1).")
 @click.option("--use-slack", is_flag=True, help="Let the runs spend the slack (budget.slack) the plan holds back.")
 @click.option("--skip-smoke", is_flag=True, help="Push runs whose code and params never passed a smoke run.")
-@click.option("--unattended", is_flag=True,
-              help="Each run's sessions push the next themselves (as `push --unattended`); the queue starts the runs.")
 @click.option("--poll", type=Seconds(1.0, 3600.0), default=30.0, show_default=True, help="Seconds between looks.")
 @click.option("--notify", "notify_command", metavar="CMD",
               help="Run CMD in the shell at each event (session_ended, finished and needs_person of a run, with "
@@ -522,9 +520,9 @@ def plan(jobs: tuple[Path, ...], sets: list[tuple[str, Any]], seeds: list[int], 
 @click.option("--sessions", "spans", type=click.IntRange(min=1, max=20), default=2, show_default=True,
               help="With --rehearse: each run's total in this many sessions (planned in steps).")
 def queue(jobs: tuple[Path, ...], sets: list[tuple[str, Any]], seeds: list[int], steps: int | None,
-          factor: float | None, use_slack: bool, skip_smoke: bool, unattended: bool, poll: float,
+          factor: float | None, use_slack: bool, skip_smoke: bool, poll: float,
           notify_command: str | None, rehearse: bool, crash: str | None, spans: int) -> None:
-    """Run the week's plan unattended: each run its own chain, on Kaggle's two GPU slots.
+    """Run the week's plan without a person: each run its own chain, on Kaggle's two GPU slots.
 
     The plan is `kchain plan`'s (refused before any push when the week cannot hold it). Runs start in
     order in the free slots while their planned hours fit beside the slack; a session that ends is
@@ -553,8 +551,8 @@ def queue(jobs: tuple[Path, ...], sets: list[tuple[str, Any]], seeds: list[int],
         from kchain.errors import KchainError
         from kchain.local.rehearse import rehearse_queue
 
-        if unattended or notify_command:
-            raise click.UsageError("--unattended and --notify are for the real queue; leave them out with --rehearse")
+        if notify_command:
+            raise click.UsageError("--notify is for the real queue; leave it out with --rehearse")
         result = rehearse_queue(job_files, sets, seeds, steps, factor, use_slack, crash, spans, click.echo,
                                 min(poll, 0.5))
         if not result.passed:
@@ -574,7 +572,7 @@ def queue(jobs: tuple[Path, ...], sets: list[tuple[str, Any]], seeds: list[int],
     def notify_for(chain: str) -> Notify:
         return notifier(notify_command, chain, click.echo) if notify_command else nobody
 
-    loop = queued.Loop(path, KaggleClient(progress=True), click.echo, notify_for, skip_smoke, unattended, poll)
+    loop = queued.Loop(path, KaggleClient(progress=True), click.echo, notify_for, skip_smoke, poll)
     queued.run(held, loop)
 
 

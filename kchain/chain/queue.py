@@ -1,4 +1,4 @@
-"""`kchain queue`: the week's plan run unattended, each run its own chain, on Kaggle's two GPU slots.
+"""`kchain queue`: the week's plan run without a person, each run its own chain, on Kaggle's two GPU slots.
 
 The plan is `kchain plan`'s (chain/plan.py: refused before anything is pushed when the week cannot hold it).
 The queue keeps it in `queue.json` beside the first job (QUEUE_FILE, written atomically after every change),
@@ -245,7 +245,6 @@ class Loop:
     echo: Echo = print
     notify_for: Callable[[str], Notify] = lambda _chain: nobody  # the run's chain -> its notifier
     skip_smoke: bool = False
-    unattended: bool = False
     poll_s: float = 30.0
     max_failures: int = 8
     job_of: Callable[[QueuedRun], Job] = run_job  # the job a run pushes (a rehearsal's: its short sessions)
@@ -325,8 +324,7 @@ def _start(queue: Queue, loop: Loop, run: QueuedRun, slot: int, ledger: Ledger) 
     job = loop.job_of(run)
     if not [s for s in ledger.sessions(run.chain) if s.get("version")]:
         try:
-            push_job(job, ledger, loop.client, skip_smoke=loop.skip_smoke, echo=lambda s: loop.echo(f"  {run.label}: {s}"),
-                     unattended=loop.unattended)
+            push_job(job, ledger, loop.client, skip_smoke=loop.skip_smoke, echo=lambda s: loop.echo(f"  {run.label}: {s}"))
         except SessionCapReached as exc:
             run.said = f"waits for a slot: {exc}"
             return False

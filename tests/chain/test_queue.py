@@ -72,3 +72,21 @@ def test_a_damaged_queue_file_is_refused_with_its_path(tmp_path):
     path.write_text('{"format": "kchain-queue/1", "runs": [{"label": "r1"}]}')
     with pytest.raises(SpecError, match=f"{path}: not a queue `kchain queue` wrote"):
         queued.read(path)
+
+
+def test_a_next_session_past_the_held_hours_is_refused_even_with_force(tmp_path):
+    from helpers import copy_job
+
+    from kchain.chain.budget import Held, Plan, check_budget
+    from kchain.errors import BudgetExceeded
+    from kchain.job.spec import load_job
+
+    job = load_job(copy_job("classifier", tmp_path, kaggle={"accelerator": "gpu"}))
+    plan = Plan("GPU T4 x2", session_limit_h=2.0, expected_gpu_h=2.0, used_h=1.0, weekly_h=6.0)  # 5 left
+    held = Held(3.5, "the queue's slack and its other runs' planned hours", "stop here")
+    with pytest.raises(BudgetExceeded) as refused:
+        check_budget(job, plan, True, job.path, held)
+    assert str(refused.value).endswith("5.00 are left this week (budget.weekly_gpu_hours 6) and 3.50 of them are "
+                                       "held back (the queue's slack and its other runs' planned hours); stop here")
+    check_budget(job, plan, False, job.path, Held(3.0, "-", "-"))  # 2 fit beside 3 of 5
+    check_budget(job, plan, False, job.path, None)

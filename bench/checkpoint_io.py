@@ -98,9 +98,9 @@ class Bench:
                             / layout.checkpoint_name(1) / layout.STATE_FILE)
         self.size = self.anchor_file.stat().st_size
         self.search_roots = self._inputs(attached)
-        live = [*self.model.state_dict().values(),
-                *(t for s in self.opt.state_dict()["state"].values() for t in s.values() if torch.is_tensor(t))]
-        self.floor_pairs = [(t.clone(), t) for t in live]
+        tensors = [*self.model.state_dict().values(),
+                   *(t for s in self.opt.state_dict()["state"].values() for t in s.values() if torch.is_tensor(t))]
+        self.floor_pairs = [(t.clone(), t) for t in tensors]
 
     def _inputs(self, attached: int) -> dict[str, Path]:
         """Two input roots holding the state dataset; one also holds `attached` files of someone's data."""

@@ -204,8 +204,8 @@ def main() -> None:
     # than the effect measured.
     torch.set_num_threads(1)
     print(f"machine: {os.cpu_count()} CPU cores, torch {torch.__version__}, {torch.get_num_threads()} threads")
-    with tempfile.TemporaryDirectory() as tmp:
-        tmp = Path(tmp)
+    with tempfile.TemporaryDirectory() as tmp_dir:
+        tmp = Path(tmp_dir)
         for name in MODELS:
             d, layers, heads, block, steps = MODELS[name]
             n_params = sum(p.numel() for p in build(name)[0].parameters())

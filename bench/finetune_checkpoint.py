@@ -40,6 +40,7 @@ import tempfile
 import time
 import warnings
 from pathlib import Path
+from typing import Any
 
 os.environ["HF_HUB_OFFLINE"] = "1"  # nothing is downloaded: the base is built from its config
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
@@ -61,7 +62,7 @@ from kchain.runtime.run import Run  # noqa: E402
 warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
 
 JOB = "bench-finetune"
-LORA = {"r": 8, "lora_alpha": 16, "lora_dropout": 0.0, "target_modules": ["query", "value"]}
+LORA: dict[str, Any] = {"r": 8, "lora_alpha": 16, "lora_dropout": 0.0, "target_modules": ["query", "value"]}
 BATCH, TOKENS = 4, 32  # the one training step's batch: enough to give every adapter a gradient
 ADAPTER_FILE = "adapter_model.safetensors"  # what peft's save_pretrained writes (safetensors by default)
 

@@ -49,7 +49,7 @@ def main() -> int:
     from hypothesis import HealthCheck, given, seed, settings
     from spec_strategies import CORPUS, corpus, job_files, problem, render_bytes
 
-    exits: collections.Counter[int] = collections.Counter()
+    exits: collections.Counter[int | str] = collections.Counter()  # exit codes, and "hang"
     broken: list[tuple[str, bytes]] = []
     hangs: list[bytes] = []
     slowest = (0.0, b"")

@@ -310,7 +310,7 @@ def check_snapshot(cuda: bool) -> None:
         return {"tracked": {"model": model, "optimizer": {"state": moments}}}
 
     def flat(s):
-        out = []
+        out: list = []
         for v in s.values():
             out.extend(flat(v) if isinstance(v, dict) else [v])
         return out

@@ -36,17 +36,19 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 from helpers import copy_job  # noqa: E402
 
 from kchain.common import layout  # noqa: E402
+from kchain.common.sessionrecord import SessionRecord  # noqa: E402
 from kchain.local.rehearse import Rehearsal, rehearse  # noqa: E402
 from kchain.result.traces import read_trace  # noqa: E402
 
 PARTS = ("end->push", "queue", "boot", "start->step")
 
 
-def session_rows(record: dict[str, Any]) -> list[dict[str, Any]]:
+def session_rows(record: SessionRecord) -> list[dict[str, Any]]:
     """The trace rows a session trained itself (past the step it resumed at), from its output."""
-    if not record.get("output"):
+    output = record.get("output")
+    if not output:
         return []
-    rows = read_trace(Path(record["output"]) / layout.KCHAIN_DIR / layout.METRICS)
+    rows = read_trace(Path(output) / layout.KCHAIN_DIR / layout.METRICS)
     return [r for r in rows if r["step"] > (record.get("resumes_at") or 0) and "time" in r]
 
 

@@ -23,6 +23,7 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -92,7 +93,7 @@ def hit_measures(root: Path, mib: int) -> dict:
 
     def hit(name):
         def go():
-            obj = run.stage(name.split()[0], {"kind": name}, None)  # None: a miss would raise
+            obj = run.stage(name.split()[0], {"kind": name}, cast(Any, None))  # None: a miss would raise
             first_batch(array_of(obj))
         return go
 
@@ -113,7 +114,7 @@ def startup_measures(base: Path, files: int) -> dict:
         seed = make_run(base / "seed")  # builds the entry once, then it is "attached" as a dataset
         with contextlib.redirect_stdout(io.StringIO()):
             seed.stage("vocab", {"v": 1}, lambda p: {"ids": torch.arange(1000), "words": ["a", "b"]})
-        for entry in seed.cache_dir.iterdir():
+        for entry in seed._paths.cache.iterdir():
             shutil.copy(entry, own / entry.name)
         shutil.rmtree(base / "seed")
         corpus = root / layout.INPUT_DIR / "datasets" / "someone" / "corpus"  # a flat image dataset

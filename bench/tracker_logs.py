@@ -37,6 +37,7 @@ def session(root: Path, found, steps: range, scalars: int) -> tuple[Path, tuple[
     staged = log.stage()
     took = (time.perf_counter() - t0, time.process_time() - c0)
     log.close()
+    assert staged is not None  # scalars were written: a save copies them
     return staged, took
 
 

@@ -22,6 +22,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
@@ -37,7 +38,7 @@ def from_logs(home: Path) -> dict[str, int]:
             "published_none": text.count("[kchain] published: none")}
 
 
-def one(seed: int, steps: int, work: Path) -> dict[str, object]:
+def one(seed: int, steps: int, work: Path) -> dict[str, Any]:
     from helpers import copy_job
 
     job = copy_job("tinygpt", work / f"seed-{seed}",

@@ -8,11 +8,20 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from typing import TypedDict
 
 import click
 from click.testing import CliRunner
 
 from kchain.cli import cli
+
+
+class Help(TypedDict):
+    """One command's answer to its help option."""
+
+    exit_code: int
+    output: str
+    error: str | None  # the exception it raised (not SystemExit), as "Type: message"
 
 
 def command_paths(command: click.Command = cli, path: tuple[str, ...] = ()) -> Iterator[tuple[str, ...]]:
@@ -23,10 +32,10 @@ def command_paths(command: click.Command = cli, path: tuple[str, ...] = ()) -> I
             yield from command_paths(command.commands[name], (*path, name))
 
 
-def helps(option: str = "--help") -> dict[str, dict[str, object]]:
+def helps(option: str = "--help") -> dict[str, Help]:
     """{'kchain emulator serve': {'exit_code': 0, 'output': ..., 'error': None}, ...} for every command."""
     runner = CliRunner()
-    answers = {}
+    answers: dict[str, Help] = {}
     for path in command_paths():
         result = runner.invoke(cli, [*path, option], prog_name="kchain")
         answers[" ".join(("kchain", *path))] = {

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import yaml
 from click.testing import CliRunner
@@ -20,6 +20,14 @@ JOBS = REPO / "jobs"
 STALL = "stall_step=0.05"
 # A session's limit where the deadline fault ends every session long before it, however loaded the machine.
 GENEROUS_S = 600
+
+T = TypeVar("T")
+
+
+def known(value: T | None) -> T:
+    """`value`, which the test expects to be there (not None): a check that also tells mypy so."""
+    assert value is not None
+    return value
 
 
 def copy_job(name: str, dest: Path, **overrides) -> Path:

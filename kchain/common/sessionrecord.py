@@ -81,7 +81,7 @@ class SessionRecord(TypedDict, total=False):
     failure_message: str | None  # Kaggle's failure message for the session
     output_error: str  # why its output could not be fetched (chain.fetch_or_stop retries)
     # Written by sessions.fetch_output once it ended:
-    output: str  # the folder its output was downloaded to
+    output: str | None  # the folder its output was downloaded to (None: lost, or a kernel deciding about itself)
     output_files: int  # how many files that output has
     summary: dict[str, Any] | None  # its summary.json (Summary.to_dict()); read it with summary_of
     saved_step: int | None  # the step of the newest complete checkpoint in that output

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 from emulator_helpers import USER, emulator, fake_key, kaggle_api, wait_dataset_ready, write_dataset  # noqa: F401
-from helpers import copy_job, error_line, invoke
+from helpers import copy_job, error_line, invoke, known
 
 from kchain.chain.doctor import PROBE_FORMAT, parse_probe
 from kchain.common import layout
@@ -63,7 +63,7 @@ def test_doctor_all_ok_probes_a_cpu_session_and_writes_no_credential(emulator, k
     # The state dataset as a chain leaves it: a real checkpoint written by the runtime, flat.
     ckpt = write_checkpoint({"w": torch.zeros(2)}, CheckpointJob(tmp_path / "ckpts", 12, tmp_path / "none", 0,
                                                                  {"job": NAME, "session": 1}, keep=1))
-    files = {p.name: p.read_bytes() for p in ckpt.iterdir()}
+    files: dict[str, bytes | str] = {p.name: p.read_bytes() for p in ckpt.iterdir()}
     files[layout.STATE_MARKER] = json.dumps({"dataset": STATE, "session": 1, "step": 12})  # kchain's own state
     kaggle_api.dataset_create_new(str(write_dataset(tmp_path / "state", STATE, files)), quiet=True)
     for ref in (DATA, STATE):  # a new dataset is hidden a while, as on Kaggle; the user's are older
@@ -198,7 +198,7 @@ def test_doctor_warns_for_another_torch_and_numpy_and_says_relay_without_secrets
     from importlib.metadata import version
 
     from kchain.job.extras import extra
-    hf_floor = extra("transformers").specifier
+    hf_floor = known(extra("transformers")).specifier
     assert lines(result, "packages") == [
         "warn  packages     the image has kchain-absent-pkg 1.2.3, this laptop none: the smoke cannot run the code "
         "that imports kchain_absent_pkg; pip install kchain-absent-pkg",
@@ -306,7 +306,7 @@ def test_probe_output_is_parsed_strictly(tmp_path, monkeypatch):
     assert parse_probe(json.dumps(report)) == report
     with pytest.raises(ProbeFormatError, match="packages is not a map"):
         parse_probe(json.dumps({**report, "packages": {"x": {"version": 3}}}))
-    bad = {"format": "kchain-probe/2"}, {"disk_free_working": True}, {"surprise": 1}
+    bad: tuple[dict[str, object], ...] = {"format": "kchain-probe/2"}, {"disk_free_working": True}, {"surprise": 1}
     messages = ("has format 'kchain-probe/2', this kchain reads kchain-probe/1", "'disk_free_working' is a bool",
                 "has unknown keys ['surprise']")
     for change, message in zip(bad, messages, strict=True):
@@ -359,8 +359,8 @@ def test_each_package_the_code_imports_is_compared_with_the_image_and_a_missing_
             "code/broken.py": b"def (:\n"}
     assert imported(code) == ["lightning", "numpy", "peft", "sklearn", "torch"]  # not its own, stdlib's or text's
     assert (distribution("pytorch_lightning"), distribution("Some_Thing")) == ("pytorch-lightning", "some-thing")
-    assert (extra("pytorch-lightning").name, extra("PEFT").name, extra("accelerate").name) == ("lightning", "hf",
-                                                                                                "accelerate")
+    assert (known(extra("pytorch-lightning")).name, known(extra("PEFT")).name,
+            known(extra("accelerate")).name) == ("lightning", "hf", "accelerate")
     assert install_hint("transformers") == "pip install 'kchain[hf]'" and extra("torch") is None
     report = Report(NAME, Path("job.yaml"))
     compare_packages({"peft": {"version": None}}, {"peft": {"distribution": "peft", "version": "0.21.0"}},

@@ -17,6 +17,7 @@ from emulator_helpers import emulator  # noqa: F401
 from helpers import copy_job, error_line, invoke
 
 from kchain.chain.plan import variants
+from kchain.common.sessionstate import SessionState
 from kchain.common.summary import Summary
 from kchain.job.render import render_job
 from kchain.job.spec import load_job
@@ -99,7 +100,7 @@ def test_json_is_the_plan_file_and_the_pace_of_an_earlier_session_wins(emulator,
     # A session of the chain measured 50 steps/s on Kaggle: 0.02 s a step, whatever the smoke said.
     ended = now_utc()
     ledger().save_session("blobs-classifier", {
-        "session": 1, "status": "COMPLETE", "gpu": True, "started": iso(ended), "ended": iso(ended),
+        "session": 1, "status": SessionState.COMPLETE, "gpu": True, "started": iso(ended), "ended": iso(ended),
         "summary": Summary(status="finished", step=40, total=40, steps_per_s=50.0).to_dict()})
     result = invoke("plan", job, "--seeds", "1,2", "--steps", "90000", "--json")
     assert result.exit_code == 0, result.output

@@ -17,6 +17,7 @@ import psutil
 from emulator_helpers import PATIENCE_S, USER, emulator, fake_key  # noqa: F401
 from helpers import copy_job, error_line, invoke
 
+from kchain.common.sessionstate import SessionState
 from kchain.store.ledger import Ledger
 
 NAME = "blobs-classifier"
@@ -102,6 +103,7 @@ def test_push_runs_a_smoked_session_to_complete_and_writes_no_credential(emulato
     assert logs.output.splitlines()[-1] == "[kchain] session 1 is COMPLETE"
 
     record = ledger().sessions(NAME)[0]
+    assert record["summary"] is not None and record["output"] is not None
     assert record["status"] == "COMPLETE" and record["summary"]["status"] == "finished"
     output = Path(record["output"])
     assert (output / "kchain" / "summary.json").is_file() and (output / "log.json").is_file()
@@ -275,7 +277,7 @@ def test_every_push_asks_for_the_jobs_session_limit(emulator, tmp_path):
 def test_status_shows_a_push_whose_outcome_is_unknown(emulator, tmp_path):
     job = small_job(tmp_path)
     # What a push leaves when its answer was lost and Kaggle could not be asked about the kernel.
-    ledger().save_session(NAME, {"session": 1, "status": "PUSHING", "kernel": REF, "version": None,
+    ledger().save_session(NAME, {"session": 1, "status": SessionState.PUSHING, "kernel": REF, "version": None,
                                  "version_before": None, "requested": "2026-01-01T00:00:00Z"})
     result = invoke("status", job)
     assert result.exit_code == 0, result.output

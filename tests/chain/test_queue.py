@@ -1,6 +1,6 @@
 """The queue's arithmetic (kchain/chain/queue.py): which slots are free, what a push must leave of the week,
 and a run that cannot fit beside the slack: it waits while another run may give hours back, and is skipped
-once none can. The queue against the local Kaggle is tests/scenarios/test_queue.py."""
+once none can. The queue against the local Kaggle is tests/scenarios/test_queued_week.py."""
 
 from __future__ import annotations
 

@@ -283,9 +283,10 @@ def test_a_damaged_run_log_is_refused_or_padded_and_never_loses_a_row(tmp_path):
     assert result.exit_code == 0 and "smoke-1" in result.output
     Ledger(runs.parent).append_run(run_id="smoke-2", channel="smoke", job="tinygpt-notes")
     assert [r["run_id"] for r in Ledger(runs.parent).runs()] == ["smoke-1", "smoke-2"]
-    for damaged, why in [(header + "a,b,c,d,e,f,g,h,i,j,k\n", "row 2 has 11 fields, the header 9"),
-                         ("who,what\nx,y\n", "the header is not run_id,date,"),
-                         (header.encode() + b"\xe9t\xe9\n", "not UTF-8 text")]:
+    cases: list[tuple[str | bytes, str]] = [(header + "a,b,c,d,e,f,g,h,i,j,k\n", "row 2 has 11 fields, the header 9"),
+                                            ("who,what\nx,y\n", "the header is not run_id,date,"),
+                                            (header.encode() + b"\xe9t\xe9\n", "not UTF-8 text")]
+    for damaged, why in cases:
         data = damaged if isinstance(damaged, bytes) else damaged.encode()
         runs.write_bytes(data)
         result = invoke("runs", job)

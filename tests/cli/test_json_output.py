@@ -65,12 +65,14 @@ def test_status_says_an_unattended_chain_waits_for_the_laptop_and_the_kernels_re
     name, ledger = a_week_of_sessions()
     why = "the kernel could not publish: 21s left before the session limit, and publishing 194 kB needs about 95s"
     record = ledger.sessions(name)[1]
-    record.update(status="COMPLETE", error=None, summary={"status": "deadline", "step": 120, "total": 300, "next": {
-        "decision": "left to the laptop", "pushed": False, "why": why}})
+    record.update({"status": SessionState.COMPLETE, "error": None, "summary": {
+        "status": "deadline", "step": 120, "total": 300, "next": {"decision": "left to the laptop", "pushed": False,
+                                                                  "why": why}}})
     ledger.save_session(name, record)
     lines = invoke("status", JOB).output.splitlines()
     assert lines[-1] == (f"nothing is running; the chain waits for `kchain continue {JOB}`: session 2's kernel did "
                          f"not push the next session: {why}")
+    assert record["summary"] is not None
     record["summary"]["status"] = "finished"
     ledger.save_session(name, record)
     assert document("status", JOB)["waiting"] == {"for": "nothing",

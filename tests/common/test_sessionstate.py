@@ -12,6 +12,7 @@ import pytest
 from helpers import REPO
 
 from kchain.common import sessionstate
+from kchain.common.sessionrecord import SessionRecord
 from kchain.common.sessionstate import (
     KAGGLE,
     LIVE,
@@ -91,7 +92,7 @@ def test_a_stop_ends_every_live_session_and_the_kernel_records_itself_complete()
 
 def test_a_status_is_written_and_read_back_as_the_same_string(tmp_path):
     ledger = Ledger(tmp_path)
-    ledger.save_session("job", sessionstate.pushed({"session": 1, "version": 3}))
+    ledger.save_session("job", sessionstate.pushed(SessionRecord(session=1, version=3)))
     assert json.loads((tmp_path / SESSIONS_FILE).read_text()) == {"job": [{"session": 1, "version": 3,
                                                                             "status": "QUEUED"}]}
     # A ledger an older kchain wrote: the same strings, read back as the enum.

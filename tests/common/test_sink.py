@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from helpers import known
 from helpers import loss_trace as trace
 
 from kchain.common import layout, sink
@@ -115,7 +116,7 @@ def test_a_sigkill_at_every_point_of_a_publish_then_a_fresh_machine_resumes_bit_
         run = in_process(machine, bucket)
         assert (run.resumed_from, run.status) == (resumes, "finished"), point
         assert trace(machine) == ref, point
-        assert sink.read_pointer(bucket)["step"] == TOTAL
+        assert known(sink.read_pointer(bucket))["step"] == TOTAL
     # The same machine again after `after_local` (a requeue on the node that saved step 4): it resumes from
     # its own step 4, newer than the bucket's pointer, and publishes it first.
     bucket, again = tmp_path / "bucket-again", tmp_path / "machine-again"
@@ -176,23 +177,23 @@ def test_a_sink_that_falls_behind_publishes_the_newest_and_skips_the_queued_one(
     assert slow.replaced and slow.published[-1] == names[-1]
     assert sorted(slow.published + slow.replaced) == names
     assert sorted(d.name for d in bucket.glob("step-*")) == sorted(slow.published)
-    assert sink.read_pointer(bucket)["checkpoint"] == names[-1]
+    assert known(sink.read_pointer(bucket))["checkpoint"] == names[-1]
     # A corrupted local copy is never published: the pointer stays where it was.
     bad = fake_checkpoint(tmp_path / "local", 4)
     (bad / layout.STATE_FILE).write_bytes(os.urandom(4096))
     slow.publish(bad)
     slow.flush()
-    assert sink.read_pointer(bucket)["checkpoint"] == names[-1] and not (bucket / bad.name).exists()
+    assert known(sink.read_pointer(bucket))["checkpoint"] == names[-1] and not (bucket / bad.name).exists()
 
 
 def test_the_guard_never_starts_fresh_on_a_missing_mount_an_emptied_requeue_or_a_deleted_pointer(tmp_path):
     bucket = tmp_path / "bucket"
     # A sink folder whose mount is missing (a bucket not mounted, a wrong path): lost, not a first run.
-    assert "does not exist" in sink.behind_pointer(tmp_path / "unmounted" / "job", None, [])
+    assert "does not exist" in known(sink.behind_pointer(tmp_path / "unmounted" / "job", None, []))
     bucket.mkdir()
     assert sink.behind_pointer(bucket / "job", None, []) is None  # a first run: nothing published yet
     # A requeued run (SLURM_RESTART_COUNT > 0) on an empty sink: its state was lost; KCHAIN_START_OVER=1 is the way.
-    assert "KCHAIN_START_OVER=1" in sink.behind_pointer(bucket / "job", None, [], requeued=True)
+    assert "KCHAIN_START_OVER=1" in known(sink.behind_pointer(bucket / "job", None, [], requeued=True))
     settings_of = RuntimeConfig.from_dict(config())
     assert Settings.parse(settings_of, {"SLURM_RESTART_COUNT": "2"}).requeued
     assert not Settings.parse(settings_of, {"SLURM_RESTART_COUNT": "2", "KCHAIN_START_OVER": "1"}).requeued
@@ -204,6 +205,6 @@ def test_the_guard_never_starts_fresh_on_a_missing_mount_an_emptied_requeue_or_a
         publisher.flush()
     (bucket / "job" / sink.POINTER).unlink()
     shutil.rmtree(bucket / "job" / layout.checkpoint_name(2))
-    assert sink.read_pointer(bucket / "job")["step"] == 2
-    assert "no checkpoint at or after it verifies" in sink.behind_pointer(bucket / "job", 1, [])
+    assert known(sink.read_pointer(bucket / "job"))["step"] == 2
+    assert "no checkpoint at or after it verifies" in known(sink.behind_pointer(bucket / "job", 1, []))
     assert sink.behind_pointer(bucket / "job", 2, []) is None

@@ -68,6 +68,7 @@ def test_a_late_mount_is_waited_for_and_a_missing_one_is_pushed_again(tmp_path, 
     ended_as = [(r.get("summary") or {}).get("status") for r in chain]
     assert ended_as == ["deadline", "state_not_mounted", "finished"], ended_as
     # Session 2 trained nothing and said why in one line; session 3 was pushed for the same state.
+    assert chain[0]["summary"] is not None and chain[1]["summary"] is not None
     assert chain[1]["summary"]["step"] == chain[0]["summary"]["step"] == 10
     assert chain[2]["resumes_at"] == chain[1]["resumes_at"] == 10
     assert "[kchain] state-not-mounted: state version" in log_of(2) and "(kaggle.mount_wait)" in log_of(2)
@@ -75,6 +76,7 @@ def test_a_late_mount_is_waited_for_and_a_missing_one_is_pushed_again(tmp_path, 
     # Session 3 waited for the mount, then resumed exactly where session 1 stopped.
     assert "[kchain] state version" in log_of(3) and "mounted after" in log_of(3)
     assert emulator.session(REF, 3)["resumed_from"] == 10
+    assert chain[2]["summary"] is not None
     assert chain[2]["summary"]["step"] == 20
 
 
@@ -105,7 +107,9 @@ def test_a_mounted_version_without_its_pointer_resumes_by_its_manifest_and_a_dam
 
     # Session 2's state version loses its pointer: the session reads the step from the checkpoint's manifest.
     assert invoke("continue", path, "--skip-smoke").exit_code == 0
-    _mounted_from(emulator, ledger.sessions(NAME)[1]["state_version"], 2,
+    second_state = ledger.sessions(NAME)[1]["state_version"]
+    assert second_state is not None
+    _mounted_from(emulator, second_state, 2,
                   lambda files: (files / layout.STATE_MARKER).unlink())
     emulator.wait_session(REF, 2)
     assert f"[kchain] state version {ledger.sessions(NAME)[1]['state_version']} has no {layout.STATE_MARKER}: " \
@@ -114,7 +118,9 @@ def test_a_mounted_version_without_its_pointer_resumes_by_its_manifest_and_a_dam
 
     # Session 3's loses its pointer and its checkpoint is cut short: refused at once, the fix said, not waited on.
     assert invoke("continue", path, "--skip-smoke").exit_code == 0
-    _mounted_from(emulator, ledger.sessions(NAME)[2]["state_version"], 3, lambda files: (
+    third_state = ledger.sessions(NAME)[2]["state_version"]
+    assert third_state is not None
+    _mounted_from(emulator, third_state, 3, lambda files: (
         (files / layout.STATE_MARKER).unlink(), (files / layout.STATE_FILE).write_bytes(b"cut")))
     third = emulator.wait_session(REF, 3)
     assert emulator.session(REF, 2)["summary"]["step"] == 20

@@ -45,6 +45,7 @@ def test_no_function_is_longer_than_60_lines():
     for path in sorted([*ROOT.glob("kchain/**/*.py"), *ROOT.glob("kernel_templates/*.py")]):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                assert node.end_lineno is not None  # ast.parse sets it on every node
                 lines = node.end_lineno - node.lineno + 1
                 if lines > MAX_FUNCTION_LINES:
                     long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name} ({lines} lines)")

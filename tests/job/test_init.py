@@ -58,7 +58,9 @@ def test_the_skeletons_comments_state_the_limits_spec_enforces(tmp_path, templat
         return True
 
     assert loads()  # the name made from the long folder name is one spec accepts
-    low, high = map(int, re.search(r"slug: (\d+)-(\d+) lowercase", name_line).groups())
+    slug = re.search(r"slug: (\d+)-(\d+) lowercase", name_line)
+    assert slug is not None
+    low, high = map(int, slug.groups())
     assert [loads(name="a" * n) for n in (low - 1, low, high, high + 1)] == [False, True, True, False]
     listed = accelerator_line.split("# ")[1].split(" (")[0].split(" | ")
     for value in get_args(KaggleSpec.model_fields["accelerator"].annotation):

@@ -225,6 +225,7 @@ def test_a_code_folder_runs_its_entry_notebook_and_never_sends_another(tmp_path,
                                   "travel") in rendered.left_out
 
     (src / "train.ipynb").write_bytes(notebook(f"key = '{KEY}'", "for step in run.steps(3):\n    pass"))
+    err: pytest.ExceptionInfo[Exception]  # a RenderError, then a SpecError
     with pytest.raises(RenderError) as err:
         render_job(load_job(tmp_path / "job.yaml"))  # a code cell travels: the key guard reads the module
     assert str(err.value) == (f"{tmp_path / 'job.yaml'}: code: a code cell of src/train.ipynb holds your Kaggle "

@@ -50,6 +50,13 @@ def write_key(folder: Path, user: str, key: str) -> Path:
     return path
 
 
+def credential_of(env: dict[str, str]) -> credentials.Credential:
+    """The credential credentials.find picks with this environment, where there is one."""
+    credential = credentials.find(env)
+    assert credential is not None
+    return credential
+
+
 def home() -> Path:
     return Path(os.environ["HOME"])
 
@@ -123,18 +130,18 @@ def test_a_key_only_under_xdg_while_home_kaggle_exists_is_not_a_credential(tmp_p
 def test_access_tokens_come_first_in_the_clients_order(tmp_path, monkeypatch):
     env = {"HOME": str(tmp_path), "KAGGLE_USERNAME": "u", "KAGGLE_KEY": KEY}
     (tmp_path / ".kaggle").mkdir()
-    assert credentials.find(env).source == "KAGGLE_USERNAME/KAGGLE_KEY"
+    assert credential_of(env).source == "KAGGLE_USERNAME/KAGGLE_KEY"
     (tmp_path / ".kaggle" / "access_token.txt").write_text(f"{DECOY}\n")
     assert credentials.find(env) == credentials.Credential(credentials.ACCESS_TOKEN,
                                                            str(tmp_path / ".kaggle" / "access_token.txt"),
                                                            tmp_path / ".kaggle" / "access_token.txt")
     token_file = tmp_path / "token"
     token_file.write_text("")  # KAGGLE_API_TOKEN naming an empty file: no token at all, the key is next
-    assert credentials.find({**env, "KAGGLE_API_TOKEN": str(token_file)}).kind == credentials.API_KEY
+    assert credential_of({**env, "KAGGLE_API_TOKEN": str(token_file)}).kind == credentials.API_KEY
     token_file.write_text("KGAT_" + DECOY)
-    assert credentials.find({**env, "KAGGLE_API_TOKEN": str(token_file)}).file == token_file
+    assert credential_of({**env, "KAGGLE_API_TOKEN": str(token_file)}).file == token_file
     assert "KGAT_" + DECOY in credentials.secret_strings({**env, "KAGGLE_API_TOKEN": str(token_file)})
-    assert credentials.find({**env, "KAGGLE_API_TOKEN": "KGAT_" + DECOY}).source == "KAGGLE_API_TOKEN"
+    assert credential_of({**env, "KAGGLE_API_TOKEN": "KGAT_" + DECOY}).source == "KAGGLE_API_TOKEN"
 
 
 def test_oauth_credentials_count_only_with_a_refresh_token(tmp_path):

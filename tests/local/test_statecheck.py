@@ -8,6 +8,7 @@ The jobs are tests/runtime_jobs/state_job.py, the held-out shapes the issue foun
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 from helpers import error_line, invoke, runtime_job
@@ -128,9 +129,10 @@ def test_a_checkpoint_carries_the_digest_of_every_value_it_holds(tmp_path):
 
     from kchain.runtime.checkpoint.statedigest import digest_state, largest_differences
 
-    state = {"step": 3, "tracked": {"model": {"w": torch.arange(4.0), "flag": torch.tensor(True)},
-                                    "sched": {"last_epoch": 3, "_last_lr": [0.1]}},
-             "rng": {"python": (3, tuple(range(625)), None)}, "metrics": {"loss": 1.0}, "best": None}
+    state: dict[str, Any] = {
+        "step": 3, "tracked": {"model": {"w": torch.arange(4.0), "flag": torch.tensor(True)},
+                               "sched": {"last_epoch": 3, "_last_lr": [0.1]}},
+        "rng": {"python": (3, tuple(range(625)), None)}, "metrics": {"loss": 1.0}, "best": None}
     digests = digest_state(state)
     assert set(digests) == {"step", "tracked.model.w", "tracked.model.flag", "tracked.sched.last_epoch",
                             "tracked.sched._last_lr.0", "rng.python.0", "rng.python.1", "rng.python.2"}

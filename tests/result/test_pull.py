@@ -147,6 +147,7 @@ def test_weights_safetensors_cannot_hold_fall_back_to_a_torch_state_dict_and_say
                tmp_path / "state.pt")
     written, note = write_weights(tmp_path / "state.pt", ["model", "quant"], tmp_path)
     assert written == {"model": "model.safetensors", "quant": "quant.state_dict.pt"}
+    assert note is not None
     assert note.startswith("quant: written as quant.state_dict.pt (torch.load), not safetensors, which cannot hold it")
     assert torch.equal(load_file(tmp_path / "model.safetensors")["weight"], plain["weight"])
     assert torch.equal(torch.load(tmp_path / "quant.state_dict.pt")["w"], odd)

@@ -24,6 +24,8 @@ from helpers import copy_job, invoke
 from kchain.chain.sessions import session_note
 from kchain.common import layout, nextsession
 from kchain.common.config import RuntimeConfig
+from kchain.common.sessionrecord import SessionRecord
+from kchain.common.sessionstate import SessionState
 from kchain.common.summary import Summary
 from kchain.emulator.app import PATIENCE_S
 from kchain.job import diagnose
@@ -165,10 +167,11 @@ def test_rank_0_sigkilled_alone_is_a_kill_on_two_ranks_and_the_chain_goes_on(tmp
     assert "[kchain] rank 1 crashed" not in died.stdout  # rank 1's own traceback is a consequence
     # The laptop (and the kernel) read it as a kill: the chain pushes on from the newest state.
     failure = diagnose.from_summary(Summary.from_dict(s))
-    record = {"session": 1, "status": "ERROR", "fingerprint": "f00d", "summary": s, "resumes_at": 0,
+    assert failure is not None
+    record: SessionRecord = {"session": 1, "status": SessionState.ERROR, "fingerprint": "f00d", "summary": s, "resumes_at": 0,
               "error": {"type": failure.type, "message": failure.message, "stage": failure.stage}}
     assert nextsession.crash_of(record) is None
-    chain = nextsession.Chain([record], "me/ddp", "ERROR", lambda: "f00d", lambda _fp: True)
+    chain = nextsession.Chain([record], "me/ddp", SessionState.ERROR, lambda: "f00d", lambda _fp: True)
     assert nextsession.decide(chain, "job.yaml").action == "push"
     assert session_note(record).startswith("RankKilled: rank 0 of 2 was killed by SIGKILL")
     assert "killed from outside" in failure.hint
@@ -279,8 +282,8 @@ def test_the_emulator_runs_a_two_gpu_job_as_two_ranks_and_stops_a_gpuless_sessio
 def test_status_shows_the_ranks_of_a_finished_session():
     from kchain.chain.sessions import status_table
 
-    row = {"session": 1, "version": 1, "status": "COMPLETE", "step": 6, "total": 6, "end_status": "finished",
-           "ranks": 2}
+    row: SessionRecord = {"session": 1, "version": 1, "status": SessionState.COMPLETE, "step": 6, "total": 6,
+                          "end_status": "finished", "ranks": 2}
     assert status_table([row], 0.0, 30)[1].endswith("6/6  finished, 2 ranks")
 
 

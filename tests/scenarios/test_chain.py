@@ -110,6 +110,7 @@ def test_the_kernel_publishes_its_own_state_when_it_has_internet_and_a_secret(tm
                       kills=0, seed=1, internet=True, echo=lines.append, key=key,
                       ranks=1)
     assert result.passed, result.verdict
+    assert result.work is not None
     # The credential reached the kernel through Secrets and was never written anywhere.
     for path in result.work.rglob("*"):
         if path.is_file() and not path.is_symlink():
@@ -119,6 +120,7 @@ def test_the_kernel_publishes_its_own_state_when_it_has_internet_and_a_secret(tm
     # The first heartbeat came with the plan: when to stop, and the time kept for save + publish.
     log = session_log(Ledger(result.work / "ledger"), first["kernel"].split("/")[1], 1)
     assert "[kchain] plan: stopping at " in log and "for save + publish of" in log
+    assert first["summary"] is not None
     assert first["summary"]["published"] == "kernel"
     assert first["publish"]["published"] == "kernel"
     assert first["publish"]["uploaded_bytes"] > 0
@@ -198,6 +200,7 @@ def test_a_session_whose_output_was_lost_resumes_from_the_last_good_state(tmp_pa
     published = chain[0]["publish"]["step"]
     assert published == 10
     assert chain[1]["publish"]["published"] is None
+    assert chain[1]["publish"]["steps_lost"] is not None
     assert chain[1]["publish"]["steps_lost"] > 0
     assert chain[2]["resumes_at"] == published
     assert f"session 2 left no checkpoint: resuming from step {published}" in third.output
@@ -267,6 +270,7 @@ def test_a_publish_that_cannot_fit_the_session_is_left_to_the_relay(tmp_path, em
     log = session_log(ledger, "tinygpt-notes", 1)
     assert "[kchain] plan: the publish of" in log and "more than half this session" in log
     assert "[kchain] published: none (" in log
+    assert first["summary"] is not None
     assert first["summary"]["published"] is None and first["publish"]["published"] == "relay"
     assert f"publishing step {first['summary']['step']} to {ref}-state from the laptop" in second.output
 

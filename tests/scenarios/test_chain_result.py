@@ -120,6 +120,7 @@ def test_a_chain_killed_right_after_its_final_checkpoint_is_complete_for_pull_fi
     chain = Ledger(Path(os.environ["KCHAIN_HOME"])).sessions(NAME)
     assert [s["session"] for s in chain] == [1, 2, 3]
     assert CHECKPOINT_KILL in (emulator.session(KERNEL, 2)["failure_message"] or "")
+    assert chain[2]["summary"] is not None
     assert chain[2]["resumes_at"] == 20 and chain[2]["summary"]["status"] == "finished"
     # Nothing new to publish: the version session 3 resumed from holds the final step.
     assert said.endswith(f"final weights (step 20) in {STATE} version 3: `kchain pull {path} --final`"), said

@@ -43,6 +43,12 @@ PARAMS = {"steps": 30, "eval_every": 10, "batch": 8, "accumulate": 1, "n_notes":
 TRAIN = {**ROOMY, "checkpoint_every": "10 steps", "keep": 3}  # both runs save (and keep) steps 10, 20 and 30
 
 
+def output_of(record: SessionRecord) -> Path:
+    """The folder a session's output was downloaded to (an ended session of these chains has one)."""
+    assert record["output"] is not None
+    return Path(record["output"])
+
+
 def damage(emu, version: int) -> None:
     """Truncate the checkpoint's state.pt in the emulator's storage of that state version (Kaggle's side)."""
     state = emu.store.version_files_dir(STATE, version) / layout.STATE_FILE
@@ -69,7 +75,7 @@ def test_a_damaged_state_version_is_republished_from_the_laptops_copy_and_the_ch
 
     # No verified copy of step 10 here (session 1's download moved away): refused, --retry as well, nothing sent.
     ledger = Ledger(Path(os.environ["KCHAIN_HOME"]))
-    kept = Path(ledger.sessions(NAME)[0]["output"])
+    kept = output_of(ledger.sessions(NAME)[0])
     shutil.move(kept, tmp_path / "away")
     for retry in ([], ["--retry"]):
         refused = invoke("continue", path, "--skip-smoke", *retry)
@@ -113,10 +119,10 @@ def test_a_damaged_state_version_is_republished_from_the_laptops_copy_and_the_ch
     done = emulator.wait_session("alice/tinygpt-reference", 1)
     working = emulator.session_output_dir(done["id"])
     compared = statecheck.compare(statecheck.saved([statecheck.checkpoints_of(working)]),
-                                  statecheck.saved(statecheck.checkpoints_of(Path(s["output"])) for s in chain))
+                                  statecheck.saved(statecheck.checkpoints_of(output_of(s)) for s in chain))
     assert compared.steps == (10, 20, 30) and compared.first is None and compared.whole, compared
     rows, first = compare_traces(read_trace(working / layout.KCHAIN_DIR / layout.METRICS),
-                                 read_trace(Path(chain[-1]["output"]) / layout.KCHAIN_DIR / layout.METRICS))
+                                 read_trace(output_of(chain[-1]) / layout.KCHAIN_DIR / layout.METRICS))
     assert first is None and {row[0] for row in rows} == set(range(1, 31)), rows
 
 

@@ -57,6 +57,7 @@ def test_the_kernel_adds_one_state_version_after_a_reset_and_after_a_lost_answer
     # The GPU time counted is the session Kaggle bills: to the end of the kernel's publish, not the training's.
     first = Ledger(Path(os.environ["KCHAIN_HOME"])).sessions(NAME)[0]
     ended = first["summary"]
+    assert ended is not None
     assert ended["session_ended"] >= ended["ended"]
     assert first["ended"] == iso(datetime.fromtimestamp(ended["session_ended"], timezone.utc))
     assert emulator.wait_session(REF, 2)["status"] == "COMPLETE"

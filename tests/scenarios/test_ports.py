@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from helpers import error_line, invoke, runtime_job
@@ -22,7 +23,7 @@ from kchain.common.settings import Settings
 REPO = Path(__file__).resolve().parents[2]
 JOBS = REPO / "tests" / "runtime_jobs"
 CHILD_TIMEOUT_S = 120
-EPOCHS = {"epochs": 3, "rows": 40, "batch": 8}  # 5 batches an epoch: 15 steps
+EPOCHS: dict[str, Any] = {"epochs": 3, "rows": 40, "batch": 8}  # 5 batches an epoch: 15 steps
 
 
 def port_job(tmp_path: Path, entry: str, gpus="auto", smoke: dict | None = None, **params) -> Path:

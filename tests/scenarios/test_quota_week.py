@@ -18,6 +18,7 @@ from emulator_helpers import emulator  # noqa: F401
 from helpers import copy_job, invoke
 
 from kchain.chain.budget import check_budget, plan_for
+from kchain.common.sessionstate import SessionState
 from kchain.emulator.rpcs import week_start as emulator_week_start
 from kchain.errors import BudgetExceeded
 from kchain.job.spec import load_job
@@ -62,7 +63,7 @@ def test_the_week_and_the_allowance_come_from_kaggle_in_any_laptop_time_zone(emu
     ledger = Ledger(tmp_path / "ledger")
     at = datetime.fromtimestamp(now, timezone.utc)
     for n, (start_h, end_h) in enumerate([(3, 2), (0.5, 0)], start=1):
-        ledger.save_session("other-job", {"session": n, "status": "COMPLETE", "gpu": True,
+        ledger.save_session("other-job", {"session": n, "status": SessionState.COMPLETE, "gpu": True,
                                           "started": iso(at - timedelta(hours=start_h)),
                                           "ended": iso(at - timedelta(hours=end_h))})
     job = load_job(copy_job("classifier", tmp_path, budget={"weekly_gpu_hours": 30}, train={"session_limit": "12h"}))

@@ -73,6 +73,7 @@ def test_an_explicit_save_loop_is_killed_exactly_as_often_as_asked(tmp_path):
     assert result.verdict.startswith("identical: ")
     killed = [s for s in result.emulator_sessions if s["failure_message"].startswith(CHECKPOINT_KILL)]
     assert [s["version"] for s in killed] == result.killed == [2], result.emulator_sessions
+    assert result.sessions[-1]["summary"] is not None
     assert result.sessions[-1]["summary"]["status"] == "finished"
     assert result.sessions[-1]["summary"]["step"] == 480
 
@@ -108,6 +109,7 @@ def test_two_ranks_as_on_kaggle_in_the_sessions_and_the_reference(tmp_path, monk
     assert result.ranks == 2 and len(result.killed) == 1
     assert "2 ranks per session and in the uninterrupted run, as on Kaggle" in lines[0]
     assert any("GPU T4 x2, 2 ranks" in line for line in lines)
+    assert result.work is not None
     assert "[kchain] launching 2 ranks (" in (result.work / "reference.log").read_text()
     waits = [line[11:] for line in lines if re.match(r"\[\d\d:\d\d:\d\d\] ", line)]
     assert waits and all(a != b for a, b in zip(waits, waits[1:], strict=False)), waits  # said once, not at every poll

@@ -21,7 +21,9 @@ def test_the_chain_keeps_the_best_the_uninterrupted_run_keeps_at_the_jobs_own_ca
 def test_a_kept_best_that_differs_is_named_with_both_steps():
     ours = {"metric": "val_loss", "mode": "min", "value": 0.98, "step": 60}
     theirs = {"metric": "val_loss", "mode": "min", "value": 0.099, "step": 40}
-    assert best_problem((theirs, ours)).startswith(
+    differs = best_problem((theirs, ours))
+    assert differs is not None
+    assert differs.startswith(
         "the kept best differs: the chain kept step 60 (val_loss 0.98), the uninterrupted run step 40 (val_loss 0.099)")
     assert best_problem((theirs, dict(theirs))) is None
     assert best_problem((None, ours)) is None  # no checkpoint to read: the other checks say why

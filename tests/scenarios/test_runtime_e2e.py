@@ -254,6 +254,7 @@ def test_sigterm_stops_after_the_step_saves_and_exits_75(tmp_path):
                PYTHONUNBUFFERED="1", KCHAIN_FAULT="stall_step=0.2")
     with subprocess.Popen([sys.executable, "-m", "kchain.runtime.launch", str(tmp_path / "cfg.json")],
                           env=env, stdout=subprocess.PIPE, text=True) as child:
+        assert child.stdout is not None
         for line in child.stdout:
             if line.startswith("[kchain] step 2/"):
                 child.send_signal(signal.SIGTERM)

@@ -49,13 +49,16 @@ def test_an_unattended_chain_under_the_fault_set_equals_the_uninterrupted_run(tm
     assert [s.get("pushed_by") for s in chain[1:]] == ["kernel"] * (len(chain) - 1), chain
     for before, after in zip(chain, chain[1:], strict=False):
         # A GPU job: each session handed the push to a CPU relay, which pushed the next once it had ended.
+        assert before["summary"] is not None and before["version"] is not None
         told = before["summary"]["next"]
         assert told["decision"] == "relayed" and told["relay"] == chain[0]["kernel"] + "-doctor", told
         assert after["version"] == before["version"] + 1 and "pushed session" in after["relay_said"], after
         assert after["resumes_at"] == before["summary"]["published_step"]
+    assert chain[-1]["summary"] is not None
     assert chain[-1]["summary"]["next"]["decision"] == "finished"
     ended = {s["version"]: s for s in ours(result)}
     killed = [r["session"] for r in chain if "(killed)" in (ended[r["version"]].get("failure_message") or "")]
+    assert chain[1]["summary"] is not None
     assert killed == [2] and chain[1]["summary"]["published_step"] == 40, [ended[r["version"]] for r in chain]
     # An empty ledger (another laptop) rebuilds the same chain from Kaggle's versions and outputs alone.
     keys = ("session", "version", "resumes_at", "state_version", "status")
@@ -79,6 +82,7 @@ def test_an_unattended_chain_holds_one_gpu_slot_beside_another_gpu_session(tmp_p
     result = rehearse(job, sessions=None, session_limit_s=GENEROUS_S, kills=0, seed=3, echo=lambda _: None,
                       ranks=1, key=secrets.token_hex(16), unattended=True, busy_gpu=True)
     assert result.passed, result.verdict
+    assert result.unattended is not None
     assert len(result.sessions) == 2 and result.unattended.laptop_pushes == 0, result.sessions
     busy = [s for s in result.emulator_sessions if s["gpu"] and s["kernel"] != result.sessions[0]["kernel"]]
     relays = [s for s in result.emulator_sessions if s["kernel"] == result.sessions[0]["kernel"] + "-doctor"]
@@ -100,6 +104,7 @@ def test_when_a_kernel_cannot_push_the_laptop_takes_the_chain_over_from_kaggles_
                       key=secrets.token_hex(16), unattended=True, no_secret_in=2)
     assert result.passed, result.verdict
     chain = result.sessions
+    assert chain[1]["summary"] is not None
     told = chain[1]["summary"]["next"]
     assert told["decision"] == "left to the laptop" and "no credential" in told["why"], told
     # Until the laptop looked, `kchain status` said that nothing ran, and the kernel's reason.

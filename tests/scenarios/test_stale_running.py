@@ -25,6 +25,8 @@ from helpers import STALL, copy_job, invoke
 from kchain.chain.sessions import StaleRule, stale
 from kchain.cli import cli
 from kchain.common import layout
+from kchain.common.sessionrecord import SessionRecord
+from kchain.common.sessionstate import SessionState
 from kchain.errors import ChainStop
 from kchain.job.spec import load_job
 from kchain.kaggle.client import KaggleClient
@@ -73,6 +75,7 @@ def test_a_crashed_runner_stays_running_is_flagged_stale_and_deleting_its_kernel
     assert status.exit_code == 0, status.output
     ledger = Ledger(Path(os.environ["KCHAIN_HOME"]))
     [record] = ledger.sessions(NAME)
+    assert record["heartbeat"] is not None
     assert record["status"] == "RUNNING" and re.match(r"\[kchain\] step \d+/30 ", record["heartbeat"])
     reached = int(record["heartbeat"].split()[2].split("/")[0])
     assert record["heartbeat_seen"] and record["log_seen"] and record["image"] == emulator.session(REF, 1)["image"]
@@ -134,20 +137,23 @@ def test_the_stale_rule_waits_for_slow_steps_and_judges_nothing_it_cannot_see():
     rule = StaleRule(heartbeat_s=60.0, margin_s=900.0, limit_s=3600.0)
     now = time.time()
     ago = lambda s: time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(now - s))  # noqa: E731
-    running = {"session": 2, "status": "RUNNING", "gpu": True, "running_seen": ago(1800)}
+    running: SessionRecord = {"session": 2, "status": SessionState.RUNNING, "gpu": True, "running_seen": ago(1800)}
     assert stale(running, rule, now) is None  # no log read yet: nothing tells
     assert stale({**running, "log_seen": ago(10)}, rule, now) is None  # 30m: within the set-up allowance
-    quiet = {**running, "log_seen": ago(10), "heartbeat": "[kchain] step 9/90 | ...", "heartbeat_seen": ago(3000)}
-    assert stale(quiet, rule, now).quiet_s >= 3000  # 3 x 1m + 30m + the 15m margin is 48m
-    slow = {**quiet, "heartbeat_gap_s": 1200.0}  # steps of 20 minutes: 3 of them + 30m + 15m
+    quiet: SessionRecord = {**running, "log_seen": ago(10), "heartbeat": "[kchain] step 9/90 | ...",
+                            "heartbeat_seen": ago(3000)}
+    judged_quiet = stale(quiet, rule, now)
+    assert judged_quiet is not None
+    assert judged_quiet.quiet_s >= 3000  # 3 x 1m + 30m + the 15m margin is 48m
+    slow: SessionRecord = {**quiet, "heartbeat_gap_s": 1200.0}  # steps of 20 minutes: 3 of them + 30m + 15m
     assert stale(slow, rule, now) is None and stale(slow, rule, now + 3 * 3600) is not None
     # No log at all (Kaggle serves no live one): judged only once RUNNING past its limit and the allowance.
-    unseen = {**running, "running_seen": ago(3600 + 4800 + 60)}
+    unseen: SessionRecord = {**running, "running_seen": ago(3600 + 4800 + 60)}
     judged = stale(unseen, rule, now)
     assert judged is not None and judged.overdue and judged.message("job.yaml").startswith(
         "session 2 is stale: still RUNNING past its time limit for 1h21m (more than the 1h18m allowed after its "
         "1h00m time limit, with no log to read its heartbeat in)")
-    assert stale({**unseen, "status": "COMPLETE"}, rule, now) is None
+    assert stale({**unseen, "status": SessionState.COMPLETE}, rule, now) is None
 
 
 def test_a_state_kaggle_gave_no_answer_about_is_unchecked_not_missing(
@@ -158,7 +164,8 @@ def test_a_state_kaggle_gave_no_answer_about_is_unchecked_not_missing(
     from kchain.chain.advance import _delete_plan
 
     path = copy_job("tinygpt", tmp_path)
-    record = {"kernel": REF, "session": 2, "version": 2, "status": "RUNNING", "state_version": 1, "resumes_at": 20}
+    record: SessionRecord = {"kernel": REF, "session": 2, "version": 2, "status": SessionState.RUNNING,
+                             "state_version": 1, "resumes_at": 20}
     emulator.faults.rate_500 = 1.0
     plan = _delete_plan(KaggleClient(attempts=2, backoff_s=0.01), load_job(path), [record], record)
     assert plan.blockers == [] and plan.unchecked == [

@@ -373,7 +373,9 @@ def test_the_search_finds_a_state_dataset_in_each_mount_layout(tmp_path, where):
     state_version(ckpt, inp / "datasets/me/unit-state-copy", marker=False)  # not ours: no marker, another slug
     found = candidates(tmp_path / "none", inp, tmp_path / "scratch", state_slug=slug)
     assert found == [want]
-    assert find_latest(tmp_path / "none", inp, tmp_path / "scratch", "unit", state_slug=slug)[0] == want
+    latest = find_latest(tmp_path / "none", inp, tmp_path / "scratch", "unit", state_slug=slug)
+    assert latest is not None
+    assert latest[0] == want
 
 
 def test_a_run_finds_its_state_dataset_by_the_slug_in_its_config(tmp_path):

@@ -68,6 +68,7 @@ def test_a_rehearsal_chains_through_a_deadline_mid_epoch_and_a_kill(tmp_path, mo
     assert result.verdict.startswith("identical: ")
     assert result.killed == [2]
     first, last = result.sessions[0]["summary"], result.sessions[-1]["summary"]
+    assert first is not None and last is not None
     assert (first["status"], first["step"], first["total"]) == ("deadline", 8, 16)
     assert (last["status"], last["step"]) == ("finished", 16)
     logged = {row["step"]: row for row in result.chained if "loss" in row}
@@ -76,6 +77,7 @@ def test_a_rehearsal_chains_through_a_deadline_mid_epoch_and_a_kill(tmp_path, mo
 
 def template_module():
     spec = importlib.util.spec_from_file_location("hf_template", TEMPLATES / TEMPLATE / "train.py")
+    assert spec is not None and spec.loader is not None  # a .py file always has a spec and a loader
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -139,6 +141,7 @@ def test_a_tampered_trainer_file_makes_the_resume_fall_back_to_the_checkpoint_be
     trainer = tiny_trainer(run, [run.hf_callback()], max_steps=6)
     try:
         folder = run.hf_resume(trainer)
+        assert folder is not None
         assert run.resumed_from == 2 and Path(folder).name == "checkpoint-2"
         trainer.train(resume_from_checkpoint=folder)
         assert (run.status, run.step) == ("finished", 6)

@@ -13,6 +13,7 @@ import importlib.util
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -59,6 +60,7 @@ def test_the_template_smokes_to_an_exact_pass_on_two_ranks_with_a_stop_mid_epoch
     assert ["4", "loss"] == next(words[:2] for words in lines if "<-" in words)
     run_dir = Path(os.environ["KCHAIN_HOME"]) / "smoke"
     resumed = read_working(next(run_dir.iterdir()) / "resume" / layout.WORKING_DIR)
+    assert resumed is not None
     assert (resumed.status, resumed.step, resumed.total, resumed.world_size) == ("finished", 6, 6, 2)
 
 
@@ -77,6 +79,7 @@ def test_a_chain_matches_the_uninterrupted_fit_through_a_deadline_mid_epoch_and_
     assert [s.get("resumes_at") or 0 for s in result.sessions] == [0, 4, 6]
     assert [s.get("end_status") for s in result.sessions][::2] == ["deadline", "finished"]
     last = result.sessions[-1]["summary"]
+    assert last is not None
     assert (last["step"], last["total"]) == (9, 9)  # every step asked for was trained
     assert [row["step"] for row in result.chained if "val_loss" in row] == [3, 6, 9]  # one validation an epoch
 
@@ -116,7 +119,9 @@ def test_sigterm_saves_at_the_next_step_and_the_next_session_resumes_exactly(tmp
 
     template = load_template(lightning_job(tmp_path).parent)
 
-    class Drawing(template.Classifier):
+    classifier: Any = template.Classifier  # the template's LightningModule (a module loaded from its file)
+
+    class Drawing(classifier):
         def setup(self, stage):
             torch.rand(3)
 

@@ -44,6 +44,7 @@ def test_the_template_smokes_to_an_exact_pass_on_two_ranks_with_a_stop_mid_epoch
     assert ["3", "loss"] == next(words[:2] for words in lines if "<-" in words)
     run_dir = Path(os.environ["KCHAIN_HOME"]) / "smoke"
     resumed = read_working(next(run_dir.iterdir()) / "resume" / layout.WORKING_DIR)
+    assert resumed is not None
     assert (resumed.status, resumed.step, resumed.total, resumed.world_size) == ("finished", 4, 4, 2)
 
 

@@ -6,6 +6,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import yaml
@@ -127,3 +131,28 @@ def test_a_rehearsed_queue_shows_the_week_with_a_crash_in_one_run(tmp_path):
     assert not (Path(os.environ["KCHAIN_HOME"]) / QUEUE_FILE).exists()  # the rehearsal's queue is its own
     wrong = invoke("queue", path, "--seeds", "1,2,3", "--steps", "12", "--rehearse", "--crash", "r9")
     assert wrong.exit_code != 0 and "--crash r9: the plan's runs are r1, r2, r3; name one of them" in error_line(wrong)
+
+
+def test_a_queue_killed_on_the_laptop_goes_on_where_it_was(tmp_path, emulator):
+    """The queue's process dies (SIGKILL) with both runs' sessions live; `kchain queue` again takes them up from
+    queue.json and the ledger, pushing nothing twice."""
+    path = _job(tmp_path, weekly_h=30)
+    assert invoke("smoke", path).exit_code == 0
+    args = ["queue", str(path), "--seeds", "1,2", "--steps", "12", "--skip-smoke", "--poll", "1"]
+    proc = subprocess.Popen([sys.executable, "-m", "kchain.cli", *args], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 300
+        while len([s for s in emulator.sessions() if s["kernel"].startswith("alice/q-main-")]) < 2:
+            assert proc.poll() is None and time.monotonic() < deadline, "the queue ended before both runs started"
+            time.sleep(0.2)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    result = invoke(*args)
+    assert result.exit_code == 0, result.output
+    assert "queue: going on with" in result.output
+    queue = json.loads((Path(os.environ["KCHAIN_HOME"]) / QUEUE_FILE).read_text())
+    assert [r["state"] for r in queue["runs"]] == ["finished", "finished"]
+    ours = [s for s in emulator.sessions() if s["kernel"].startswith("alice/q-main-")]
+    assert sorted(s["kernel"] for s in ours) == ["alice/q-main-1", "alice/q-main-2"]  # one session each, once

@@ -138,7 +138,7 @@ def test_a_queue_killed_on_the_laptop_goes_on_where_it_was(tmp_path, emulator):
     queue.json and the ledger, pushing nothing twice."""
     path = _job(tmp_path, weekly_h=30)
     assert invoke("smoke", path).exit_code == 0
-    args = ["queue", str(path), "--seeds", "1,2", "--steps", "12", "--skip-smoke", "--poll", "1"]
+    args = ["queue", str(path), "--seeds", "1,3", "--steps", "12", "--skip-smoke", "--poll", "1"]
     proc = subprocess.Popen([sys.executable, "-m", "kchain.cli", *args], stdout=subprocess.DEVNULL,
                             stderr=subprocess.STDOUT)
     try:

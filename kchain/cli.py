@@ -460,15 +460,24 @@ def _factor(ctx: click.Context, param: click.Parameter, value: float | None) -> 
     return value
 
 
+def RUNS(command: Callable[..., Any]) -> Callable[..., Any]:  # noqa: N802  (a decorator, as JOB and AS_JSON are)
+    """The week's runs as `kchain plan` and `kchain queue` take them: --set, --seeds, --steps and --factor."""
+    for option in reversed([
+        click.option("--set", "sets", multiple=True, metavar="NAME=VALUE", callback=_variant_sets,
+                     help="A param for the runs; a name given again is another run (--set lr=3e-4 --set lr=1e-3: two)."),
+        click.option("--seeds", callback=_seeds, metavar="1,2,3", help="Repeat each run with each params.seed."),
+        click.option("--steps", type=click.IntRange(min=1), default=None,
+                     help="Each run's steps, where the measured loop total does not say them."),
+        click.option("--factor", type=float, default=None, callback=_factor,
+                     help="Kaggle's seconds per step over this laptop's smoke (default: measured by a chain, else 1)."),
+    ]):
+        command = option(command)
+    return command
+
+
 @cli.command()
 @JOBS
-@click.option("--set", "sets", multiple=True, metavar="NAME=VALUE", callback=_variant_sets,
-              help="A param for the runs; a name given again is another run (--set lr=3e-4 --set lr=1e-3: two).")
-@click.option("--seeds", callback=_seeds, metavar="1,2,3", help="Repeat each run with each params.seed.")
-@click.option("--steps", type=click.IntRange(min=1), default=None,
-              help="Each run's steps, where the measured loop total does not say them.")
-@click.option("--factor", type=float, default=None, callback=_factor,
-              help="Kaggle's seconds per step over this laptop's smoke (default: measured by a chain, else 1).")
+@RUNS
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Folder for plan.json (default: the first job's .kchain/).")
 @AS_JSON
@@ -500,13 +509,7 @@ def plan(jobs: tuple[Path, ...], sets: list[tuple[str, Any]], seeds: list[int], 
 
 @cli.command()
 @JOBS
-@click.option("--set", "sets", multiple=True, metavar="NAME=VALUE", callback=_variant_sets,
-              help="A param for the runs; a name given again is another run (as for `kchain plan`).")
-@click.option("--seeds", callback=_seeds, metavar="1,2,3", help="Repeat each run with each params.seed.")
-@click.option("--steps", type=click.IntRange(min=1), default=None,
-              help="Each run's steps, where the measured loop total does not say them.")
-@click.option("--factor", type=float, default=None, callback=_factor,
-              help="Kaggle's seconds per step over this laptop's smoke (default: measured by a chain, else 1).")
+@RUNS
 @click.option("--use-slack", is_flag=True, help="Let the runs spend the slack (budget.slack) the plan holds back.")
 @click.option("--skip-smoke", is_flag=True, help="Push runs whose code and params never passed a smoke run.")
 @click.option("--poll", type=Seconds(1.0, 3600.0), default=30.0, show_default=True, help="Seconds between looks.")

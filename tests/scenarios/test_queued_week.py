@@ -156,3 +156,14 @@ def test_a_queue_killed_on_the_laptop_goes_on_where_it_was(tmp_path, emulator):
     assert [r["state"] for r in queue["runs"]] == ["finished", "finished"]
     ours = [s for s in emulator.sessions() if s["kernel"].startswith("alice/q-main-")]
     assert sorted(s["kernel"] for s in ours) == ["alice/q-main-1", "alice/q-main-2"]  # one session each, once
+
+
+def test_every_run_is_smoked_before_any_push_and_a_run_that_fails_its_smoke_stops_the_queue(tmp_path, emulator):
+    path = _job(tmp_path, weekly_h=30)
+    assert invoke("smoke", path).exit_code == 0
+    result = invoke("queue", path, "--seeds", "1,2", "--steps", "12", "--poll", "1")
+    assert result.exit_code != 0
+    assert "queue: smoke of r1 (q-main-1) before any push" in result.output  # its own code and params: it passes
+    assert error_line(result).startswith("Error: r2 (q-main-2): smoke failed")
+    assert "ValueError: boom in the seed 2 run" in error_line(result) and "nothing was pushed" in error_line(result)
+    assert emulator.sessions() == []

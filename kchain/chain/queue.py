@@ -36,7 +36,7 @@ from kchain.chain import advance
 from kchain.chain.budget import Held, plan_for
 from kchain.chain.notify import FINISHED, NEEDS_PERSON, QUEUE_ENDED, SESSION_ENDED, Notify, nobody
 from kchain.chain.plan import GPU_SLOTS, document, hours, make_plan, plan_jobs
-from kchain.chain.push import push_job
+from kchain.chain.push import push_job, reconcile
 from kchain.common import atomic
 from kchain.common.sessionstate import LIVE
 from kchain.errors import BudgetExceeded, ChainStop, CredentialsError, KaggleError, NotSmoked, SpecError
@@ -319,10 +319,13 @@ def _advance(queue: Queue, loop: Loop, run: QueuedRun, ledger: Ledger) -> None:
 
 
 def _start(queue: Queue, loop: Loop, run: QueuedRun, slot: int, ledger: Ledger) -> bool:
-    """Push session 1 of the run's chain in `slot` (or take up a chain it already has: a queue run again);
+    """Push session 1 of the run's chain in `slot` (or take up a chain it already has: a queue run again, or
+    killed after its push);
     False when Kaggle refused it at the account's cap (the run waits)."""
     job = loop.job_of(run)
-    if not [s for s in ledger.sessions(run.chain) if s.get("version")]:
+    # A push an earlier queue sent and died before it heard back is settled from Kaggle's versions first: a
+    # chain with a session (even one still live) is taken up, never pushed again.
+    if not reconcile(loop.client, ledger, job):
         try:
             push_job(job, ledger, loop.client, skip_smoke=loop.skip_smoke, echo=lambda s: loop.echo(f"  {run.label}: {s}"))
         except SessionCapReached as exc:

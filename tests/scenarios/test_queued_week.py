@@ -134,18 +134,20 @@ def test_a_rehearsed_queue_shows_the_week_with_a_crash_in_one_run(tmp_path):
 
 
 def test_a_queue_killed_on_the_laptop_goes_on_where_it_was(tmp_path, emulator):
-    """The queue's process dies (SIGKILL) with both runs' sessions live; `kchain queue` again takes them up from
-    queue.json and the ledger, pushing nothing twice."""
+    """The queue's process dies (SIGKILL) in the middle of run 2's push (Kaggle started the session, the record
+    still says pushing: the answer not yet heard); `kchain queue` again settles that push from the kernel's versions and takes both runs
+    up from queue.json and the ledger, pushing nothing twice."""
     path = _job(tmp_path, weekly_h=30)
     assert invoke("smoke", path).exit_code == 0
     args = ["queue", str(path), "--seeds", "1,3", "--steps", "12", "--skip-smoke", "--poll", "1"]
     proc = subprocess.Popen([sys.executable, "-m", "kchain.cli", *args], stdout=subprocess.DEVNULL,
                             stderr=subprocess.STDOUT)
     try:
-        deadline = time.monotonic() + 300
-        while len([s for s in emulator.sessions() if s["kernel"].startswith("alice/q-main-")]) < 2:
-            assert proc.poll() is None and time.monotonic() < deadline, "the queue ended before both runs started"
-            time.sleep(0.2)
+        deadline, ledger = time.monotonic() + 300, Ledger(Path(os.environ["KCHAIN_HOME"]))
+        while not ([s for s in ledger.sessions("q-main-2") if s["status"] == SessionState.PUSHING]
+                   and [s for s in emulator.sessions() if s["kernel"] == "alice/q-main-2"]):
+            assert proc.poll() is None and time.monotonic() < deadline, "the queue ended before run 2's push"
+            time.sleep(0.005)
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait()
@@ -153,7 +155,7 @@ def test_a_queue_killed_on_the_laptop_goes_on_where_it_was(tmp_path, emulator):
     assert result.exit_code == 0, result.output
     assert "queue: going on with" in result.output
     queue = json.loads((Path(os.environ["KCHAIN_HOME"]) / QUEUE_FILE).read_text())
-    assert [r["state"] for r in queue["runs"]] == ["finished", "finished"]
+    assert [r["state"] for r in queue["runs"]] == ["finished", "finished"], [r["said"] for r in queue["runs"]]
     ours = [s for s in emulator.sessions() if s["kernel"].startswith("alice/q-main-")]
     assert sorted(s["kernel"] for s in ours) == ["alice/q-main-1", "alice/q-main-2"]  # one session each, once
 
@@ -167,3 +169,17 @@ def test_every_run_is_smoked_before_any_push_and_a_run_that_fails_its_smoke_stop
     assert error_line(result).startswith("Error: r2 (q-main-2): smoke failed")
     assert "ValueError: boom in the seed 2 run" in error_line(result) and "nothing was pushed" in error_line(result)
     assert emulator.sessions() == []
+
+
+def test_a_push_whose_answer_is_lost_is_taken_up_not_pushed_again_nor_stopped(tmp_path, emulator):
+    """Kaggle starts run 1's session but its answer is lost (a 500 after acting): the queue's next look
+    settles it from the kernel's versions and runs it as the run's session 1."""
+    path = _job(tmp_path, weekly_h=30)
+    assert invoke("smoke", path).exit_code == 0
+    emulator.faults.reset_after_acting = 2  # the state dataset's creation and the push act, then no answer
+    result = invoke("queue", path, "--seeds", "1,3", "--steps", "12", "--skip-smoke", "--poll", "1")
+    assert result.exit_code == 0, result.output
+    queue = json.loads((Path(os.environ["KCHAIN_HOME"]) / QUEUE_FILE).read_text())
+    assert [r["state"] for r in queue["runs"]] == ["finished", "finished"], [r["said"] for r in queue["runs"]]
+    ours = [s for s in emulator.sessions() if s["kernel"].startswith("alice/q-main-")]
+    assert sorted(s["kernel"] for s in ours) == ["alice/q-main-1", "alice/q-main-2"]  # one session each

@@ -522,9 +522,11 @@ def plan(jobs: tuple[Path, ...], sets: list[tuple[str, Any]], seeds: list[int], 
               help="With --rehearse: that run (r2) crashes at its first step, to see the queue stop it alone.")
 @click.option("--sessions", "spans", type=click.IntRange(min=1, max=20), default=2, show_default=True,
               help="With --rehearse: each run's total in this many sessions (planned in steps).")
+@click.option("--faults", "fault_spec", default="", metavar="SPEC", callback=_fault_spec,
+              help="With --rehearse: the local Kaggle's faults, as for `kchain rehearse` (429=0.15,500=0.10,...).")
 def queue(jobs: tuple[Path, ...], sets: list[tuple[str, Any]], seeds: list[int], steps: int | None,
           factor: float | None, use_slack: bool, skip_smoke: bool, poll: float,
-          notify_command: str | None, rehearse: bool, crash: str | None, spans: int) -> None:
+          notify_command: str | None, rehearse: bool, crash: str | None, spans: int, fault_spec: str) -> None:
     """Run the week's plan without a person: each run its own chain, on Kaggle's two GPU slots.
 
     The plan is `kchain plan`'s (refused before any push when the week cannot hold it). Runs start in
@@ -548,16 +550,16 @@ def queue(jobs: tuple[Path, ...], sets: list[tuple[str, Any]], seeds: list[int],
     if seeds and any(key == "seed" for key, _ in sets):
         raise click.UsageError("--seeds and --set seed=... both give the seed; give one of them")
     job_files = list(jobs or (Path("job.yaml"),))
-    if crash is not None and not rehearse:
-        raise click.UsageError("--crash is for --rehearse: a real queue's crashes are the code's own")
+    if (crash is not None or fault_spec) and not rehearse:
+        raise click.UsageError("--crash and --faults are for --rehearse: a real queue meets Kaggle's own")
     if rehearse:
         from kchain.errors import KchainError
-        from kchain.local.rehearse import rehearse_queue
+        from kchain.local.rehearse import parse_fault_spec, rehearse_queue
 
         if notify_command:
             raise click.UsageError("--notify is for the real queue; leave it out with --rehearse")
         result = rehearse_queue(job_files, sets, seeds, steps, factor, use_slack, crash, spans, click.echo,
-                                min(poll, 0.5))
+                                min(poll, 0.5), parse_fault_spec(fault_spec))
         if not result.passed:
             raise KchainError(result.line())
         return None

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 import kchain
-from kchain.common import atomic
+from kchain.common import atomic, kernelauth
 from kchain.common.sendonce import NotLanded, send_and_settle
 from kchain.common.sessionstate import TERMINAL, SessionState
 from kchain.errors import (
@@ -62,7 +62,7 @@ FORMAT = 1
 PROBE_FORMAT = "kchain-probe/1"
 PROBE_OUTPUT = "kchain-probe.json"
 HOP_OUTPUT, HOP_FORMAT = "kchain-hop.json", "kchain-hop/1"  # the probe's kernel-pushed version (kchain_probe.py)
-SECRET_LABELS = ("KAGGLE_USERNAME", "KAGGLE_KEY")
+SECRET_LABELS = kernelauth.LABELS  # the Secrets the kernel reads (common/kernelauth.py)
 # What the probe must report, with the type each key holds (the format is parsed strictly).
 PROBE_KEYS: dict[str, type | tuple[type, ...]] = {
     "format": str, "job": str, "python": str, "torch": dict, "numpy": dict, "kaggle_client": (str, type(None)),

@@ -302,17 +302,24 @@ def _slack(jobs: list[tuple[Job, Plan]]) -> tuple[float, str]:
     return max(options, key=lambda o: o[0])
 
 
+def asked(jobs: list[Job], sets: list[tuple[str, Any]], seeds: list[int]) -> list[tuple[Job, str, dict[str, Any]]]:
+    """The runs asked for, in order, before anything is measured: each job's variants with their chain names."""
+    wanted = variants(sets, seeds)
+    return [(job, chain, run_sets) for job in jobs
+            for chain, run_sets in zip(_chains(job, len(wanted)), wanted, strict=True)]
+
+
 def make_plan(job_files: list[Path], sets: list[tuple[str, Any]], seeds: list[int], steps: int | None = None,
               factor: float | None = None, client: KaggleClient | None = None) -> tuple[list[Placed], Week]:
     """Every run of every job, measured and placed, and the week it spends (the tightest job's)."""
     loaded = [load_job(f) for f in job_files]
     costs = [(job, plan_for(job, Ledger(state_dir(job.path)), client)) for job in loaded]
+    cost_of = {id(job): cost for job, cost in costs}
     runs: list[Run] = []
-    for job, cost in costs:
-        wanted = variants(sets, seeds)
-        for chain, run_sets in zip(_chains(job, len(wanted)), wanted, strict=True):
-            pace, total, source = measure(job, Ledger(state_dir(job.path)), chain, run_sets, factor, steps)
-            runs.append(Run(f"r{len(runs) + 1}", str(job.path.resolve()), chain, run_sets, total, source, pace, cost))
+    for job, chain, run_sets in asked(loaded, sets, seeds):
+        pace, total, source = measure(job, Ledger(state_dir(job.path)), chain, run_sets, factor, steps)
+        runs.append(Run(f"r{len(runs) + 1}", str(job.path.resolve()), chain, run_sets, total, source, pace,
+                        cost_of[id(job)]))
     tight = min(costs, key=lambda c: c[1].left_h)[1]
     slack_h, slack_source = _slack(costs)
     week = Week(tight.weekly_h, tight.weekly_source, tight.used_h, slack_h, slack_source,
@@ -340,15 +347,22 @@ def read_plan(path: Path) -> dict[str, Any] | None:
     return data
 
 
-def plan_jobs(job_files: list[Path], sets: list[tuple[str, Any]], seeds: list[int], steps: int | None,
-              factor: float | None, out: Path | None) -> tuple[dict[str, Any], list[str], Path]:
-    """`kchain plan`: the plan written (atomically) and its table; BudgetExceeded, before anything is written or
-    pushed, when the week cannot hold it."""
-    placed, week = make_plan(job_files, sets, seeds, steps, factor, KaggleClient(timeout_s=15, attempts=2))
+def checked_plan(job_files: list[Path], sets: list[tuple[str, Any]], seeds: list[int], steps: int | None,
+                 factor: float | None, client: KaggleClient | None) -> tuple[list[Placed], Week]:
+    """make_plan's runs and week; BudgetExceeded, naming what to drop, when the week cannot hold them."""
+    placed, week = make_plan(job_files, sets, seeds, steps, factor, client)
     runs = [p.run for p in placed]
     said = advice(runs, week)
     if said is not None:
         raise BudgetExceeded(refusal(runs, week, said, str(job_files[0])))
+    return placed, week
+
+
+def plan_jobs(job_files: list[Path], sets: list[tuple[str, Any]], seeds: list[int], steps: int | None,
+              factor: float | None, out: Path | None) -> tuple[dict[str, Any], list[str], Path]:
+    """`kchain plan`: the plan written (atomically) and its table; BudgetExceeded, before anything is written or
+    pushed, when the week cannot hold it."""
+    placed, week = checked_plan(job_files, sets, seeds, steps, factor, KaggleClient(timeout_s=15, attempts=2))
     doc = document(placed, week)
     path = plan_path(job_files[0], out)
     atomic.write_json(path, doc)

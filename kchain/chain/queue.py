@@ -28,6 +28,7 @@ import json
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from datetime import datetime, timedelta
 from enum import StrEnum
 from pathlib import Path
 from typing import Any
@@ -35,7 +36,7 @@ from typing import Any
 from kchain.chain import advance
 from kchain.chain.budget import Held, plan_for
 from kchain.chain.notify import FINISHED, NEEDS_PERSON, QUEUE_ENDED, SESSION_ENDED, Notify, nobody
-from kchain.chain.plan import GPU_SLOTS, document, hours, make_plan, plan_jobs
+from kchain.chain.plan import GPU_SLOTS, asked, hours, plan_jobs
 from kchain.chain.push import push_job, reconcile
 from kchain.common import atomic
 from kchain.common.sessionstate import LIVE
@@ -44,7 +45,16 @@ from kchain.job.render import render_job
 from kchain.job.spec import Job, load_job
 from kchain.kaggle.client import KaggleClient, SessionCapReached
 from kchain.kaggle.credentials import configured_username
-from kchain.store.ledger import QUEUE_FILE, Ledger, iso, now_utc, parse_iso, session_hours, state_dir
+from kchain.store.ledger import (
+    LONGEST_SESSION_H,
+    QUEUE_FILE,
+    Ledger,
+    iso,
+    now_utc,
+    parse_iso,
+    session_hours,
+    state_dir,
+)
 
 FORMAT = "kchain-queue/1"
 Echo = Callable[[str], None]
@@ -171,9 +181,9 @@ def from_plan(doc: dict[str, Any], use_slack: bool) -> Queue:
     return Queue(runs, float(week["slack"]), str(week["slack_source"]), use_slack, iso(now_utc()))
 
 
-def same_runs(queue: Queue, doc: dict[str, Any]) -> bool:
-    """The plan asks for the runs the queue holds (the same chains with the same --set, in order)."""
-    return [(r.chain, r.sets) for r in queue.runs] == [(r["chain"], r["sets"]) for r in doc["runs"]]
+def same_runs(queue: Queue, wanted: list[tuple[str, dict[str, Any]]]) -> bool:
+    """The command asks for the runs the queue holds (the same chains with the same --set, in order)."""
+    return [(r.chain, r.sets) for r in queue.runs] == wanted
 
 
 def open_queue(job_files: list[Path], sets: list[tuple[str, Any]], seeds: list[int], steps: int | None,
@@ -184,8 +194,8 @@ def open_queue(job_files: list[Path], sets: list[tuple[str, Any]], seeds: list[i
     path = queue_path(job_files[0])
     going = read(path)
     if going is not None and not going.done:
-        placed, week = make_plan(job_files, sets, seeds, steps, factor, KaggleClient(timeout_s=15, attempts=2))
-        if not same_runs(going, document(placed, week)):
+        wanted = [(chain, run_sets) for _job, chain, run_sets in asked([load_job(f) for f in job_files], sets, seeds)]
+        if not same_runs(going, wanted):
             raise SpecError(f"{path}: a queue of {len(going.runs)} other run(s) is not done "
                             f"({summary_line(going)}); run `kchain queue` with its jobs and --set again to go on, "
                             "or move the file away to start this one (the chains stay in the ledger)")
@@ -269,13 +279,15 @@ def most_at_once(sessions: list[dict[str, Any]]) -> int:
     return most
 
 
-def _busy_elsewhere(ledger: Ledger, queue: Queue, user: str | None) -> int:
+def _busy_elsewhere(ledger: Ledger, queue: Queue, user: str | None, moment: datetime | None = None) -> int:
     """Live GPU sessions of the account outside the queue: this ledger's other chains, and those the
-    account's other job folders noted (store/account.py)."""
+    account's other job folders noted (store/account.py). A record still live that started longer ago than a
+    session can last (LONGEST_SESSION_H: nobody looked since it ended) holds no slot."""
+    since = (moment or now_utc()) - timedelta(hours=LONGEST_SESSION_H)
     ours = {r.chain for r in queue.runs}
-    here = sum(1 for name, chain in ledger.all_sessions().items() if name not in ours
-               for s in chain if s.get("gpu") and s["status"] in LIVE)
-    return here + sum(1 for e in ledger.elsewhere(user) if e.get("status") in LIVE)
+    here = [s for name, chain in ledger.all_sessions().items() if name not in ours for s in chain if s.get("gpu")]
+    return sum(1 for s in [*here, *ledger.elsewhere(user)] if s.get("status") in LIVE
+               and ((began := s.get("started") or s.get("requested")) is None or parse_iso(str(began)) >= since))
 
 
 def _say(queue: Queue, loop: Loop, text: str) -> None:
@@ -373,9 +385,10 @@ def run(queue: Queue, loop: Loop) -> Queue:
                 ledger = Ledger(state_dir(Path(run_.job_file)))
                 _advance(queue, loop, run_, ledger)
                 run_.spent_h = _spent(ledger, run_, queue.made)
-            ledger = Ledger(state_dir(first.path))
-            plan = plan_for(first, ledger, loop.client)
-            _fill(queue, loop, ledger, plan.left_h, _busy_elsewhere(ledger, queue, plan.account))
+            if any(r.state == RunState.WAITING for r in queue.runs):  # the week is read only for a run to start
+                ledger = Ledger(state_dir(first.path))
+                plan = plan_for(first, ledger, loop.client)
+                _fill(queue, loop, ledger, plan.left_h, _busy_elsewhere(ledger, queue, plan.account))
         except KaggleError as exc:
             if isinstance(exc, CredentialsError) or failures + 1 >= loop.max_failures:
                 save(queue, loop.path)

@@ -791,22 +791,18 @@ class QueueRehearsal:
 
 def rehearse_queue(job_files: list[Path], sets: list[tuple[str, Any]], seeds: list[int], steps: int | None,
                    factor: float | None, use_slack: bool, crash: str | None = None, sessions: int = 2,
-                   echo: Echo = print, poll_s: float = 0.5) -> QueueRehearsal:
+                   echo: Echo = print, poll_s: float = 0.5, faults: Faults | None = None) -> QueueRehearsal:
     """The plan `kchain queue` would run (refused as it would be), run against a private local Kaggle with
     Kaggle's two GPU slots and its cap: each run's total in `sessions` spans (planned in steps, as `kchain
     rehearse` plans them), against what the quota week has left on this laptop's ledger; `crash`: that run's
-    code raises at its first step (a bug one variant meets), so the queue's stop of that run is seen. It passes
+    code raises at its first step (a bug one variant meets), so the queue's stop of that run is seen; faults: the
+    local Kaggle's (`--faults`, parse_fault_spec), none by default. It passes
     when no third session was ever live, no push met the cap, the crashed run stopped after one session and
     every other run finished."""
     from kchain.chain import queue as queued
-    from kchain.chain.plan import GPU_SLOTS, advice, document, make_plan, refusal
-    from kchain.errors import BudgetExceeded
+    from kchain.chain.plan import GPU_SLOTS, checked_plan, document
 
-    placed, week = make_plan(job_files, sets, seeds, steps, factor, None)  # the ledger's week: no Kaggle here
-    runs = [p.run for p in placed]
-    said = advice(runs, week)
-    if said is not None:
-        raise BudgetExceeded(refusal(runs, week, said, str(job_files[0])))
+    placed, week = checked_plan(job_files, sets, seeds, steps, factor, None)  # the ledger's week: no Kaggle here
     queue = queued.from_plan(document(placed, week), use_slack)
     labels = [r.label for r in queue.runs]
     if crash is not None and crash not in labels:
@@ -821,7 +817,7 @@ def rehearse_queue(job_files: list[Path], sets: list[tuple[str, Any]], seeds: li
 
     first = job_of(queue.runs[0])
     sources = local_inputs(first, state_dir(base.path) / "inputs", echo=echo)
-    emu = _start_local_kaggle(first, work, sources, SAFETY_LIMIT_S, Faults(), None, None, echo)
+    emu = _start_local_kaggle(first, work, sources, SAFETY_LIMIT_S, faults or Faults(), None, None, echo)
     _session_env(emu, local_ranks(first), sessions)
     for run in queue.runs:
         if run.label == crash:

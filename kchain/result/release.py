@@ -213,7 +213,7 @@ def release(job_file: Path, want: Want, model: str | None, dataset: str | None, 
             where = f"--model {target.instance}" if target is not None else f"--dataset {dataset}"
             where += f" --from {source}" if source is not None else ""
             return [f"step {pulled.step} is released already as {done}, these same weights: nothing sent "
-                    f"(`kchain release {job_file} --{want.which} {where} --new` publishes them again)", attach]
+                    f"(`kchain release {job_file} {want.flag()} {where} --new` publishes them again)", attach]
         return [f"released step {pulled.step} as {done}", attach]
     finally:
         shutil.rmtree(work, ignore_errors=True)

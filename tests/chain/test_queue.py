@@ -90,3 +90,18 @@ def test_a_next_session_past_the_held_hours_is_refused_even_with_force(tmp_path)
                                        "held back (the queue's slack and its other runs' planned hours); stop here")
     check_budget(job, plan, False, job.path, Held(3.0, "-", "-"))  # 2 fit beside 3 of 5
     check_budget(job, plan, False, job.path, None)
+
+
+def test_a_session_record_left_live_longer_ago_than_a_session_lasts_holds_no_slot(tmp_path):
+    from datetime import timedelta
+
+    from kchain.common.sessionstate import SessionState
+    from kchain.store.ledger import Ledger, iso, now_utc
+
+    ledger = Ledger(tmp_path / "ledger")
+    queue, _loop, _said = _queue(tmp_path, [_run("r1", 1)])
+    now = now_utc()
+    ledger.save_session("other", {"session": 1, "status": SessionState.RUNNING, "gpu": True, "started": iso(now - timedelta(hours=1))})
+    ledger.save_session("old", {"session": 1, "status": SessionState.RUNNING, "gpu": True, "started": iso(now - timedelta(days=2))})
+    ledger.save_session("job-r1", {"session": 1, "status": SessionState.RUNNING, "gpu": True, "started": iso(now)})  # the queue's
+    assert queued._busy_elsewhere(ledger, queue, None, now) == 1  # nobody looked at "old" since it ended

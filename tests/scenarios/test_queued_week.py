@@ -17,6 +17,7 @@ from emulator_helpers import emulator  # noqa: F401
 from helpers import error_line, invoke, runtime_job
 
 from kchain.chain.budget import plan_for
+from kchain.chain.queue import most_at_once
 from kchain.common import layout
 from kchain.common.sessionstate import SessionState
 from kchain.job.spec import load_job
@@ -37,17 +38,6 @@ def _job(tmp_path: Path, weekly_h: float) -> Path:
     data["budget"] = {"weekly_gpu_hours": weekly_h, "slack": 2}
     path.write_text(yaml.safe_dump(data))
     return path
-
-
-def _most_at_once(sessions: list[dict]) -> int:
-    """The most GPU sessions the local Kaggle ran at one moment (from each one's start to its end)."""
-    edges = sorted([(s["started"], 1) for s in sessions if s.get("gpu") and s.get("started")]
-                   + [(s["ended"], -1) for s in sessions if s.get("gpu") and s.get("started")])
-    most = now = 0
-    for _, change in edges:
-        now += change
-        most = max(most, now)
-    return most
 
 
 def test_three_runs_on_two_slots_a_crash_stops_its_run_alone(tmp_path, emulator, monkeypatch):
@@ -75,7 +65,7 @@ def test_three_runs_on_two_slots_a_crash_stops_its_run_alone(tmp_path, emulator,
     assert [len(c) for c in chains.values()] == [2, 1, 2]  # the crashed run never got a second session
     assert not [s for c in ledger.all_sessions().values() for s in c if s["status"] == SessionState.FAILED_TO_PUSH]
     ours = [s for s in emulator.sessions() if s["kernel"].startswith("alice/q-main-")]
-    assert len(ours) == 5 and _most_at_once(ours) <= 2  # no third session ever live, none refused at the cap
+    assert len(ours) == 5 and most_at_once(ours) <= 2  # no third session ever live, none refused at the cap
 
     job = load_job(path)
     week = plan_for(job, ledger, KaggleClient(timeout_s=10))

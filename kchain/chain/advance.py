@@ -276,9 +276,10 @@ def fetch_or_stop(client: KaggleClient, ledger: Ledger, job: Job, owner: str, ch
 
 def decide_and_continue(job: Job, ledger: Ledger, client: KaggleClient, retry: bool = False,
                         force: bool = False, skip_smoke: bool = False, echo: Echo = print,
-                        from_state: int | None = None, held: Held | None = None) -> Verdict:
+                        from_state: int | None = None, held: Held | None = None, named: str | None = None) -> Verdict:
     """One step of the chain: look at it, decide (kchain/common/nextsession.py), act. held: the hours a next
-    session must leave (`kchain queue`'s slack and other runs), refused past them even with force."""
+    session must leave (`kchain queue`'s slack and other runs), refused past them even with force; named: how
+    the finished line's commands name the chain (`JOB --run r2` for a queued run; default the job file)."""
     refuse_unpushable(job)
     owner = job.kaggle.owner or client.username
     with _chain_lock(ledger, job.name):
@@ -289,7 +290,7 @@ def decide_and_continue(job: Job, ledger: Ledger, client: KaggleClient, retry: b
             fetch_or_stop(client, ledger, job, owner, now.records, from_state, echo)
             # A fetch that worked filled in the last record: decide again on its summary.
             decision = decide(now, job.path, retry=retry, skip_smoke=skip_smoke, output_settled=True)
-        return act(decision, job, ledger, client, owner, now.records, force, echo, held)
+        return act(decision, job, ledger, client, owner, now.records, force, echo, held, named)
 
 
 def look(client: KaggleClient, ledger: Ledger, job: Job, owner: str) -> Chain:
@@ -359,12 +360,13 @@ def stop_error(verdict: Verdict, job_file: Path) -> KchainError:
 
 
 def act(decision: Verdict, job: Job, ledger: Ledger, client: KaggleClient, owner: str,
-        chain: list[SessionRecord], force: bool, echo: Echo, held: Held | None = None) -> Verdict:
+        chain: list[SessionRecord], force: bool, echo: Echo, held: Held | None = None,
+        named: str | None = None) -> Verdict:
     """Perform a decision: raise its stop, publish and record a finished chain's end, or push the next session."""
     if decision.stop is not None:
         raise stop_error(decision, job.path)
     if decision.action == "finished":
-        return finish(job, ledger, client, owner, chain, decision, echo)
+        return finish(job, ledger, client, owner, chain, decision, echo, named)
     if decision.action == "push":
         return push_next(job, ledger, client, owner, chain, force, echo, decision.attempt if decision.again else 1,
                          held)
@@ -404,7 +406,7 @@ def repair_and_push(decision: Verdict, job: Job, ledger: Ledger, client: KaggleC
 
 
 def finish(job: Job, ledger: Ledger, client: KaggleClient, owner: str, chain: list[SessionRecord],
-           decision: Verdict, echo: Echo) -> Verdict:
+           decision: Verdict, echo: Echo, named: str | None = None) -> Verdict:
     """An ended chain: its last state a ready state version (relayed from the laptop unless the kernel published
     it; sent once: a rerun finds it recorded, a lost answer is settled by the dataset's versions), one line in
     the run log, and the line that says where the final weights are (kchain/chain/outcome.py)."""
@@ -418,7 +420,7 @@ def finish(job: Job, ledger: Ledger, client: KaggleClient, owner: str, chain: li
     said = outcome.of_chain(chain)
     state_ref = state_dataset(owner, job.name)
     record_finished(ledger, job, chain, said, state_ref)
-    return dataclasses.replace(decision, message=said.finished_message(job.path, state_ref), record=last)
+    return dataclasses.replace(decision, message=said.finished_message(named or job.path, state_ref), record=last)
 
 
 def record_finished(ledger: Ledger, job: Job, chain: list[SessionRecord], said: outcome.Result, state_ref: str) -> None:

@@ -225,11 +225,6 @@ def job_of_run(job_file: Path, label: str) -> Job:
     return run_job(found[0])
 
 
-def for_run(text: str, run: QueuedRun) -> str:
-    """A line that names `kchain pull JOB` names the run's own pull (`kchain pull JOB --run r2`)."""
-    return text.replace(f"kchain pull {run.job_file} ", f"kchain pull {run.job_file} --run {run.label} ")
-
-
 def unsmoked(queue: Queue) -> list[tuple[QueuedRun, Job]]:
     """The waiting runs whose code with their params never passed a smoke run (each is its own kernel)."""
     out = []
@@ -314,14 +309,15 @@ def _advance(queue: Queue, loop: Loop, run: QueuedRun, ledger: Ledger) -> None:
                 "the run stops here with its state saved: `kchain queue --use-slack` lets it spend the slack")
     try:
         verdict = advance.decide_and_continue(job, ledger, loop.client, skip_smoke=loop.skip_smoke,
-                                              echo=lambda s: loop.echo(f"  {run.label}: {s}"), held=held)
+                                              echo=lambda s: loop.echo(f"  {run.label}: {s}"), held=held,
+                                              named=f"{run.job_file} --run {run.label}")
     except (ChainStop, NotSmoked, BudgetExceeded) as exc:
         return _end(queue, loop, run, RunState.STOPPED, str(exc))
     except SessionCapReached as exc:
         run.said = f"its next session waits for a slot: {exc}"
         return
     if verdict.action == "finished":
-        _end(queue, loop, run, RunState.FINISHED, for_run(verdict.message, run))
+        _end(queue, loop, run, RunState.FINISHED, verdict.message)
     elif verdict.action == "pushed":
         _say(queue, loop, f"{run.label} ({run.chain}) in slot {run.slot}: {verdict.message}")
         session = verdict.record["session"] if verdict.record else None
